@@ -1,0 +1,1 @@
+"""Triton kernels for MiniMax-M3, each beside its plain-torch reference. Never imports m3sdk."""

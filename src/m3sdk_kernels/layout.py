@@ -1,0 +1,93 @@
+"""Paged KV-cache layouts: where a token's K/V/index key lives, and the plain gather the references share.
+
+Pages hold 16 token slots; slot = page * 16 + offset. Two K/V layouts:
+  plain:   K, V  [pages, kv_heads, 16, head_dim]
+  shuffle: K     [pages, kv_heads, head_dim // x, 16, x]
+           V     [pages, kv_heads, 16 // x, head_dim, x]      x = 16 bytes / element size
+The SHUFFLE layout (AMD's AITER kernels) makes each 16-byte load land in the matrix unit's operand layout.
+FP8 caches carry per-token, per-head float32 scales [pages, kv_heads, 16]. Index keys: [pages, 16, index_dim].
+"""
+
+import torch
+
+PAGE_SIZE = 16
+LAYOUTS = ("plain", "shuffle")
+
+
+def shuffle_width(dtype: torch.dtype) -> int:
+    """Elements per 16-byte vector: the `x` of the SHUFFLE layout."""
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def cache_shape(kind: str, layout: str, num_pages: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype) -> tuple[int, ...]:
+    """Shape of one layer's K (`kind="k"`) or V (`kind="v"`) page pool."""
+    if layout == "plain":
+        return (num_pages, num_kv_heads, PAGE_SIZE, head_dim)
+    if layout != "shuffle":
+        raise ValueError(f"unknown KV layout {layout!r}; expected one of {LAYOUTS}")
+    x = shuffle_width(dtype)
+    if kind == "k":
+        return (num_pages, num_kv_heads, head_dim // x, PAGE_SIZE, x)
+    return (num_pages, num_kv_heads, PAGE_SIZE // x, head_dim, x)
+
+
+def store_tokens_ref(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, kind: str,
+                     layout: str) -> None:
+    """Write `values` [T, kv_heads, head_dim] (already in the cache dtype) into their slots."""
+    page, off = slot_mapping // PAGE_SIZE, slot_mapping % PAGE_SIZE
+    if layout == "plain":
+        cache[page, :, off] = values
+        return
+    x = shuffle_width(cache.dtype)
+    t, h, d = values.shape
+    if kind == "k":
+        cache[page, :, :, off] = values.view(t, h, d // x, x)
+    else:
+        cache[page, :, off // x, :, off % x] = values
+
+
+def gather_tokens_ref(cache: torch.Tensor, pages: torch.Tensor, length: int, kind: str,
+                      layout: str) -> torch.Tensor:
+    """The first `length` tokens of a sequence whose logical pages are `pages`: [kv_heads, length, head_dim]."""
+    block = cache[pages.long()]
+    if layout == "plain":  # [n, H, 16, D]
+        out = block.permute(1, 0, 2, 3)
+    elif kind == "k":  # [n, H, D/x, 16, x]
+        out = block.permute(1, 0, 3, 2, 4)
+    else:  # [n, H, 16/x, D, x]
+        out = block.permute(1, 0, 2, 4, 3)
+    return _flatten(out, out.shape[0])[:, :length]
+
+
+def _flatten(tokens: torch.Tensor, heads: int) -> torch.Tensor:
+    """[H, n, 16, D] or [H, n, 16, D/x, x] or [H, n, 16/x, x, D] -> [H, n*16, D]."""
+    if tokens.dim() == 4:
+        return tokens.reshape(heads, -1, tokens.shape[-1])
+    if tokens.shape[2] == PAGE_SIZE:  # K shuffle: [H, n, 16, D/x, x]
+        return tokens.reshape(heads, -1, tokens.shape[-2] * tokens.shape[-1])
+    return tokens.reshape(heads, -1, tokens.shape[-1])  # V shuffle: [H, n, 16/x, x, D]
+
+
+def gather_scales_ref(scale: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """Per-token, per-head scales of a sequence: [kv_heads, length]."""
+    s = scale[pages.long()]  # [n, H, 16]
+    return s.permute(1, 0, 2).reshape(s.shape[1], -1)[:, :length]
+
+
+def gather_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, length: int,
+                  layout: str = "plain", k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's K and V, dequantized to float32: two [kv_heads, length, head_dim] tensors."""
+    k = gather_tokens_ref(k_cache, pages, length, "k", layout).float()
+    v = gather_tokens_ref(v_cache, pages, length, "v", layout).float()
+    if k_scale is not None:
+        k = k * gather_scales_ref(k_scale, pages, length)[..., None]
+    if v_scale is not None:
+        v = v * gather_scales_ref(v_scale, pages, length)[..., None]
+    return k, v
+
+
+def gather_index_keys_ref(index_cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """A sequence's index keys as float32 [length, index_dim] (fp8 index keys have unit scale)."""
+    return index_cache[pages.long()].reshape(-1, index_cache.shape[-1])[:length].float()
