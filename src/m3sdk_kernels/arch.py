@@ -1,0 +1,137 @@
+"""Platforms the kernels are built for, and their tile tables.
+
+One `Arch` per target (sm90 for the H200 we measure on; gfx942 / gfx950 for AMD Instinct MI300X / MI355X). Each
+kernel family looks its launch parameters up here (`tiles(family)`), so a new platform is one table entry,
+not a code change. Kernel modules never read `torch.cuda` themselves: they ask `current_arch()`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str  # "sm90" | "gfx942" | "gfx950"
+    backend: str  # triton backend: "cuda" | "hip"
+    target_arch: int | str  # GPUTarget's arch: 90 | "gfx942" | "gfx950"
+    warp_size: int
+    fp8_dtype: torch.dtype  # the KV / index cache fp8 type (e4m3fnuz on gfx942: its hardware fp8)
+    fp8_triton: str  # Triton's name of the same type, for AOT signatures
+    num_sms: int  # compute units of the reference part: split counts target a multiple of this
+    kv_layout: str  # default KV cache layout on this platform ("plain" | "shuffle")
+
+    @property
+    def fp8_max(self) -> float:
+        return torch.finfo(self.fp8_dtype).max
+
+    def gpu_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget(self.backend, self.target_arch, self.warp_size)
+
+
+ARCHS: dict[str, Arch] = {
+    # H200: 132 SMs. SHUFFLE buys little on Hopper (the compiler swizzles shared memory); see docs/perf.md.
+    "sm90": Arch("sm90", "cuda", 90, 32, torch.float8_e4m3fn, "fp8e4nv", 132, "plain"),
+    # MI300X: 304 CUs, fp8 is e4m3fnuz (bias 8, max 240).
+    "gfx942": Arch("gfx942", "hip", "gfx942", 64, torch.float8_e4m3fnuz, "fp8e4b8", 304, "shuffle"),
+    # MI355X: 256 CUs, OCP e4m3fn.
+    "gfx950": Arch("gfx950", "hip", "gfx950", 64, torch.float8_e4m3fn, "fp8e4nv", 256, "shuffle"),
+}
+
+
+@functools.cache
+def _detect(index: int) -> Arch:
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip:
+        gcn = props.gcnArchName.split(":")[0]
+        if gcn not in ARCHS:
+            raise RuntimeError(f"m3sdk_kernels has no tile table for {gcn}")
+        return ARCHS[gcn]
+    if props.major >= 9:  # Hopper tables are the closest we have for newer parts
+        return ARCHS["sm90"]
+    raise RuntimeError(f"m3sdk_kernels needs sm_90 or newer, found sm_{props.major}{props.minor}")
+
+
+def current_arch(device: torch.device | str | None = None) -> Arch:
+    """The Arch of `device` (default: the current GPU). Without a GPU (CPU, TRITON_INTERPRET=1) it is sm90:
+    the interpreter runs the Hopper tile shapes, and fp8 is the OCP e4m3fn type."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type != "cuda":
+        return ARCHS["sm90"]
+    if not torch.cuda.is_available():
+        return ARCHS["sm90"]
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _detect(index)
+
+
+def fp8_dtype(device: torch.device | str | None = None) -> torch.dtype:
+    """The fp8 storage type for KV and index caches on `device`'s platform."""
+    return current_arch(device).fp8_dtype
+
+
+# Tile tables: family -> arch name -> launch parameters. BLOCK_* are tile extents, num_warps / num_stages go to
+# the launch, SPLIT_PROGRAMS is the program count split-KV aims at (a shape-only rule, so CUDA graphs replay).
+# Families of the MoE/quant kernels are added by their own modules' authors below the attention ones.
+TILES: dict[str, dict[str, dict[str, int]]] = {
+    "cache_write": {
+        "sm90": {"num_warps": 4, "num_stages": 1},
+        "gfx942": {"num_warps": 4, "num_stages": 1},
+        "gfx950": {"num_warps": 4, "num_stages": 1},
+    },
+    # dense decode: one query token x one GQA group (16 heads padded to BLOCK_H rows) per program, split-KV
+    "attn_decode": {
+        "sm90": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 3, "SPLIT_PROGRAMS": 528},
+        "gfx942": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1216},
+        "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
+    },
+    # prefill / verification: BLOCK_Q query tokens x the group's heads as the MMA's M rows
+    "attn_prefill": {
+        "sm90": {"BLOCK_N": 64, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 2, "SPLIT_PROGRAMS": 264},
+        "gfx942": {"BLOCK_N": 64, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 2, "SPLIT_PROGRAMS": 608},
+        "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 2, "SPLIT_PROGRAMS": 512},
+    },
+    # MSA: same kernel walking the selected blocks; decode splits the top-k over programs
+    "sparse_decode": {
+        "sm90": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 3, "SPLIT_PROGRAMS": 528},
+        "gfx942": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1216},
+        "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
+    },
+    "sparse_prefill": {
+        "sm90": {"BLOCK_N": 64, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 2, "SPLIT_PROGRAMS": 264},
+        "gfx942": {"BLOCK_N": 64, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 2, "SPLIT_PROGRAMS": 608},
+        "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 2, "SPLIT_PROGRAMS": 512},
+    },
+    "attn_merge": {
+        "sm90": {"num_warps": 4},
+        "gfx942": {"num_warps": 4},
+        "gfx950": {"num_warps": 4},
+    },
+    # indexer scan: BLOCK_Q query tokens x index heads as rows, one selection block of keys per step,
+    # SPLIT_PROGRAMS programs over (token tiles x block chunks)
+    "indexer_scan": {
+        "sm90": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 3, "SPLIT_PROGRAMS": 1056},
+        "gfx942": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 2432},
+        "gfx950": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 2048},
+    },
+    "indexer_prefill": {
+        "sm90": {"BLOCK_Q": 16, "num_warps": 4, "num_stages": 3, "SPLIT_PROGRAMS": 1056},
+        "gfx942": {"BLOCK_Q": 16, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 2432},
+        "gfx950": {"BLOCK_Q": 16, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 2048},
+    },
+    "indexer_topk": {
+        "sm90": {"num_warps": 4},
+        "gfx942": {"num_warps": 4},
+        "gfx950": {"num_warps": 4},
+    },
+}
+
+
+def tiles(family: str, arch: Arch | None = None) -> dict[str, int]:
+    """Launch parameters of a kernel family on `arch` (default: the current device's)."""
+    arch = arch or current_arch()
+    return TILES[family][arch.name]
