@@ -1,0 +1,101 @@
+"""Contract 2: what one forward step knows about its tokens (AttentionMetadata) and the attention seam.
+
+Tokens of many sequences are flattened, sequence-major: sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1],
+and after this step's writes its cache holds context_lens[i] tokens, the new ones last. Prefill, chunked
+prefill and decode are the same thing seen this way (n_i = prompt piece or 1).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from m3sdk.cache.kv_pool import KVPool
+
+PAGE_SIZE = 16
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]
+    cu_seqlens_q: torch.Tensor  # int32 [B+1]
+    context_lens: torch.Tensor  # int32 [B], after this step's writes
+    page_table: torch.Tensor  # int32 [B, max_pages]
+    max_seqlen_q: int
+    max_context_len: int
+
+    @classmethod
+    def build(cls, num_new_tokens: Sequence[int], context_lens: Sequence[int], page_tables: Sequence[Sequence[int]],
+              device: torch.device | str = "cpu") -> AttentionMetadata:
+        """From host lists: per sequence, its new-token count, its context length after the step and its pages."""
+        positions, slots = [], []
+        for n, ctx, pages in zip(num_new_tokens, context_lens, page_tables, strict=True):
+            if not 0 <= n <= ctx or len(pages) * PAGE_SIZE < ctx:
+                raise ValueError(f"sequence with {n} new tokens, context {ctx}, {len(pages)} pages is inconsistent")
+            for p in range(ctx - n, ctx):
+                positions.append(p)
+                slots.append(pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE)
+        cu = [0]
+        for n in num_new_tokens:
+            cu.append(cu[-1] + n)
+        width = max((len(p) for p in page_tables), default=0)
+        # entries past a sequence's pages are unspecified by the contract: pad with 0 (a real page)
+        table = [list(p) + [0] * (width - len(p)) for p in page_tables]
+        return cls(
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(list(context_lens), dtype=torch.int32, device=device),
+            page_table=torch.tensor(table, dtype=torch.int32, device=device).view(len(table), width),
+            max_seqlen_q=max(num_new_tokens, default=0),
+            max_context_len=max(context_lens, default=0),
+        )
+
+
+class AttentionBackend(Protocol):
+    """Cache writes, indexer selection and paged attention of one layer (dense, or MSA with `block_sel`)."""
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None,
+                 meta: AttentionMetadata, kv: KVPool) -> None:
+        """Store k, v [T, Hkv, D] (k normed and roped) and, on sparse layers, index_k [T, Di] at meta.slot_mapping."""
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
+               block_sel: torch.Tensor | None, scale: float, block_size: int) -> torch.Tensor:
+        """Causal attention of q [T, Hq, D] over the paged cache -> [T, Hq, D]; block_sel [Hkv, T, topk] restricts
+        each query of KV group g to its selected blocks of `block_size` positions."""
+
+    def select_blocks(self, layer: int, index_q: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
+                      block_size: int, topk: int, local_blocks: int) -> torch.Tensor:
+        """index_q [T, Hidx, Di] -> int32 [Hidx, T, topk] block ids (valid first, -1 padded)."""
+
+
+_BACKENDS: dict[str, type] = {}
+
+
+def register_backend(name: str) -> Callable[[type], type]:
+    def deco(cls: type) -> type:
+        _BACKENDS[name] = cls
+        return cls
+
+    return deco
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """A new backend instance by registered name ("torch", "triton")."""
+    if name not in _BACKENDS:
+        # built-in backends live in `<name>_backend.py` and register themselves on import
+        module = f"{__package__}.{name}_backend"
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; registered: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()

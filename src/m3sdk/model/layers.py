@@ -1,0 +1,132 @@
+"""The building blocks of MiniMax-M3: Gemma RMSNorm, partial NeoX RoPE, SwiGLU-OAI, the sigmoid router and MoE.
+
+`moe_experts` is the one function a fused MoE kernel replaces; everything around it stays.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalize in fp32 and scale by (1 + w) (Gemma style; the stored weight is an offset from 1)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(x, self.weight, self.eps)
+
+
+class RotaryEmbedding:
+    """cos/sin of partial NeoX RoPE for absolute positions, computed per step (a 1M-position table is waste)."""
+
+    def __init__(self, rotary_dim: int, theta: float):
+        self.rotary_dim = rotary_dim
+        self.theta = theta
+        self._inv_freq: torch.Tensor | None = None
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 [T] -> (cos, sin) float32 [T, rotary_dim // 2]."""
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            # built on the host in fp32 like the reference, then moved: identical frequencies on every device
+            exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device="cpu") / self.rotary_dim
+            self._inv_freq = (1.0 / (self.theta**exponent)).to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first 2 * cos.shape[-1] dims of x [T, H, D] (rotate-half pairing); the rest pass through."""
+    half = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[.., 2I] (gate | up, not interleaved) -> [.., I]: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, L)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU-OAI MLP: the dense layers' MLP and the MoE's shared expert."""
+
+    def __init__(self, hidden: int, inter: int, alpha: float, limit: float, dtype: torch.dtype):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router with a selection-only bias -> (weights float32 [T, k], expert ids int64 [T, k]).
+
+    Experts are chosen by sigmoid + bias, but weighted by the unbiased sigmoids, renormalized to sum 1.
+    """
+    probs = torch.sigmoid(torch.nn.functional.linear(x.to(weight.dtype), weight).float())
+    _, ids = torch.topk(probs + bias.float(), top_k, dim=-1, sorted=False)
+    weights = probs.gather(1, ids)
+    return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+def moe_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) for hidden [T, H] -> [T, H] (hidden's dtype).
+
+    Experts: w_gate_up [E, 2I, H] (gate | up), w_down [E, H, I]. Plain version: tokens sorted by expert, one
+    GEMM pair per expert that has tokens (what a fused grouped-GEMM kernel does in one launch).
+    """
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0]).tolist()
+    tokens = order // top_k
+    weights = topk_weights.reshape(-1)[order]
+    out = torch.zeros_like(hidden)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        idx = tokens[start : start + n]
+        h = swiglu_oai(torch.nn.functional.linear(hidden[idx], w_gate_up[expert]), alpha, limit)
+        y = torch.nn.functional.linear(h, w_down[expert]) * weights[start : start + n, None]
+        out.index_add_(0, idx, y.to(out.dtype))
+        start += n
+    return out
+
+
+class SparseMoE(nn.Module):
+    """Routed experts (top-k of E, sigmoid router with bias, scaled) plus one always-on shared expert."""
+
+    def __init__(self, hidden: int, num_experts: int, inter: int, shared_inter: int, top_k: int, scaling: float,
+                 alpha: float, limit: float, dtype: torch.dtype):
+        super().__init__()
+        self.top_k, self.scaling, self.alpha, self.limit = top_k, scaling, alpha, limit
+        # router in fp32: its logits pick experts, and bf16 rounding flips near-ties
+        self.router_weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype))
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype))
+        self.shared_experts = DenseMLP(hidden, shared_inter, alpha, limit, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_experts(x)
+        weights, ids = route(x, self.router_weight, self.e_score_correction_bias, self.top_k)
+        routed = moe_experts(x, ids, weights, self.w_gate_up, self.w_down, self.alpha, self.limit)
+        return routed * self.scaling + shared

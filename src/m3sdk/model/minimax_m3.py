@@ -1,0 +1,117 @@
+"""The MiniMax-M3 text model as one batched, paged forward over flattened ragged tokens (Contract 2).
+
+Per layer: Gemma norm -> attention (dense, or MSA on sparse layers: the lightning indexer picks key blocks per
+query and KV group) -> residual -> Gemma norm -> MLP (dense, or sigmoid-routed MoE + shared expert) -> residual.
+The attention math over the cache lives behind the AttentionBackend seam; this file only projects, norms and
+ropes, and hands tokens to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from m3sdk.attention.base import AttentionBackend, AttentionMetadata, get_backend
+from m3sdk.cache.kv_pool import KVPool
+from m3sdk.model.config import ModelConfig
+from m3sdk.model.layers import DenseMLP, RMSNorm, RotaryEmbedding, SparseMoE, apply_rope
+
+
+class Attention(nn.Module):
+    """GQA with per-head QK norm and partial RoPE; sparse layers add the lightning indexer (selection only).
+
+    One packed projection [q | k | v | index_q | index_k] so a single GEMM serves the whole layer input.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.layer = layer
+        self.sparse = c.is_sparse(layer)
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.block_size = c.index_block_size
+        sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        if self.sparse:
+            self.index_n_heads, self.index_head_dim = c.index_n_heads, c.index_head_dim
+            self.topk, self.local_blocks = c.index_topk_blocks, c.index_local_blocks
+            sizes += [c.index_n_heads * c.index_head_dim, c.index_head_dim]
+            self.index_q_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps, dtype)
+            self.index_k_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps, dtype)
+        self.split_sizes = sizes
+        self.qkv_proj = nn.Linear(c.hidden_size, sum(sizes), bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
+                backend: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        parts = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = apply_rope(self.q_norm(parts[0].view(t, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(parts[1].view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = parts[2].view(t, self.num_kv_heads, self.head_dim)
+        block_sel = index_k = None
+        if self.sparse:
+            index_q = apply_rope(self.index_q_norm(parts[3].view(t, self.index_n_heads, self.index_head_dim)), cos, sin)
+            index_k = apply_rope(self.index_k_norm(parts[4].view(t, 1, self.index_head_dim)), cos, sin)[:, 0]
+        # write first: every query then sees its own sequence's new tokens through the cache, causally
+        backend.write_kv(self.layer, k, v, index_k, meta, kv)
+        if self.sparse:
+            block_sel = backend.select_blocks(self.layer, index_q, meta, kv, self.block_size, self.topk,
+                                              self.local_blocks)
+        o = backend.attend(self.layer, q, meta, kv, block_sel, self.scale, self.block_size)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = Attention(c, layer, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        if c.is_moe(layer):
+            self.mlp = SparseMoE(c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_intermediate_size,
+                                 c.num_experts_per_tok, c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit,
+                                 dtype)
+        else:
+            self.mlp = DenseMLP(c.hidden_size, c.dense_intermediate_size, c.swiglu_alpha, c.swiglu_limit, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
+                backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MiniMaxM3ForCausalLM(nn.Module):
+    """Build with `m3sdk.model.load_model(path)`; constructing directly leaves the weights uninitialized."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, attn_backend: str = "torch"):
+        super().__init__()
+        c = config
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+        self.requires_grad_(False)
+        self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta)
+        self.attn_backend: AttentionBackend = get_backend(attn_backend)
+        # `mtp.*` tensors of the checkpoint, read on demand by the speculative decoder (not part of this forward)
+        self.mtp_weights: Mapping[str, torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
+                logits_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids int64 [T] -> (final-normed hidden [T, hidden], float32 logits [N, vocab] at logits_indices)."""
+        cos, sin = self.rotary(meta.positions)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, kv, self.attn_backend)
+        hidden = self.norm(x)
+        logits = None if logits_indices is None else self.lm_head(hidden[logits_indices]).float()
+        return hidden, logits
