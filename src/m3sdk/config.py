@@ -1,0 +1,102 @@
+"""EngineConfig: the engine-level knobs, validated on creation. Unknown fields are a TypeError.
+
+"auto" values are resolved against the machine when the engine starts (`resolve_*` below), so one config
+serves a CPU laptop and a GPU node alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BUNDLED_MODELS = {"m3-tiny": Path(__file__).parent / "assets" / "m3-tiny"}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp32")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "m3-tiny"  # a checkpoint folder, or the name of a bundled model
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" (bfloat16 on a GPU, float32 on a CPU) | "float32" | "bfloat16"
+    max_model_len: int | None = None  # prompt + generated tokens; None: the model's, shrunk to fit the cache
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
+    max_waiting_requests: int = 1024  # admitted but not yet running; beyond it EngineOverloadedError
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None: gpu_memory_fraction (or a CPU default)
+    gpu_memory_fraction: float = 0.9  # of the device memory free after loading the model
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bf16" | "fp8" | "fp32"
+    kv_cache_layout: str = "plain"  # "plain" | "shuffle"
+    index_cache_dtype: str = "auto"  # indexer keys of sparse layers; "auto": as kv_cache_dtype
+    enable_prefix_caching: bool = True
+    # A registered name, or a factory (cache_manager, config) -> Scheduler, e.g. a Scheduler class.
+    scheduler: str | Callable[..., Any] = "continuous"
+    attention_backend: str = "auto"  # "auto" (triton on a GPU, torch on a CPU) | "torch" | "triton"
+    cache_manager: str = "paged"
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                problems.append(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+            problems.append(f"max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
+        if _is_int(self.max_num_seqs) and _is_int(self.max_num_batched_tokens) \
+                and self.max_num_batched_tokens < self.max_num_seqs:
+            problems.append("max_num_batched_tokens must be >= max_num_seqs (each running request decodes)")
+        if self.kv_cache_memory is not None and (not _is_int(self.kv_cache_memory) or self.kv_cache_memory < 1):
+            problems.append(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if not isinstance(self.gpu_memory_fraction, int | float) or not 0 < self.gpu_memory_fraction <= 1:
+            problems.append(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
+        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            problems.append(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        choices = {"dtype": ("auto", *_DTYPES), "kv_cache_dtype": _CACHE_DTYPES, "index_cache_dtype": _CACHE_DTYPES,
+                   "kv_cache_layout": ("plain", "shuffle"), "attention_backend": ("auto", "torch", "triton")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.scheduler, str) and not callable(self.scheduler):
+            problems.append(f"scheduler must be a name or a factory, got {self.scheduler!r}")
+        if problems:
+            raise ValueError("EngineConfig: " + "; ".join(problems))
+
+    def replace(self, **overrides: Any) -> EngineConfig:
+        """A copy with `overrides` applied and validated (unknown names are a TypeError)."""
+        return dataclasses.replace(self, **overrides)
+
+    def model_path(self) -> Path:
+        return BUNDLED_MODELS.get(self.model) or Path(self.model)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            # CPUs have slow, lossy bf16 matmuls; GPUs are built for it.
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def resolve_attention_backend(self, device: torch.device) -> str:
+        if self.attention_backend == "auto":
+            return "triton" if device.type == "cuda" else "torch"
+        return self.attention_backend
+
+    def resolve_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[str, str]:
+        """(kv dtype, index-key dtype) as Contract 1 names them."""
+        kv = self.kv_cache_dtype if self.kv_cache_dtype != "auto" else (
+            "bf16" if model_dtype == torch.bfloat16 else "fp32")
+        index = kv if self.index_cache_dtype == "auto" else self.index_cache_dtype
+        return kv, index
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

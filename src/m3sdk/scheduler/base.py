@@ -1,0 +1,58 @@
+"""The Scheduler seam: which requests run this step, and how many tokens each.
+
+A step is a list of (request, num_new_tokens): prefill chunks and decodes mixed. A request's new tokens are
+`token_ids[num_computed_tokens : num_computed_tokens + n]`; a step that reaches the request's last known token
+ends in logits, so the request samples. The shape leaves room for what is not built yet: a speculative
+decoder schedules 1 + k tokens for a request (its drafts appended as known tokens), and a request waiting
+for KV pushed by a remote prefill node simply isn't scheduled until its pages are filled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+from m3sdk.request import FinishReason, Request
+
+
+class Scheduled(NamedTuple):
+    request: Request
+    num_new_tokens: int
+    # The step computes the request's last known token, so its logits are sampled.
+    samples: bool
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[Scheduled] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler(Protocol):
+    """Owns request state. Called from the engine thread only."""
+
+    def add(self, request: Request) -> None: ...
+
+    def schedule(self) -> StepPlan: ...
+
+    def update(self, plan: StepPlan) -> None:
+        """The plan's forward ran: advance each request's computed tokens and offer its new full pages to the
+        prefix cache. (The core appends sampled tokens afterwards.)"""
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Remove a request for good and free its pages."""
+
+    def get(self, request_id: str) -> Request | None: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
