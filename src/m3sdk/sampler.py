@@ -159,14 +159,17 @@ def apply_truncation(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     sel = [i for i, p in enumerate(params) if p.top_p < 1 and not p.greedy]
     if (rows := _rows(sel, n, dev)) is not None:
         top_p = _column([params[i].top_p for i in sel], dev)
+        # when every row here has a top-k, only the first max(k) tokens can be finite: sort just those
+        ks = [params[i].top_k for i in sel]
+        width = max(ks) if all(0 < k < vocab for k in ks) else vocab
 
         def nucleus(v: torch.Tensor) -> torch.Tensor:
             # keep the smallest prefix (by descending probability) whose mass reaches top_p: a token stays when
             # the mass strictly before it is still below top_p (so the most likely token always stays)
-            sorted_v, order = v.sort(dim=1, descending=True)
+            sorted_v, order = v.topk(width, dim=1) if width < vocab else v.sort(dim=1, descending=True)
             probs = sorted_v.softmax(dim=1)
             drop = probs.cumsum(dim=1) - probs >= top_p
-            return v.scatter(1, order, sorted_v.masked_fill(drop, -math.inf))
+            return torch.full_like(v, -math.inf).scatter(1, order, sorted_v.masked_fill(drop, -math.inf))
 
         _update(x, rows, nucleus)
 
