@@ -9,8 +9,11 @@ FP8 caches carry per-token, per-head float32 scales [pages, kv_heads, 16]. Index
 """
 
 import torch
+import triton
+import triton.language as tl
 
 PAGE_SIZE = 16
+PAGE: tl.constexpr = tl.constexpr(PAGE_SIZE)  # the same, for use inside kernels
 LAYOUTS = ("plain", "shuffle")
 
 
@@ -91,3 +94,51 @@ def gather_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Ten
 def gather_index_keys_ref(index_cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
     """A sequence's index keys as float32 [length, index_dim] (fp8 index keys have unit scale)."""
     return index_cache[pages.long()].reshape(-1, index_cache.shape[-1])[:length].float()
+
+
+@triton.jit
+def slot_offsets(off, d, HEAD_DIM: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr, IS_V: tl.constexpr):
+    """Element offset of (token `off` in its page, dim `d`) inside one (page, kv head) chunk of 16 * HEAD_DIM
+    elements; `off` and `d` broadcast against each other, so one call addresses a whole tile."""
+    if SHUFFLE:
+        if IS_V:  # [16 // X, HEAD_DIM, X]
+            return (off // X) * (HEAD_DIM * X) + d * X + off % X
+        return (d // X) * (PAGE * X) + off * X + d % X  # K: [HEAD_DIM // X, 16, X]
+    return off * HEAD_DIM + d
+
+
+@triton.jit
+def _gather_kernel(cache_ptr, scale_ptr, pages_ptr, out_ptr, length, stride_cp, stride_ch, stride_sp, stride_sh,
+                   HEAD_DIM: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr, IS_V: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    h = tl.program_id(0)
+    tok = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, HEAD_DIM)
+    ok = tok < length
+    page = tl.load(pages_ptr + tok // PAGE, mask=ok, other=0).to(tl.int64)
+    off = tok % PAGE
+    ptr = cache_ptr + page[:, None] * stride_cp + h * stride_ch
+    x = tl.load(ptr + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE, IS_V), mask=ok[:, None])
+    x = x.to(tl.float32)
+    if HAS_SCALE:
+        x *= tl.load(scale_ptr + page * stride_sp + h * stride_sh + off, mask=ok)[:, None]
+    tl.store(out_ptr + (h * length + tok[:, None]) * HEAD_DIM + d[None, :], x, mask=ok[:, None])
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, length: int,
+              layout: str = "plain", k_scale: torch.Tensor | None = None,
+              v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `gather_kv_ref`: a sequence's K and V as float32 [kv_heads, length, head_dim]."""
+    heads = k_cache.shape[1]
+    head_dim = k_cache.shape[2] * k_cache.shape[4] if layout == "shuffle" else k_cache.shape[3]
+    out = []
+    for cache, scale, is_v in ((k_cache, k_scale, False), (v_cache, v_scale, True)):
+        o = torch.empty(heads, length, head_dim, dtype=torch.float32, device=cache.device)
+        block = 64
+        s = scale if scale is not None else o  # never read without HAS_SCALE
+        _gather_kernel[(heads, triton.cdiv(length, block))](
+            cache, s, pages, o, length, cache.stride(0), cache.stride(1), s.stride(0), s.stride(1),
+            HEAD_DIM=head_dim, X=shuffle_width(cache.dtype), SHUFFLE=layout == "shuffle", IS_V=is_v,
+            HAS_SCALE=scale is not None, BLOCK=block)
+        out.append(o)
+    return out[0], out[1]
