@@ -1,8 +1,12 @@
 """The MSA lightning indexer: per-query, per-KV-group top-k selection of key blocks from the index-key cache."""
 
 import torch
+import triton
+import triton.language as tl
 
-from .layout import gather_index_keys_ref
+from .arch import Arch, tiles
+from .layout import PAGE, gather_index_keys_ref
+from .paged_attention import dot_dtype, seq_of_block
 
 
 def indexer_topk_ref(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
@@ -36,4 +40,120 @@ def indexer_topk_ref(index_q: torch.Tensor, index_cache: torch.Tensor, page_tabl
         k = min(topk, num_blocks)
         vals, idx = block_scores.topk(k, dim=-1)
         out[:, lo:hi, :k] = idx.masked_fill(vals == float("-inf"), -1).to(torch.int32)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- Triton kernels
+#
+# Two launches. The scan reads the index-key cache once per query tile (the bandwidth bill past ~16K tokens):
+# a program owns BLOCK_Q query tokens x all index heads (the rows of its dots: the one shared key head is read
+# once for every head) and a contiguous chunk of selection blocks, and writes each row's block maximum, with
+# the local blocks forced to +inf. The top-k pass then ranks each (token, head) row of block scores by repeated
+# arg-max: no softmax (ranking needs none) and no sort of the whole row.
+
+
+@triton.jit
+def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_seqs, num_tokens, num_blocks,
+                 stride_qt, stride_qh, stride_ip, stride_pt,
+                 NUM_HEADS: tl.constexpr, BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 SEL_BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, DOT: tl.constexpr):
+    pid = tl.program_id(0)
+    chunk = tl.program_id(1)
+    seq = seq_of_block(cu_q, num_seqs, pid, BLOCK_Q)
+    q_start = tl.load(cu_q + seq)
+    n_q = tl.load(cu_q + seq + 1) - q_start
+    if BLOCK_Q == 1:
+        first = pid - q_start
+    else:
+        first = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first < n_q:
+        BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_HI
+        ctx = tl.load(ctx_lens + seq)
+        r = tl.arange(0, BLOCK_M)
+        d = tl.arange(0, INDEX_DIM)
+        qi = first + r // BLOCK_HI
+        head = r % BLOCK_HI
+        row_ok = (qi < n_q) & (head < NUM_HEADS)
+        tok = q_start + qi
+        pos = ctx - n_q + qi
+        q = tl.load(iq_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0).to(DOT)
+        kv_end = ctx - n_q + tl.minimum(first + BLOCK_Q, n_q)
+        pages_ptr = page_table + seq.to(tl.int64) * stride_pt
+        q_block = pos // SEL_BLOCK
+        out_row = scores_ptr + (head.to(tl.int64) * num_tokens + tok) * num_blocks
+        per = tl.cdiv(num_blocks, NUM_CHUNKS)
+        for b in range(chunk * per, tl.minimum(chunk * per + per, tl.cdiv(kv_end, SEL_BLOCK))):
+            n = b * SEL_BLOCK + tl.arange(0, SEL_BLOCK)
+            key_ok = n < kv_end
+            page = tl.load(pages_ptr + n // PAGE, mask=key_ok, other=0).to(tl.int64)
+            k = tl.load(ik_cache + page[:, None] * stride_ip + (n % PAGE)[:, None] * INDEX_DIM + d[None, :],
+                        mask=key_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k.to(DOT)))
+            s = tl.where(key_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
+            best = tl.max(s, 1)
+            # local blocks (pos // SEL_BLOCK - i, i < LOCAL_BLOCKS, clamped at 0) are always selected
+            best = tl.where((b <= q_block) & (b > q_block - LOCAL_BLOCKS), float("inf"), best)
+            tl.store(out_row + b, best, mask=row_ok)
+
+
+@triton.jit
+def _topk_kernel(scores_ptr, cu_q, ctx_lens, out_ptr, num_seqs, num_tokens, num_blocks,
+                 SEL_BLOCK: tl.constexpr, TOPK: tl.constexpr, BLOCKS_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = seq_of_block(cu_q, num_seqs, t, 1)
+    q_start = tl.load(cu_q + seq)
+    n_q = tl.load(cu_q + seq + 1) - q_start
+    pos = tl.load(ctx_lens + seq) - n_q + (t - q_start)
+    b = tl.arange(0, BLOCKS_PAD)
+    row = head.to(tl.int64) * num_tokens + t
+    s = tl.load(scores_ptr + row * num_blocks + b, mask=b <= pos // SEL_BLOCK, other=float("-inf"))
+    for j in tl.static_range(TOPK):
+        best = tl.max(s, 0)
+        idx = tl.argmax(s, 0)
+        tl.store(out_ptr + row * TOPK + j, tl.where(best > float("-inf"), idx, -1).to(tl.int32))
+        s = tl.where(b == idx, float("-inf"), s)
+
+
+def indexer_plan(num_tokens: int, num_seqs: int, num_heads: int, max_seqlen_q: int, num_blocks: int,
+                 arch: Arch | None = None) -> dict:
+    """Tile shape and chunk count of the scan: a function of shapes and host ints only."""
+    cfg = tiles("indexer_scan" if max_seqlen_q <= 1 else "indexer_prefill", arch)
+    block_q = 1 if max_seqlen_q <= 1 else min(cfg["BLOCK_Q"], triton.next_power_of_2(max_seqlen_q))
+    block_hi = max(triton.next_power_of_2(num_heads), triton.next_power_of_2(triton.cdiv(16, block_q)))
+    q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+    want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks))
+    chunks = min(1 << (want.bit_length() - 1), triton.next_power_of_2(num_blocks))
+    return {"BLOCK_Q": block_q, "BLOCK_HI": block_hi, "NUM_CHUNKS": chunks, "q_blocks": q_blocks,
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def indexer_topk(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int, topk: int,
+                 local_blocks: int, *, max_seqlen_q: int | None = None,
+                 max_context_len: int | None = None) -> torch.Tensor:
+    """Triton `indexer_topk_ref`: int32 [Hidx, T, topk], valid entries first (highest score first), -1 padded.
+    The host ints only pick tile shapes and the block-score buffer's width; they must bound the real values."""
+    t_total, num_heads, index_dim = index_q.shape
+    out = torch.empty(num_heads, t_total, topk, dtype=torch.int32, device=index_q.device)
+    if t_total == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    num_seqs = context_lens.shape[0]
+    num_blocks = max(1, triton.cdiv(max_context_len, block_size))
+    scores = torch.empty(num_heads, t_total, num_blocks, dtype=torch.float32, device=index_q.device)
+    plan = indexer_plan(t_total, num_seqs, num_heads, max_seqlen_q, num_blocks)
+    _scan_kernel[(plan["q_blocks"], plan["NUM_CHUNKS"])](
+        index_q, index_cache, page_table, cu_seqlens_q, context_lens, scores, num_seqs, t_total, num_blocks,
+        index_q.stride(0), index_q.stride(1), index_cache.stride(0), page_table.stride(0),
+        NUM_HEADS=num_heads, BLOCK_HI=plan["BLOCK_HI"], INDEX_DIM=index_dim, BLOCK_Q=plan["BLOCK_Q"],
+        SEL_BLOCK=block_size, NUM_CHUNKS=plan["NUM_CHUNKS"], LOCAL_BLOCKS=local_blocks,
+        DOT=dot_dtype(index_cache.dtype), num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+    _topk_kernel[(t_total, num_heads)](
+        scores, cu_seqlens_q, context_lens, out, num_seqs, t_total, num_blocks, SEL_BLOCK=block_size, TOPK=topk,
+        BLOCKS_PAD=triton.next_power_of_2(num_blocks), num_warps=tiles("indexer_topk")["num_warps"])
     return out

@@ -1,8 +1,13 @@
 """Causal attention of ragged query chunks over the paged KV cache: dense, or MSA-sparse with `block_sel`."""
 
-import torch
+import os
 
-from .layout import gather_kv_ref
+import torch
+import triton
+import triton.language as tl
+
+from .arch import Arch, tiles
+from .layout import PAGE, gather_kv_ref, shuffle_width, slot_offsets
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -51,3 +56,249 @@ def selected_keys_mask(block_sel: torch.Tensor, length: int, block_size: int) ->
     chosen.scatter_(-1, block_sel.long().masked_fill(block_sel < 0, num_blocks), True)
     key_block = torch.arange(length, device=block_sel.device) // block_size
     return chosen[..., :num_blocks][..., key_block]
+
+
+# ---------------------------------------------------------------------------------------------- Triton kernels
+#
+# One kernel serves dense and MSA attention, decode and (chunked) prefill. A program owns BLOCK_Q consecutive
+# query tokens of one sequence and the GROUP query heads of one KV head: its BLOCK_Q x BLOCK_H rows are the M of
+# every tl.dot, so the 16 heads of an M3 GQA group share each K/V tile load. Split-KV (flash-decoding) runs
+# NUM_SPLITS programs over disjoint key ranges and a merge kernel combines their partial outputs by LSE.
+# Dense programs walk their keys in BLOCK_N tiles; MSA programs walk the sorted union of their tokens' selected
+# blocks, so a block chosen by several tokens of the tile is loaded once for all of them (block-major inside a
+# query tile), and each row only sees the blocks its own token chose. Softmax is base 2 (scale * log2 e folded).
+# FP8 K/V: tiles convert to fp16 (exact for e4m3) for the dots; per-token scales multiply score columns (K) and
+# probability columns (V, normalized by the tile's largest scale so p stays in fp16's range).
+
+_BIG = tl.constexpr(1 << 30)  # "no block" in the MSA union walk
+
+
+@triton.jit
+def seq_of_block(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """The sequence owning q-block `pid`, where sequence i's q-blocks start at cu[i] // BLOCK_Q + i (an upper
+    bound on the blocks it needs, so the grid size follows from shapes alone; surplus blocks find no tokens)."""
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        start = tl.load(cu_ptr + mid)
+        if BLOCK_Q > 1:
+            start = start // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, pages_ptr,
+                 qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
+                 SHUFFLE: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr):
+    """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end)."""
+    n = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    key_ok = n < kv_end
+    page = tl.load(pages_ptr + n // PAGE, mask=key_ok, other=0).to(tl.int64)
+    off = n % PAGE
+    k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
+                                                                   False), mask=key_ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k.to(DOT)))
+    if FP8:
+        s *= (tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0) * qk_scale)[None, :]
+    else:
+        s *= qk_scale
+    visible = key_ok[None, :] & (n[None, :] <= pos[:, None]) & row_sel[:, None]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at zero weight
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
+                                                                   True), mask=key_ok[:, None], other=0.0)
+    if FP8:
+        vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=1.0)
+        v_max = tl.max(vs)
+        pv = tl.dot((p * (vs / v_max)[None, :]).to(DOT), v.to(DOT)) * v_max
+    else:
+        pv = tl.dot(p.to(DOT), v.to(DOT))
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attn_kernel(
+        q_ptr, k_cache, v_cache, k_scale, v_scale, page_table, cu_q, ctx_lens, sel_ptr, out_ptr, part_o, part_lse,
+        qk_scale, num_seqs, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_cp, stride_ch,
+        stride_sp, stride_sh, stride_sel_h, stride_sel_t,
+        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
+        SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
+        TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, DOT: tl.constexpr):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = seq_of_block(cu_q, num_seqs, pid, BLOCK_Q)
+    q_start = tl.load(cu_q + seq)
+    n_q = tl.load(cu_q + seq + 1) - q_start
+    if BLOCK_Q == 1:
+        first = pid - q_start
+    else:
+        first = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first < n_q:
+        BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+        ctx = tl.load(ctx_lens + seq)
+        r = tl.arange(0, BLOCK_M)
+        d = tl.arange(0, HEAD_DIM)
+        qi = first + r // BLOCK_H  # query index inside the sequence
+        head = h * GROUP + r % BLOCK_H
+        row_ok = (qi < n_q) & (r % BLOCK_H < GROUP)
+        tok = q_start + qi
+        pos = ctx - n_q + qi
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0).to(DOT)
+        kv_end = ctx - n_q + tl.minimum(first + BLOCK_Q, n_q)  # keys past the tile's last query are unseen
+        k_base = k_cache + h * stride_ch
+        v_base = v_cache + h * stride_ch
+        ks_base = k_scale + h * stride_sh
+        vs_base = v_scale + h * stride_sh
+        pages_ptr = page_table + seq.to(tl.int64) * stride_pt
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if SPARSE:
+            qq = first + tl.arange(0, BLOCK_Q)
+            kk = tl.arange(0, TOPK_PAD)
+            sel = tl.load(sel_ptr + h * stride_sel_h + (q_start + qq)[:, None] * stride_sel_t + kk[None, :],
+                          mask=(qq < n_q)[:, None] & (kk < TOPK)[None, :], other=-1)
+            sel = tl.where(sel >= 0, sel, _BIG)
+            PER: tl.constexpr = (BLOCK_Q * TOPK + NUM_SPLITS - 1) // NUM_SPLITS
+            lo_rank = split * PER
+            cur = tl.min(tl.min(sel, 1), 0)
+            rank = 0
+            while (cur < _BIG) & (rank < lo_rank + PER):
+                if rank >= lo_rank:
+                    hit = tl.sum((sel == cur).to(tl.int32), 1) > 0
+                    row_sel = tl.reshape(tl.broadcast_to(hit[:, None], (BLOCK_Q, BLOCK_H)), (BLOCK_M,))
+                    for sub in range(0, SEL_BLOCK, BLOCK_N):
+                        start = cur * SEL_BLOCK + sub
+                        if start < kv_end:
+                            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
+                                                         v_base, ks_base, vs_base, pages_ptr, qk_scale, stride_cp,
+                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, DOT)
+                cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
+                rank += 1
+        else:
+            tiles = tl.cdiv(kv_end, BLOCK_N)
+            per = tl.cdiv(tiles, NUM_SPLITS)
+            row_sel = r >= 0
+            for t in range(split * per, tl.minimum(split * per + per, tiles)):
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
+                                             ks_base, vs_base, pages_ptr, qk_scale, stride_cp, stride_sp,
+                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, DOT)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            row = (split * num_tokens + tok.to(tl.int64)) * NUM_HEADS + head
+            tl.store(part_o + row[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None])
+            tl.store(part_lse + row, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(part_o, part_lse, out_ptr, num_tokens, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """out[t, h] = LSE-weighted mean of the splits' normalized partial outputs (empty splits weigh 0)."""
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    row = (s.to(tl.int64) * num_tokens + t) * NUM_HEADS + head
+    lse = tl.load(part_lse + row, mask=s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    o = tl.load(part_o + row[:, None] * HEAD_DIM + d[None, :], mask=(w > 0)[:, None], other=0.0)
+    o = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def interpreting() -> bool:
+    """Under TRITON_INTERPRET=1 the kernels do their dots in fp32 (a bf16 tl.dot is wrong in the interpreter)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def dot_dtype(kv_dtype: torch.dtype) -> tl.dtype:
+    """Operand type of the attention dots for a KV cache of `kv_dtype`: fp16 for FP8 (the e4m3 -> fp16 convert is
+    exact and cheap; -> bf16 is not on Hopper), the cache type otherwise."""
+    if interpreting() or kv_dtype == torch.float32:
+        return tl.float32
+    if kv_dtype.itemsize == 1:
+        return tl.float16
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[kv_dtype]
+
+
+def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: int,
+                   max_context_len: int, sparse: bool, topk: int, block_size: int,
+                   arch: Arch | None = None) -> dict:
+    """Tile shape and split count of one paged_attention call: a function of shapes and host ints only."""
+    family = ("sparse" if sparse else "attn") + ("_decode" if max_seqlen_q <= 1 else "_prefill")
+    cfg = tiles(family, arch)
+    block_q = 1 if max_seqlen_q <= 1 else min(cfg["BLOCK_Q"], triton.next_power_of_2(max_seqlen_q))
+    block_h = max(triton.next_power_of_2(group), triton.next_power_of_2(triton.cdiv(16, block_q)))
+    block_n = min(cfg["BLOCK_N"], block_size) if sparse else cfg["BLOCK_N"]
+    q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+    # enough programs to fill the chip, never splits so thin that the merge costs more than it spreads
+    max_splits = block_q * topk if sparse else max(1, triton.cdiv(max_context_len, 4 * block_n))
+    want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks * num_kv_heads))
+    splits = min(1 << (want.bit_length() - 1), triton.next_power_of_2(max_splits))
+    return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
+            "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    layout: str = "plain", block_sel: torch.Tensor | None = None, block_size: int = 128, *,
+                    max_seqlen_q: int | None = None, max_context_len: int | None = None) -> torch.Tensor:
+    """Triton `paged_attention_ref`. Pass the host ints `max_seqlen_q` / `max_context_len` (the step's metadata
+    has them) to avoid a device sync; they only pick tile shapes and split counts, never change results."""
+    t_total, hq, head_dim = q.shape
+    num_seqs = context_lens.shape[0]
+    hkv = k_cache.shape[1]
+    out = torch.empty(t_total, hq, head_dim, dtype=q.dtype, device=q.device)
+    if t_total == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    sparse = block_sel is not None
+    topk = block_sel.shape[-1] if sparse else 1
+    plan = attention_plan(t_total, num_seqs, hkv, hq // hkv, max_seqlen_q, max_context_len, sparse, topk,
+                          block_size)
+    splits = plan["NUM_SPLITS"]
+    if splits > 1:
+        part_o = torch.empty(splits, t_total, hq, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(splits, t_total, hq, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unread
+    fp8 = k_scale is not None
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
+    sel = block_sel if sparse else page_table
+    _attn_kernel[(plan["q_blocks"], hkv, splits)](
+        q, k_cache, v_cache, ks, vs, page_table, cu_seqlens_q, context_lens, sel, out, part_o, part_lse,
+        scale * 1.4426950408889634, num_seqs, t_total, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        page_table.stride(0), k_cache.stride(0), k_cache.stride(1), ks.stride(0), ks.stride(1),
+        sel.stride(0) if sparse else 0, sel.stride(1) if sparse else 0,
+        NUM_HEADS=hq, HEAD_DIM=head_dim, GROUP=hq // hkv, BLOCK_H=plan["BLOCK_H"], BLOCK_Q=plan["BLOCK_Q"],
+        BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle",
+        FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
+        DOT=dot_dtype(k_cache.dtype), num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+    if splits > 1:
+        _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
+                                     HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+                                     num_warps=tiles("attn_merge")["num_warps"])
+    return out
