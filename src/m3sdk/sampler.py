@@ -149,10 +149,11 @@ def apply_truncation(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
         _update(x, rows, lambda v: v.masked_fill(v < v.amax(1, keepdim=True) + log_min_p, -math.inf))
     sel = [i for i, p in enumerate(params) if 0 < p.top_k < vocab and not p.greedy]
     if (rows := _rows(sel, n, dev)) is not None:
-        k = torch.tensor([params[i].top_k for i in sel], device=dev).unsqueeze(1)
+        ks = [params[i].top_k for i in sel]
+        k = torch.tensor(ks, device=dev).unsqueeze(1)
 
         def top_k(v: torch.Tensor) -> torch.Tensor:
-            kth = v.topk(int(k.max()), dim=1).values.gather(1, k - 1)
+            kth = v.topk(max(ks), dim=1).values.gather(1, k - 1)
             return v.masked_fill(v < kth, -math.inf)  # ties with the k-th value stay in
 
         _update(x, rows, top_k)
@@ -160,8 +161,8 @@ def apply_truncation(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     if (rows := _rows(sel, n, dev)) is not None:
         top_p = _column([params[i].top_p for i in sel], dev)
         # when every row here has a top-k, only the first max(k) tokens can be finite: sort just those
-        ks = [params[i].top_k for i in sel]
-        width = max(ks) if all(0 < k < vocab for k in ks) else vocab
+        row_k = [params[i].top_k for i in sel]
+        width = max(row_k) if all(0 < rk < vocab for rk in row_k) else vocab
 
         def nucleus(v: torch.Tensor) -> torch.Tensor:
             # keep the smallest prefix (by descending probability) whose mass reaches top_p: a token stays when
