@@ -181,10 +181,11 @@ def _parse_text_config(text: dict[str, Any], outer: dict[str, Any], architecture
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     tie = bool(text.get("tie_word_embeddings", outer.get("tie_word_embeddings", False)))
     dtype = r.get("dtype", "torch_dtype", default=outer.get("dtype", outer.get("torch_dtype", "bfloat16")))
+    vocab_size = int(r.get("vocab_size", required=True) or 0)
     if r.problems:
         raise CheckpointError(f"{source}: " + "; ".join(r.problems))
     return ModelConfig(
-        vocab_size=int(r.get("vocab_size", required=True)),
+        vocab_size=vocab_size,
         hidden_size=hidden,
         num_layers=num_layers,
         num_heads=num_heads,

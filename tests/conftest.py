@@ -1,0 +1,22 @@
+"""Shared fixtures. The oracle checkpoints (see tests/oracle.py) are built once per session."""
+
+import pytest
+from oracle import load_oracle, make_oracle_checkpoint
+
+
+@pytest.fixture(scope="session")
+def oracle_checkpoint(tmp_path_factory):
+    """A tiny random MiniMax-M3 checkpoint as transformers saves it (one model.safetensors)."""
+    return make_oracle_checkpoint(tmp_path_factory.mktemp("oracle_hf"), layout="hf")
+
+
+@pytest.fixture(scope="session")
+def oracle_checkpoint_minimax(tmp_path_factory):
+    """The same weights under the published MiniMax names, sharded with an index file."""
+    return make_oracle_checkpoint(tmp_path_factory.mktemp("oracle_minimax"), layout="minimax")
+
+
+@pytest.fixture(scope="session")
+def oracle_hf(oracle_checkpoint):
+    """transformers' MiniMaxM3VLForCausalLM of `oracle_checkpoint` (float32, eager attention)."""
+    return load_oracle(oracle_checkpoint)
