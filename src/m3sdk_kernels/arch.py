@@ -130,6 +130,49 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
     },
 }
 
+# MoE / quantization / norm families (router.py, moe.py, quant.py, norm.py).
+# fp8_gemm_*: M <= 16 (decode: stream the weight once, many N blocks), M <= 256, larger (tensor-core bound).
+# moe_*: one dict drives both GEMMs: BLOCK_M rows of (token, expert) pairs; GU_* the gate+up GEMM (BLOCK_N
+# intermediate columns, i.e. 2 x BLOCK_N weight rows), DN_* the down GEMM. moe_decode runs without the sort (one
+# pair per program) up to MAX_TOKENS tokens; moe_small / moe_prefill sort pairs by expert, padded to BLOCK_M.
+# MX_NATIVE: MX weights through tl.dot_scaled (gfx950 has MX matrix cores) instead of an in-register upcast.
+TILES.update({
+    "fp8_quant": {a: {"BLOCK_K": 1024, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
+    "rms_norm": {a: {"num_warps": 8} for a in ("sm90", "gfx942", "gfx950")},
+    "router": {a: {"BLOCK_T": 16, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
+    "moe_align": {a: {"CHUNK": 256, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
+    "fp8_gemm_decode": {
+        "sm90": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
+        "gfx942": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
+        "gfx950": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
+    },
+    "fp8_gemm_mid": {
+        "sm90": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+        "gfx942": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 2},
+        "gfx950": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 2},
+    },
+    "fp8_gemm_prefill": {
+        "sm90": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+        "gfx942": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
+        "gfx950": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
+    },
+    "moe_decode": {
+        a: {"MAX_TOKENS": 4, "BLOCK_M": 16, "GU_BLOCK_N": 64, "GU_BLOCK_K": 128, "DN_BLOCK_N": 64,
+            "DN_BLOCK_K": 128, "num_warps": 4, "num_stages": 4 if a == "sm90" else 2, "MX_NATIVE": a == "gfx950"}
+        for a in ("sm90", "gfx942", "gfx950")
+    },
+    "moe_small": {
+        a: {"MAX_TOKENS": 256, "BLOCK_M": 16, "GU_BLOCK_N": 64, "GU_BLOCK_K": 128, "DN_BLOCK_N": 64,
+            "DN_BLOCK_K": 128, "num_warps": 4, "num_stages": 4 if a == "sm90" else 2, "MX_NATIVE": a == "gfx950"}
+        for a in ("sm90", "gfx942", "gfx950")
+    },
+    "moe_prefill": {
+        a: {"BLOCK_M": 128, "GU_BLOCK_N": 64, "GU_BLOCK_K": 64, "DN_BLOCK_N": 128, "DN_BLOCK_K": 64,
+            "num_warps": 8, "num_stages": 3 if a == "sm90" else 2, "MX_NATIVE": a == "gfx950"}
+        for a in ("sm90", "gfx942", "gfx950")
+    },
+})
+
 
 def tiles(family: str, arch: Arch | None = None) -> dict[str, int]:
     """Launch parameters of a kernel family on `arch` (default: the current device's)."""

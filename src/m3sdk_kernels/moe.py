@@ -1,0 +1,505 @@
+"""Fused MoE: out[t] = sum_j weight[t, j] * expert_{id[t, j]}(x[t]) over a stack of SwiGLU-OAI experts.
+
+An expert is gate_up [2I, H] (gate rows then up rows, not interleaved) and down [H, I]:
+    g = min(x @ gate.T, limit);  u = clamp(x @ up.T, -limit, limit)
+    expert(x) = ((u + 1) * g * sigmoid(alpha * g)) @ down.T
+The shared expert rides along as one more expert of the stack that every token picks with weight 1, and the
+routed scaling is folded into the routed weights (`router.route(..., routed_scale, shared=True)`), so one
+launch pair serves routed and shared experts.
+
+Two Triton GEMMs:
+- gate_up: gate and up tiles of the same weight rows in one program (two accumulators), SwiGLU-OAI in the
+  epilogue; the intermediate [pairs, I] is written once (bf16, or fp8 with a scale per 64 columns).
+- down: applies the router weight in the epilogue.
+Rows are (token, expert) pairs. Decode (few tokens) runs one pair per program with no sort, and the down GEMM
+sums a token's pairs in registers. Larger batches sort pairs by expert, padded to BLOCK_M (`moe_align`, one
+launch), so every weight tile is read once per BLOCK_M pairs; the down GEMM then writes per-pair rows that are
+summed per token.
+
+Weight formats (`Experts.fmt`):
+- "bf16"
+- "fp8": e4m3 (e4m3fnuz on gfx942) with one float32 scale per output channel; activations are quantized per token
+  (gate_up input) and per 64-column group (the intermediate, in the gate_up epilogue): fp8 x fp8 tensor cores.
+- "mxfp4": E2M1 two per byte + E8M0 scale per 32 along K; "mxfp8": e4m3fn + E8M0 per 32. Weight-only: the
+  activation stays bf16; Hopper upcasts in registers (no FP4 tensor cores), gfx950 uses tl.dot_scaled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .arch import Arch, current_arch, tiles
+from .quant import (
+    INTERPRET,
+    dequantize_mxfp4,
+    dequantize_mxfp8,
+    fp8_grid,
+    quantize_fp8_per_token,
+    quantize_fp8_per_token_ref,
+    quantize_fp8_weight,
+    quantize_mxfp4,
+    quantize_mxfp8,
+)
+
+FORMATS = ("bf16", "fp8", "mxfp4", "mxfp8")
+_FMT_CODE = {f: i for i, f in enumerate(FORMATS)}
+FP8_ACT_GROUP = 64  # intermediate activation columns sharing one fp8 scale
+
+
+@dataclass
+class Experts:
+    """A stack of E experts in one storage format.
+
+    gate_up [E, 2I, H] and down [E, H, I] (bf16 | fp8); mxfp4 packs K in half: [E, 2I, H // 2], [E, H, I // 2].
+    Scales: fp8 float32 [E, 2I], [E, H]; mx uint8 E8M0 [E, 2I, H // 32], [E, H, I // 32]; bf16 none."""
+
+    fmt: str
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.down.shape[1]
+
+    @property
+    def inter(self) -> int:
+        return self.gate_up.shape[1] // 2
+
+
+def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, fmt: str,
+                     fp8_dtype: torch.dtype | None = None) -> Experts:
+    """bf16/fp32 expert weights [E, 2I, H], [E, H, I] -> `Experts` in `fmt` (fp8: `fp8_dtype`, default the
+    platform's)."""
+    if fmt == "bf16":
+        return Experts(fmt, w_gate_up.to(torch.bfloat16).contiguous(), w_down.to(torch.bfloat16).contiguous())
+    if fmt == "fp8":
+        fp8_dtype = fp8_dtype or current_arch(w_gate_up.device).fp8_dtype
+        gu, gus = quantize_fp8_weight(w_gate_up, fp8_dtype)
+        dn, dns = quantize_fp8_weight(w_down, fp8_dtype)
+        return Experts(fmt, gu, dn, gus, dns)
+    if fmt in ("mxfp4", "mxfp8"):
+        quantize = quantize_mxfp4 if fmt == "mxfp4" else quantize_mxfp8
+        gu, gus = quantize(w_gate_up)
+        dn, dns = quantize(w_down)
+        return Experts(fmt, gu, dn, gus, dns)
+    raise ValueError(f"expert format {fmt!r} is not one of {FORMATS}")
+
+
+def dequantize_experts(experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> float32 (gate_up [E, 2I, H], down [E, H, I]): exactly the values the kernels multiply."""
+    ex = experts
+    if ex.fmt == "bf16":
+        return ex.gate_up.float(), ex.down.float()
+    if ex.fmt == "fp8":
+        return ex.gate_up.float() * ex.gate_up_scale[..., None], ex.down.float() * ex.down_scale[..., None]
+    dequantize = dequantize_mxfp4 if ex.fmt == "mxfp4" else dequantize_mxfp8
+    return dequantize(ex.gate_up, ex.gate_up_scale), dequantize(ex.down, ex.down_scale)
+
+
+def _swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1.0) * (gate * torch.sigmoid(alpha * gate))
+
+
+def _quantize_groups_ref(h: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Quantize-dequantize [P, I] per (row, 64-column group), as the fp8 gate_up epilogue stores it."""
+    groups = h.reshape(h.shape[0], -1, FP8_ACT_GROUP)
+    q, s = quantize_fp8_per_token_ref(groups, fp8_dtype)
+    return (q.float() * s[..., None]).reshape(h.shape)
+
+
+def fused_moe_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Experts,
+                  alpha: float, limit: float) -> torch.Tensor:
+    """hidden [T, H], topk_ids / topk_weights [T, k] -> [T, H] in hidden's dtype (fp32 math, the kernels'
+    quantization of activations mirrored)."""
+    t, k = topk_ids.shape
+    w_gate_up, w_down = dequantize_experts(experts)
+    if experts.fmt == "fp8":
+        xq, xs = quantize_fp8_per_token_ref(hidden, experts.gate_up.dtype)
+        x = xq.float() * xs[:, None]
+    else:
+        x = hidden.float()
+    flat = topk_ids.reshape(-1).long()
+    out = torch.zeros((t, experts.hidden), dtype=torch.float32, device=hidden.device)
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        tokens = pairs // k
+        h = _swiglu_oai(x[tokens] @ w_gate_up[e].T, alpha, limit)
+        h = _quantize_groups_ref(h, experts.down.dtype) if experts.fmt == "fp8" else h.to(hidden.dtype).float()
+        y = (h @ w_down[e].T) * topk_weights.reshape(-1)[pairs, None].float()
+        out.index_add_(0, tokens, y)
+    return out.to(hidden.dtype)
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Pairs (flattened index t * k + j) sorted by expert, each expert's run padded to a multiple of block_m with
+    the sentinel P = number of pairs -> (sorted pairs int32 [padded], expert of each block int32, padded)."""
+    flat = topk_ids.reshape(-1).long()
+    n = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)
+    order = torch.argsort(flat, stable=True)
+    pairs, owners, start = [], [], 0
+    for e, c in enumerate(counts.tolist()):
+        run = order[start : start + c]
+        start += c
+        pad = -c % block_m
+        pairs.append(torch.cat((run, torch.full((pad,), n, dtype=run.dtype, device=run.device))))
+        owners += [e] * ((c + pad) // block_m)
+    sorted_pairs = torch.cat(pairs).to(torch.int32)
+    return sorted_pairs, torch.tensor(owners, dtype=torch.int32, device=flat.device), sorted_pairs.numel()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, cursor_ptr, num_pairs, max_padded,
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    # One program: histogram, padded prefix sums, the expert of every block, then each pair scattered to its
+    # expert's next free row (atomic cursor: order inside an expert's run is free, rows are independent).
+    experts = tl.arange(0, E_PAD)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.zeros((E_PAD,), tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        offs = c0 + lanes
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+    tl.store(cursor_ptr + experts, ends - padded)
+    num_blocks = max_padded // BLOCK_M
+    for b0 in range(0, num_blocks, CHUNK):
+        blocks = b0 + lanes
+        first = blocks * BLOCK_M
+        # experts whose run ends at or before the block's first row precede it: their count is the owner
+        owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(first < total, owner, 0), mask=blocks < num_blocks)
+    for r0 in range(0, max_padded, CHUNK):
+        rows = r0 + lanes
+        tl.store(pairs_ptr + rows, tl.zeros((CHUNK,), tl.int32) + num_pairs, mask=rows < max_padded)
+    tl.debug_barrier()
+    for c0 in range(0, num_pairs, CHUNK):
+        offs = c0 + lanes
+        ok = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+        slot = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
+        tl.store(pairs_ptr + slot, offs, mask=ok)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]:
+    """Triton version of `moe_align_ref`, shaped for a fixed-size grid (CUDA graphs): the outputs have the
+    worst-case length and `num_padded` (int32 [1], on the device) says how much is used."""
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    n = ids.numel()
+    max_padded = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m
+    dev = ids.device
+    pairs = torch.empty((max_padded,), dtype=torch.int32, device=dev)
+    block_expert = torch.empty((max_padded // block_m,), dtype=torch.int32, device=dev)
+    num_padded = torch.empty((1,), dtype=torch.int32, device=dev)
+    e_pad = triton.next_power_of_2(num_experts)
+    cursor = torch.empty((e_pad,), dtype=torch.int32, device=dev)
+    cfg = tiles("moe_align", current_arch(dev))
+    _moe_align_kernel[(1,)](ids, pairs, block_expert, num_padded, cursor, n, max_padded, BLOCK_M=block_m,
+                            E_PAD=e_pad, CHUNK=cfg["CHUNK"], num_warps=cfg["num_warps"])
+    return pairs, block_expert, num_padded
+
+
+@triton.jit
+def _e2m1_to_f32(nibble):
+    # E2M1 -> fp32 bits: exponent field e (bias 1), one mantissa bit m; e == 0 is 0 or the subnormal 0.5
+    n = nibble.to(tl.uint32)
+    e = (n >> 1) & 3
+    m = n & 1
+    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * 0x3F000000) | ((n & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weight_tile(w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    # The [BLOCK_K, BLOCK_N] operand W^T[k0:k0+BLOCK_K, rows]: bf16 / fp8 as stored, MX upcast to bf16.
+    if W_FMT == 2:
+        kp = tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_base + rows[None, :] * stride_wn + (k0 // 2 + kp)[:, None])
+        vals = tl.join(_e2m1_to_f32(packed & 0xF), _e2m1_to_f32(packed >> 4))  # [K/2, N, 2]: even k is low
+        vals = tl.reshape(tl.permute(vals, (0, 2, 1)), (BLOCK_K, BLOCK_N))
+    elif W_FMT == 3:
+        vals = tl.load(w_base + rows[None, :] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[:, None]).to(tl.float32)
+    else:
+        return tl.load(w_base + rows[None, :] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[:, None])
+    ks = tl.arange(0, BLOCK_K // 32)
+    sc = tl.load(s_base + rows[None, :] * stride_sn + (k0 // 32 + ks)[:, None])
+    scale = (sc.to(tl.uint32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127)
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 32, BLOCK_N)), (BLOCK_K, BLOCK_N))
+    return (vals * scale).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_step(acc, a, w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT: tl.constexpr,
+              MX_NATIVE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+    if MX_NATIVE and W_FMT >= 2:
+        ks = tl.arange(0, BLOCK_K // 32)
+        sc = tl.load(s_base + rows[:, None] * stride_sn + (k0 // 32 + ks)[None, :])
+        if W_FMT == 2:
+            kp = tl.arange(0, BLOCK_K // 2)
+            w = tl.load(w_base + rows[None, :] * stride_wn + (k0 // 2 + kp)[:, None])
+            return tl.dot_scaled(a, None, "bf16", w, sc, "e2m1", acc)
+        w = tl.load(w_base + rows[None, :] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[:, None])
+        return tl.dot_scaled(a, None, "bf16", w, sc, "e4m3", acc)
+    w = _weight_tile(w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, BLOCK_N)
+    if DOT_F32 and W_FMT != 1:
+        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
+    return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _pair_rows(pid_m, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, SORTED: tl.constexpr, BLOCK_M: tl.constexpr):
+    # The BLOCK_M pair rows of program pid_m and their expert. Unsorted: row 0 is pair pid_m, the rest padding.
+    offs = tl.arange(0, BLOCK_M)
+    if SORTED:
+        pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + offs)
+        valid = pairs < num_pairs
+        expert = tl.load(block_expert_ptr + pid_m)
+    else:
+        valid = offs == 0
+        pairs = tl.zeros((BLOCK_M,), tl.int32) + pid_m
+        expert = tl.load(ids_ptr + pid_m)
+    return tl.where(valid, pairs, 0).to(tl.int64), valid, expert.to(tl.int64)
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, h_ptr, h_scale_ptr, pairs_ptr, block_expert_ptr,
+                        num_padded_ptr, ids_ptr, num_pairs, I, K, stride_xt, stride_we, stride_wn, stride_se,
+                        stride_sn, stride_hp, stride_hsp, alpha, limit, TOP_K: tl.constexpr, SORTED: tl.constexpr,
+                        W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, DOT_F32: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if SORTED:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+    pairs, valid, expert = _pair_rows(pid_m, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, SORTED, BLOCK_M)
+    tokens = pairs // TOP_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    rows_g = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    rows_u = rows_g + I
+    w_base = w_ptr + expert * stride_we
+    s_base = w_scale_ptr + expert * stride_se
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(x_ptr + tokens[:, None] * stride_xt + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
+        acc_g = _dot_step(acc_g, a, w_base, s_base, rows_g, k0, stride_wn, stride_sn, W_FMT, MX_NATIVE, BLOCK_K,
+                          BLOCK_N, DOT_F32)
+        acc_u = _dot_step(acc_u, a, w_base, s_base, rows_u, k0, stride_wn, stride_sn, W_FMT, MX_NATIVE, BLOCK_K,
+                          BLOCK_N, DOT_F32)
+    if W_FMT == 1:
+        xs = tl.load(x_scale_ptr + tokens)
+        acc_g = acc_g * xs[:, None] * tl.load(s_base + rows_g)[None, :]
+        acc_u = acc_u * xs[:, None] * tl.load(s_base + rows_u)[None, :]
+    g = tl.minimum(acc_g, limit)
+    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    h = (u + 1.0) * (g * tl.sigmoid(alpha * g))
+    mask = valid[:, None] & n_ok[None, :]
+    out = h_ptr + pairs[:, None] * stride_hp + offs_n[None, :]
+    if W_FMT == 1:
+        hg = tl.reshape(h, (BLOCK_M, BLOCK_N // 64, 64))
+        scale = tl.maximum(tl.max(tl.abs(hg), axis=2), 1e-12) / FP8_MAX
+        q = fp8_grid(tl.clamp(hg / scale[:, :, None], -FP8_MAX, FP8_MAX), INTERPRET)
+        tl.store(out, tl.reshape(q, (BLOCK_M, BLOCK_N)).to(h_ptr.dtype.element_ty), mask=mask)
+        gcol = pid_n * (BLOCK_N // 64) + tl.arange(0, BLOCK_N // 64)
+        tl.store(h_scale_ptr + pairs[:, None] * stride_hsp + gcol[None, :], scale,
+                 mask=valid[:, None] & (gcol[None, :] * 64 < I))
+    else:
+        tl.store(out, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn,
+              W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(h_ptr + pairs[:, None] * stride_hp + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
+        if W_FMT == 1:
+            # BLOCK_K <= 64 divides the activation group: one scale per row for this step
+            part = _dot_step(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a, w_base, s_base, rows, k0, stride_wn,
+                             stride_sn, W_FMT, MX_NATIVE, BLOCK_K, BLOCK_N, DOT_F32)
+            hs = tl.load(h_scale_ptr + pairs * stride_hsp + k0 // 64, mask=valid, other=0.0)
+            acc += part * hs[:, None]
+        else:
+            acc = _dot_step(acc, a, w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT, MX_NATIVE, BLOCK_K,
+                            BLOCK_N, DOT_F32)
+    if W_FMT == 1:
+        acc = acc * tl.load(s_base + rows)[None, :]
+    return acc
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr,
+                     num_padded_ptr, ids_ptr, num_pairs, N, K, stride_hp, stride_hsp, stride_we, stride_wn, stride_se,
+                     stride_sn, stride_om, TOP_K: tl.constexpr, SORTED: tl.constexpr, W_FMT: tl.constexpr,
+                     MX_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT_F32: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    if SORTED:
+        # per-pair rows out[pair, :] = weight * expert(x)
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        pairs, valid, expert = _pair_rows(pid_m, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, True, BLOCK_M)
+        acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se, pairs,
+                        valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn, W_FMT, MX_NATIVE, BLOCK_M,
+                        BLOCK_N, BLOCK_K, DOT_F32)
+        acc = acc * tl.load(topk_w_ptr + pairs, mask=valid, other=0.0)[:, None]
+        tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & n_ok[None, :])
+    else:
+        # program = (token, column block): the token's pairs summed in registers, out[token, :] written once
+        total = tl.zeros((BLOCK_N,), tl.float32)
+        for j in range(TOP_K):
+            pair = pid_m * TOP_K + j
+            pairs, valid, expert = _pair_rows(pair, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, False,
+                                              BLOCK_M)
+            acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se, pairs,
+                            valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn, W_FMT, MX_NATIVE, BLOCK_M,
+                            BLOCK_N, BLOCK_K, DOT_F32)
+            total += tl.sum(tl.where(valid[:, None], acc, 0.0), axis=0) * tl.load(topk_w_ptr + pair)
+        tl.store(out_ptr + pid_m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def moe_tiles(num_tokens: int, arch: Arch) -> tuple[dict, bool]:
+    """(tile dict, sorted?) for a batch of `num_tokens` tokens on `arch`."""
+    decode = tiles("moe_decode", arch)
+    if num_tokens <= decode["MAX_TOKENS"]:
+        return decode, False
+    small = tiles("moe_small", arch)
+    return (small if num_tokens <= small["MAX_TOKENS"] else tiles("moe_prefill", arch)), True
+
+
+def _weight_args(w: torch.Tensor, s: torch.Tensor | None) -> tuple:
+    # (weight, scale, stride_we, stride_wn, stride_se, stride_sn); bf16 has no scales: the weight stands in
+    if s is None:
+        return w, w, w.stride(0), w.stride(1), 0, 0
+    return w, s, w.stride(0), w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0
+
+
+def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Experts,
+              alpha: float, limit: float) -> torch.Tensor:
+    """Triton version of `fused_moe_ref` (hidden [T, H] bf16, contiguous experts)."""
+    t, k = topk_ids.shape
+    n_pairs = t * k
+    hdim, inter, fmt = experts.hidden, experts.inter, experts.fmt
+    dev = hidden.device
+    out = torch.empty((t, hdim), dtype=hidden.dtype, device=dev)
+    if t == 0:
+        return out
+    arch = current_arch(dev)
+    cfg, sort = moe_tiles(t, arch)
+    mx_native = bool(cfg["MX_NATIVE"]) and fmt in ("mxfp4", "mxfp8")
+    gu_bk, dn_bk = cfg["GU_BLOCK_K"], cfg["DN_BLOCK_K"]
+    if fmt == "fp8":
+        dn_bk = min(dn_bk, FP8_ACT_GROUP)
+    if hdim % gu_bk or inter % dn_bk or (fmt == "fp8" and inter % FP8_ACT_GROUP):
+        raise ValueError(f"hidden {hdim} / intermediate {inter} must be multiples of {gu_bk} / {dn_bk}")
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    if fmt == "fp8":
+        x, x_scale = quantize_fp8_per_token(hidden, experts.gate_up.dtype)
+        h = torch.empty((n_pairs, inter), dtype=experts.down.dtype, device=dev)
+        h_scale = torch.empty((n_pairs, inter // FP8_ACT_GROUP), dtype=torch.float32, device=dev)
+    else:
+        x, x_scale = hidden, hidden
+        h = torch.empty((n_pairs, inter), dtype=hidden.dtype, device=dev)
+        h_scale = h
+    block_m = cfg["BLOCK_M"]
+    if sort:
+        pairs, block_expert, num_padded = moe_align(ids, experts.num_experts, block_m)
+        m_blocks = block_expert.numel()
+    else:
+        pairs = block_expert = num_padded = ids
+        m_blocks = n_pairs
+    common = dict(TOP_K=k, SORTED=sort, W_FMT=_FMT_CODE[fmt], MX_NATIVE=mx_native, BLOCK_M=block_m,
+                  DOT_F32=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    fp8_max = torch.finfo(experts.down.dtype).max if fmt == "fp8" else 0.0
+
+    w, s, swe, swn, sse, ssn = _weight_args(experts.gate_up, experts.gate_up_scale)
+    _moe_gate_up_kernel[(m_blocks, triton.cdiv(inter, cfg["GU_BLOCK_N"]))](
+        x, x_scale, w, s, h, h_scale, pairs, block_expert, num_padded, ids, n_pairs, inter, hdim, x.stride(0),
+        swe, swn, sse, ssn, h.stride(0), h_scale.stride(0), alpha, limit, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=gu_bk,
+        FP8_MAX=fp8_max, INTERPRET=INTERPRET, **common)
+
+    w, s, swe, swn, sse, ssn = _weight_args(experts.down, experts.down_scale)
+    y = torch.empty((n_pairs, hdim), dtype=hidden.dtype, device=dev) if sort else out
+    _moe_down_kernel[(m_blocks if sort else t, triton.cdiv(hdim, cfg["DN_BLOCK_N"]))](
+        h, h_scale, w, s, y, weights, pairs, block_expert, num_padded, ids, n_pairs, hdim, inter, h.stride(0),
+        h_scale.stride(0), swe, swn, sse, ssn, y.stride(0), BLOCK_N=cfg["DN_BLOCK_N"], BLOCK_K=dn_bk, **common)
+    if sort:
+        torch.sum(y.view(t, k, hdim), dim=1, out=out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ahead-of-time variants: the released model's shapes (H 6144, I 3072, top-4 + shared), every weight format
+
+
+def aot_variants(arch: Arch) -> list:
+    from .aot import AotVariant
+
+    fp8 = f"*{arch.fp8_triton}"
+    out = [AotVariant("moe_align", _moe_align_kernel,
+                      {"ids_ptr": "*i32", "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
+                       "cursor_ptr": "*i32", "num_pairs": "i32", "max_padded": "i32"},
+                      {"BLOCK_M": 64, "E_PAD": 256, "CHUNK": tiles("moe_align", arch)["CHUNK"]},
+                      num_warps=tiles("moe_align", arch)["num_warps"], num_stages=1)]
+    w_types = {"bf16": ("*bf16", "*bf16"), "fp8": (fp8, "*fp32"), "mxfp4": ("*u8", "*u8"), "mxfp8": ("*fp8e4nv", "*u8")}
+    for family, sort in (("moe_decode", False), ("moe_small", True), ("moe_prefill", True)):
+        cfg = tiles(family, arch)
+        for fmt, (wt, st) in w_types.items():
+            act = fp8 if fmt == "fp8" else "*bf16"
+            mx = bool(cfg["MX_NATIVE"]) and fmt.startswith("mx")
+            common = {"TOP_K": 5, "SORTED": sort, "W_FMT": _FMT_CODE[fmt], "MX_NATIVE": mx, "BLOCK_M": cfg["BLOCK_M"],
+                      "DOT_F32": False}
+            ptrs = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "ids_ptr": "*i32"}
+            strides = {"stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32"}
+            out.append(AotVariant(
+                f"{family}_gate_up_{fmt}", _moe_gate_up_kernel,
+                {"x_ptr": act, "x_scale_ptr": "*fp32", "w_ptr": wt, "w_scale_ptr": st, "h_ptr": act,
+                 "h_scale_ptr": "*fp32", **ptrs, "num_pairs": "i32", "I": "i32", "K": "i32", "stride_xt": "i32",
+                 **strides, "stride_hp": "i32", "stride_hsp": "i32", "alpha": "fp32", "limit": "fp32"},
+                {**common, "BLOCK_N": cfg["GU_BLOCK_N"], "BLOCK_K": cfg["GU_BLOCK_K"], "FP8_MAX": arch.fp8_max,
+                 "INTERPRET": False},
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                aligned=("I", "K", "stride_xt", "stride_wn", "stride_hp")))
+            dn_bk = min(cfg["DN_BLOCK_K"], FP8_ACT_GROUP) if fmt == "fp8" else cfg["DN_BLOCK_K"]
+            out.append(AotVariant(
+                f"{family}_down_{fmt}", _moe_down_kernel,
+                {"h_ptr": act, "h_scale_ptr": "*fp32", "w_ptr": wt, "w_scale_ptr": st, "out_ptr": "*bf16",
+                 "topk_w_ptr": "*fp32", **ptrs, "num_pairs": "i32", "N": "i32", "K": "i32", "stride_hp": "i32",
+                 "stride_hsp": "i32", **strides, "stride_om": "i32"},
+                {**common, "BLOCK_N": cfg["DN_BLOCK_N"], "BLOCK_K": dn_bk},
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                aligned=("N", "K", "stride_hp", "stride_wn", "stride_om")))
+    return out

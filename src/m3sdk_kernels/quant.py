@@ -1,0 +1,270 @@
+"""Online FP8 (per-token activations x per-channel weights) and the OCP microscaling formats (MXFP4, MXFP8).
+
+FP8 W8A8: a weight [N, K] is stored as fp8 with one float32 scale per output channel (row), an activation
+[M, K] is quantized per token on the fly (`scale = amax / fp8_max`, the same rule as the FP8 KV cache), and the
+GEMM multiplies both scales in its epilogue: y = (x_q @ w_q.T) * x_scale[:, None] * w_scale[None, :].
+
+MX (OCP Microscaling v1.0): 32 consecutive elements along K share one E8M0 scale byte (2^(byte - 127)).
+MXFP4 stores E2M1 values two per byte, the even element in the low nibble (the layout of the published
+checkpoints: Quark, gpt-oss, compressed-tensors); MXFP8 stores one e4m3fn per byte. Quantizing picks the
+smallest power of two that keeps the block's amax representable (no saturation). These are load-time helpers
+(plain torch); the GEMMs that read MX weights live in moe.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .arch import Arch, current_arch, tiles
+from .cache_write import quantize_fp8_ref
+
+MX_BLOCK = 32
+E8M0_BIAS = 127
+# E2M1 magnitudes by 3-bit code; bit 3 of a nibble is the sign
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between neighbouring magnitudes; at a tie round-to-nearest-even keeps the even code, so the tie
+# goes down at 0.25, 1.25, 2.5, 5 (below is even) and up at 0.75, 1.75, 3.5 (above is even).
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIE_UP = (False, True, False, True, False, True, False)
+
+# The interpreter's bf16 tl.dot is wrong (see docs/kernels.md): kernels upcast dot operands to fp32 there.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MX formats (load-time, plain torch)
+
+
+def _mx_exponent(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
+    """Smallest e with amax / 2^e <= elem_max, clamped to E8M0's range (all-zero blocks get the smallest)."""
+    e = torch.ceil(torch.log2(amax / elem_max)).clamp(-E8M0_BIAS, E8M0_BIAS)
+    e = torch.where(amax > 0, e, torch.full_like(e, -E8M0_BIAS))
+    # log2 may round a value just above a power of two down onto it: bump those blocks by one
+    return torch.where(amax / torch.exp2(e) > elem_max, e + 1, e)
+
+
+def _mx_blocks(w: torch.Tensor) -> torch.Tensor:
+    if w.shape[-1] % MX_BLOCK:
+        raise ValueError(f"MX needs the last dim divisible by {MX_BLOCK}, got {tuple(w.shape)}")
+    return w.float().reshape(*w.shape[:-1], w.shape[-1] // MX_BLOCK, MX_BLOCK)
+
+
+def _e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(scales.to(torch.float32) - E8M0_BIAS)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] -> (packed uint8 [..., K // 2], scales uint8 [..., K // 32])."""
+    blocks = _mx_blocks(w)
+    e = _mx_exponent(blocks.abs().amax(-1), E2M1_VALUES[-1])
+    v = blocks / torch.exp2(e)[..., None]
+    mag = v.abs()
+    code = torch.zeros(mag.shape, dtype=torch.uint8, device=w.device)
+    for mid, up in zip(_E2M1_MIDPOINTS, _E2M1_TIE_UP, strict=True):
+        code += (mag >= mid if up else mag > mid).to(torch.uint8)
+    code |= ((v < 0) & (code > 0)).to(torch.uint8) << 3  # no negative zero: zeros stay canonical
+    code = code.reshape(*w.shape)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed.contiguous(), (e + E8M0_BIAS).to(torch.uint8)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_mxfp4`: -> [..., K] in `dtype` (exact in float32)."""
+    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=packed.device)
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
+    vals = lut[codes.long()].reshape(*scales.shape, MX_BLOCK) * _e8m0_to_float(scales)[..., None]
+    return vals.reshape(*packed.shape[:-1], -1).to(dtype)
+
+
+def quantize_mxfp8(w: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] -> (fp8 [..., K], scales uint8 [..., K // 32])."""
+    blocks = _mx_blocks(w)
+    fp8_max = torch.finfo(fp8_dtype).max
+    e = _mx_exponent(blocks.abs().amax(-1), fp8_max)
+    q = (blocks / torch.exp2(e)[..., None]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    return q.reshape(w.shape), (e + E8M0_BIAS).to(torch.uint8)
+
+
+def dequantize_mxfp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_mxfp8` (and the published MXFP8 checkpoint's `weight` + `weight_scale_inv`)."""
+    vals = q.float().reshape(*scales.shape, MX_BLOCK) * _e8m0_to_float(scales)[..., None]
+    return vals.reshape(q.shape).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FP8 per-channel weights, per-token activations: references
+
+
+def quantize_fp8_weight(w: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (fp8 [..., N, K], float32 scale [..., N]): one scale per output channel."""
+    return quantize_fp8_ref(w, fp8_dtype)
+
+
+def quantize_fp8_per_token_ref(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], float32 scale [M])."""
+    return quantize_fp8_ref(x, fp8_dtype)
+
+
+def fp8_gemm_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(x_q [M, K] fp8, x_scale [M]) x (w_q [N, K] fp8, w_scale [N]) -> [M, N] out_dtype, fp32 accumulation."""
+    acc = x_q.float() @ w_q.float().T
+    return (acc * x_scale.float()[:, None] * w_scale.float()[None, :]).to(out_dtype)
+
+
+def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                   x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(w).T. x is bf16 (quantized here per token) or already fp8 with its `x_scale`."""
+    if x_scale is None:
+        x, x_scale = quantize_fp8_per_token_ref(x, w_q.dtype)
+    return fp8_gemm_ref(x, x_scale, w_q, w_scale)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton
+
+
+@triton.jit
+def fp8_grid(x, INTERPRET: tl.constexpr):
+    """x (fp32, already within the fp8 range) as the kernel casts it to e4m3. The interpreter's fp32 -> e4m3
+    cast loses the carry of a round-up into the exponent (31.5 -> 16): there, round to the e4m3fn grid in fp32
+    first (3 mantissa bits, nearest-even; subnormals below 2^-6 in steps of 2^-9) so its cast is exact."""
+    if INTERPRET:
+        b = x.to(tl.uint32, bitcast=True)
+        normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        sub = ((x * 512.0 + 12582912.0) - 12582912.0) / 512.0  # 1.5 * 2^23: fp32 addition rounds to integers
+        x = tl.where(tl.abs(x) < 0.015625, sub, normal)
+    return x
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    # one row per program: amax over the row, then the quantized row (the second read hits L1/L2)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_K,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+    for k0 in range(0, K, BLOCK_K):
+        mask = k0 + cols < K
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+        q = fp8_grid(tl.clamp(x / scale, -FP8_MAX, FP8_MAX), INTERPRET)
+        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_fp8_per_token(x: torch.Tensor, fp8_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `quantize_fp8_per_token_ref` (x [M, K] with unit last stride)."""
+    fp8_dtype = fp8_dtype or current_arch(x.device).fp8_dtype
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
+    s = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m:
+        t = tiles("fp8_quant", current_arch(x.device))
+        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
+                                 BLOCK_K=t["BLOCK_K"], INTERPRET=INTERPRET, num_warps=t["num_warps"])
+    return q, s
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     EVEN_K: tl.constexpr):
+    # grouped program order: GROUP_M row blocks walk the same weight columns while those are in L2
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows past the end read row 0 again instead of masking: the loads stay unmasked, full-width vectors
+    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=k0 + offs_k[None, :] < K, other=0.0)
+            w = tl.load(w_ptrs, mask=k0 + offs_k[:, None] < K, other=0.0)
+        acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    a_scale = tl.load(a_scale_ptr + rows)
+    w_scale = tl.load(w_scale_ptr + cols)
+    acc = acc * a_scale[:, None] * w_scale[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def _gemm_tiles(m: int, arch: Arch) -> dict[str, int]:
+    # decode (the job is streaming the weight once), mid, prefill (the job is tensor-core rate)
+    family = "fp8_gemm_decode" if m <= 16 else "fp8_gemm_mid" if m <= 256 else "fp8_gemm_prefill"
+    return tiles(family, arch)
+
+
+def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Triton version of `fp8_gemm_ref`."""
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if m == 0:
+        return out
+    t = _gemm_tiles(m, current_arch(x_q.device))
+    grid = (triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"]),)
+    _fp8_gemm_kernel[grid](x_q, x_scale, w_q, w_scale, out, m, n, k, x_q.stride(0), w_q.stride(0), out.stride(0),
+                           BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"],
+                           EVEN_K=k % t["BLOCK_K"] == 0, num_warps=t["num_warps"], num_stages=t["num_stages"])
+    return out
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+               x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of `fp8_linear_ref`: quantize x per token unless it comes quantized (from the norm)."""
+    if x_scale is None:
+        x, x_scale = quantize_fp8_per_token(x, w_q.dtype)
+    return fp8_gemm(x, x_scale, w_q, w_scale)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ahead-of-time variants (python -m m3sdk_kernels.aot)
+
+
+def aot_variants(arch: Arch) -> list:
+    from .aot import AotVariant
+
+    fp8 = f"*{arch.fp8_triton}"
+    t = tiles("fp8_quant", arch)
+    out = [AotVariant("quant_fp8_rows", _quant_rows_kernel,
+                      {"x_ptr": "*bf16", "q_ptr": fp8, "s_ptr": "*fp32", "K": "i32", "stride_x": "i32",
+                       "stride_q": "i32"},
+                      {"FP8_MAX": arch.fp8_max, "BLOCK_K": t["BLOCK_K"], "INTERPRET": False}, num_warps=t["num_warps"],
+                      aligned=("K", "stride_x", "stride_q"))]
+    for family in ("fp8_gemm_decode", "fp8_gemm_mid", "fp8_gemm_prefill"):
+        t = tiles(family, arch)
+        out.append(AotVariant(
+            family, _fp8_gemm_kernel,
+            {"a_ptr": fp8, "a_scale_ptr": "*fp32", "w_ptr": fp8, "w_scale_ptr": "*fp32", "c_ptr": "*bf16",
+             "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32"},
+            {"BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"], "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"],
+             "EVEN_K": True},
+            num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=("K", "stride_am", "stride_wn", "stride_cm")))
+    return out
