@@ -1,0 +1,143 @@
+"""ChainDrafter: the drafting loop shared by the model-based drafters (EAGLE3, MTP).
+
+Both run a small draft network with its own KV cache. Draft entry t reads a hidden state for position t and the
+embedding of token t + 1, and predicts token t + 2:
+  - for a committed position, the hidden state comes from the target (`observe`): these entries are kept;
+  - along a proposal chain, it is the draft's own output at the previous entry: these entries are dropped
+    after `propose` (the verified positions are rebuilt from the target's states at the next `observe`).
+So a verify step that accepted a drafts costs the draft one forward over a + 1 entries, and proposing k tokens
+k - 1 more forwards of one entry per request. A subclass supplies the network: `new_context`, `run`, `tokens`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from m3sdk.spec.base import DraftRequest, Proposal, TargetStates
+
+
+class DraftContext(Protocol):
+    """A request's draft cache: entries for positions `first ... end - 1`; setting `length` truncates."""
+
+    first: int
+    length: int
+
+    @property
+    def end(self) -> int: ...
+
+
+@dataclass
+class _Seq:
+    ctx: DraftContext
+    next_token: int  # the first draft, read at the last committed entry
+    hidden: torch.Tensor  # that entry's output hidden [H]: the chain's next input
+
+
+class ChainDrafter(ABC):
+    method: str
+    aux_layers: tuple[int, ...] = ()
+
+    def __init__(self, num_speculative_tokens: int):
+        self.num_speculative_tokens = num_speculative_tokens
+        self._seqs: dict[str, _Seq] = {}
+
+    # -- the network (subclass) --
+
+    @abstractmethod
+    def new_context(self, first: int, device: torch.device) -> DraftContext | None:
+        """An empty cache starting at position `first` (None: no room; the request is not drafted for)."""
+
+    def drop_context(self, ctx: DraftContext) -> None:  # noqa: B027 (optional hook: most contexts hold nothing)
+        """Give back what the context holds."""
+
+    @abstractmethod
+    def run(self, ctxs: list[DraftContext], counts: list[int], token_ids: torch.Tensor, hidden: torch.Tensor,
+            positions: torch.Tensor, from_target: bool) -> torch.Tensor:
+        """One draft forward over flat entries (counts[i] of them appended to ctxs[i]): token ids [N], hidden
+        inputs [N, *] (the target's states when `from_target`, else the draft's outputs), absolute positions
+        [N] -> output hidden [N, H] (what `tokens` reads and the chain feeds back)."""
+
+    @abstractmethod
+    def tokens(self, out: torch.Tensor) -> list[int]:
+        """Greedy draft tokens (target vocabulary ids) from output hidden rows [M, H]."""
+
+    def features(self, states: TargetStates) -> torch.Tensor:
+        """The target states this drafter reads: aux layers when it asked for them, else the final hidden."""
+        return states.aux if self.aux_layers else states.hidden
+
+    # -- the loop --
+
+    @torch.inference_mode()
+    def observe_batch(self, items: Sequence[tuple[str, Sequence[int], TargetStates]]) -> None:
+        """Draft entries for the committed positions of several requests in one forward (token t + 1 is always
+        known for a committed position t)."""
+        ctxs, counts, toks, feats, pos, rids = [], [], [], [], [], []
+        for rid, token_ids, st in items:
+            n = st.hidden.shape[0]
+            if n == 0:
+                continue
+            seq = self._seqs.get(rid)
+            if seq is None or seq.ctx.end != st.start:
+                # new request, or a gap (prefix-cache hit, recompute): the draft context starts here
+                self.release(rid)
+                ctx = self.new_context(st.start, st.hidden.device)
+                if ctx is None:
+                    continue
+                seq = self._seqs[rid] = _Seq(ctx, -1, st.hidden.new_empty(0))
+            ctxs.append(seq.ctx)
+            counts.append(n)
+            toks.extend(token_ids[st.start + 1:st.start + n + 1])
+            feats.append(self.features(st))
+            pos.append(torch.arange(st.start, st.start + n))
+            rids.append(rid)
+        if not ctxs:
+            return
+        dev = feats[0].device
+        out = self.run(ctxs, counts, torch.tensor(toks, dtype=torch.long, device=dev), torch.cat(feats),
+                       torch.cat(pos).to(dev), from_target=True)
+        last = torch.tensor(counts, device=dev).cumsum(0) - 1
+        firsts = self.tokens(out[last])
+        for i, rid in enumerate(rids):
+            seq = self._seqs[rid]
+            seq.next_token, seq.hidden = firsts[i], out[last[i]]
+
+    def observe(self, request_id: str, token_ids: Sequence[int], states: TargetStates) -> None:
+        self.observe_batch([(request_id, token_ids, states)])
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
+        out = [Proposal() for _ in requests]
+        live = []
+        for i, r in enumerate(requests):
+            seq = self._seqs.get(r.request_id)
+            # drafts start once the draft has read every committed position, the one before the last token
+            if seq is not None and r.max_drafts > 0 and seq.ctx.end == len(r.token_ids) - 1:
+                out[i].tokens.append(seq.next_token)
+                live.append((i, seq, min(r.max_drafts, self.num_speculative_tokens)))
+        if not live:
+            return out
+        committed = [seq.ctx.length for _, seq, _ in live]
+        hidden = torch.stack([seq.hidden for _, seq, _ in live])
+        dev = hidden.device
+        for step in range(1, max(k for _, _, k in live)):
+            # every live chain grows by one entry (chains that want fewer drafts ignore the extra token)
+            tokens = torch.tensor([out[i].tokens[-1] for i, _, _ in live], device=dev)
+            positions = torch.tensor([seq.ctx.end for _, seq, _ in live], device=dev)
+            hidden = self.run([seq.ctx for _, seq, _ in live], [1] * len(live), tokens, hidden, positions,
+                              from_target=False)
+            for (i, _, k), t in zip(live, self.tokens(hidden), strict=True):
+                if step < k:
+                    out[i].tokens.append(t)
+        for (_, seq, _), n in zip(live, committed, strict=True):
+            seq.ctx.length = n  # drop the chain's entries
+        return out
+
+    def release(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.drop_context(seq.ctx)

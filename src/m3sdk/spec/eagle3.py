@@ -1,0 +1,430 @@
+"""EAGLE3: a one-layer Llama draft head that reads three target layers' hidden states, in the checkpoint layout
+the published EAGLE3 drafts use with vLLM and SGLang (e.g. Inferact/MiniMax-M3-EAGLE3).
+
+Checkpoint (`config.json` + `model.safetensors` or `pytorch_model.bin`):
+  config: `architectures: ["LlamaForCausalLMEagle3"]`, Llama fields (hidden_size, num_attention_heads,
+    num_key_value_heads, head_dim, intermediate_size, rms_norm_eps, rope_theta, vocab_size), `draft_vocab_size`,
+    optional `target_hidden_size`, `norm_before_residual`, and the aux layers in `eagle_aux_hidden_state_layer_ids`
+    (top level, or inside `eagle_config`, which may also say `use_aux_hidden_state`). The speculators layout
+    (`Eagle3Speculator`, Llama fields inside `transformer_layer_config`) is read too.
+  tensors: `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
+    `midlayer.self_attn.{q,k,v,o}_proj.weight` (q/k/v take 2 * hidden inputs),
+    `midlayer.mlp.{gate,up,down}_proj.weight`,
+    `fc.weight` [hidden, 3 * target_hidden], `norm.weight`, `lm_head.weight` [draft_vocab, hidden],
+    `d2t` int64 [draft_vocab] (target id = draft id + d2t[draft id]), `t2d` bool [vocab], and optionally
+    `embed_tokens.weight` (absent: the target's embedding is shared). `layers.0.*` is accepted for `midlayer.*`.
+
+Aux layer ids follow vLLM: id i is the hidden state *entering* target layer i (transformers' hidden_states[i]);
+default (2, n // 2, n - 3). (SGLang shifts explicit ids by one: it reads id i as layer i's output.)
+
+The draft step at position t reads the target's aux states at t and the embedding of token t + 1 and predicts
+token t + 2; its later steps feed back its own pre-norm output instead of the target's states. It keeps its own
+small KV cache per request (positions it has seen), so it needs nothing from the target's paged cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from m3sdk.errors import CheckpointError
+from m3sdk.spec.base import SpecConfig, TargetInfo, register
+from m3sdk.spec.chain import ChainDrafter
+
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
+BUNDLED_HEAD_DIR = "m3-tiny-eagle3"  # next to the bundled target in m3sdk/assets
+
+
+def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
+    return (2, num_target_layers // 2, num_target_layers - 3)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    norm_before_residual: bool = False
+    use_aux_hidden_state: bool = True
+    aux_layer_ids: tuple[int, ...] | None = None  # None: the target's default
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> Eagle3Config:
+        archs = raw.get("architectures") or []
+        if archs and not any(a in ARCHITECTURES for a in archs):
+            raise CheckpointError(f"{source}: architectures {archs} is not an EAGLE3 draft ({list(ARCHITECTURES)})")
+        speculators = "transformer_layer_config" in raw
+        layer = raw.get("transformer_layer_config") or raw
+        eagle = raw.get("eagle_config") or {}
+        try:
+            hidden = int(layer["hidden_size"])
+            heads = int(layer["num_attention_heads"])
+            vocab = int(layer.get("vocab_size") or raw["vocab_size"])
+            intermediate = int(layer["intermediate_size"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{source}: missing or bad field {e}") from e
+        if layer.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"{source}: hidden_act {layer['hidden_act']!r} is not supported (only silu)")
+        if layer.get("attention_bias") or layer.get("mlp_bias"):
+            raise CheckpointError(f"{source}: biased draft projections are not supported")
+        if int(layer.get("num_hidden_layers", 1)) != 1:
+            raise CheckpointError(f"{source}: num_hidden_layers {layer['num_hidden_layers']} (only 1 is supported)")
+        rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise CheckpointError(f"{source}: rope type {rope.get('rope_type', rope.get('type'))!r} is not supported")
+        aux = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+        return cls(
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(layer.get("num_key_value_heads") or heads),
+            head_dim=int(layer.get("head_dim") or hidden // heads),
+            intermediate_size=intermediate,
+            vocab_size=vocab,
+            draft_vocab_size=int(raw.get("draft_vocab_size") or vocab),
+            target_hidden_size=int(raw.get("target_hidden_size") or hidden),
+            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", layer.get("rope_theta", 10000.0))),
+            max_position_embeddings=int(layer.get("max_position_embeddings", 8192)),
+            norm_before_residual=bool(raw.get("norm_before_residual", speculators)),
+            use_aux_hidden_state=bool(eagle.get("use_aux_hidden_state", True)),
+            aux_layer_ids=tuple(int(i) for i in aux) if aux else None,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Eagle3Config:
+        file = Path(path) / "config.json"
+        if not file.is_file():
+            raise CheckpointError(f"no config.json in {path}")
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{file}: unreadable config ({e})") from e
+        return cls.from_dict(raw, str(file))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The published LlamaForCausalLMEagle3 config.json."""
+        d = asdict(self)
+        out: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "num_hidden_layers": 1,
+            "hidden_size": d["hidden_size"],
+            "num_attention_heads": d["num_heads"],
+            "num_key_value_heads": d["num_kv_heads"],
+            "head_dim": d["head_dim"],
+            "intermediate_size": d["intermediate_size"],
+            "vocab_size": d["vocab_size"],
+            "draft_vocab_size": d["draft_vocab_size"],
+            "target_hidden_size": d["target_hidden_size"],
+            "rms_norm_eps": d["rms_norm_eps"],
+            "rope_theta": d["rope_theta"],
+            "max_position_embeddings": d["max_position_embeddings"],
+            "norm_before_residual": d["norm_before_residual"],
+            "tie_word_embeddings": False,
+            "eagle_config": {"use_aux_hidden_state": d["use_aux_hidden_state"]},
+        }
+        if self.aux_layer_ids is not None:
+            out["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
+            out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
+        return out
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm (weight * x / rms), computed in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama (NeoX-style, rotate-half) RoPE over the whole head: x [N, H, D], positions [N]."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    ang = positions.to(torch.float32)[:, None] * inv[None, :]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.self_attn = _Attention(c)
+        self.mlp = _MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class Eagle3Head(nn.Module):
+    """The draft head. Its state_dict names are the checkpoint's (`midlayer.*`, `fc`, `norm`, `lm_head`,
+    `d2t`, `t2d`); `embed_tokens` exists only when the checkpoint carries its own."""
+
+    def __init__(self, config: Eagle3Config, own_embedding: bool = False, own_lm_head: bool = True):
+        super().__init__()
+        c = self.config = config
+        self.midlayer = _MidLayer(c)
+        self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=False) if c.use_aux_hidden_state else None
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False) if own_lm_head else None
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if own_embedding else None
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool)
+                             if c.draft_vocab_size == c.vocab_size else torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.shared_embed: nn.Module | None = None  # the target's, when embed_tokens is None
+        self.shared_lm_head: nn.Module | None = None  # the target's, when lm_head is None
+        self.aux_layers: tuple[int, ...] = config.aux_layer_ids or ()  # the loader fills in the target's default
+
+    # -- the pieces of one draft step (also used by the training script with its own attention masks) --
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        emb = self.embed_tokens if self.embed_tokens is not None else self.shared_embed
+        return emb(token_ids)
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target aux states [N, 3 * target_hidden] -> the draft's hidden input [N, hidden]."""
+        return self.fc(aux) if self.fc is not None else aux
+
+    def project(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """-> q [N, Hq, D], k [N, Hkv, D] (both roped), v [N, Hkv, D], residual [N, hidden]."""
+        c, layer = self.config, self.midlayer
+        if c.norm_before_residual:
+            h = residual = layer.hidden_norm(hidden)
+        else:
+            residual, h = hidden, layer.hidden_norm(hidden)
+        x = torch.cat([layer.input_layernorm(embeds), h], dim=-1)
+        att = layer.self_attn
+        q = att.q_proj(x).view(-1, c.num_heads, c.head_dim)
+        k = att.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        v = att.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        return rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta), v, residual
+
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention output [N, Hq * D] -> (final-normed [N, hidden], pre-norm [N, hidden]: the next step's
+        hidden input)."""
+        layer = self.midlayer
+        residual = layer.self_attn.o_proj(attn) + residual
+        residual = layer.mlp(layer.post_attention_layernorm(residual)) + residual
+        return self.norm(residual), residual
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [N, draft_vocab] (the target's full vocabulary when the head is shared)."""
+        head = self.lm_head if self.lm_head is not None else self.shared_lm_head
+        return head(normed).float()
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+class DraftKV:
+    """One request's draft KV cache: entries for positions first .. first + length - 1, grown by doubling."""
+
+    def __init__(self, first: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.first = first
+        self.length = 0
+        self.k = torch.empty(16, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+
+    @property
+    def end(self) -> int:
+        """The position after the last entry."""
+        return self.first + self.length
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        need = self.length + k.shape[0]
+        if need > self.k.shape[0]:
+            cap = max(need, 2 * self.k.shape[0])
+            self.k = torch.cat([self.k[: self.length], self.k.new_empty(cap - self.length, *self.k.shape[1:])])
+            self.v = torch.cat([self.v[: self.length], self.v.new_empty(cap - self.length, *self.v.shape[1:])])
+        self.k[self.length:need] = k
+        self.v[self.length:need] = v
+        self.length = need
+
+
+def attend(q: torch.Tensor, cache: DraftKV, scale: float) -> torch.Tensor:
+    """q [n, Hq, D] for the cache's last n entries (already appended), causal -> [n, Hq * D]."""
+    n, hq, d = q.shape
+    k, v = cache.k[: cache.length], cache.v[: cache.length]
+    group = hq // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    # query i sits at cache index length - n + i and sees indices <= that
+    idx = torch.arange(cache.length, device=q.device)
+    mask = idx[None, :] <= idx[cache.length - n:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).reshape(n, hq * d)
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            out.update(load_file(str(f)))
+        return out
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if bins:
+        out = {}
+        for f in bins:
+            out.update(torch.load(f, map_location="cpu", weights_only=True))
+        return out
+    raise CheckpointError(f"{path}: no *.safetensors or pytorch_model.bin")
+
+
+def _canonical(name: str) -> str:
+    name = name.removeprefix("model.")
+    return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+
+
+def load_eagle3(path: str | Path, target: TargetInfo) -> Eagle3Head:
+    """Read a draft head in the published layout and tie it to the target (shared embedding / lm_head when the
+    checkpoint has none). Every tensor is checked by name and shape; a mismatch is a CheckpointError."""
+    path = Path(path)
+    config = Eagle3Config.from_pretrained(path)
+    tc = target.config
+    problems = []
+    if config.vocab_size != tc.vocab_size:
+        problems.append(f"vocab_size {config.vocab_size} != target's {tc.vocab_size}")
+    if config.use_aux_hidden_state and config.target_hidden_size != tc.hidden_size:
+        problems.append(f"target_hidden_size {config.target_hidden_size} != target's hidden_size {tc.hidden_size}")
+    aux = config.aux_layer_ids or default_aux_layers(tc.num_layers)
+    if len(aux) != 3 or any(not 0 <= i <= tc.num_layers for i in aux):
+        problems.append(f"aux layer ids {aux} must be 3 ids in [0, {tc.num_layers}]")
+    tensors = {_canonical(k): v for k, v in _read_tensors(path).items()}
+    own_embed = "embed_tokens.weight" in tensors
+    own_head = "lm_head.weight" in tensors
+    if not own_embed and (target.embed_tokens is None or config.hidden_size != tc.hidden_size):
+        problems.append("no embed_tokens.weight and the target's embedding cannot be shared")
+    if not own_head and (target.lm_head is None or config.draft_vocab_size != tc.vocab_size
+                         or config.hidden_size != tc.hidden_size):
+        problems.append("no lm_head.weight and the target's lm_head cannot be shared")
+    if problems:
+        raise CheckpointError(f"{path}: " + "; ".join(problems))
+
+    head = Eagle3Head(config, own_embedding=own_embed, own_lm_head=own_head)
+    expected = head.state_dict()
+    if "d2t" not in tensors and config.draft_vocab_size == config.vocab_size:
+        tensors["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)  # identity map
+    if "t2d" not in tensors and "d2t" in tensors:  # only the target -> draft direction is missing: derive it
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(config.draft_vocab_size) + tensors["d2t"].long()] = True
+        tensors["t2d"] = t2d
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    bad = [f"{n} {tuple(tensors[n].shape)} != {tuple(t.shape)}" for n, t in expected.items()
+           if n in tensors and tensors[n].shape != t.shape]
+    if missing or unexpected or bad:
+        raise CheckpointError(f"{path}: missing {missing}, unexpected {unexpected}, misshapen {bad}")
+    head.load_state_dict({n: tensors[n].to(expected[n].dtype) for n in expected})
+    head.shared_embed = None if own_embed else target.embed_tokens
+    head.shared_lm_head = None if own_head else target.lm_head
+    head.aux_layers = tuple(aux)
+    return head.to(device=target.device, dtype=target.dtype).eval()
+
+
+def save_eagle3(head: Eagle3Head, path: str | Path) -> None:
+    """Write config.json + model.safetensors in the published layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(head.config.to_dict(), indent=2) + "\n")
+    state = {n: t.detach().contiguous().cpu() for n, t in head.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+class Eagle3Drafter(ChainDrafter):
+    """Drafts a chain of k tokens per request, greedily (the verifier treats each as a point mass). The first
+    entry of each observed position reads fc(aux states); chain entries read the head's pre-norm output."""
+
+    method = "eagle3"
+
+    def __init__(self, head: Eagle3Head, num_speculative_tokens: int):
+        super().__init__(num_speculative_tokens)
+        self.head = head
+        self.aux_layers = head.aux_layers if head.config.use_aux_hidden_state else ()
+        self.scale = 1.0 / math.sqrt(head.config.head_dim)
+        self.dtype = head.midlayer.self_attn.q_proj.weight.dtype
+
+    def new_context(self, first: int, device: torch.device) -> DraftKV:
+        c = self.head.config
+        return DraftKV(first, c.num_kv_heads, c.head_dim, self.dtype, device)
+
+    def run(self, ctxs: list[DraftKV], counts: list[int], token_ids: torch.Tensor, hidden: torch.Tensor,
+            positions: torch.Tensor, from_target: bool) -> torch.Tensor:
+        head = self.head
+        # outputs are [final-normed | pre-norm]: the chain feeds back the pre-norm half
+        hidden = head.combine(hidden.to(self.dtype)) if from_target else hidden[:, head.config.hidden_size:]
+        q, k, v, residual = head.project(head.embed(token_ids), hidden, positions)
+        outs, start = [], 0
+        for ctx, n in zip(ctxs, counts, strict=True):
+            ctx.append(k[start:start + n], v[start:start + n])
+            outs.append(attend(q[start:start + n], ctx, self.scale))
+            start += n
+        return torch.cat(head.finish(torch.cat(outs), residual), dim=-1)
+
+    def tokens(self, out: torch.Tensor) -> list[int]:
+        normed = out[:, : self.head.config.hidden_size]
+        return self.head.to_target(self.head.logits(normed).argmax(-1)).tolist()
+
+
+def bundled_head_path(target_checkpoint: str | None) -> Path | None:
+    """The head shipped beside the bundled target (m3sdk/assets/m3-tiny-eagle3), if the target is it."""
+    if target_checkpoint is None:
+        return None
+    here = Path(target_checkpoint).resolve()
+    candidate = here.parent / BUNDLED_HEAD_DIR
+    if here.name == "m3-tiny" and (candidate / "config.json").is_file():
+        return candidate
+    return None
+
+
+@register("eagle3")
+def _build(config: SpecConfig, target: TargetInfo) -> Eagle3Drafter:
+    path = config.model or bundled_head_path(target.checkpoint)
+    if path is None:
+        raise CheckpointError("speculative eagle3 needs a draft head: pass {'model': path} (only the bundled "
+                              "m3-tiny ships one)")
+    return Eagle3Drafter(load_eagle3(path, target), config.num_speculative_tokens)

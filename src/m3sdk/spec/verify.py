@@ -1,0 +1,143 @@
+"""The shared verifier: the target's logits for a request's last token plus its k drafts -> the accepted drafts
+and one more token (the correction at the first rejection, or the bonus token after k acceptances).
+
+Exactness:
+- temperature 0: draft i is accepted iff it equals the argmax of the penalized logits at its position, the token
+  the plain sampler would have emitted there, so the output is token-for-token the non-speculative one.
+- temperature > 0 (Leviathan et al. / Chen et al. speculative sampling): with p the target's processed
+  distribution (penalties, temperature, min-p/top-k/top-p: `sampler.processed_probs`) and q the distribution the
+  draft was drawn from, draft x is accepted with probability min(1, p(x) / q(x)); at the first rejection the
+  token is drawn from normalize(max(p - q, 0)). Every emitted token is then distributed exactly as p. A drafter
+  that picks its tokens deterministically has q = a point mass at x: accept with probability p(x), else draw
+  from p with x removed.
+Position i's distribution is computed with drafts 1..i-1 appended to the output history (the penalties see
+them), which is the true history whenever position i is reached.
+
+Seeded requests draw their uniforms and the final token from a generator seeded by (seed, tokens generated so
+far), as the sampler does, so a seeded request is reproducible given its drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from m3sdk.sampler import SampledToken, SamplingState, apply_penalties, apply_temperature, apply_truncation
+
+
+@dataclass
+class VerifyRow:
+    """One request in a verify step: its sampler state (history before this step), its drafts and, for sampled
+    drafts, their distributions q [len(drafts), V] (None: point masses)."""
+
+    state: SamplingState
+    drafts: list[int]
+    draft_probs: torch.Tensor | None = None
+
+
+def _position_states(row: VerifyRow) -> list[SamplingState]:
+    """The sampler state at each of the row's 1 + k positions. Without penalties the history does not change
+    the distribution, so the one state serves all positions (no per-position copy of the counts)."""
+    s = row.state
+    if not s.params.has_penalties:
+        return [s] * (len(row.drafts) + 1)
+    out = list(s.output_token_ids)
+    return [s] + [SamplingState(s.params, s.prompt_token_ids, out + row.drafts[:i])
+                  for i in range(1, len(row.drafts) + 1)]
+
+
+def _generator(state: SamplingState, device: torch.device) -> torch.Generator | None:
+    seed = state.generator_seed()
+    return None if seed is None else torch.Generator(device=device).manual_seed(seed)
+
+
+def accept_greedy(target: list[int], drafts: list[int]) -> list[int]:
+    """Accepted drafts + the target's token at the first mismatch (or the bonus after all)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target[n]:
+        n += 1
+    return drafts[:n] + [target[n]]
+
+
+def accept_sampled(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
+                   generator: torch.Generator | None = None) -> list[int]:
+    """Speculative sampling over p [k+1, V] (processed target distributions), drafts (k tokens), q [k, V] or
+    None (point masses). Returns the accepted drafts + one token drawn from the residual or the bonus row."""
+    k = len(drafts)
+    dev = p.device
+    idx = torch.arange(k, device=dev)
+    d = torch.tensor(drafts, dtype=torch.long, device=dev)
+    p_d = p[idx, d]
+    q_d = q[idx, d] if q is not None else torch.ones(k, device=dev)
+    u = torch.rand(k, device=dev, generator=generator)
+    # u < p/q  <=>  u * q < p (no division: q(x) > 0 for a drawn x, but be safe)
+    accepted = (u * q_d < p_d).tolist()
+    n = accepted.index(False) if False in accepted else k
+    if n == k:
+        final = p[k]
+    else:
+        residual = p[n].clone()
+        if q is None:
+            residual[drafts[n]] = 0.0
+        else:
+            residual = (residual - q[n]).clamp_min_(0.0)
+        # the residual is all zero only if p == q there, in which case the draft is never rejected; guard
+        # against rounding anyway by falling back to p
+        final = residual if float(residual.sum()) > 0 else p[n]
+    e = torch.empty_like(final).exponential_(generator=generator).clamp_min_(torch.finfo(final.dtype).tiny)
+    token = int((final / e).argmax())  # exponential race: picks i with probability final_i / sum(final)
+    return drafts[:n] + [token]
+
+
+@torch.inference_mode()
+def verify(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[list[SampledToken]]:
+    """logits [sum(len(drafts) + 1), V], rows in the same order -> the emitted tokens of each row (between 1 and
+    len(drafts) + 1), with the logprobs the sampler would report for them."""
+    states = [st for row in rows for st in _position_states(row)]
+    assert logits.shape[0] == len(states), f"{logits.shape[0]} logits rows for {len(states)} verify positions"
+    x = logits.to(torch.float32, copy=True)
+    apply_penalties(x, states)
+    apply_temperature(x, states)
+    logz = x.logsumexp(dim=1)
+
+    # the processed distributions of every sampled position in one batch (truncation works row-wise)
+    sampled = [i for i, st in enumerate(states) if not st.params.greedy]
+    probs = torch.empty(0)
+    if sampled:
+        idx = torch.tensor(sampled, device=x.device)
+        probs = x[idx]
+        apply_truncation(probs, [states[i].params for i in sampled])
+        probs = probs.softmax(dim=1)
+    where = {pos: j for j, pos in enumerate(sampled)}
+    argmax = x.argmax(dim=1).tolist()
+
+    emitted: list[list[int]] = []
+    start = 0
+    for row in rows:
+        n = len(row.drafts) + 1
+        if row.state.params.greedy:
+            emitted.append(accept_greedy(argmax[start:start + n], row.drafts))
+        else:
+            p = probs[where[start]:where[start] + n]
+            emitted.append(accept_sampled(p, row.drafts, row.draft_probs, _generator(row.state, x.device)))
+        start += n
+
+    out: list[list[SampledToken]] = []
+    start = 0
+    for row, toks in zip(rows, emitted, strict=True):
+        pos = torch.arange(start, start + len(toks), device=x.device)
+        tok = torch.tensor(toks, dtype=torch.long, device=x.device)
+        lps = (x[pos, tok] - logz[pos]).tolist()
+        k = row.state.params.logprobs
+        tops: list[list[tuple[int, float]] | None] = [None] * len(toks)
+        if k:
+            vals, ids = x[pos].topk(min(k, x.shape[1]), dim=1)
+            vals = (vals - logz[pos].unsqueeze(1)).tolist()
+            tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals, strict=True)]
+        elif k == 0:
+            tops = [[] for _ in toks]
+        out.append([SampledToken(t, lp, tp) for t, lp, tp in zip(toks, lps, tops, strict=True)])
+        start += len(row.drafts) + 1
+    return out

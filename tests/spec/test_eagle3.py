@@ -1,0 +1,172 @@
+"""EAGLE3 draft heads in the published layout: loading (names, shapes, reduced vocabulary maps, both file
+formats) and the drafter's incremental cache + chain against a plain full-recompute reference."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from m3sdk.errors import CheckpointError
+from m3sdk.spec.base import DraftRequest, TargetInfo, TargetStates
+from m3sdk.spec.eagle3 import Eagle3Drafter, load_eagle3
+
+H, HT, HEADS, KV, D, INTER, VOCAB, DVOCAB, EPS, THETA = 32, 24, 4, 2, 8, 48, 64, 40, 1e-5, 500.0
+TARGET = SimpleNamespace(vocab_size=VOCAB, hidden_size=HT, num_layers=6)
+
+
+def published_tensors(seed=0) -> dict[str, torch.Tensor]:
+    """A random head under the names the published EAGLE3 checkpoints use (written here by hand, not from the
+    module's state_dict, so the layout is checked independently)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s, std=0.2: torch.randn(*s, generator=g) * std  # noqa: E731
+    vocab_ids = torch.randperm(VOCAB, generator=g)[:DVOCAB].sort().values
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[vocab_ids] = True
+    return {
+        "midlayer.input_layernorm.weight": 1 + r(H), "midlayer.hidden_norm.weight": 1 + r(H),
+        "midlayer.post_attention_layernorm.weight": 1 + r(H),
+        "midlayer.self_attn.q_proj.weight": r(HEADS * D, 2 * H), "midlayer.self_attn.k_proj.weight": r(KV * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": r(KV * D, 2 * H), "midlayer.self_attn.o_proj.weight": r(H, HEADS * D),
+        "midlayer.mlp.gate_proj.weight": r(INTER, H), "midlayer.mlp.up_proj.weight": r(INTER, H),
+        "midlayer.mlp.down_proj.weight": r(H, INTER),
+        "fc.weight": r(H, 3 * HT), "norm.weight": 1 + r(H), "lm_head.weight": r(DVOCAB, H, std=1.0),
+        "embed_tokens.weight": r(VOCAB, H, std=1.0),
+        "d2t": vocab_ids - torch.arange(DVOCAB), "t2d": t2d,
+    }
+
+
+CONFIG = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+          "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": D, "intermediate_size": INTER,
+          "num_hidden_layers": 1, "vocab_size": VOCAB, "draft_vocab_size": DVOCAB, "target_hidden_size": HT,
+          "rms_norm_eps": EPS, "rope_theta": THETA, "hidden_act": "silu", "tie_word_embeddings": False,
+          "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}}
+
+
+def write(path, tensors, config=CONFIG, fmt="safetensors"):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    if fmt == "safetensors":
+        save_file(tensors, str(path / "model.safetensors"))
+    else:
+        torch.save(tensors, path / "pytorch_model.bin")
+    return path
+
+
+def reference_next_tokens(W, tokens, aux, start, k):
+    """Plain full recompute of every draft entry (no cache): entry t reads fc(aux[t]) (or, along the chain, the
+    previous entry's pre-norm output) and token t + 1; the draft token is argmax of lm_head, mapped by d2t."""
+    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w  # noqa: E731
+
+    def rope(x, pos):
+        inv = 1.0 / THETA ** (torch.arange(0, D, 2).float() / D)
+        a = pos.float()[:, None, None] * inv
+        x1, x2 = x[..., : D // 2], x[..., D // 2:]
+        return torch.cat([x1 * a.cos() - x2 * a.sin(), x2 * a.cos() + x1 * a.sin()], -1)
+
+    def run(hidden_in, ids, pos):
+        n = len(ids)
+        x = torch.cat([rms(W["embed_tokens.weight"][ids], W["midlayer.input_layernorm.weight"]),
+                       rms(hidden_in, W["midlayer.hidden_norm.weight"])], -1)
+        q = rope((x @ W["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, D), pos)
+        kk = rope((x @ W["midlayer.self_attn.k_proj.weight"].T).view(n, KV, D), pos).repeat_interleave(2, 1)
+        v = (x @ W["midlayer.self_attn.v_proj.weight"].T).view(n, KV, D).repeat_interleave(2, 1)
+        s = torch.einsum("qhd,khd->hqk", q, kk) / D**0.5
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, HEADS * D)
+        res = o @ W["midlayer.self_attn.o_proj.weight"].T + hidden_in
+        m = rms(res, W["midlayer.post_attention_layernorm.weight"])
+        m = F.silu(m @ W["midlayer.mlp.gate_proj.weight"].T) * (m @ W["midlayer.mlp.up_proj.weight"].T)
+        res = m @ W["midlayer.mlp.down_proj.weight"].T + res
+        logits = rms(res, W["norm.weight"]) @ W["lm_head.weight"].T
+        return res, logits
+
+    n = len(aux)
+    hidden_in = aux @ W["fc.weight"].T
+    ids = list(tokens[start + 1:start + n + 1])
+    pos = torch.arange(start, start + n)
+    drafts = []
+    for _ in range(k):
+        res, logits = run(hidden_in, torch.tensor(ids), pos)
+        d = int(logits[-1].argmax())
+        drafts.append(d + int(W["d2t"][d]))
+        hidden_in = torch.cat([hidden_in, res[-1:]])
+        ids.append(drafts[-1])
+        pos = torch.cat([pos, pos[-1:] + 1])
+    return drafts
+
+
+def target_info(**kw):
+    return TargetInfo(config=TARGET, **kw)
+
+
+def test_load_published_layout_and_draft_matches_reference(tmp_path):
+    W = published_tensors()
+    head = load_eagle3(write(tmp_path / "st", W), target_info())
+    assert head.aux_layers == (1, 3, 4)
+    assert head.embed_tokens is not None and head.lm_head.weight.shape == (DVOCAB, H)
+    drafter = Eagle3Drafter(head, 3)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (20,), generator=g).tolist()
+    aux = torch.randn(19, 3 * HT, generator=g)
+    # chunked: positions 0..10 then 11..18 (a prefill in two chunks); token 19 is the last, not yet computed
+    drafter.observe("r", tokens, TargetStates(0, torch.zeros(11, HT), aux[:11]))
+    drafter.observe("r", tokens, TargetStates(11, torch.zeros(8, HT), aux[11:]))
+    got = drafter.propose([DraftRequest("r", tokens, 3)])[0]
+    want = reference_next_tokens(W, tokens, aux, 0, 3)
+    assert got.tokens == want and got.probs is None
+    assert all(W["t2d"][t] for t in want)  # drafts are target ids inside the reduced vocabulary
+    # proposing does not disturb the cache: proposing again gives the same chain
+    assert drafter.propose([DraftRequest("r", tokens, 2)])[0].tokens == want[:2]
+    # a verify step that accepted 1 draft + 1 correction commits positions 19, 20
+    tokens2 = tokens + [want[0], 7]
+    aux2 = torch.randn(2, 3 * HT, generator=g)
+    drafter.observe("r", tokens2, TargetStates(19, torch.zeros(2, HT), aux2))
+    got = drafter.propose([DraftRequest("r", tokens2, 3)])[0]
+    assert got.tokens == reference_next_tokens(W, tokens2, torch.cat([aux, aux2]), 0, 3)
+    # a request whose draft has not read its last committed position proposes nothing
+    assert drafter.propose([DraftRequest("r", tokens2 + [1], 3)])[0].tokens == []
+    drafter.release("r")
+    assert drafter.propose([DraftRequest("r", tokens2, 3)])[0].tokens == []
+
+
+def test_bin_file_layers0_names_and_derived_t2d(tmp_path):
+    W = published_tensors()
+    alt = {k.replace("midlayer.", "layers.0."): v for k, v in W.items() if k != "t2d"}
+    head = load_eagle3(write(tmp_path / "bin", alt, fmt="bin"), target_info())
+    assert torch.equal(head.t2d, W["t2d"])
+    assert torch.equal(head.midlayer.self_attn.q_proj.weight, W["midlayer.self_attn.q_proj.weight"])
+
+
+def test_shared_embedding_and_lm_head(tmp_path):
+    """A head without embed_tokens / lm_head (same hidden size, full vocabulary) uses the target's."""
+    W = published_tensors()
+    W = {k: v for k, v in W.items() if k not in ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")}
+    W = {k: (v[:, : 3 * HT] if k == "fc.weight" else v) for k, v in W.items()}
+    cfg = {**CONFIG, "draft_vocab_size": VOCAB, "target_hidden_size": H}
+    cfg.pop("eagle_config")
+    embed, lm_head = nn.Embedding(VOCAB, H), nn.Linear(H, VOCAB, bias=False)
+    W["fc.weight"] = torch.randn(H, 3 * H)
+    head = load_eagle3(write(tmp_path / "shared", W, cfg),
+                       TargetInfo(config=SimpleNamespace(vocab_size=VOCAB, hidden_size=H, num_layers=10),
+                                  embed_tokens=embed, lm_head=lm_head))
+    assert head.embed_tokens is None and head.lm_head is None
+    assert head.aux_layers == (2, 5, 7)  # the default for a 10-layer target
+    assert torch.equal(head.embed(torch.tensor([3])), embed(torch.tensor([3])))
+
+
+def test_bad_checkpoints_are_named(tmp_path):
+    W = published_tensors()
+    bad = {**W, "fc.weight": torch.zeros(H, 3 * HT + 1)}
+    with pytest.raises(CheckpointError, match="fc.weight"):
+        load_eagle3(write(tmp_path / "a", bad), target_info())
+    missing = {k: v for k, v in W.items() if k != "midlayer.mlp.up_proj.weight"}
+    with pytest.raises(CheckpointError, match="midlayer.mlp.up_proj.weight"):
+        load_eagle3(write(tmp_path / "b", missing), target_info())
+    with pytest.raises(CheckpointError, match="vocab_size"):
+        load_eagle3(write(tmp_path / "c", W, {**CONFIG, "vocab_size": 65}), target_info())
+    with pytest.raises(CheckpointError, match="architectures"):
+        load_eagle3(write(tmp_path / "d", W, {**CONFIG, "architectures": ["LlamaForCausalLM"]}), target_info())
