@@ -1,0 +1,257 @@
+"""The decode side's remote-prefill client: handshakes its prefill nodes, heartbeats them, and runs one job
+per remotely prefilled request (post receive buffers, call Prefill, wait for both the pages and the final
+message).
+
+The engine core (a plain thread) calls `submit` and `cancel`; the jobs run on the disagg loop. Every job ends
+by its deadline: on any failure (node error, transport error, a node that stops answering heartbeats, a
+malformed reply) the receive is retired and the node told to abort *before* the job's future fails, so the
+caller may reuse or free the pages the moment it sees the failure. The client never frees pages: the core
+owns them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import random
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from m3sdk.disagg import loop
+from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb
+from m3sdk.disagg._proto import m3sdk_disagg_pb2_grpc as pb_grpc
+from m3sdk.disagg.compat import PROTOCOL_VERSION, CompatInfo
+from m3sdk.disagg.messages import check_reply, sampling_to_proto
+from m3sdk.disagg.server import TOKEN_HEADER
+from m3sdk.disagg.transport import KVTransport, TransportError, UcxTransport
+from m3sdk.disagg.wire import MAX_TRANSFER_ID, TransferPlan, WireError
+from m3sdk.errors import PrefillNodeError
+from m3sdk.observability import get_logger
+from m3sdk.params import SamplingParams
+
+log = get_logger("m3sdk.disagg.client")
+
+# Transfer ids are tags on the process's one UCX worker: unique per process, whichever client asks.
+_transfer_ids = itertools.count(random.randrange(1, 1 << 32))
+
+
+def _next_transfer_id() -> int:
+    return next(_transfer_ids) % MAX_TRANSFER_ID + 1
+
+
+@dataclass(frozen=True)
+class RemotePrefillResult:
+    first_token: int
+    first_logprob: float
+    node: str
+
+
+@dataclass
+class _Node:
+    target: str
+    stub: pb_grpc.PrefillNodeStub
+    channel: grpc.aio.Channel
+    healthy: bool = False
+    error: str = "not contacted yet"
+    remote_running: int = 0
+    down: asyncio.Event = field(default_factory=asyncio.Event)  # set when it stops answering; then replaced
+    jobs: set[asyncio.Task] = field(default_factory=set)
+
+
+class PrefillClient:
+    """Remote prefill for one decode engine. `rows` are the engine's pool pages (wire.page_rows)."""
+
+    def __init__(self, nodes: Sequence[str], compat: CompatInfo, rows: list[list[torch.Tensor]], vocab_size: int,
+                 *, transport: KVTransport | None = None, token: str | None = None,
+                 tls_root_certificates: bytes | None = None, layers_per_group: int = 4,
+                 max_message_bytes: int = 64 << 20, heartbeat_s: float = 1.0, connect_timeout: float = 5.0):
+        if not nodes:
+            raise ValueError("prefill_nodes is empty")
+        self.compat, self.rows, self.vocab_size = compat, rows, vocab_size
+        self.transport = transport or UcxTransport()
+        self.layers_per_group = min(layers_per_group, compat.num_layers)
+        self.max_message_bytes = max_message_bytes
+        self.heartbeat_s, self.connect_timeout = heartbeat_s, connect_timeout
+        self._metadata = ((TOKEN_HEADER, f"Bearer {token}"),) if token else None
+        self._targets = list(nodes)
+        self._tls = tls_root_certificates
+        self._nodes: list[_Node] = []
+        self._jobs: dict[str, asyncio.Task] = {}
+        self._heartbeat: asyncio.Task | None = None
+
+    # -- any thread but the disagg loop ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open the transport and handshake every node. An incompatible node is an error now; an
+        unreachable one is retried by the heartbeat (requests fall back meanwhile)."""
+        loop.run(self._start())
+
+    def close(self) -> None:
+        loop.run(self._close())
+
+    @property
+    def has_healthy_node(self) -> bool:
+        return any(n.healthy for n in self._nodes)
+
+    def node_states(self) -> dict[str, str]:
+        return {n.target: "healthy" if n.healthy else n.error for n in self._nodes}
+
+    def submit(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, pages: Sequence[int],
+               num_cached_pages: int, timeout_s: float) -> Future[RemotePrefillResult]:
+        """Prefill `token_ids` remotely into `pages` (the request's page table; the first `num_cached_pages`
+        already hold valid K/V here and are not sent). The future fails with PrefillNodeError."""
+        return loop.submit(self._submit(request_id, list(token_ids), params, list(pages), num_cached_pages,
+                                        timeout_s))
+
+    def cancel(self, request_id: str, timeout: float = 10.0) -> None:
+        """Abort a job; when this returns, its pages are no longer written. Unknown ids are a no-op."""
+        loop.run(self._cancel(request_id), timeout)
+
+    # -- the disagg loop ----------------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        await self.transport.start(listen=True)
+        for target in self._targets:
+            opts = [("grpc.max_receive_message_length", 1 << 20)]
+            channel = (grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(self._tls), options=opts)
+                       if self._tls is not None else grpc.aio.insecure_channel(target, options=opts))
+            self._nodes.append(_Node(target, pb_grpc.PrefillNodeStub(channel), channel))
+        await asyncio.gather(*(self._handshake(n) for n in self._nodes))
+        self._heartbeat = asyncio.ensure_future(self._heartbeats())
+
+    async def _handshake(self, node: _Node) -> None:
+        request = pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat=self.compat.to_proto(),
+                                      transports=[self.transport.name])
+        try:
+            reply = await node.stub.Handshake(request, timeout=self.connect_timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
+                raise PrefillNodeError(f"prefill node {node.target} refused the handshake: {e.details()}") from e
+            node.error = f"unreachable: {e.code().name}"
+            return
+        diff = self.compat.differences(CompatInfo.from_proto(reply.compat))
+        if reply.protocol_version != PROTOCOL_VERSION or diff:
+            raise PrefillNodeError(f"prefill node {node.target} is incompatible (decode != node): "
+                                   + "; ".join(diff or [f"protocol {PROTOCOL_VERSION} != {reply.protocol_version}"]))
+        node.healthy, node.error = True, ""
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            await asyncio.gather(*(self._beat(n) for n in self._nodes))
+
+    async def _beat(self, node: _Node) -> None:
+        try:
+            if not node.healthy:
+                await self._handshake(node)
+                return
+            reply = await node.stub.Health(pb.HealthRequest(), timeout=self.heartbeat_s, metadata=self._metadata)
+            node.remote_running = reply.running
+            if not reply.serving:
+                self._mark_down(node, "draining")
+        except grpc.aio.AioRpcError as e:
+            self._mark_down(node, f"heartbeat failed: {e.code().name}")
+        except PrefillNodeError as e:  # it came back incompatible (another model): keep it out
+            node.error = str(e)
+
+    def _mark_down(self, node: _Node, why: str) -> None:
+        if node.healthy:
+            log.warning("prefill node down", node=node.target, why=why)
+        node.healthy, node.error = False, why
+        node.down.set()  # fails its jobs at once
+        node.down = asyncio.Event()
+
+    def _pick(self) -> _Node:
+        healthy = [n for n in self._nodes if n.healthy]
+        if not healthy:
+            raise PrefillNodeError("no healthy prefill node: " + "; ".join(
+                f"{n.target}: {n.error}" for n in self._nodes))
+        return min(healthy, key=lambda n: (len(n.jobs) + n.remote_running, len(n.jobs)))
+
+    async def _submit(self, request_id: str, token_ids: list[int], params: SamplingParams, pages: list[int],
+                      num_cached_pages: int, timeout_s: float) -> RemotePrefillResult:
+        node = self._pick()
+        task = asyncio.current_task()
+        self._jobs[request_id] = task
+        node.jobs.add(task)
+        try:
+            return await self._job(node, request_id, token_ids, params, pages, num_cached_pages, timeout_s)
+        finally:
+            node.jobs.discard(task)
+            if self._jobs.get(request_id) is task:
+                del self._jobs[request_id]
+
+    async def _job(self, node: _Node, request_id: str, token_ids: list[int], params: SamplingParams,
+                   pages: list[int], num_cached_pages: int, timeout_s: float) -> RemotePrefillResult:
+        deadline = time.monotonic() + timeout_s
+        send_pages = pages[num_cached_pages:]
+        plan = TransferPlan.build(self.rows, _next_transfer_id(), len(send_pages), self.layers_per_group,
+                                  self.max_message_bytes)
+        dst = torch.tensor(send_pages, dtype=torch.int64, device=self.rows[0][0].device)
+        receive = self.transport.receive(plan, self.rows, dst)
+        request = pb.PrefillRequest(
+            request_id=request_id, compat_hash=self.compat.digest, token_ids=token_ids,
+            sampling=sampling_to_proto(params), transport_port=self.transport.port, transfer_id=plan.transfer_id,
+            num_cached_pages=num_cached_pages, dst_pages=send_pages, layers_per_group=self.layers_per_group,
+            max_message_bytes=self.max_message_bytes, deadline_unix_s=time.time() + timeout_s)
+        call = node.stub.Prefill(request, timeout=timeout_s, metadata=self._metadata)
+        waits = {asyncio.ensure_future(call), asyncio.ensure_future(receive.wait())}
+        down = asyncio.ensure_future(node.down.wait())
+        ok = False
+        try:
+            pending = set(waits)
+            while pending:
+                done, pending = await asyncio.wait(pending | {down}, timeout=deadline - time.monotonic(),
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    raise PrefillNodeError(f"remote prefill on {node.target} passed its {timeout_s:.1f} s deadline")
+                if down in done:
+                    raise PrefillNodeError(f"prefill node {node.target} went down: {node.error}")
+                pending.discard(down)
+                for t in done:
+                    t.result()
+            reply = await call
+            check_reply(reply, self.vocab_size, len(token_ids), plan.num_pages, len(plan.messages),
+                        plan.total_bytes)
+            ok = True
+            return RemotePrefillResult(reply.first_token, reply.first_logprob, node.target)
+        except grpc.aio.AioRpcError as e:
+            raise PrefillNodeError(f"prefill node {node.target}: {e.code().name}: {e.details()}") from e
+        except (TransportError, WireError) as e:
+            raise PrefillNodeError(f"remote prefill from {node.target} failed: {e}") from e
+        finally:
+            down.cancel()
+            if not ok:
+                call.cancel()
+                await receive.cancel()
+                for t in waits:
+                    t.cancel()
+                asyncio.ensure_future(self._abort(node, request_id))
+
+    async def _abort(self, node: _Node, request_id: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await node.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.connect_timeout,
+                                  metadata=self._metadata)
+
+    async def _cancel(self, request_id: str) -> None:
+        task = self._jobs.get(request_id)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+    async def _close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        for task in list(self._jobs.values()):
+            task.cancel()
+        await asyncio.gather(*self._jobs.values(), return_exceptions=True)
+        for node in self._nodes:
+            await node.channel.close()
+        await self.transport.close()

@@ -1,0 +1,126 @@
+"""Control-plane messages, checked: what a peer sends becomes a typed order only inside the limits.
+
+The node checks every Prefill call (sizes, token ids, page ids, plan parameters, deadline, sampling) before it
+computes anything; the decode side checks the node's replies. A refusal is a `WireError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+
+from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb
+from m3sdk.disagg.wire import MAX_TRANSFER_ID, WireError
+from m3sdk.errors import InvalidRequestError
+from m3sdk.params import SamplingParams
+from m3sdk_kernels.layout import PAGE_SIZE
+
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: it goes into logs and maps
+MIN_MESSAGE_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a node accepts. gRPC refuses bigger calls than `max_call_bytes` before they are parsed."""
+
+    max_prompt_tokens: int = 1 << 17
+    max_message_bytes: int = 256 << 20  # one data-plane message (the receiver posts buffers of this size)
+    max_deadline_s: float = 3600.0
+    max_in_flight: int = 256  # prefills a node holds at once; more are refused with RESOURCE_EXHAUSTED
+
+    @property
+    def max_call_bytes(self) -> int:
+        # token ids and page ids are varints of at most 5 bytes each, plus small fixed fields
+        return 10 * self.max_prompt_tokens + (64 << 10)
+
+
+@dataclass(frozen=True)
+class PrefillOrder:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    transport_port: int
+    transfer_id: int
+    num_cached_pages: int
+    dst_pages: list[int]
+    layers_per_group: int
+    max_message_bytes: int
+    deadline: float  # time.time() seconds
+
+    @property
+    def num_pages(self) -> int:
+        return -(-len(self.token_ids) // PAGE_SIZE)
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    """What the first token needs (output penalties have no output yet; stops apply on the decode side)."""
+    return pb.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                             min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+                             has_seed=params.seed is not None, seed=params.seed or 0)
+
+
+def _sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=1, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
+                              min_p=msg.min_p, repetition_penalty=msg.repetition_penalty,
+                              seed=msg.seed if msg.has_seed else None, ignore_eos=True, logprobs=0)
+    except InvalidRequestError as e:
+        raise WireError(f"sampling: {e}") from e
+
+
+def check_prefill(req: pb.PrefillRequest, limits: Limits, compat_hash: str, vocab_size: int,
+                  num_layers: int, now: float | None = None) -> PrefillOrder:
+    now = time.time() if now is None else now
+    if not _REQUEST_ID.fullmatch(req.request_id):
+        raise WireError("request_id must be 1-128 printable ASCII characters without spaces")
+    if req.compat_hash != compat_hash:
+        raise WireError(f"compat_hash {req.compat_hash[:16]!r}... does not match this node's "
+                        f"{compat_hash[:16]!r}...: handshake again")
+    n = len(req.token_ids)
+    if not 0 < n <= limits.max_prompt_tokens:
+        raise WireError(f"token_ids must hold 1..{limits.max_prompt_tokens} tokens, got {n}")
+    bad = next((t for t in req.token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise WireError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if not 0 < req.transport_port < 65536:
+        raise WireError(f"transport_port must be in [1, 65535], got {req.transport_port}")
+    if not 0 < req.transfer_id <= MAX_TRANSFER_ID:
+        raise WireError(f"transfer_id must be in [1, {MAX_TRANSFER_ID}], got {req.transfer_id}")
+    num_pages = -(-n // PAGE_SIZE)
+    # the last prompt token is always computed here (its logits give the first token): its page is sent
+    if not 0 <= req.num_cached_pages < num_pages or req.num_cached_pages * PAGE_SIZE >= n:
+        raise WireError(f"num_cached_pages must leave the last token's page to send, got {req.num_cached_pages} "
+                        f"of {num_pages} pages")
+    if len(req.dst_pages) != num_pages - req.num_cached_pages:
+        raise WireError(f"dst_pages must name the {num_pages - req.num_cached_pages} pages sent, got "
+                        f"{len(req.dst_pages)}")
+    if any(p < 0 for p in req.dst_pages) or len(set(req.dst_pages)) != len(req.dst_pages):
+        raise WireError("dst_pages must be distinct non-negative page ids")
+    if not 0 < req.layers_per_group <= num_layers:
+        raise WireError(f"layers_per_group must be in [1, {num_layers}], got {req.layers_per_group}")
+    if not MIN_MESSAGE_BYTES <= req.max_message_bytes <= limits.max_message_bytes:
+        raise WireError(f"max_message_bytes must be in [{MIN_MESSAGE_BYTES}, {limits.max_message_bytes}], "
+                        f"got {req.max_message_bytes}")
+    if not math.isfinite(req.deadline_unix_s) or not now < req.deadline_unix_s <= now + limits.max_deadline_s:
+        raise WireError(f"deadline must be within the next {limits.max_deadline_s:.0f} s")
+    return PrefillOrder(request_id=req.request_id, token_ids=list(req.token_ids),
+                        params=_sampling_from_proto(req.sampling), transport_port=req.transport_port,
+                        transfer_id=req.transfer_id, num_cached_pages=req.num_cached_pages,
+                        dst_pages=list(req.dst_pages), layers_per_group=req.layers_per_group,
+                        max_message_bytes=req.max_message_bytes, deadline=req.deadline_unix_s)
+
+
+def check_reply(reply: pb.PrefillReply, vocab_size: int, num_prompt_tokens: int, num_pages: int,
+                num_messages: int, total_bytes: int) -> None:
+    """The node's final message must agree with what the decode side asked and received."""
+    if not 0 <= reply.first_token < vocab_size:
+        raise WireError(f"first_token {reply.first_token} is outside the vocabulary")
+    if not (math.isfinite(reply.first_logprob) and reply.first_logprob <= 0):
+        raise WireError(f"first_logprob {reply.first_logprob} is not a log-probability")
+    got = (reply.num_prompt_tokens, reply.num_pages_sent, reply.num_messages_sent, reply.bytes_sent)
+    want = (num_prompt_tokens, num_pages, num_messages, total_bytes)
+    if got != want:
+        raise WireError(f"final message counts (tokens, pages, messages, bytes) {got} != expected {want}")
+

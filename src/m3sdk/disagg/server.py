@@ -1,0 +1,195 @@
+"""The prefill node's gRPC service: handshake, Prefill (compute, then push pages over the KV transport),
+Abort, Health; plus the server around it (message size cap, optional shared token and TLS).
+
+Every call is checked (messages.py) before anything is computed; a refused call gets a status naming the
+problem and the server keeps serving. Abort is idempotent and so is a second Prefill with a live id refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+import torch
+
+from m3sdk.disagg import wire
+from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb
+from m3sdk.disagg._proto import m3sdk_disagg_pb2_grpc as pb_grpc
+from m3sdk.disagg.compat import PROTOCOL_VERSION, CompatInfo
+from m3sdk.disagg.messages import Limits, PrefillOrder, check_prefill
+from m3sdk.disagg.transport import KVTransport, TransportError
+from m3sdk.observability import get_logger
+
+log = get_logger("m3sdk.disagg.server")
+
+TOKEN_HEADER = "authorization"
+
+
+@dataclass
+class Prefilled:
+    """A computed prompt: its first token, and a snapshot of the pages to send (`rows` as wire.page_rows,
+    holding only those pages, in prompt order), taken before the backend freed or reused them."""
+
+    first_token: int
+    first_logprob: float
+    rows: list[list[torch.Tensor]]
+
+
+class PrefillBackend(Protocol):
+    """What computes prompts for the node (an engine core of its own)."""
+
+    compat: CompatInfo
+    vocab_size: int
+
+    async def prefill(self, order: PrefillOrder) -> Prefilled:
+        """Run the prompt; cancelling the call aborts it and frees what it holds."""
+
+
+def peer_host(peer: str) -> str:
+    """The IP address in a gRPC peer string ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000")."""
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0].strip("[]")
+    raise ValueError(f"cannot push KV to a peer at {peer!r} (only TCP peers)")
+
+
+class PrefillServicer(pb_grpc.PrefillNodeServicer):
+    def __init__(self, backend: PrefillBackend, transport: KVTransport, limits: Limits, node_id: str):
+        self.backend, self.transport, self.limits, self.node_id = backend, transport, limits, node_id
+        self.compat_hash = backend.compat.digest
+        self.draining = False
+        self._running: dict[str, tuple[asyncio.Task, int]] = {}  # request id -> (work, prompt tokens)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext) -> pb.HandshakeReply:
+        if request.protocol_version != PROTOCOL_VERSION:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"protocol version {request.protocol_version} != node's {PROTOCOL_VERSION}")
+        theirs = CompatInfo.from_proto(request.compat)
+        diff = self.backend.compat.differences(theirs)
+        if diff:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "incompatible KV cache (node != decode): " + "; ".join(diff))
+        if self.transport.name not in request.transports:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"no common KV transport: node has {self.transport.name!r}, decode offers "
+                                f"{list(request.transports)}")
+        return pb.HandshakeReply(protocol_version=PROTOCOL_VERSION, compat=self.backend.compat.to_proto(),
+                                 transport=self.transport.name, max_prompt_tokens=self.limits.max_prompt_tokens,
+                                 max_message_bytes=self.limits.max_message_bytes, node_id=self.node_id)
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillReply:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "node is draining")
+        try:
+            order = check_prefill(request, self.limits, self.compat_hash, self.backend.vocab_size,
+                                  self.backend.compat.num_layers)
+            host = peer_host(context.peer())
+        except ValueError as e:  # WireError included
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if order.request_id in self._running:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {order.request_id!r} is running")
+        if len(self._running) >= self.limits.max_in_flight:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "node is at max_in_flight prefills")
+        # The work runs as a task of its own, so Abort can cancel it while this handler reports why.
+        work = asyncio.ensure_future(asyncio.wait_for(self._serve(order, host), order.deadline - time.time()))
+        self._running[order.request_id] = (work, len(order.token_ids))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            if work.cancelled() and not context.cancelled():
+                await context.abort(grpc.StatusCode.ABORTED, f"request {order.request_id!r} was aborted")
+            raise  # the caller went away: cancel the work below
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed on the node")
+        except (TransportError, wire.WireError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"pushing pages failed: {e}")
+        finally:
+            work.cancel()
+            self._running.pop(order.request_id, None)
+
+    async def _serve(self, order: PrefillOrder, host: str) -> pb.PrefillReply:
+        done = await self.backend.prefill(order)
+        num_pages = order.num_pages - order.num_cached_pages
+        plan = wire.TransferPlan.build(done.rows, order.transfer_id, num_pages, order.layers_per_group,
+                                       order.max_message_bytes)
+        src = torch.arange(num_pages, device=done.rows[0][0].device)
+        await self.transport.push(host, order.transport_port, plan, done.rows, src)
+        return pb.PrefillReply(first_token=done.first_token, first_logprob=done.first_logprob,
+                               num_prompt_tokens=len(order.token_ids), num_pages_sent=num_pages,
+                               num_messages_sent=len(plan.messages), bytes_sent=plan.total_bytes)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:
+        entry = self._running.get(request.request_id)
+        if entry is not None:
+            entry[0].cancel()
+        return pb.AbortReply(was_running=entry is not None)
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthReply:
+        return pb.HealthReply(serving=not self.draining, running=len(self._running),
+                              waiting_tokens=sum(n for _, n in self._running.values()))
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new prefills; wait up to `timeout` for the running ones, then abort what is left."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self._running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for work, _ in list(self._running.values()):
+            work.cancel()
+
+
+class _TokenCheck(grpc.aio.ServerInterceptor):
+    """Calls without `authorization: Bearer <token>` are refused before any handler runs."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        got = dict(details.invocation_metadata or ()).get(TOKEN_HEADER, "")
+        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
+            return await continuation(details)
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+async def start_server(servicer: PrefillServicer, listen: str, token: str | None = None,
+                       tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int]:
+    """Serve on `listen` ("HOST:PORT", port 0 picks one); `tls` is (PEM key, PEM certificate chain).
+    Returns the started server and its port."""
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"listen must be HOST:PORT, got {listen!r}")
+    limit = servicer.limits.max_call_bytes
+    server = grpc.aio.server(
+        interceptors=[_TokenCheck(token)] if token else None,
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", 1 << 20)])
+    pb_grpc.add_PrefillNodeServicer_to_server(servicer, server)
+    if tls is not None:
+        bound = server.add_secure_port(listen, grpc.ssl_server_credentials([tls]))
+    else:
+        if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
+            log.warning("prefill node listens beyond loopback without TLS", listen=listen)
+        bound = server.add_insecure_port(listen)
+    await server.start()
+    return server, bound
+
+
+async def stop_server(server: grpc.aio.Server, grace: float) -> None:
+    with contextlib.suppress(Exception):
+        await server.stop(grace)

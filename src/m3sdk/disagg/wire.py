@@ -1,0 +1,181 @@
+"""The data plane's byte format: how a transfer's pages are cut into messages, and each message's framing.
+
+A transfer moves pages `[num_cached_pages, num_pages)` of one prompt. It is cut into groups of layers (sent in
+layer order, so a node can push a group as soon as it is computed) and, within a group, into page ranges that
+keep each message under a byte cap. One message is
+
+    header (64 B) | for each layer of the group, for each of its tensors (K, V, K scale, V scale, index keys):
+                    the rows of the message's pages | trailer (16 B)
+
+Both sides derive the same plan from the same `KVCacheSpec` (the handshake checked they agree) and the
+parameters of the Prefill call, so the receiver knows every message's exact size and posts buffers of it.
+The header and the trailer are checked against the plan before a single page is written: a message that was
+cut short (stale trailer), belongs to another transfer, or is misplaced never reaches the cache.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from m3sdk.cache.kv_pool import KVPool
+
+MAGIC = b"M3KV"
+TRAILER_MAGIC = b"M3KE"
+WIRE_VERSION = 1
+KIND_DATA = 0
+KIND_CANCEL = 1  # sent by a receiver to itself to retire a buffer it posted (ucxx cannot cancel one receive)
+_HEADER = struct.Struct("<4sHHQIIHHIIQ")  # magic ver kind transfer index count layer0 nlayers page0 npages payload
+_TRAILER = struct.Struct("<4sIQ")  # magic index transfer
+HEADER_BYTES = 64
+TRAILER_BYTES = _TRAILER.size
+MESSAGE_INDEX_BITS = 20  # a tag is transfer_id << 20 | message index
+MAX_TRANSFER_ID = (1 << (64 - MESSAGE_INDEX_BITS)) - 1
+MAX_MESSAGES = 1 << MESSAGE_INDEX_BITS
+
+
+class WireError(ValueError):
+    """A peer sent something outside the protocol: refused, never applied."""
+
+
+def page_rows(pool: KVPool) -> list[list[torch.Tensor]]:
+    """Per layer, its page tensors viewed as bytes `[num_pages, bytes per page]`: K, V, scales, index keys.
+
+    Byte views make packing dtype-blind (bf16, fp8, fp32 and both layouts move the same way) and write
+    through to the pool's storage.
+    """
+    layers = []
+    for layer in range(pool.spec.num_layers):
+        tensors = (pool.k[layer], pool.v[layer], pool.k_scale[layer], pool.v_scale[layer], pool.index_k[layer])
+        layers.append([t.view(torch.uint8).view(t.shape[0], -1) for t in tensors if t is not None])
+    return layers
+
+
+@dataclass(frozen=True)
+class MessageSpec:
+    index: int
+    first_layer: int
+    num_layers: int
+    page_start: int  # offset into the transfer's page list
+    page_count: int
+    payload_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return HEADER_BYTES + self.payload_bytes + TRAILER_BYTES
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    transfer_id: int
+    num_pages: int
+    messages: tuple[MessageSpec, ...]
+
+    @classmethod
+    def build(cls, rows: list[list[torch.Tensor]], transfer_id: int, num_pages: int, layers_per_group: int,
+              max_message_bytes: int) -> TransferPlan:
+        if not 0 < transfer_id <= MAX_TRANSFER_ID:
+            raise WireError(f"transfer_id must be in [1, {MAX_TRANSFER_ID}], got {transfer_id}")
+        if not 0 < layers_per_group <= len(rows):
+            raise WireError(f"layers_per_group must be in [1, {len(rows)}], got {layers_per_group}")
+        if num_pages < 1:
+            raise WireError(f"a transfer moves at least one page, got {num_pages}")
+        messages = []
+        for first in range(0, len(rows), layers_per_group):
+            layers = range(first, min(first + layers_per_group, len(rows)))
+            page_bytes = sum(t.shape[1] for layer in layers for t in rows[layer])
+            per_message = (max_message_bytes - HEADER_BYTES - TRAILER_BYTES) // page_bytes
+            if per_message < 1:
+                raise WireError(f"max_message_bytes {max_message_bytes} is below one page of {len(layers)} "
+                                f"layers ({page_bytes + HEADER_BYTES + TRAILER_BYTES} bytes)")
+            for start in range(0, num_pages, per_message):
+                count = min(per_message, num_pages - start)
+                messages.append(MessageSpec(len(messages), first, len(layers), start, count, count * page_bytes))
+        if len(messages) > MAX_MESSAGES:
+            raise WireError(f"transfer would need {len(messages)} messages, more than {MAX_MESSAGES}")
+        return cls(transfer_id, num_pages, tuple(messages))
+
+    def tag(self, index: int) -> int:
+        return (self.transfer_id << MESSAGE_INDEX_BITS) | index
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(m.nbytes for m in self.messages)
+
+
+def _header(plan: TransferPlan, msg: MessageSpec, kind: int) -> bytes:
+    return _HEADER.pack(MAGIC, WIRE_VERSION, kind, plan.transfer_id, msg.index, len(plan.messages),
+                        msg.first_layer, msg.num_layers, msg.page_start, msg.page_count,
+                        msg.payload_bytes).ljust(HEADER_BYTES, b"\0")
+
+
+def _trailer(plan: TransferPlan, msg: MessageSpec) -> bytes:
+    return _TRAILER.pack(TRAILER_MAGIC, msg.index, plan.transfer_id)
+
+
+def _put(out: torch.Tensor, offset: int, data: bytes) -> None:
+    out[offset:offset + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def pack(plan: TransferPlan, msg: MessageSpec, rows: list[list[torch.Tensor]], src_pages: torch.Tensor,
+         out: torch.Tensor) -> None:
+    """Gather message `msg`'s pages (`src_pages`: int64, the transfer's source page ids) into `out`."""
+    if out.dtype != torch.uint8 or out.numel() != msg.nbytes:
+        raise ValueError(f"message {msg.index} needs a uint8 buffer of {msg.nbytes} bytes")
+    idx = src_pages[msg.page_start:msg.page_start + msg.page_count]
+    _put(out, 0, _header(plan, msg, KIND_DATA))
+    offset = HEADER_BYTES
+    for layer in msg.layers:
+        for t in rows[layer]:
+            n = msg.page_count * t.shape[1]
+            torch.index_select(t, 0, idx, out=out[offset:offset + n].view(msg.page_count, t.shape[1]))
+            offset += n
+    _put(out, offset, _trailer(plan, msg))
+
+
+def cancel_message(plan: TransferPlan, msg: MessageSpec) -> bytes:
+    """The short message that completes a posted receive of `msg` without data."""
+    return _header(plan, msg, KIND_CANCEL)
+
+
+def arm(buf: torch.Tensor) -> None:
+    """Clear the trailer slot of a receive buffer, so a message cut short cannot pass the trailer check."""
+    buf[-TRAILER_BYTES:].zero_()
+
+
+def is_cancel(buf: torch.Tensor) -> bool:
+    head = bytes(buf[:_HEADER.size].cpu().numpy())
+    return _HEADER.unpack(head)[2] == KIND_CANCEL
+
+
+def check(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> None:
+    """Raise WireError unless `buf` holds exactly message `msg` of `plan`."""
+    head = bytes(buf[:_HEADER.size].cpu().numpy())
+    got = _HEADER.unpack(head)
+    want = _HEADER.unpack(_header(plan, msg, KIND_DATA)[:_HEADER.size])
+    if got != want:
+        names = ("magic", "version", "kind", "transfer_id", "index", "count", "first_layer", "num_layers",
+                 "page_start", "page_count", "payload_bytes")
+        bad = [f"{n}={g!r} (expected {w!r})" for n, g, w in zip(names, got, want, strict=True) if g != w]
+        raise WireError(f"message {msg.index} of transfer {plan.transfer_id}: bad header: {', '.join(bad)}")
+    if bytes(buf[-TRAILER_BYTES:].cpu().numpy()) != _trailer(plan, msg):
+        raise WireError(f"message {msg.index} of transfer {plan.transfer_id}: bad trailer (cut short?)")
+
+
+def scatter(plan: TransferPlan, msg: MessageSpec, rows: list[list[torch.Tensor]], dst_pages: torch.Tensor,
+            buf: torch.Tensor) -> None:
+    """Check `buf` against the plan, then write its pages into the pool (`dst_pages`: int64, the transfer's)."""
+    check(plan, msg, buf)
+    idx = dst_pages[msg.page_start:msg.page_start + msg.page_count]
+    offset = HEADER_BYTES
+    for layer in msg.layers:
+        for t in rows[layer]:
+            n = msg.page_count * t.shape[1]
+            t.index_copy_(0, idx, buf[offset:offset + n].view(msg.page_count, t.shape[1]))
+            offset += n

@@ -1,0 +1,69 @@
+"""The prefill node: a gRPC service (disagg/server.py) in front of a prefill backend, pushing pages over a KV
+transport. Startable in-process (`PrefillNode(...).start()`) or as the `m3sdk prefill-node` daemon, which
+drains gracefully on SIGTERM: new prefills are refused, running ones finish (up to a grace period).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import uuid
+
+import grpc
+
+from m3sdk.disagg import loop
+from m3sdk.disagg.messages import Limits
+from m3sdk.disagg.server import PrefillBackend, PrefillServicer, start_server, stop_server
+from m3sdk.disagg.transport import KVTransport, UcxTransport
+from m3sdk.observability import get_logger
+
+log = get_logger("m3sdk.node")
+
+
+class PrefillNode:
+    def __init__(self, backend: PrefillBackend, listen: str = "127.0.0.1:0", *,
+                 transport: KVTransport | None = None, limits: Limits | None = None, token: str | None = None,
+                 tls: tuple[bytes, bytes] | None = None):
+        self.backend = backend
+        self.listen = listen
+        self.transport = transport or UcxTransport()
+        self.limits = limits or Limits()
+        self.token, self.tls = token, tls
+        self.node_id = uuid.uuid4().hex[:12]
+        self.servicer = PrefillServicer(backend, self.transport, self.limits, self.node_id)
+        self._server: grpc.aio.Server | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        host = self.listen.rpartition(":")[0]
+        return f"{host}:{self.port}"
+
+    def start(self) -> PrefillNode:
+        loop.run(self._start())
+        log.info("prefill node serving", address=self.address, node_id=self.node_id)
+        return self
+
+    async def _start(self) -> None:
+        await self.transport.start(listen=False)
+        self._server, self.port = await start_server(self.servicer, self.listen, self.token, self.tls)
+
+    def stop(self, grace: float = 30.0) -> None:
+        """Drain: refuse new prefills, let running ones finish within `grace` seconds, then stop."""
+        loop.run(self._stop(grace))
+
+    async def _stop(self, grace: float) -> None:
+        await self.servicer.drain(grace)
+        if self._server is not None:
+            await stop_server(self._server, 1.0)
+        await self.transport.close()
+
+    def serve_until_signal(self, grace: float = 30.0) -> None:
+        """Block until SIGTERM or SIGINT, then drain and stop (main thread only)."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(0.5):
+            pass
+        log.info("prefill node draining", address=self.address)
+        self.stop(grace)

@@ -1,0 +1,257 @@
+"""Remote prefill protocol and UCX transport between real processes on 127.0.0.1 (a node process serving a
+page pattern; the decode side is this process with a real KVPool)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import pytest
+import torch
+
+pytest.importorskip("ucxx")
+
+from disagg_helpers import (  # noqa: E402
+    TOKEN,
+    VOCAB,
+    compat,
+    expected_rows,
+    first_token,
+    spawn_node,
+    spec,
+    stop_node,
+)
+
+from m3sdk.cache.kv_pool import KVPool  # noqa: E402
+from m3sdk.disagg import loop, wire  # noqa: E402
+from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb  # noqa: E402
+from m3sdk.disagg.client import PrefillClient  # noqa: E402
+from m3sdk.disagg.transport import TransportError  # noqa: E402
+from m3sdk.errors import PrefillNodeError  # noqa: E402
+from m3sdk.params import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def node():
+    proc, address = spawn_node("bf16", "plain", delay_s=0.0)
+    yield address
+    stop_node(proc)
+
+
+@pytest.fixture(scope="module")
+def slow_node():
+    proc, address = spawn_node("bf16", "plain", delay_s=3.0)
+    yield proc, address
+    stop_node(proc)
+
+
+def make_client(address: str, kv_dtype: str = "bf16", layout: str = "plain", token: str | None = TOKEN,
+                **kwargs) -> tuple[PrefillClient, KVPool]:
+    pool = KVPool(spec(kv_dtype, layout))
+    client = PrefillClient([address], compat(kv_dtype, layout), wire.page_rows(pool), VOCAB, token=token,
+                           **kwargs)
+    client.start()
+    return client, pool
+
+
+def assert_pages(pool: KVPool, tokens: list[int], pages: list[int], num_cached: int) -> None:
+    want = expected_rows(pool.spec, tokens, num_cached)
+    sent = torch.tensor(pages[num_cached:])
+    untouched = torch.tensor(sorted(set(range(pool.spec.num_pages)) - set(sent.tolist())))
+    for got_layer, want_layer in zip(wire.page_rows(pool), want, strict=True):
+        for got, expected in zip(got_layer, want_layer, strict=True):
+            assert torch.equal(got[sent], expected)
+            assert not got[untouched].any(), "a page outside the transfer was written"
+
+
+def test_pages_arrive_intact_in_their_pages(node):
+    # 300 tokens = 19 pages over 4 layers; 64 KiB messages force several messages per layer group
+    client, pool = make_client(node, layers_per_group=2, max_message_bytes=64 << 10)
+    try:
+        tokens = [(i * 37) % VOCAB for i in range(300)]
+        pages = [60, 3, 17, 4, 5, 40, 41, 2, 9, 10, 11, 30, 31, 32, 33, 50, 51, 0, 63]
+        result = client.submit("r1", tokens, GREEDY, pages, num_cached_pages=0, timeout_s=30).result(30)
+        assert (result.first_token, result.first_logprob) == (first_token(tokens), -0.25)
+        assert_pages(pool, tokens, pages, 0)
+        # a prefix the decode side holds (3 pages) is not sent: those pages stay as they were (zero)
+        pool2_tokens = [(i * 11) % VOCAB for i in range(100)]
+        pages2 = [20, 21, 22, 23, 24, 25, 26]
+        for t in (t for layer in wire.page_rows(pool) for t in layer):
+            t.zero_()
+        client.submit("r2", pool2_tokens, GREEDY, pages2, num_cached_pages=3, timeout_s=30).result(30)
+        assert_pages(pool, pool2_tokens, pages2, 3)
+    finally:
+        client.close()
+
+
+def test_fp8_shuffle_pages_and_scales_travel():
+    proc, address = spawn_node("fp8", "shuffle")
+    try:
+        client, pool = make_client(address, "fp8", "shuffle")
+        try:
+            tokens = list(range(1, 41))
+            pages = [7, 8, 9]
+            client.submit("f1", tokens, GREEDY, pages, 0, 30).result(30)
+            assert_pages(pool, tokens, pages, 0)
+            assert pool.k_scale[0] is not None and pool.k_scale[0][8].any()
+        finally:
+            client.close()
+    finally:
+        stop_node(proc)
+
+
+def test_handshake_mismatch_is_refused_with_the_difference(node):
+    pool = KVPool(spec("fp32"))
+    client = PrefillClient([node], compat("fp32"), wire.page_rows(pool), VOCAB, token=TOKEN)
+    with pytest.raises(PrefillNodeError, match=r"kv_dtype: 'bf16' != 'fp32'"):
+        client.start()
+    client.close()
+    other_model = PrefillClient([node], compat().__class__(**{**compat().__dict__, "model_fingerprint": "x"}),
+                                wire.page_rows(KVPool(spec())), VOCAB, token=TOKEN)
+    with pytest.raises(PrefillNodeError, match="model_fingerprint"):
+        other_model.start()
+    other_model.close()
+
+
+def _raw(address: str, method: str, payload: bytes, token: str | None = TOKEN) -> grpc.StatusCode:
+    async def call():
+        async with grpc.aio.insecure_channel(address) as channel:
+            rpc = channel.unary_unary(f"/m3sdk.disagg.v1.PrefillNode/{method}")
+            md = (("authorization", f"Bearer {token}"),) if token else None
+            try:
+                await rpc(payload, timeout=10, metadata=md)
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+            return grpc.StatusCode.OK
+    return loop.run(call())
+
+
+def test_malformed_oversized_and_unauthenticated_calls_are_refused_and_the_node_keeps_serving(node):
+    good = pb.PrefillRequest(request_id="ok", compat_hash=compat().digest, token_ids=[1, 2, 3],
+                             transport_port=1, transfer_id=5, dst_pages=[0], layers_per_group=1,
+                             max_message_bytes=1 << 20, deadline_unix_s=time.time() + 60)
+
+    def variant(**changes) -> bytes:
+        msg = pb.PrefillRequest()
+        msg.CopyFrom(good)
+        for k, v in changes.items():
+            if isinstance(v, list):
+                getattr(msg, k)[:] = v
+            else:
+                setattr(msg, k, v)
+        return msg.SerializeToString()
+
+    # not protobuf at all: grpc's deserializer refuses it (status UNKNOWN in grpc.aio)
+    assert _raw(node, "Prefill", b"\xff\xff\xff\x0f garbage") in (grpc.StatusCode.UNKNOWN,
+                                                                   grpc.StatusCode.INTERNAL)
+    assert _raw(node, "Prefill", variant(token_ids=[1] * 200_000)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    invalid = [variant(token_ids=[VOCAB]), variant(token_ids=[-1]), variant(dst_pages=[-3]),
+               variant(dst_pages=[1, 2]), variant(num_cached_pages=1), variant(compat_hash="0" * 64),
+               variant(request_id="has space"), variant(layers_per_group=99), variant(max_message_bytes=10),
+               variant(max_message_bytes=1 << 31), variant(deadline_unix_s=time.time() - 1),
+               variant(transfer_id=0), variant(transport_port=70000)]
+    for payload in invalid:
+        assert _raw(node, "Prefill", payload) == grpc.StatusCode.INVALID_ARGUMENT
+    assert _raw(node, "Health", b"", token="wrong") == grpc.StatusCode.UNAUTHENTICATED
+    assert _raw(node, "Health", b"", token=None) == grpc.StatusCode.UNAUTHENTICATED
+    # still serving: a real prefill goes through
+    client, pool = make_client(node)
+    try:
+        tokens = list(range(5, 25))
+        client.submit("after", tokens, GREEDY, [1, 2], 0, 30).result(30)
+        assert_pages(pool, tokens, [1, 2], 0)
+    finally:
+        client.close()
+
+
+def test_a_message_that_does_not_match_the_plan_never_reaches_the_pages():
+    from m3sdk.disagg.transport import UcxTransport
+
+    pool = KVPool(spec())
+    rows = wire.page_rows(pool)
+    sender_rows = expected_rows(pool.spec, list(range(64)), 0)
+    receiver, sender = UcxTransport(), UcxTransport(drain_timeout=0.5)
+
+    async def run():
+        await receiver.start(listen=True)
+        await sender.start(listen=False)
+        plan = wire.TransferPlan.build(rows, 1234, 4, 2, 1 << 20)
+        receive = receiver.receive(plan, rows, torch.tensor([10, 11, 12, 13]))
+        # the same transfer id and tags, cut differently: 1 layer per message where the receiver expects 2
+        forged = wire.TransferPlan.build(sender_rows, 1234, 4, 1, 1 << 20)
+        push = asyncio.ensure_future(sender.push("127.0.0.1", receiver.port, forged, sender_rows,
+                                                 torch.arange(4)))
+        with pytest.raises(TransportError, match="bad header"):
+            await asyncio.wait_for(receive.wait(), 10)
+        push.cancel()  # its later messages match no posted buffer: they can only time out
+        with contextlib.suppress(asyncio.CancelledError, TransportError):
+            await push
+
+    loop.run(run(), timeout=30)
+    assert not any(t.any() for layer in rows for t in layer)
+    loop.run(receiver.close())
+    loop.run(sender.close())
+
+
+def test_abort_reaches_the_node_and_the_receive_is_retired(slow_node):
+    _, address = slow_node
+    client, pool = make_client(address)
+    try:
+        fut = client.submit("a1", list(range(40)), GREEDY, [4, 5, 6], 0, 30)
+        time.sleep(0.5)
+        assert _health(address).running == 1
+        client.cancel("a1")
+        assert fut.cancelled()
+        deadline = time.monotonic() + 5
+        while _health(address).running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _health(address).running == 0
+        assert not any(t.any() for layer in wire.page_rows(pool) for t in layer)
+    finally:
+        client.close()
+
+
+def test_deadline_fails_the_request_on_time(slow_node):
+    _, address = slow_node
+    client, _ = make_client(address)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PrefillNodeError, match="deadline|DEADLINE"):
+            client.submit("d1", list(range(40)), GREEDY, [4, 5, 6], 0, 1.0).result(10)
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        client.close()
+
+
+def test_node_killed_mid_prefill_fails_its_requests_at_once():
+    proc, address = spawn_node(delay_s=5.0)
+    client, _ = make_client(address, heartbeat_s=0.5)
+    try:
+        futs = [client.submit(f"k{i}", list(range(40)), GREEDY, [i * 3, i * 3 + 1, i * 3 + 2], 0, 60)
+                for i in range(3)]
+        time.sleep(0.5)
+        proc.kill()
+        t0 = time.monotonic()
+        for f in futs:
+            with pytest.raises(PrefillNodeError):
+                f.result(10)
+        assert time.monotonic() - t0 < 3.0  # far inside the 60 s deadline
+        time.sleep(1.0)
+        assert not client.has_healthy_node
+    finally:
+        client.close()
+        stop_node(proc)
+
+
+def _health(address: str) -> pb.HealthReply:
+    async def call():
+        async with grpc.aio.insecure_channel(address) as channel:
+            from m3sdk.disagg._proto.m3sdk_disagg_pb2_grpc import PrefillNodeStub
+
+            return await PrefillNodeStub(channel).Health(pb.HealthRequest(), timeout=5,
+                                                         metadata=(("authorization", f"Bearer {TOKEN}"),))
+    return loop.run(call())
