@@ -3,6 +3,7 @@
 from m3sdk.scheduler.base import Scheduled, Scheduler, StepPlan
 from m3sdk.scheduler.continuous import ContinuousScheduler
 
-SCHEDULERS: dict[str, type] = {"continuous": ContinuousScheduler}
+# name -> factory (cache_manager, config) -> Scheduler
+SCHEDULERS = {"continuous": ContinuousScheduler.from_config}
 
 __all__ = ["SCHEDULERS", "ContinuousScheduler", "Scheduled", "Scheduler", "StepPlan"]

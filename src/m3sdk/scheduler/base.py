@@ -36,7 +36,10 @@ class StepPlan:
 
 
 class Scheduler(Protocol):
-    """Owns request state. Called from the engine thread only."""
+    """Owns request state. Called from the engine thread only. EngineConfig.scheduler names a registered one
+    or gives a factory `(cache_manager, config) -> Scheduler`."""
+
+    num_preemptions: int
 
     def add(self, request: Request) -> None: ...
 
@@ -50,6 +53,9 @@ class Scheduler(Protocol):
         """Remove a request for good and free its pages."""
 
     def get(self, request_id: str) -> Request | None: ...
+
+    def live_requests(self) -> list[Request]:
+        """Every request added and not finished, waiting or running."""
 
     @property
     def num_running(self) -> int: ...

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import bisect
 import time
+from typing import TYPE_CHECKING
 
 from m3sdk.cache.manager import CacheManager
 from m3sdk.cache.page_pool import PAGE_SIZE
 from m3sdk.request import FinishReason, Request, RequestStatus
 from m3sdk.scheduler.base import Scheduled, StepPlan
+
+if TYPE_CHECKING:
+    from m3sdk.config import EngineConfig
 
 
 def _key(request: Request) -> tuple[int, float, int]:
@@ -35,6 +39,10 @@ class ContinuousScheduler:
         self._requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
+    @classmethod
+    def from_config(cls, cache: CacheManager, config: EngineConfig) -> ContinuousScheduler:
+        return cls(cache, config.max_num_seqs, config.max_num_batched_tokens)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -45,6 +53,9 @@ class ContinuousScheduler:
 
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
+
+    def live_requests(self) -> list[Request]:
+        return list(self._requests.values())
 
     def add(self, request: Request) -> None:
         if request.request_id in self._requests:

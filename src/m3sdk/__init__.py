@@ -1,0 +1,34 @@
+"""m3sdk: an embedded async engine serving MiniMax-M3.
+
+    async with Engine() as engine:
+        done = await engine.generate("The capital of France is", SamplingParams(max_tokens=32))
+"""
+
+from m3sdk.config import EngineConfig
+from m3sdk.engine import Engine
+from m3sdk.errors import (
+    CheckpointError,
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    M3Error,
+    PrefillNodeError,
+)
+from m3sdk.params import SamplingParams
+from m3sdk.request import Chunk, Completion, Timings, Usage
+
+__all__ = [
+    "CheckpointError",
+    "Chunk",
+    "Completion",
+    "Engine",
+    "EngineConfig",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "InvalidRequestError",
+    "M3Error",
+    "PrefillNodeError",
+    "SamplingParams",
+    "Timings",
+    "Usage",
+]

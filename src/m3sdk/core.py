@@ -1,0 +1,217 @@
+"""EngineCore: the synchronous engine loop, in a thread of its own: schedule -> run -> sample -> update -> emit.
+
+Other threads talk to it only through `submit`, `abort` and `stop` (a thread-safe inbox) and read `stats()`
+(a snapshot replaced after every step). Each step's deltas go out in one `emit(chunks)` call, so the
+application's event loop pays one wake-up per step, not one per token. If anything in the loop raises, the
+core calls `on_dead(exc)` and ends: the async face turns that into EngineDeadError for every waiter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from m3sdk.cache import CACHE_MANAGERS
+from m3sdk.cache.kv_pool import KVCacheSpec
+from m3sdk.cache.manager import CacheManager, cache_budget_bytes, num_pages_for_budget
+from m3sdk.cache.page_pool import PAGE_SIZE, pages_for
+from m3sdk.config import EngineConfig
+from m3sdk.model.loader import load_model
+from m3sdk.observability import get_logger
+from m3sdk.request import Chunk, FinishReason, Request
+from m3sdk.runner import ModelRunner
+from m3sdk.sampler import SampledToken, Sampler
+from m3sdk.scheduler import SCHEDULERS, Scheduler
+from m3sdk.tokenizer import Tokenizer
+from m3sdk_kernels.arch import fp8_dtype
+
+log = get_logger("m3sdk.core")
+
+Emit = Callable[[list[Chunk]], None]
+OnDead = Callable[[BaseException], None]
+
+_ADD, _ABORT, _STOP = "add", "abort", "stop"
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, scheduler: Scheduler, cache: CacheManager,
+                 tokenizer: Tokenizer, max_model_len: int):
+        self.config = config
+        self.runner = runner
+        self.scheduler = scheduler
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = runner.model.config.vocab_size
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(runner.model.config.eos_token_ids)
+        self.sampler = Sampler()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pending: list[Chunk] = []  # abort notices, sent with the next step's deltas
+        self._counters = dict(steps=0, prompt_tokens=0, generation_tokens=0, requests_finished=0,
+                              requests_aborted=0)
+        self._stats: dict[str, int] = {}
+        self._publish_stats()
+
+    @classmethod
+    def build(cls, config: EngineConfig) -> EngineCore:
+        """Load the model and tokenizer, size the KV cache from the memory left, wire the components."""
+        device = config.resolve_device()
+        dtype = config.resolve_dtype(device)
+        path = config.model_path()
+        model = load_model(path, device, dtype, config.resolve_attention_backend(device))
+        tokenizer = Tokenizer.from_pretrained(path)
+        mc = model.config
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {mc.max_position_embeddings}")
+        max_model_len = config.max_model_len or mc.max_position_embeddings
+        kv_dtype, index_dtype = config.resolve_cache_dtypes(dtype)
+        spec = KVCacheSpec.for_model(mc, 1, kv_dtype=kv_dtype, layout=config.kv_cache_layout,
+                                     index_dtype=index_dtype, fp8_dtype=fp8_dtype(device), model_dtype=dtype,
+                                     device=device)
+        budget = cache_budget_bytes(config.kv_cache_memory, config.gpu_memory_fraction, device)
+        # one spare page per sequence: a sequence's pages round up
+        useful = config.max_num_seqs * (pages_for(max_model_len) + 1)
+        num_pages = num_pages_for_budget(spec.bytes_per_page, budget, useful)
+        if num_pages < pages_for(max_model_len):
+            if config.max_model_len is not None or num_pages < 1:
+                raise ValueError(f"the KV cache budget ({budget} bytes, {num_pages} pages of "
+                                 f"{spec.bytes_per_page} bytes) cannot hold one sequence of max_model_len "
+                                 f"{max_model_len}: raise kv_cache_memory or lower max_model_len")
+            max_model_len = num_pages * PAGE_SIZE
+            log.warning("max_model_len lowered to fit the KV cache", max_model_len=max_model_len)
+        cache = _by_name(CACHE_MANAGERS, config.cache_manager, "cache_manager")(
+            dataclasses.replace(spec, num_pages=num_pages), config.enable_prefix_caching)
+        factory = config.scheduler
+        if isinstance(factory, str):
+            factory = _by_name(SCHEDULERS, factory, "scheduler")
+        scheduler = factory(cache, config)
+        log.info("engine built", model=str(path), device=str(device), dtype=str(dtype), pages=num_pages,
+                 max_model_len=max_model_len)
+        return cls(config, ModelRunner(model, cache, device), scheduler, cache, tokenizer, max_model_len)
+
+    # -- any thread --------------------------------------------------------------------------------------
+
+    def start(self, emit: Emit, on_dead: OnDead) -> None:
+        self._thread = threading.Thread(target=self._run, args=(emit, on_dead), name="m3sdk-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        self._inbox.put((_ADD, request))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put((_ABORT, request_id))
+
+    def stop(self) -> None:
+        """Abort whatever is live and end the loop (join the thread to wait for it)."""
+        self._inbox.put((_STOP, None))
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+    # -- the engine thread -------------------------------------------------------------------------------
+
+    def _run(self, emit: Emit, on_dead: OnDead) -> None:
+        try:
+            while self._handle_inbox():
+                chunks = self.step()
+                if self._pending:
+                    chunks, self._pending = self._pending + chunks, []
+                # stats first: a waiter woken by its last chunk then reads its pages as freed
+                self._publish_stats()
+                if chunks:
+                    emit(chunks)
+            self._publish_stats()
+            if self._pending:
+                emit(self._pending)
+        except BaseException as e:  # noqa: BLE001 - any failure must reach the waiters, never hang them
+            on_dead(e)
+            log.exception("engine thread died")
+
+    def _handle_inbox(self) -> bool:
+        """Apply queued adds and aborts; blocks while there is nothing to run. False once told to stop."""
+        block = not (self.scheduler.num_running or self.scheduler.num_waiting)
+        while True:
+            try:
+                kind, item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == _ADD:
+                self.scheduler.add(item)
+                self._counters["prompt_tokens"] += item.num_prompt_tokens
+            elif kind == _ABORT:
+                request = self.scheduler.get(item)
+                if request is not None:  # unknown or finished: a no-op
+                    self._pending.append(self._finish(request, "abort", "", []))
+            else:
+                for request in self.scheduler.live_requests():
+                    self._pending.append(self._finish(request, "abort", "", []))
+                return False
+
+    def step(self) -> list[Chunk]:
+        """One forward over the scheduled tokens; returns the deltas of the requests that sampled."""
+        plan = self.scheduler.schedule()
+        if not plan:
+            if plan.preempted or not (self.scheduler.num_running or self.scheduler.num_waiting):
+                return []
+            raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
+        self._counters["steps"] += 1
+        rows = [s.request for s in plan.scheduled if s.samples]
+        logits = self.runner.run(plan)
+        sampled = self.sampler.sample(logits, [r.sampling for r in rows]) if rows else []
+        self.scheduler.update(plan)
+        return [self._accept(request, token) for request, token in zip(rows, sampled, strict=True)]
+
+    def _accept(self, request: Request, token: SampledToken) -> Chunk:
+        """Append a sampled token; detokenize; decide whether the request is done."""
+        tid = token.token_id
+        request.append_token(tid)
+        self._counters["generation_tokens"] += 1
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        params = request.params
+        logprobs = [token] if params.logprobs is not None else None
+        reason: FinishReason | None = None
+        text = ""
+        if (tid in self.eos_token_ids and not params.ignore_eos) or tid in params.stop_token_ids:
+            reason = "stop"  # stop tokens are not text
+        else:
+            text, stopped = request.text.push(tid)
+            if stopped is not None:
+                reason = "stop"
+        if reason is None and request.num_tokens >= request.max_total_tokens:
+            reason = "length"
+        if reason is None:
+            return Chunk(request.request_id, text, [tid], None, logprobs)
+        return self._finish(request, reason, text + request.text.finish(), [tid], logprobs)
+
+    def _finish(self, request: Request, reason: FinishReason, text: str, token_ids: list[int],
+                logprobs: list[SampledToken] | None = None) -> Chunk:
+        self.scheduler.finish(request, reason)
+        self._counters["requests_aborted" if reason == "abort" else "requests_finished"] += 1
+        return Chunk(request.request_id, text, token_ids, reason, logprobs, request.usage(), request.timings())
+
+    def _publish_stats(self) -> None:
+        self._stats = {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "preemptions": self.scheduler.num_preemptions,
+            **self.cache.stats(),
+            **self._counters,
+        }
+
+
+def _by_name(registry: dict[str, Any], name: str, what: str) -> Any:
+    if name not in registry:
+        raise ValueError(f"unknown {what} {name!r}; registered: {sorted(registry)}")
+    return registry[name]

@@ -1,0 +1,231 @@
+"""Engine: the async face. The core runs in its own thread; the caller's event loop only validates and moves
+requests in, and deltas out.
+
+Requests go in through the core's thread-safe inbox. Deltas come back once per step through
+`loop.call_soon_threadsafe` into one asyncio queue per request. Leaving a stream early, cancelling the
+awaiting task, or `abort()` ends the request in the core and frees its pages. If the engine thread dies,
+every waiter gets EngineDeadError at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import numbers
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
+from typing import Any
+
+from m3sdk.config import EngineConfig
+from m3sdk.core import EngineCore
+from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from m3sdk.params import SamplingParams
+from m3sdk.request import Chunk, Completion, Request
+from m3sdk.sampler import SamplingState
+from m3sdk.tokenizer import TextStream
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+_DEAD = object()  # queued to every live request when the engine thread dies
+
+
+class Engine:
+    """`async with Engine(model=..., max_num_seqs=...) as engine: await engine.generate("...")`."""
+
+    def __init__(self, config: EngineConfig | None = None, /, **overrides: Any):
+        config = config if config is not None else EngineConfig()
+        self.config = config.replace(**overrides) if overrides else config
+        self._core: EngineCore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._channels: dict[str, asyncio.Queue[Chunk | object]] = {}
+        self._dead: BaseException | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+    async def start(self) -> None:
+        """Load the model (off the event loop) and start the engine thread."""
+        if self._core is not None or self._closed:
+            raise RuntimeError("an Engine starts once")
+        self._loop = asyncio.get_running_loop()
+        self._core = await asyncio.to_thread(EngineCore.build, self.config)
+        self._core.start(self._emit_threadsafe, self._dead_threadsafe)
+
+    async def shutdown(self) -> None:
+        """Abort what is live (its waiters get finish_reason "abort"), stop the thread, free everything."""
+        core, self._closed = self._core, True
+        if core is None:
+            return
+        core.stop()
+        await asyncio.to_thread(core.join)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._running_core().max_model_len
+
+    def stats(self) -> dict[str, int]:
+        """running, waiting, pages_total, pages_free, pages_cached, prefix_cache_queries/hits (tokens),
+        preemptions, steps, prompt/generation tokens, requests finished/aborted."""
+        return self._running_core().stats()
+
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, /, *,
+                       request_id: str | None = None, priority: int = 0, **param_overrides: Any) -> Completion:
+        """The whole completion. Cancelling the awaiting task aborts the request."""
+        text: list[str] = []
+        token_ids: list[int] = []
+        logprobs: list = []
+        async with aclosing(self.stream(prompt, params, request_id=request_id, priority=priority,
+                                        **param_overrides)) as chunks:
+            async for chunk in chunks:
+                text.append(chunk.text)
+                token_ids += chunk.token_ids
+                if chunk.logprobs is not None:
+                    logprobs += chunk.logprobs
+        return Completion(chunk.request_id, "".join(text), token_ids, chunk.finish_reason, chunk.usage,
+                          chunk.timings, logprobs if chunk.logprobs is not None else None)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, /, *, request_id: str | None = None,
+               priority: int = 0, **param_overrides: Any) -> AsyncIterator[Chunk]:
+        """Deltas as they are generated; the last chunk has finish_reason, usage and timings. The request is
+        validated here (InvalidRequestError, TypeError) and queued when iteration starts; leaving the loop
+        early aborts it."""
+        request = self._make_request(prompt, params, request_id, priority, param_overrides)
+        return self._stream(request)
+
+    async def abort(self, request_id: str) -> None:
+        """End a request (its waiter gets finish_reason "abort"). Unknown or finished ids are a no-op."""
+        if request_id in self._channels and self._dead is None:
+            self._running_core().abort(request_id)
+
+    # -- requests in -----------------------------------------------------------------------------------
+
+    def _running_core(self) -> EngineCore:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine thread died: {self._dead!r}") from self._dead
+        if self._core is None or self._closed:
+            raise RuntimeError("the Engine is not running: use `async with Engine(...)` or `await start()`")
+        return self._core
+
+    def _make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                      priority: int, overrides: dict[str, Any]) -> Request:
+        core = self._running_core()
+        if params is None:
+            params = SamplingParams(**overrides)
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        elif overrides:
+            params = params.replace(**overrides)
+        params.check_against(core.vocab_size)
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an int, got {priority!r}")
+        ids = self._prompt_ids(core, prompt)
+        limit = core.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(f"the prompt has {len(ids)} tokens; the context holds {limit} "
+                                      "(max_model_len), with room for at least one generated token")
+        if len(ids) + params.max_tokens > limit:
+            raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                      f"max_model_len {limit}")
+        request = Request(request_id, ids, params, len(ids) + params.max_tokens, priority)
+        request.sampling = SamplingState(params, ids)
+        request.text = TextStream(core.tokenizer, params, ids)
+        return request
+
+    @staticmethod
+    def _prompt_ids(core: EngineCore, prompt: Prompt) -> list[int]:
+        tokenizer = core.tokenizer
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            ids = tokenizer.encode(tokenizer.apply_chat_template(prompt), add_special_tokens=False)
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
+            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+            if bad:
+                raise InvalidRequestError(f"token ids must be ints, got {bad[:5]!r}")
+            ids = [int(t) for t in prompt]
+            outside = [t for t in ids if not 0 <= t < core.vocab_size]
+            if outside:
+                raise InvalidRequestError(f"token ids {outside[:5]} are outside the vocabulary "
+                                          f"(size {core.vocab_size})")
+        else:
+            raise InvalidRequestError("prompt must be a str, a list of token ids, or a list of chat messages, "
+                                      f"got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        return ids
+
+    def _admit(self, request: Request) -> asyncio.Queue[Chunk | object]:
+        core = self._running_core()
+        if asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError("an Engine serves the event loop that started it")
+        if request.request_id in self._channels:
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already live")
+        if len(self._channels) >= self.config.max_num_seqs + self.config.max_waiting_requests:
+            raise EngineOverloadedError(f"{len(self._channels)} requests are live (max_num_seqs "
+                                        f"{self.config.max_num_seqs} + max_waiting_requests "
+                                        f"{self.config.max_waiting_requests}); retry later")
+        channel: asyncio.Queue[Chunk | object] = asyncio.Queue()
+        self._channels[request.request_id] = channel
+        core.submit(request)
+        return channel
+
+    async def _stream(self, request: Request) -> AsyncIterator[Chunk]:
+        rid = request.request_id
+        channel = self._admit(request)
+        done = False
+        try:
+            while not done:
+                item = await channel.get()
+                # Under load several steps' deltas wait here: hand them over as one chunk.
+                while item is not _DEAD and item.finish_reason is None and not channel.empty():
+                    nxt = channel.get_nowait()
+                    item = _DEAD if nxt is _DEAD else _merge(item, nxt)
+                if item is _DEAD:
+                    raise EngineDeadError(f"the engine thread died: {self._dead!r}") from self._dead
+                done = item.finish_reason is not None
+                yield item
+        finally:
+            if self._channels.get(rid) is channel:
+                del self._channels[rid]
+            if not done and self._dead is None and not self._closed:
+                self._core.abort(rid)
+
+    # -- deltas out (called in the engine thread) -------------------------------------------------------
+
+    def _emit_threadsafe(self, chunks: list[Chunk]) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, chunks)
+        except RuntimeError:  # the application's loop is closed: nobody is listening any more
+            self._core.stop()
+
+    def _dead_threadsafe(self, exc: BaseException) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._on_dead, exc)
+        except RuntimeError:
+            pass  # the loop is closed: no waiter is left to tell
+
+    def _dispatch(self, chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            channel = self._channels.get(chunk.request_id)
+            if channel is not None:
+                channel.put_nowait(chunk)
+
+    def _on_dead(self, exc: BaseException) -> None:
+        self._dead = exc
+        for channel in self._channels.values():
+            channel.put_nowait(_DEAD)
+
+
+def _merge(a: Chunk, b: Chunk) -> Chunk:
+    logprobs = None if a.logprobs is None else a.logprobs + (b.logprobs or [])
+    return Chunk(a.request_id, a.text + b.text, a.token_ids + b.token_ids, b.finish_reason, logprobs, b.usage,
+                 b.timings)

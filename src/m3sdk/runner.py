@@ -1,0 +1,36 @@
+"""ModelRunner: owns the device tensors (model, KV pool) and turns a StepPlan into one forward (Contract 2)."""
+
+from __future__ import annotations
+
+import torch
+
+from m3sdk.attention.base import AttentionMetadata
+from m3sdk.cache.manager import CacheManager
+from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
+from m3sdk.scheduler.base import StepPlan
+
+
+class ModelRunner:
+    def __init__(self, model: MiniMaxM3ForCausalLM, cache: CacheManager, device: torch.device):
+        self.model = model
+        self.cache = cache
+        self.device = device
+
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """Write every scheduled token's K/V (and index keys) and return float32 logits [N, vocab], one row per
+        request that samples, in plan order (None when none samples, e.g. all are mid-prefill chunks)."""
+        ids: list[int] = []
+        counts, context_lens, tables, logits_rows = [], [], [], []
+        for request, n, samples in plan.scheduled:
+            start = request.num_computed_tokens
+            ids += request.token_ids[start:start + n]
+            counts.append(n)
+            context_lens.append(start + n)
+            tables.append(self.cache.page_table(request))
+            if samples:
+                logits_rows.append(len(ids) - 1)
+        meta = AttentionMetadata.build(counts, context_lens, tables, device=self.device)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        indices = torch.tensor(logits_rows, dtype=torch.int64, device=self.device) if logits_rows else None
+        _, logits = self.model(input_ids, meta, self.cache.kv, indices)
+        return logits
