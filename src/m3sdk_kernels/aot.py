@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -28,7 +27,17 @@ KERNEL_MODULES: list[str] = [
     "m3sdk_kernels.cache_write",
     "m3sdk_kernels.paged_attention",
     "m3sdk_kernels.indexer",
+    "m3sdk_kernels.router",
+    "m3sdk_kernels.moe",
+    "m3sdk_kernels.quant",
+    "m3sdk_kernels.norm",
 ]
+
+
+# The released MiniMax-M3's attention shapes: what the AOT report compiles for (a checkpoint's config decides
+# the real values at run time; these only pick the constexprs of the compiled variants).
+M3_SHAPES = {"num_heads": 64, "num_kv_heads": 4, "head_dim": 128, "index_heads": 4, "index_dim": 128,
+             "rotary_half": 32, "block_size": 128, "topk": 16, "local_blocks": 1}
 
 
 @dataclass(frozen=True)
@@ -86,17 +95,25 @@ def _report_hip(asm: dict) -> dict:
     }
 
 
-def _report_cuda(asm: dict, arch: Arch) -> dict:
-    import triton
+def _ptxas(arch: Arch) -> str:
+    """The ptxas Triton itself assembles with for this arch (it ships two; only one reads its PTX version)."""
+    from triton.backends.nvidia import compiler
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    try:
+        return compiler.get_ptxas(arch.target_arch).path
+    except TypeError:  # older Triton: get_ptxas() takes no arch
+        return compiler.get_ptxas().path
+
+
+def _report_cuda(asm: dict, arch: Arch) -> dict:
+    ptxas = _ptxas(arch)
     with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "k.ptx")
+        ptx = f"{tmp}/k.ptx"
         with open(ptx, "w") as f:
             f.write(asm["ptx"])
         # sm_90a: the target Triton itself assembles for on Hopper (wgmma needs the "a" variant)
         log = subprocess.run(
-            [ptxas, "-v", f"--gpu-name=sm_{arch.target_arch}a", ptx, "-o", os.path.join(tmp, "k.cubin")],
+            [ptxas, "-v", f"--gpu-name=sm_{arch.target_arch}a", ptx, "-o", f"{tmp}/k.cubin"],
             capture_output=True,
             text=True,
             check=True,
@@ -171,3 +188,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .arch import tiles
+from .arch import Arch, tiles
 from .layout import PAGE, PAGE_SIZE, shuffle_width, slot_offsets, store_tokens_ref
 
 
@@ -272,5 +272,48 @@ def norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w:
 
 
 def _launch() -> dict:
-    cfg = tiles("cache_write")
+    return _launch_for(None)
+
+
+def aot_variants(arch: Arch) -> list:
+    """The cache-write kernels as launched on `arch` at M3's shapes (see m3sdk_kernels.aot)."""
+    from .aot import M3_SHAPES, AotVariant
+
+    m = M3_SHAPES
+    fp8, fp8_max = arch.fp8_triton, arch.fp8_max
+    other = "plain" if arch.kv_layout == "shuffle" else "shuffle"
+    strides = ("stride_cp", "stride_ch", "stride_sp", "stride_sh")
+    variants = []
+    for kv, layout in (("fp8", arch.kv_layout), ("fp8", other), ("bf16", arch.kv_layout)):
+        kv_type = fp8 if kv == "fp8" else "bf16"
+        types = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache": f"*{kv_type}", "v_cache": f"*{kv_type}",
+                 "k_scale": "*fp32", "v_scale": "*fp32", "slot_ptr": "*i64"}
+        types |= {name: "i32" for name in _write_kv_kernel.arg_names if name not in types}
+        variants.append(AotVariant(
+            name=f"cache_write.write_kv_{kv}_{layout}", kernel=_write_kv_kernel, types=types,
+            constexprs={"HEAD_DIM": m["head_dim"], "X": 16 if kv == "fp8" else 8, "SHUFFLE": layout == "shuffle",
+                        "FP8": kv == "fp8", "FP8_MAX": fp8_max},
+            aligned=("stride_kt", "stride_kh", "stride_vt", "stride_vh") + strides, **_launch_for(arch)))
+    variants.append(AotVariant(
+        name="cache_write.write_index_key_fp8", kernel=_write_index_key_kernel,
+        types={"ik_ptr": "*bf16", "cache_ptr": f"*{fp8}", "slot_ptr": "*i64", "stride_t": "i32", "stride_cp": "i32"},
+        constexprs={"INDEX_DIM": m["index_dim"]}, aligned=("stride_t", "stride_cp"), **_launch_for(arch)))
+    # the sparse-layer fused step, FP8 KV and FP8 index keys in the platform's layout
+    types = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "iq_ptr", "ik_ptr", "q_w", "k_w", "iq_w", "ik_w",
+                                         "q_out", "iq_out")}
+    types |= {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "k_cache": f"*{fp8}",
+              "v_cache": f"*{fp8}", "k_scale": "*fp32", "v_scale": "*fp32", "index_cache": f"*{fp8}", "eps": "fp32"}
+    types |= {name: "i32" for name in _norm_rope_write_kernel.arg_names if name not in types}
+    variants.append(AotVariant(
+        name=f"cache_write.norm_rope_write_fp8_{arch.kv_layout}", kernel=_norm_rope_write_kernel, types=types,
+        constexprs={"NUM_Q": m["num_heads"], "NUM_KV": m["num_kv_heads"], "NUM_IQ": m["index_heads"],
+                    "HEAD_DIM": m["head_dim"], "INDEX_DIM": m["index_dim"], "HALF": m["rotary_half"], "X": 16,
+                    "SHUFFLE": arch.kv_layout == "shuffle", "FP8": True, "FP8_MAX": fp8_max, "HAS_INDEX": True},
+        aligned=("stride_qt", "stride_kt", "stride_vt", "stride_iqt", "stride_ikt", "stride_ip") + strides,
+        **_launch_for(arch)))
+    return variants
+
+
+def _launch_for(arch: Arch | None) -> dict:
+    cfg = tiles("cache_write", arch)
     return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}

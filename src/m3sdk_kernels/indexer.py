@@ -157,3 +157,32 @@ def indexer_topk(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: t
         scores, cu_seqlens_q, context_lens, out, num_seqs, t_total, num_blocks, SEL_BLOCK=block_size, TOPK=topk,
         BLOCKS_PAD=triton.next_power_of_2(num_blocks), num_warps=tiles("indexer_topk")["num_warps"])
     return out
+
+
+def aot_variants(arch: Arch) -> list:
+    """The indexer kernels as launched on `arch` at M3's shapes (decode batch 64 at 128K; an 8K prefill chunk)."""
+    from .aot import M3_SHAPES, AotVariant
+
+    m = M3_SHAPES
+    variants = []
+    for decode, key in ((True, "fp8"), (True, "bf16"), (False, "fp8")):
+        tokens, seqs = (64, 64) if decode else (8192, 1)
+        num_blocks = 131072 // m["block_size"]
+        plan = indexer_plan(tokens, seqs, m["index_heads"], 1 if decode else tokens, num_blocks, arch)
+        types = {"iq_ptr": "*bf16", "ik_cache": f"*{arch.fp8_triton if key == 'fp8' else 'bf16'}",
+                 "page_table": "*i32", "cu_q": "*i32", "ctx_lens": "*i32", "scores_ptr": "*fp32"}
+        types |= {name: "i32" for name in _scan_kernel.arg_names if name not in types}
+        variants.append(AotVariant(
+            name=f"indexer.scan_{'decode' if decode else 'prefill'}_{key}", kernel=_scan_kernel, types=types,
+            constexprs={"NUM_HEADS": m["index_heads"], "BLOCK_HI": plan["BLOCK_HI"], "INDEX_DIM": m["index_dim"],
+                        "BLOCK_Q": plan["BLOCK_Q"], "SEL_BLOCK": m["block_size"], "NUM_CHUNKS": plan["NUM_CHUNKS"],
+                        "LOCAL_BLOCKS": m["local_blocks"], "DOT": tl.float16 if key == "fp8" else tl.bfloat16},
+            num_warps=plan["num_warps"], num_stages=plan["num_stages"],
+            aligned=("stride_qt", "stride_qh", "stride_ip", "num_blocks")))
+    variants.append(AotVariant(
+        name="indexer.topk", kernel=_topk_kernel,
+        types={"scores_ptr": "*fp32", "cu_q": "*i32", "ctx_lens": "*i32", "out_ptr": "*i32", "num_seqs": "i32",
+               "num_tokens": "i32", "num_blocks": "i32"},
+        constexprs={"SEL_BLOCK": m["block_size"], "TOPK": m["topk"], "BLOCKS_PAD": 1024},
+        num_warps=tiles("indexer_topk", arch)["num_warps"], aligned=("num_blocks",)))
+    return variants

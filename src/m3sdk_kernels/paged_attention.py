@@ -302,3 +302,45 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                      HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
                                      num_warps=tiles("attn_merge")["num_warps"])
     return out
+
+
+def aot_variants(arch: Arch) -> list:
+    """The attention kernels as launched on `arch` at M3's shapes: every mode in the platform's default layout,
+    the decode modes in the other layout too (see m3sdk_kernels.aot)."""
+    from .aot import M3_SHAPES, AotVariant
+
+    m = M3_SHAPES
+    hq, hkv, d = m["num_heads"], m["num_kv_heads"], m["head_dim"]
+    other = "plain" if arch.kv_layout == "shuffle" else "shuffle"
+    modes = [(sparse, decode, kv, arch.kv_layout) for sparse in (False, True) for decode in (True, False)
+             for kv in ("bf16", "fp8")]
+    modes += [(sparse, True, "fp8", other) for sparse in (False, True)]
+    variants = []
+    for sparse, decode, kv, layout in modes:
+        # batch 64 decode at 32K, or an 8K-token prefill chunk of one sequence
+        tokens, seqs = (64, 64) if decode else (8192, 1)
+        plan = attention_plan(tokens, seqs, hkv, hq // hkv, 1 if decode else tokens, 32768, sparse, m["topk"],
+                              m["block_size"], arch)
+        kv_type = arch.fp8_triton if kv == "fp8" else "bf16"
+        types = {"q_ptr": "*bf16", "k_cache": f"*{kv_type}", "v_cache": f"*{kv_type}", "k_scale": "*fp32",
+                 "v_scale": "*fp32", "page_table": "*i32", "cu_q": "*i32", "ctx_lens": "*i32", "sel_ptr": "*i32",
+                 "out_ptr": "*bf16", "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32"}
+        types |= {name: "i32" for name in _attn_kernel.arg_names if name not in types}
+        variants.append(AotVariant(
+            name=f"attention.{'sparse' if sparse else 'dense'}_{'decode' if decode else 'prefill'}_{kv}_{layout}",
+            kernel=_attn_kernel, types=types,
+            constexprs={"NUM_HEADS": hq, "HEAD_DIM": d, "GROUP": hq // hkv, "BLOCK_H": plan["BLOCK_H"],
+                        "BLOCK_Q": plan["BLOCK_Q"], "BLOCK_N": plan["BLOCK_N"], "NUM_SPLITS": plan["NUM_SPLITS"],
+                        "X": 16 if kv == "fp8" else 8, "SHUFFLE": layout == "shuffle", "FP8": kv == "fp8",
+                        "SPARSE": sparse, "TOPK": m["topk"], "TOPK_PAD": m["topk"], "SEL_BLOCK": m["block_size"],
+                        "DOT": tl.float16 if kv == "fp8" else tl.bfloat16},
+            num_warps=plan["num_warps"], num_stages=plan["num_stages"],
+            aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
+                     "stride_sh", "stride_sel_h", "stride_sel_t")))
+    variants.append(AotVariant(
+        name="attention.merge", kernel=_merge_kernel,
+        types={"part_o": "*fp32", "part_lse": "*fp32", "out_ptr": "*bf16", "num_tokens": "i32", "stride_ot": "i32",
+               "stride_oh": "i32"},
+        constexprs={"NUM_HEADS": hq, "HEAD_DIM": d, "NUM_SPLITS": 2, "SPLITS_PAD": 2},
+        num_warps=tiles("attn_merge", arch)["num_warps"], aligned=("stride_ot", "stride_oh")))
+    return variants
