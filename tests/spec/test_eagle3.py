@@ -113,8 +113,8 @@ def test_load_published_layout_and_draft_matches_reference(tmp_path):
     tokens = torch.randint(0, VOCAB, (20,), generator=g).tolist()
     aux = torch.randn(19, 3 * HT, generator=g)
     # chunked: positions 0..10 then 11..18 (a prefill in two chunks); token 19 is the last, not yet computed
-    drafter.observe("r", tokens, TargetStates(0, torch.zeros(11, HT), aux[:11]))
-    drafter.observe("r", tokens, TargetStates(11, torch.zeros(8, HT), aux[11:]))
+    drafter.observe([("r", TargetStates(0, tokens[1:12], torch.zeros(11, HT), aux[:11]))])
+    drafter.observe([("r", TargetStates(11, tokens[12:20], torch.zeros(8, HT), aux[11:]))])
     got = drafter.propose([DraftRequest("r", tokens, 3)])[0]
     want = reference_next_tokens(W, tokens, aux, 0, 3)
     assert got.tokens == want and got.probs is None
@@ -124,7 +124,7 @@ def test_load_published_layout_and_draft_matches_reference(tmp_path):
     # a verify step that accepted 1 draft + 1 correction commits positions 19, 20
     tokens2 = tokens + [want[0], 7]
     aux2 = torch.randn(2, 3 * HT, generator=g)
-    drafter.observe("r", tokens2, TargetStates(19, torch.zeros(2, HT), aux2))
+    drafter.observe([("r", TargetStates(19, tokens2[20:22], torch.zeros(2, HT), aux2))])
     got = drafter.propose([DraftRequest("r", tokens2, 3)])[0]
     assert got.tokens == reference_next_tokens(W, tokens2, torch.cat([aux, aux2]), 0, 3)
     # a request whose draft has not read its last committed position proposes nothing

@@ -71,11 +71,13 @@ class SpecConfig:
 @dataclass
 class TargetStates:
     """What the target computed for one request's positions `start ... start + n - 1` this step (all committed
-    to the cache). `aux` concatenates the chosen layers' inputs (`[n, len(aux_layers) * hidden]`), present when
-    the drafter asked for `aux_layers`."""
+    to the cache): the token after each of them (`next_tokens`, known once a position is committed), the
+    final-normed hidden states and, when the drafter asked for `aux_layers`, those layers' inputs concatenated
+    (`[n, len(aux_layers) * hidden]`)."""
 
     start: int
-    hidden: torch.Tensor  # [n, hidden] final-normed
+    next_tokens: list[int]
+    hidden: torch.Tensor  # [n, hidden]
     aux: torch.Tensor | None = None
 
 
@@ -105,8 +107,8 @@ class SpeculativeDecoder(Protocol):
     num_speculative_tokens: int
     aux_layers: tuple[int, ...]  # target layers whose *input* hidden states `observe` needs (empty: none)
 
-    def observe(self, request_id: str, token_ids: Sequence[int], states: TargetStates) -> None:
-        """Take the target states of newly committed positions."""
+    def observe(self, items: Sequence[tuple[str, TargetStates]]) -> None:
+        """Take the target states of newly committed positions, for the requests of one step."""
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         """Up to `max_drafts` draft tokens per request (possibly none)."""

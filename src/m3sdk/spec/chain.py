@@ -73,11 +73,10 @@ class ChainDrafter(ABC):
     # -- the loop --
 
     @torch.inference_mode()
-    def observe_batch(self, items: Sequence[tuple[str, Sequence[int], TargetStates]]) -> None:
-        """Draft entries for the committed positions of several requests in one forward (token t + 1 is always
-        known for a committed position t)."""
+    def observe(self, items: Sequence[tuple[str, TargetStates]]) -> None:
+        """Draft entries for the committed positions of several requests in one forward."""
         ctxs, counts, toks, feats, pos, rids = [], [], [], [], [], []
-        for rid, token_ids, st in items:
+        for rid, st in items:
             n = st.hidden.shape[0]
             if n == 0:
                 continue
@@ -91,7 +90,7 @@ class ChainDrafter(ABC):
                 seq = self._seqs[rid] = _Seq(ctx, -1, st.hidden.new_empty(0))
             ctxs.append(seq.ctx)
             counts.append(n)
-            toks.extend(token_ids[st.start + 1:st.start + n + 1])
+            toks.extend(st.next_tokens)
             feats.append(self.features(st))
             pos.append(torch.arange(st.start, st.start + n))
             rids.append(rid)
@@ -105,9 +104,6 @@ class ChainDrafter(ABC):
         for i, rid in enumerate(rids):
             seq = self._seqs[rid]
             seq.next_token, seq.hidden = firsts[i], out[last[i]]
-
-    def observe(self, request_id: str, token_ids: Sequence[int], states: TargetStates) -> None:
-        self.observe_batch([(request_id, token_ids, states)])
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:

@@ -37,7 +37,7 @@ class NgramDrafter:
         self.n_min = prompt_lookup_min
         self.n_max = prompt_lookup_max
 
-    def observe(self, request_id: str, token_ids: Sequence[int], states: TargetStates) -> None:
+    def observe(self, items: Sequence[tuple[str, TargetStates]]) -> None:
         pass  # stateless: every proposal reads the request's tokens afresh
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
