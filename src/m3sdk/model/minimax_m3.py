@@ -8,7 +8,7 @@ ropes, and hands tokens to it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -106,12 +106,22 @@ class MiniMaxM3ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
-                logits_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids int64 [T] -> (final-normed hidden [T, hidden], float32 logits [N, vocab] at logits_indices)."""
+                logits_indices: torch.Tensor | None = None, aux_layers: Sequence[int] = ()) -> tuple:
+        """input_ids int64 [T] -> (final-normed hidden [T, hidden], float32 logits [N, vocab] at logits_indices).
+
+        With `aux_layers` (EAGLE3 drafts read them), a third item: the hidden states entering those layers (id
+        num_layers: the last layer's output, before the final norm), concatenated in the order given:
+        [T, len(aux_layers) * hidden]."""
         cos, sin = self.rotary(meta.positions)
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        aux = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux[i] = x
             x = layer(x, cos, sin, meta, kv, self.attn_backend)
+        aux[len(self.layers)] = x
         hidden = self.norm(x)
         logits = None if logits_indices is None else self.lm_head(hidden[logits_indices]).float()
+        if aux_layers:
+            return hidden, logits, torch.cat([aux[i] for i in aux_layers], dim=-1)
         return hidden, logits
