@@ -1,6 +1,15 @@
 """Shared fixtures. The oracle checkpoints (see tests/oracle.py) are built once per session."""
 
-import pytest
+import os
+
+import torch
+
+# Triton decides compiled vs interpreted when @triton.jit runs, i.e. when m3sdk_kernels is first imported: on a
+# machine without a GPU every test runs the kernels in the interpreter, so set it before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 from oracle import load_oracle, make_oracle_checkpoint
 
 

@@ -95,6 +95,23 @@ def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, fmt: str,
     raise ValueError(f"expert format {fmt!r} is not one of {FORMATS}")
 
 
+def stack_experts(fmt: str, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor],
+                  gate_scale: list[torch.Tensor] | None = None, up_scale: list[torch.Tensor] | None = None,
+                  down_scale: list[torch.Tensor] | None = None) -> Experts:
+    """Experts from per-expert checkpoint tensors already in `fmt` (w1 = gate, w3 = up, w2 = down; e.g. Quark's
+    MXFP4 `weight` + `weight_scale`, or the MXFP8 checkpoint's `weight` + `weight_scale_inv`): no requantization."""
+    gate_up = torch.stack([torch.cat((g, u)) for g, u in zip(gate, up, strict=True)])
+    if fmt == "bf16":
+        return Experts(fmt, gate_up.to(torch.bfloat16), torch.stack(down).to(torch.bfloat16))
+    if gate_scale is None or up_scale is None or down_scale is None:
+        raise ValueError(f"{fmt} experts need their scales")
+    gus = torch.stack([torch.cat((g, u)) for g, u in zip(gate_scale, up_scale, strict=True)])
+    if fmt != "fp8":  # E8M0 may come typed as float8_e8m0fnu: the kernels read its bytes
+        gus = gus.view(torch.uint8)
+    dns = torch.stack(down_scale)
+    return Experts(fmt, gate_up, torch.stack(down), gus, dns if fmt == "fp8" else dns.view(torch.uint8))
+
+
 def dequantize_experts(experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
     """-> float32 (gate_up [E, 2I, H], down [E, H, I]): exactly the values the kernels multiply."""
     ex = experts
@@ -166,32 +183,39 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tup
 
 @triton.jit
 def _moe_align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, cursor_ptr, num_pairs, max_padded,
-                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, LOG2_E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     # One program: histogram, padded prefix sums, the expert of every block, then each pair scattered to its
     # expert's next free row (atomic cursor: order inside an expert's run is free, rows are independent).
+    # cursor_ptr is scratch [2 * E_PAD]: next free row per expert, then each expert's end row.
     experts = tl.arange(0, E_PAD)
     lanes = tl.arange(0, CHUNK)
     counts = tl.zeros((E_PAD,), tl.int32)
     for c0 in range(0, num_pairs, CHUNK):
         offs = c0 + lanes
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0)
+        counts += tl.histogram(ids, E_PAD)
+    # lanes past the end were counted as expert 0
+    counts -= tl.where(experts == 0, tl.cdiv(num_pairs, CHUNK) * CHUNK - num_pairs, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
     tl.store(num_padded_ptr, total)
     tl.store(cursor_ptr + experts, ends - padded)
-    num_blocks = max_padded // BLOCK_M
-    for b0 in range(0, num_blocks, CHUNK):
-        blocks = b0 + lanes
-        first = blocks * BLOCK_M
-        # experts whose run ends at or before the block's first row precede it: their count is the owner
-        owner = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, tl.where(first < total, owner, 0), mask=blocks < num_blocks)
+    tl.store(cursor_ptr + E_PAD + experts, ends)
     for r0 in range(0, max_padded, CHUNK):
         rows = r0 + lanes
         tl.store(pairs_ptr + rows, tl.zeros((CHUNK,), tl.int32) + num_pairs, mask=rows < max_padded)
     tl.debug_barrier()
+    num_blocks = max_padded // BLOCK_M
+    for b0 in range(0, num_blocks, CHUNK):
+        blocks = b0 + lanes
+        first = blocks * BLOCK_M
+        # owner = number of experts whose run ends at or before the block's first row (binary search on ends)
+        owner = tl.zeros((CHUNK,), tl.int32)
+        for i in tl.static_range(LOG2_E_PAD):
+            cand = owner + (E_PAD >> (i + 1))
+            owner = tl.where(tl.load(cursor_ptr + E_PAD + cand - 1) <= first, cand, owner)
+        tl.store(block_expert_ptr + blocks, tl.where(first < total, owner, 0), mask=blocks < num_blocks)
     for c0 in range(0, num_pairs, CHUNK):
         offs = c0 + lanes
         ok = offs < num_pairs
@@ -212,59 +236,80 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_expert = torch.empty((max_padded // block_m,), dtype=torch.int32, device=dev)
     num_padded = torch.empty((1,), dtype=torch.int32, device=dev)
     e_pad = triton.next_power_of_2(num_experts)
-    cursor = torch.empty((e_pad,), dtype=torch.int32, device=dev)
+    cursor = torch.empty((2 * e_pad,), dtype=torch.int32, device=dev)
     cfg = tiles("moe_align", current_arch(dev))
     _moe_align_kernel[(1,)](ids, pairs, block_expert, num_padded, cursor, n, max_padded, BLOCK_M=block_m,
-                            E_PAD=e_pad, CHUNK=cfg["CHUNK"], num_warps=cfg["num_warps"])
+                            E_PAD=e_pad, LOG2_E_PAD=e_pad.bit_length() - 1, CHUNK=cfg["CHUNK"],
+                            num_warps=cfg["num_warps"])
     return pairs, block_expert, num_padded
 
 
 @triton.jit
-def _e2m1_to_f32(nibble):
-    # E2M1 -> fp32 bits: exponent field e (bias 1), one mantissa bit m; e == 0 is 0 or the subnormal 0.5
-    n = nibble.to(tl.uint32)
-    e = (n >> 1) & 3
-    m = n & 1
-    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * 0x3F000000) | ((n & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+def _e2m1_bf16(nibble, scale):
+    # E2M1 code (s, e:2, m:1; e == 0 is 0 or the subnormal 0.5) times 2^(scale - 127), built as bf16 bits: the
+    # E8M0 scale is an add to the exponent field, no float math. Results below bf16's normal range flush to 0.
+    n = nibble.to(tl.int32)
+    mag = n & 7
+    e = mag >> 1
+    exp = tl.where(e > 0, e + 126, 126) + scale.to(tl.int32) - 127
+    mant = tl.where(e > 0, (mag & 1) << 6, 0)
+    bits = tl.where((mag == 0) | (exp <= 0), 0, (exp << 7) | mant) | ((n & 8) << 12)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def _weight_tile(w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    # The [BLOCK_K, BLOCK_N] operand W^T[k0:k0+BLOCK_K, rows]: bf16 / fp8 as stored, MX upcast to bf16.
+def _dot(a, w, acc, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+    return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _load_a(a_rows, valid, k0, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Activation tile(s) at columns k0 .. k0 + BLOCK_K of the rows `a_rows` (pointers). SPLIT_K: the even and
+    # the odd columns apart, matching MXFP4's low and high nibbles, so the weight needs no register shuffle.
+    if SPLIT_K:
+        kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        a0 = tl.load(a_rows[:, None] + kk[None, :], mask=valid[:, None], other=0.0)
+        a1 = tl.load(a_rows[:, None] + kk[None, :] + 1, mask=valid[:, None], other=0.0)
+    else:
+        a0 = tl.load(a_rows[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None], other=0.0)
+        a1 = a0
+    return a0, a1
+
+
+@triton.jit
+def _dot_step(acc, a0, a1, w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT: tl.constexpr,
+              MX_NATIVE: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    # acc += A[:, k0:k0+BLOCK_K] @ W^T[k0:k0+BLOCK_K, rows] for the weight format W_FMT (0 bf16, 1 fp8,
+    # 2 mxfp4, 3 mxfp8). MX without MX_NATIVE: upcast to bf16 in registers, one E8M0 scale per 32 along K.
     if W_FMT == 2:
         kp = tl.arange(0, BLOCK_K // 2)
         packed = tl.load(w_base + rows[None, :] * stride_wn + (k0 // 2 + kp)[:, None])
-        vals = tl.join(_e2m1_to_f32(packed & 0xF), _e2m1_to_f32(packed >> 4))  # [K/2, N, 2]: even k is low
-        vals = tl.reshape(tl.permute(vals, (0, 2, 1)), (BLOCK_K, BLOCK_N))
+        if MX_NATIVE:
+            ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            sc = tl.load(s_base + rows[:, None] * stride_sn + ks[None, :])
+            acc = tl.dot_scaled(a0, None, "bf16", packed, sc, "e2m1", acc)
+        else:
+            sc = tl.load(s_base + rows[None, :] * stride_sn + (k0 // 32 + kp // 16)[:, None])
+            acc = _dot(a0, _e2m1_bf16(packed & 0xF, sc), acc, DOT_F32)
+            acc = _dot(a1, _e2m1_bf16(packed >> 4, sc), acc, DOT_F32)
     elif W_FMT == 3:
-        vals = tl.load(w_base + rows[None, :] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[:, None]).to(tl.float32)
+        kk = tl.arange(0, BLOCK_K)
+        q = tl.load(w_base + rows[None, :] * stride_wn + (k0 + kk)[:, None])
+        if MX_NATIVE:
+            ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            sc = tl.load(s_base + rows[:, None] * stride_sn + ks[None, :])
+            acc = tl.dot_scaled(a0, None, "bf16", q, sc, "e4m3", acc)
+        else:
+            sc = tl.load(s_base + rows[None, :] * stride_sn + (k0 // 32 + kk // 32)[:, None])
+            scale = (sc.to(tl.uint32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127)
+            acc = _dot(a0, (q.to(tl.float32) * scale).to(tl.bfloat16), acc, DOT_F32)
     else:
-        return tl.load(w_base + rows[None, :] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[:, None])
-    ks = tl.arange(0, BLOCK_K // 32)
-    sc = tl.load(s_base + rows[None, :] * stride_sn + (k0 // 32 + ks)[:, None])
-    scale = (sc.to(tl.uint32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127)
-    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 32, BLOCK_N)), (BLOCK_K, BLOCK_N))
-    return (vals * scale).to(tl.bfloat16)
-
-
-@triton.jit
-def _dot_step(acc, a, w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT: tl.constexpr,
-              MX_NATIVE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
-    if MX_NATIVE and W_FMT >= 2:
-        ks = tl.arange(0, BLOCK_K // 32)
-        sc = tl.load(s_base + rows[:, None] * stride_sn + (k0 // 32 + ks)[None, :])
-        if W_FMT == 2:
-            kp = tl.arange(0, BLOCK_K // 2)
-            w = tl.load(w_base + rows[None, :] * stride_wn + (k0 // 2 + kp)[:, None])
-            return tl.dot_scaled(a, None, "bf16", w, sc, "e2m1", acc)
         w = tl.load(w_base + rows[None, :] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[:, None])
-        return tl.dot_scaled(a, None, "bf16", w, sc, "e4m3", acc)
-    w = _weight_tile(w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, BLOCK_N)
-    if DOT_F32 and W_FMT != 1:
-        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
-    return tl.dot(a, w, acc)
+        acc = _dot(a0, w, acc, DOT_F32 and W_FMT == 0)
+    return acc
 
 
 @triton.jit
@@ -298,19 +343,20 @@ def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, h_ptr, h_scale_p
     tokens = pairs // TOP_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    rows_g = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    # offsets inside one expert's matrix fit in int32 (the expert base is the int64 part): 32-bit pointer math
+    rows_g = tl.where(n_ok, offs_n, 0)
     rows_u = rows_g + I
     w_base = w_ptr + expert * stride_we
     s_base = w_scale_ptr + expert * stride_se
-    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = x_ptr + tokens * stride_xt
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(x_ptr + tokens[:, None] * stride_xt + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
-        acc_g = _dot_step(acc_g, a, w_base, s_base, rows_g, k0, stride_wn, stride_sn, W_FMT, MX_NATIVE, BLOCK_K,
-                          BLOCK_N, DOT_F32)
-        acc_u = _dot_step(acc_u, a, w_base, s_base, rows_u, k0, stride_wn, stride_sn, W_FMT, MX_NATIVE, BLOCK_K,
-                          BLOCK_N, DOT_F32)
+        a0, a1 = _load_a(a_rows, valid, k0, W_FMT == 2 and not MX_NATIVE, BLOCK_K)
+        acc_g = _dot_step(acc_g, a0, a1, w_base, s_base, rows_g, k0, stride_wn, stride_sn, W_FMT, MX_NATIVE,
+                          BLOCK_K, DOT_F32)
+        acc_u = _dot_step(acc_u, a0, a1, w_base, s_base, rows_u, k0, stride_wn, stride_sn, W_FMT, MX_NATIVE,
+                          BLOCK_K, DOT_F32)
     if W_FMT == 1:
         xs = tl.load(x_scale_ptr + tokens)
         acc_g = acc_g * xs[:, None] * tl.load(s_base + rows_g)[None, :]
@@ -336,19 +382,19 @@ def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, h_ptr, h_scale_p
 def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn,
               W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = h_ptr + pairs * stride_hp
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(h_ptr + pairs[:, None] * stride_hp + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
+        a0, a1 = _load_a(a_rows, valid, k0, W_FMT == 2 and not MX_NATIVE, BLOCK_K)
         if W_FMT == 1:
             # BLOCK_K <= 64 divides the activation group: one scale per row for this step
-            part = _dot_step(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a, w_base, s_base, rows, k0, stride_wn,
-                             stride_sn, W_FMT, MX_NATIVE, BLOCK_K, BLOCK_N, DOT_F32)
+            part = _dot_step(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a0, a1, w_base, s_base, rows, k0, stride_wn,
+                             stride_sn, W_FMT, MX_NATIVE, BLOCK_K, DOT_F32)
             hs = tl.load(h_scale_ptr + pairs * stride_hsp + k0 // 64, mask=valid, other=0.0)
             acc += part * hs[:, None]
         else:
-            acc = _dot_step(acc, a, w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT, MX_NATIVE, BLOCK_K,
-                            BLOCK_N, DOT_F32)
+            acc = _dot_step(acc, a0, a1, w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT, MX_NATIVE, BLOCK_K,
+                            DOT_F32)
     if W_FMT == 1:
         acc = acc * tl.load(s_base + rows)[None, :]
     return acc
@@ -364,7 +410,7 @@ def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    rows = tl.where(n_ok, offs_n, 0)
     if SORTED:
         # per-pair rows out[pair, :] = weight * expert(x)
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -472,7 +518,7 @@ def aot_variants(arch: Arch) -> list:
     out = [AotVariant("moe_align", _moe_align_kernel,
                       {"ids_ptr": "*i32", "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
                        "cursor_ptr": "*i32", "num_pairs": "i32", "max_padded": "i32"},
-                      {"BLOCK_M": 64, "E_PAD": 256, "CHUNK": tiles("moe_align", arch)["CHUNK"]},
+                      {"BLOCK_M": 64, "E_PAD": 256, "LOG2_E_PAD": 8, "CHUNK": tiles("moe_align", arch)["CHUNK"]},
                       num_warps=tiles("moe_align", arch)["num_warps"], num_stages=1)]
     w_types = {"bf16": ("*bf16", "*bf16"), "fp8": (fp8, "*fp32"), "mxfp4": ("*u8", "*u8"), "mxfp8": ("*fp8e4nv", "*u8")}
     for family, sort in (("moe_decode", False), ("moe_small", True), ("moe_prefill", True)):
@@ -492,7 +538,8 @@ def aot_variants(arch: Arch) -> list:
                 {**common, "BLOCK_N": cfg["GU_BLOCK_N"], "BLOCK_K": cfg["GU_BLOCK_K"], "FP8_MAX": arch.fp8_max,
                  "INTERPRET": False},
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                aligned=("I", "K", "stride_xt", "stride_wn", "stride_hp")))
+                aligned=("I", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_hp",
+                         "stride_hsp")))
             dn_bk = min(cfg["DN_BLOCK_K"], FP8_ACT_GROUP) if fmt == "fp8" else cfg["DN_BLOCK_K"]
             out.append(AotVariant(
                 f"{family}_down_{fmt}", _moe_down_kernel,
@@ -501,5 +548,6 @@ def aot_variants(arch: Arch) -> list:
                  "stride_hsp": "i32", **strides, "stride_om": "i32"},
                 {**common, "BLOCK_N": cfg["DN_BLOCK_N"], "BLOCK_K": dn_bk},
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                aligned=("N", "K", "stride_hp", "stride_wn", "stride_om")))
+                aligned=("N", "K", "stride_hp", "stride_hsp", "stride_we", "stride_wn", "stride_se", "stride_sn",
+                         "stride_om")))
     return out

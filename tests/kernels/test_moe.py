@@ -1,0 +1,112 @@
+"""Fused MoE against its reference: every weight format, the sort-free decode path and both sorted paths,
+ragged expert loads with idle experts, the shared expert riding along; `moe_align` against its reference."""
+
+import pytest
+import torch
+
+from m3sdk_kernels import moe, quant, router
+from m3sdk_kernels.arch import ARCHS, TILES
+
+FP8 = ARCHS["sm90"].fp8_dtype
+E, H, I, TOP_K = 9, 128, 128, 2  # 8 routed experts + the shared one (id 8)
+ALPHA, LIMIT = 1.702, 7.0
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def weights():
+    g = torch.Generator().manual_seed(0)
+    w_gate_up = torch.randn(E, 2 * I, H, generator=g) * 0.08
+    w_down = torch.randn(E, H, I, generator=g) * 0.08
+    return w_gate_up, w_down
+
+
+def routing(t: int, seed: int):
+    """Ragged loads: experts 0..2 popular, 5 and 7 never picked; plus the shared column."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t, E - 1, generator=g)
+    bias = torch.tensor([2.0, 1.5, 1.0, 0.0, 0.0, -50.0, 0.0, -50.0])
+    return router.route_ref(logits, bias, TOP_K, routed_scale=2.0, shared=True)
+
+
+def plain_moe(x, ids, w, w_gate_up, w_down):
+    """The model's composition in fp32: sum_j w_j * expert_j(x), no quantization."""
+    out = torch.zeros(x.shape[0], H)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j].item()
+            gate, up = (x[t].float() @ w_gate_up[e].T).chunk(2)
+            gate = gate.clamp(max=LIMIT)
+            h = (up.clamp(-LIMIT, LIMIT) + 1) * gate * torch.sigmoid(ALPHA * gate)
+            out[t] += w[t, j] * (h @ w_down[e].T)
+    return out
+
+
+@pytest.mark.parametrize("fmt", moe.FORMATS)
+@pytest.mark.parametrize("t", [3, 24])  # sort-free decode path / sorted small-batch path
+def test_fused_moe_matches_reference(weights, fmt, t):
+    experts = moe.quantize_experts(*weights, fmt, FP8)
+    w, ids = routing(t, seed=t)
+    assert not torch.isin(ids, torch.tensor([5, 7])).any()  # idle experts exist
+    x = torch.randn(t, H, generator=torch.Generator().manual_seed(7)).bfloat16()
+    out = moe.fused_moe(x, ids, w, experts, ALPHA, LIMIT)
+    ref = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert rel(out, ref) < 1.5e-2
+    # the quantized formats against the unquantized composition: how much the format itself costs
+    bound = {"bf16": 1.5e-2, "fp8": 6e-2, "mxfp8": 6e-2, "mxfp4": 0.25}[fmt]
+    assert rel(ref, plain_moe(x, ids, w, *weights)) < bound
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_prefill_tiles_and_native_mx(weights, fmt, monkeypatch):
+    # the large-batch table (BLOCK_M 128) at a small token count, and tl.dot_scaled (gfx950's path) for MX
+    monkeypatch.setitem(TILES["moe_small"]["sm90"], "MAX_TOKENS", 8)
+    for family in ("moe_small", "moe_prefill"):
+        monkeypatch.setitem(TILES[family]["sm90"], "MX_NATIVE", fmt == "mxfp4")
+    experts = moe.quantize_experts(*weights, fmt, FP8)
+    w, ids = routing(40, seed=3)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(8)).bfloat16()
+    assert moe.moe_tiles(40, ARCHS["sm90"])[0]["BLOCK_M"] == 128
+    out = moe.fused_moe(x, ids, w, experts, ALPHA, LIMIT)
+    assert rel(out, moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT)) < 1.5e-2
+
+
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_moe_align(block_m):
+    torch.manual_seed(block_m)
+    ids = torch.randint(0, 6, (37, 3), dtype=torch.int32)  # experts 6..9 of 10 get nothing
+    ids[:, 0] = 2  # one expert with a long run
+    n = ids.numel()
+    pairs, block_expert, num_padded = moe.moe_align(ids, 10, block_m)
+    ref_pairs, ref_blocks, ref_padded = moe.moe_align_ref(ids, 10, block_m)
+    assert num_padded.item() == ref_padded and ref_padded % block_m == 0
+    used = pairs[:ref_padded]
+    nblocks = ref_padded // block_m
+    assert torch.equal(block_expert[:nblocks], ref_blocks)
+    # each block: its valid pairs all routed to its expert; every pair exactly once; the rest is the sentinel
+    flat = ids.reshape(-1)
+    for b in range(nblocks):
+        rows = used[b * block_m : (b + 1) * block_m]
+        valid = rows[rows < n].long()
+        assert (flat[valid] == block_expert[b]).all()
+    assert torch.equal(used[used < n].sort().values, torch.arange(n, dtype=torch.int32))
+    assert (pairs[ref_padded:] == n).all()
+    assert torch.equal(used.view(-1, block_m).sort(1).values, ref_pairs.view(-1, block_m).sort(1).values)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_stack_experts_from_checkpoint_tensors(weights, fmt):
+    # per-expert gate (w1), up (w3), down (w2) as an MX checkpoint stores them, stacked without requantizing
+    w_gate_up, w_down = weights
+    quantize = quant.quantize_mxfp4 if fmt == "mxfp4" else quant.quantize_mxfp8
+    parts = [[quantize(m) for m in (w_gate_up[e, :I], w_gate_up[e, I:], w_down[e])] for e in range(E)]
+    got = moe.stack_experts(fmt, *([p[i][0] for p in parts] for i in range(3)),
+                            *([p[i][1] for p in parts] for i in range(3)))
+    want = moe.quantize_experts(w_gate_up, w_down, fmt)
+    for a, b in zip((got.gate_up, got.gate_up_scale, got.down, got.down_scale),
+                    (want.gate_up, want.gate_up_scale, want.down, want.down_scale), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

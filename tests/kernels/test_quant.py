@@ -1,0 +1,84 @@
+"""FP8 per-token quantization and FP8 GEMM against their references; the MX formats' encoding."""
+
+import pytest
+import torch
+
+from m3sdk_kernels import quant
+from m3sdk_kernels.arch import ARCHS
+
+FP8 = ARCHS["sm90"].fp8_dtype
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_mxfp4_codes_nibble_order_ties_and_scale():
+    # one block holding every E2M1 magnitude times 4 (scale byte 127 + 2), then the ties of round-to-nearest-even
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0] * 2 + [-0.5, -1.0, -6.0] + [0.0] * 13)
+    packed, scales = quant.quantize_mxfp4(grid * 4)
+    assert scales.tolist() == [129]
+    assert packed[0].item() == 0x10  # element 0 (code 0) in the low nibble, element 1 (0.5 -> code 1) high
+    assert torch.equal(quant.dequantize_mxfp4(packed, scales), grid * 4)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0] + [6.0] + [0.0] * 23)
+    got = quant.dequantize_mxfp4(*quant.quantize_mxfp4(ties))[:8]
+    assert got.tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -4.0]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_mx_roundtrip_error_and_no_saturation(fmt):
+    torch.manual_seed(0)
+    w = torch.randn(6, 128) * torch.logspace(-3, 2, 6)[:, None]  # rows of very different magnitude
+    w[2, :32] = 0.0  # an all-zero block
+    if fmt == "mxfp4":
+        q, s = quant.quantize_mxfp4(w)
+        back = quant.dequantize_mxfp4(q, s)
+        step = 0.25  # half the widest E2M1 gap (2) relative to the top value 6, in units of the block amax
+    else:
+        q, s = quant.quantize_mxfp8(w)
+        back = quant.dequantize_mxfp8(q, s)
+        step = 2.0**-4
+    assert q.shape[-1] == (64 if fmt == "mxfp4" else 128) and s.shape == (6, 4) and s.dtype == torch.uint8
+    assert torch.equal(back[2, :32], torch.zeros(32))
+    amax = w.reshape(6, 4, 32).abs().amax(-1, keepdim=True)
+    err = (back - w).abs().reshape(6, 4, 32)
+    assert (err <= step * amax + 1e-30).all()
+    # the block maximum is never clipped: the scale is the smallest that fits it
+    assert (back.reshape(6, 4, 32).abs().amax(-1, keepdim=True) >= amax * (1 - step)).all()
+
+
+def test_mxfp8_reads_e8m0_scales_like_the_published_checkpoint():
+    # MiniMax-M3-MXFP8 stores `weight` (e4m3fn) and `weight_scale_inv` (uint8 E8M0, [out, in // 32])
+    q = torch.randn(4, 64).to(torch.float8_e4m3fn)
+    scale_inv = torch.tensor([[127, 130], [120, 127], [127, 127], [134, 100]], dtype=torch.uint8)
+    want = q.float() * torch.exp2(scale_inv.float() - 127).repeat_interleave(32, dim=1)
+    assert torch.equal(quant.dequantize_mxfp8(q, scale_inv), want)
+
+
+def test_quantize_fp8_per_token_matches_reference():
+    torch.manual_seed(1)
+    x = torch.randn(7, 1300).bfloat16() * torch.logspace(-2, 2, 7)[:, None].bfloat16()
+    x[3] = 0
+    q, s = quant.quantize_fp8_per_token(x, FP8)
+    qr, sr = quant.quantize_fp8_per_token_ref(x, FP8)
+    assert torch.equal(s, sr)
+    assert torch.equal(q.float(), qr.float())
+
+
+@pytest.mark.parametrize("m", [1, 37, 300])  # the decode, mid and prefill tile tables
+def test_fp8_linear_matches_reference(m):
+    torch.manual_seed(m)
+    n, k = 200, 320  # neither a multiple of the N tile; K not a multiple of 256 (the unmasked-K path off)
+    w = torch.randn(n, k) * 0.05
+    wq, ws = quant.quantize_fp8_weight(w, FP8)
+    x = torch.randn(m, k).bfloat16()
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    out[:] = quant.fp8_linear(x, wq, ws)
+    ref = quant.fp8_linear_ref(x, wq, ws)
+    assert not out.isnan().any()
+    assert rel(out, ref) < 1e-2
+    # and FP8 W8A8 stays close to the unquantized product
+    assert rel(ref, x.float() @ w.T) < 6e-2
+    # a pre-quantized activation (from the fused norm) gives the same
+    xq, xs = quant.quantize_fp8_per_token(x, FP8)
+    assert torch.equal(quant.fp8_linear(xq, wq, ws, xs), out)
