@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from m3sdk.spec.base import SpecConfig
+
 BUNDLED_MODELS = {"m3-tiny": Path(__file__).parent / "assets" / "m3-tiny"}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -35,13 +37,36 @@ class EngineConfig:
     kv_cache_layout: str = "plain"  # "plain" | "shuffle"
     index_cache_dtype: str = "auto"  # indexer keys of sparse layers; "auto": as kv_cache_dtype
     enable_prefix_caching: bool = True
+    # Remote prefill (docs/disaggregation.md): prompts with at least remote_prefill_min_tokens tokens to compute
+    # go to the least loaded of prefill_nodes ("host:port"); if that fails, "local" prefills here, "error" raises
+    # PrefillNodeError. Needs the `ucx` extra.
+    prefill_nodes: tuple[str, ...] = ()
+    remote_prefill_min_tokens: int = 512
+    prefill_fallback: str = "local"
+    prefill_timeout: float = 60.0  # seconds per remote prefill, enforced on both sides
+    prefill_token: str | None = None  # the shared token the prefill nodes require, if any
     # A registered name, or a factory (cache_manager, config) -> Scheduler, e.g. a Scheduler class.
     scheduler: str | Callable[..., Any] = "continuous"
     attention_backend: str = "auto"  # "auto" (triton on a GPU, torch on a CPU) | "torch" | "triton"
     cache_manager: str = "paged"
+    # Speculative decoding: None (off), "ngram" | "eagle3" | "eagle3:/path/to/head" | "mtp", or a dict
+    # {"method", "num_speculative_tokens", "model", ...}; normalized to a SpecConfig (m3sdk/spec/base.py).
+    speculative: SpecConfig | str | dict | None = None
 
     def __post_init__(self) -> None:
         problems = []
+        nodes = self.prefill_nodes
+        if isinstance(nodes, str) or not all(isinstance(n, str) and ":" in n for n in nodes):
+            problems.append(f"prefill_nodes must be a list of 'host:port' strings, got {nodes!r}")
+        else:
+            object.__setattr__(self, "prefill_nodes", tuple(nodes))
+        if not _is_int(self.remote_prefill_min_tokens) or self.remote_prefill_min_tokens < 1:
+            problems.append(f"remote_prefill_min_tokens must be an int >= 1, got {self.remote_prefill_min_tokens!r}")
+        if self.prefill_fallback not in ("local", "error"):
+            problems.append(f"prefill_fallback must be 'local' or 'error', got {self.prefill_fallback!r}")
+        if isinstance(self.prefill_timeout, bool) or not isinstance(self.prefill_timeout, int | float) \
+                or not self.prefill_timeout > 0:
+            problems.append(f"prefill_timeout must be a positive number of seconds, got {self.prefill_timeout!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
@@ -64,6 +89,10 @@ class EngineConfig:
                 problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.scheduler, str) and not callable(self.scheduler):
             problems.append(f"scheduler must be a name or a factory, got {self.scheduler!r}")
+        try:
+            object.__setattr__(self, "speculative", SpecConfig.parse(self.speculative))
+        except ValueError as e:
+            problems.append(f"speculative: {e}")
         if problems:
             raise ValueError("EngineConfig: " + "; ".join(problems))
 

@@ -20,12 +20,15 @@ from m3sdk.cache.kv_pool import KVCacheSpec
 from m3sdk.cache.manager import CacheManager, cache_budget_bytes, num_pages_for_budget
 from m3sdk.cache.page_pool import PAGE_SIZE, pages_for
 from m3sdk.config import EngineConfig
+from m3sdk.errors import PrefillNodeError
 from m3sdk.model.loader import load_model
 from m3sdk.observability import get_logger
 from m3sdk.request import Chunk, FinishReason, Request
 from m3sdk.runner import ModelRunner
 from m3sdk.sampler import SampledToken, Sampler
 from m3sdk.scheduler import SCHEDULERS, Scheduler
+from m3sdk.spec.base import SpeculativeDecoder, TargetInfo, build_drafter
+from m3sdk.spec.decoding import Speculation
 from m3sdk.tokenizer import Tokenizer
 from m3sdk_kernels.arch import fp8_dtype
 
@@ -34,12 +37,12 @@ log = get_logger("m3sdk.core")
 Emit = Callable[[list[Chunk]], None]
 OnDead = Callable[[BaseException], None]
 
-_ADD, _ABORT, _STOP = "add", "abort", "stop"
+_ADD, _ABORT, _STOP, _WAKE = "add", "abort", "stop", "wake"
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner, scheduler: Scheduler, cache: CacheManager,
-                 tokenizer: Tokenizer, max_model_len: int):
+                 tokenizer: Tokenizer, max_model_len: int, drafter: SpeculativeDecoder | None = None):
         self.config = config
         self.runner = runner
         self.scheduler = scheduler
@@ -49,9 +52,13 @@ class EngineCore:
         self.vocab_size = runner.model.config.vocab_size
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(runner.model.config.eos_token_ids)
         self.sampler = Sampler()
+        self.spec = Speculation(drafter, cache, self.sampler) if drafter is not None else None
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._pending: list[Chunk] = []  # abort notices, sent with the next step's deltas
+        # Called in the engine thread when a request finishes, before its pages are freed.
+        self.finish_hooks: list[Callable[[Request, FinishReason], None]] = []
+        self.remote = None  # RemotePrefill (m3sdk/disagg/remote.py) when config.prefill_nodes is set
         self._counters = dict(steps=0, prompt_tokens=0, generation_tokens=0, requests_finished=0,
                               requests_aborted=0)
         self._stats: dict[str, int] = {}
@@ -93,11 +100,22 @@ class EngineCore:
         scheduler = factory(cache, config)
         log.info("engine built", model=str(path), device=str(device), dtype=str(dtype), pages=num_pages,
                  max_model_len=max_model_len)
-        return cls(config, ModelRunner(model, cache, device), scheduler, cache, tokenizer, max_model_len)
+        drafter = None
+        if config.speculative is not None:
+            drafter = build_drafter(config.speculative, TargetInfo(
+                config=mc, embed_tokens=model.embed_tokens, lm_head=model.lm_head, checkpoint=str(path),
+                device=device, dtype=dtype, model=model, kv_spec=cache.kv.spec, num_cache_pages=num_pages))
+        return cls(config, ModelRunner(model, cache, device), scheduler, cache, tokenizer, max_model_len, drafter)
 
     # -- any thread --------------------------------------------------------------------------------------
 
     def start(self, emit: Emit, on_dead: OnDead) -> None:
+        if self.config.prefill_nodes and self.remote is None:
+            from m3sdk.disagg.remote import RemotePrefill  # the optional `ucx` extra
+
+            self.remote = RemotePrefill.from_config(self.config, self.cache, self.vocab_size, self._wake)
+            self.scheduler.remote = self.remote
+            self.finish_hooks.append(self.remote.on_finish)
         self._thread = threading.Thread(target=self._run, args=(emit, on_dead), name="m3sdk-engine", daemon=True)
         self._thread.start()
 
@@ -106,6 +124,9 @@ class EngineCore:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put((_ABORT, request_id))
+
+    def _wake(self) -> None:
+        self._inbox.put((_WAKE, None))
 
     def stop(self) -> None:
         """Abort whatever is live and end the loop (join the thread to wait for it)."""
@@ -123,7 +144,7 @@ class EngineCore:
     def _run(self, emit: Emit, on_dead: OnDead) -> None:
         try:
             while self._handle_inbox():
-                chunks = self.step()
+                chunks = self._remote_outcomes() + self.step()
                 if self._pending:
                     chunks, self._pending = self._pending + chunks, []
                 # stats first: a waiter woken by its last chunk then reads its pages as freed
@@ -133,6 +154,8 @@ class EngineCore:
             self._publish_stats()
             if self._pending:
                 emit(self._pending)
+            if self.remote is not None:
+                self.remote.close()
         except BaseException as e:  # noqa: BLE001 - any failure must reach the waiters, never hang them
             on_dead(e)
             log.exception("engine thread died")
@@ -153,6 +176,8 @@ class EngineCore:
                 request = self.scheduler.get(item)
                 if request is not None:  # unknown or finished: a no-op
                     self._pending.append(self._finish(request, "abort", "", []))
+            elif kind == _WAKE:  # a remote prefill ended: the loop collects it
+                pass
             else:
                 for request in self.scheduler.live_requests():
                     self._pending.append(self._finish(request, "abort", "", []))
@@ -160,17 +185,35 @@ class EngineCore:
 
     def step(self) -> list[Chunk]:
         """One forward over the scheduled tokens; returns the deltas of the requests that sampled."""
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.live_requests())
         plan = self.scheduler.schedule()
+        if self.spec is not None:
+            self.spec.scheduled(plan)
         if not plan:
             if plan.preempted or not (self.scheduler.num_running or self.scheduler.num_waiting):
                 return []
             raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
         self._counters["steps"] += 1
+        if self.spec is not None:
+            emitted = self.spec.run(plan, self.runner)
+            self.scheduler.update(plan)
+            self.spec.finish_step()
+            return [chunk for request, tokens in emitted for chunk in self._accept_all(request, tokens)]
         rows = [s.request for s in plan.scheduled if s.samples]
         logits = self.runner.run(plan)
         sampled = self.sampler.sample(logits, [r.sampling for r in rows]) if rows else []
         self.scheduler.update(plan)
         return [self._accept(request, token) for request, token in zip(rows, sampled, strict=True)]
+
+    def _accept_all(self, request: Request, tokens: list[SampledToken]) -> list[Chunk]:
+        """The tokens a verify step emitted, in order, until the request finishes."""
+        chunks = []
+        for token in tokens:
+            chunks.append(self._accept(request, token))
+            if request.is_finished:
+                break
+        return chunks
 
     def _accept(self, request: Request, token: SampledToken) -> Chunk:
         """Append a sampled token; detokenize; decide whether the request is done."""
@@ -196,10 +239,36 @@ class EngineCore:
         return self._finish(request, reason, text + request.text.finish(), [tid], logprobs)
 
     def _finish(self, request: Request, reason: FinishReason, text: str, token_ids: list[int],
-                logprobs: list[SampledToken] | None = None) -> Chunk:
+                logprobs: list[SampledToken] | None = None, error: Exception | None = None) -> Chunk:
+        for hook in self.finish_hooks:
+            hook(request, reason)
         self.scheduler.finish(request, reason)
+        if self.spec is not None:
+            self.spec.release(request)
         self._counters["requests_aborted" if reason == "abort" else "requests_finished"] += 1
-        return Chunk(request.request_id, text, token_ids, reason, logprobs, request.usage(), request.timings())
+        return Chunk(request.request_id, text, token_ids, reason, logprobs, request.usage(), request.timings(),
+                     error)
+
+    def _remote_outcomes(self) -> list[Chunk]:
+        """Requests whose remote prefill ended: they sample on from the node's first token, or are prefilled
+        here (fallback "local"), or fail with PrefillNodeError (fallback "error")."""
+        if self.remote is None:
+            return []
+        chunks = []
+        for request, outcome in self.remote.poll():
+            if request.is_finished:
+                continue
+            if isinstance(outcome, BaseException):
+                if self.remote.fallback == "local":
+                    self.scheduler.resume_remote(request, computed=False)
+                else:
+                    error = PrefillNodeError(f"remote prefill failed and prefill_fallback is 'error': {outcome}")
+                    chunks.append(self._finish(request, "abort", "", [], error=error))
+            else:
+                self.scheduler.resume_remote(request, computed=True)
+                token = SampledToken(outcome.first_token, outcome.first_logprob, None)
+                chunks.append(self._accept(request, token))
+        return chunks
 
     def _publish_stats(self) -> None:
         self._stats = {
@@ -208,6 +277,7 @@ class EngineCore:
             "preemptions": self.scheduler.num_preemptions,
             **self.cache.stats(),
             **self._counters,
+            **(self.spec.stats() if self.spec is not None else {}),
         }
 
 

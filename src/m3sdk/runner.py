@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from m3sdk.attention.base import AttentionMetadata
@@ -19,18 +21,25 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """Write every scheduled token's K/V (and index keys) and return float32 logits [N, vocab], one row per
         request that samples, in plan order (None when none samples, e.g. all are mid-prefill chunks)."""
+        return self.forward(plan)[0]
+
+    def forward(self, plan: StepPlan, num_logits: Sequence[int] | None = None, aux_layers: Sequence[int] = ()
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """`run` with what speculative decoding needs: logits at the last `num_logits[i]` positions of entry i
+        (default: 1 if it samples, else 0), and (hidden [T, H], aux [T, len(aux_layers) * H] or None) of every
+        scheduled token."""
         ids: list[int] = []
         counts, context_lens, tables, logits_rows = [], [], [], []
-        for request, n, samples in plan.scheduled:
+        for i, (request, n, samples) in enumerate(plan.scheduled):
             start = request.num_computed_tokens
             ids += request.token_ids[start:start + n]
             counts.append(n)
             context_lens.append(start + n)
             tables.append(self.cache.page_table(request))
-            if samples:
-                logits_rows.append(len(ids) - 1)
+            m = int(samples) if num_logits is None else num_logits[i]
+            logits_rows.extend(range(len(ids) - m, len(ids)))
         meta = AttentionMetadata.build(counts, context_lens, tables, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         indices = torch.tensor(logits_rows, dtype=torch.int64, device=self.device) if logits_rows else None
-        _, logits = self.model(input_ids, meta, self.cache.kv, indices)
-        return logits
+        hidden, logits, *aux = self.model(input_ids, meta, self.cache.kv, indices, aux_layers)
+        return logits, hidden, aux[0] if aux else None

@@ -1,44 +1,18 @@
 """The MTP drafter: the checkpoint's `mtp.layers.0.*` module, loaded by name and shape, drafting through its
 own paged one-layer pool, against a full recompute of the same module over a fresh pool."""
 
-import json
 import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from conftest import add_mtp
 
 from m3sdk.attention.base import AttentionMetadata
 from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
 from m3sdk.errors import CheckpointError
 from m3sdk.model import ModelConfig, load_model
-from m3sdk.model.loader import _expected_layer
 from m3sdk.spec.base import DraftRequest, TargetInfo, TargetStates
 from m3sdk.spec.mtp import MtpDrafter, load_mtp
-
-
-def add_mtp(path, model_config, seed=0):
-    """Append a random `mtp.layers.0.*` module (published names) as a 4th shard of a minimax-layout checkpoint."""
-    g = torch.Generator().manual_seed(seed)
-    h = model_config.hidden_size
-    last = model_config.num_layers - 1
-    tensors = {f"mtp.layers.0.{n}.weight": torch.randn(h, generator=g) * 0.3
-               for n in ("enorm", "hnorm", "final_layernorm")}
-    tensors["mtp.layers.0.eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * 0.1
-    with torch.device("meta"):
-        from m3sdk.model.minimax_m3 import DecoderLayer
-        layer = DecoderLayer(model_config, last, torch.float32)
-    params = dict(layer.named_parameters())
-    for name, t in _expected_layer(model_config, last, "minimax", prefix="").items():
-        shape = params[t.param.removeprefix(f"layers.{last}.")][t.index].shape
-        tensors["mtp.layers.0.transformer_layer." + name.removeprefix(f"layers.{last}.")] = \
-            torch.randn(shape, generator=g) * (0.3 if name.endswith("norm.weight") else 0.1)
-    save_file(tensors, str(path / "mtp.safetensors"))
-    index = json.loads((path / "model.safetensors.index.json").read_text())
-    index["weight_map"].pop("mtp.layers.0.eh_proj.weight")
-    index["weight_map"].update(dict.fromkeys(tensors, "mtp.safetensors"))
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,10 @@ class CacheManager(Protocol):
     def free(self, request: Request) -> None:
         """Drop every page the request holds (finish, abort, preemption)."""
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Drop the request's pages past the first `num_tokens` slots (speculative decoding's rejected drafts);
+        those pages were never committed, so none is shared or cached."""
+
     def page_table(self, request: Request) -> list[int]:
         """Physical page of each logical page of the request."""
 
@@ -132,6 +136,14 @@ class PagedCacheManager:
                     self.prefix.park(page)
                 else:
                     self.pool.release(page)
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        table = self._tables.get(request.request_id)
+        keep = pages_for(num_tokens)
+        while table and len(table) > keep:
+            page = table.pop()
+            self.pool.decref(page)
+            self.pool.release(page)
 
     def stats(self) -> dict[str, int]:
         return {
