@@ -9,9 +9,9 @@ Vision tower and projector tensors are skipped; `mtp.*` tensors are kept aside, 
 Every expected tensor is checked for presence, shape and dtype before anything is read, and all problems are
 reported in one CheckpointError.
 
-Memory: the model is built on the meta device, then allocated on the target device; each layer's tensors are
-read from a fresh memory map (closed after the layer, so mapped pages do not pile up in the process) in slices
-of at most `_CHUNK_BYTES`, straight into the destination parameter: no second full host copy.
+Memory: the model is built on the meta device, then allocated on the target device; tensors, in model order, are
+read through a memory map (re-opened every `_REMAP_BYTES`, so mapped pages do not pile up in the process) in
+slices of at most `_CHUNK_BYTES`, straight into the destination parameter: no second full host copy.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ SINGLE_FILE = "model.safetensors"
 _SKIPPED = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector|patch_merge_mlp)\.|\.rotary_emb\.inv_freq$")
 _MTP = re.compile(r"(^|\.)(mtp\..*)$")
 _FLOAT_DTYPES = {"F32", "BF16", "F16"}
-_CHUNK_BYTES = 256 << 20
+_CHUNK_BYTES = 64 << 20
+_REMAP_BYTES = 256 << 20
 _MAX_LISTED = 40
 
 
@@ -46,7 +47,6 @@ class Target:
 
     param: str
     index: tuple = ()
-    group: str = "final"  # load group: "embed", "layers.N" or "final"
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
@@ -68,11 +68,14 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters())
-    by_group: dict[str, list[str]] = defaultdict(list)
-    for name, target in expected.items():
-        by_group[target.group].append(name)
-    for group in ["embed", *(f"layers.{i}" for i in range(config.num_layers)), "final"]:
-        _load_group(by_group[group], files, expected, params)
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in expected:  # in model order within each shard
+        by_file[files[name]].append(name)
+    for file, names in by_file.items():
+        shard = _MappedShard(file)
+        for name in names:
+            target = expected[name]
+            shard.copy_to(name, params[target.param][target.index])
     model.mtp_weights = LazyTensors({m.group(2): (files[k], k) for k in shapes if (m := _MTP.search(k))})
     return model.eval()
 
@@ -129,7 +132,7 @@ def _detect_layout(names: Mapping[str, object]) -> tuple[str, str, str]:
 
 def expected_tensors(config: ModelConfig, layout: str, prefix: str, lm_head: str) -> dict[str, Target]:
     """Every tensor the checkpoint must hold, by its name in `layout`, and where it goes in the model."""
-    out = {f"{prefix}embed_tokens.weight": Target("embed_tokens.weight", group="embed"),
+    out = {f"{prefix}embed_tokens.weight": Target("embed_tokens.weight"),
            f"{prefix}norm.weight": Target("norm.weight")}
     if not config.tie_word_embeddings:
         out[lm_head] = Target("lm_head.weight")
@@ -142,7 +145,7 @@ def _expected_layer(c: ModelConfig, i: int, layout: str, prefix: str) -> dict[st
     out: dict[str, Target] = {}
 
     def add(name: str, param: str, index: tuple = ()) -> None:
-        out[f"{prefix}layers.{i}.{name}"] = Target(f"layers.{i}.{param}", index, f"layers.{i}")
+        out[f"{prefix}layers.{i}.{name}"] = Target(f"layers.{i}.{param}", index)
 
     for norm in ("input_layernorm", "post_attention_layernorm"):
         add(f"{norm}.weight", f"{norm}.weight")
@@ -221,32 +224,34 @@ def _check(shapes: Mapping[str, tuple[tuple[int, ...], str]], expected: Mapping[
         raise CheckpointError(f"checkpoint {path} does not match its config.json:\n" + "\n".join(problems))
 
 
-def _load_group(names: list[str], files: Mapping[str, Path], expected: Mapping[str, Target],
-                params: Mapping[str, torch.Tensor]) -> None:
-    """Copy one layer's tensors; each shard is mapped for this group only, so resident pages stay bounded."""
-    by_file: dict[Path, list[str]] = defaultdict(list)
-    for name in names:
-        by_file[files[name]].append(name)
-    for file, file_names in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name in file_names:
-                target = expected[name]
-                dest = params[target.param][target.index]
-                for rows, chunk in _chunks(f, name):
-                    dest[rows].copy_(chunk)
+class _MappedShard:
+    """Reads a shard through a memory map that is dropped and re-opened after every _REMAP_BYTES read: pages
+    already copied stop counting against the process (a real MoE layer alone is ~15 GB)."""
 
+    def __init__(self, file: Path):
+        self.file = file
+        self.handle = None
+        self.mapped = 0
 
-def _chunks(f, name: str) -> Iterator[tuple[slice, torch.Tensor]]:
-    """A tensor in row blocks of at most _CHUNK_BYTES (a 3-D expert stack is many GB in one tensor)."""
-    s = f.get_slice(name)
-    shape = s.get_shape()
-    if not shape:
-        yield slice(None), f.get_tensor(name)
-        return
-    step = max(1, _CHUNK_BYTES // (4 * math.prod(shape[1:])))
-    for start in range(0, shape[0], step):
-        stop = min(shape[0], start + step)
-        yield slice(start, stop), s[start:stop]
+    def copy_to(self, name: str, dest: torch.Tensor) -> None:
+        """Copy tensor `name` into `dest` in row blocks of at most _CHUNK_BYTES (an expert stack can be GBs)."""
+        shape = self._open().get_slice(name).get_shape()
+        if not shape:
+            dest.copy_(self._open().get_tensor(name))
+            return
+        step = max(1, _CHUNK_BYTES // (4 * math.prod(shape[1:])))
+        for start in range(0, shape[0], step):
+            chunk = self._open().get_slice(name)[start : start + step]
+            dest[start : start + chunk.shape[0]].copy_(chunk)
+            self.mapped += chunk.numel() * chunk.element_size()
+            del chunk  # its view keeps the map alive: release it before a possible re-open
+
+    def _open(self):
+        if self.handle is None or self.mapped >= _REMAP_BYTES:
+            self.handle = None  # drop the old map first
+            self.handle = safe_open(self.file, framework="pt")
+            self.mapped = 0
+        return self.handle
 
 
 class LazyTensors(Mapping):
