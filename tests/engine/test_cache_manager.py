@@ -154,3 +154,19 @@ def test_every_page_free_after_mixed_use(prefix):
     for r in live:
         cache.free(r)
     assert cache.num_free_pages() == 12 and all(n == 0 for n in cache.pool.ref_counts)
+
+
+def test_truncate_returns_pages_past_the_kept_tokens():
+    cache = make_cache(8)
+    a = req("a", list(range(20)))
+    prefill(cache, a)
+    a.token_ids += [5] * 20  # e.g. draft tokens scheduled with the next step
+    assert cache.allocate(a, 21)
+    assert len(cache.page_table(a)) == 3 and cache.num_free_pages() == 5
+    del a.token_ids[21:]  # drafts rejected
+    cache.truncate(a, 21)
+    assert len(cache.page_table(a)) == 2 and cache.num_free_pages() == 6
+    a.num_computed_tokens = 21
+    cache.commit(a)
+    cache.free(a)
+    assert cache.num_free_pages() == 8 and cache.stats()["pages_cached"] == 1
