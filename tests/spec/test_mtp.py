@@ -1,26 +1,20 @@
 """The MTP drafter: the checkpoint's `mtp.layers.0.*` module, loaded by name and shape, drafting through its
 own paged one-layer pool, against a full recompute of the same module over a fresh pool."""
 
-import shutil
-
 import pytest
 import torch
-from conftest import add_mtp
 
 from m3sdk.attention.base import AttentionMetadata
 from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
 from m3sdk.errors import CheckpointError
-from m3sdk.model import ModelConfig, load_model
+from m3sdk.model import load_model
 from m3sdk.spec.base import DraftRequest, TargetInfo, TargetStates
 from m3sdk.spec.mtp import MtpDrafter, load_mtp
 
 
 @pytest.fixture(scope="module")
-def mtp_model(oracle_checkpoint_minimax, tmp_path_factory):
-    path = tmp_path_factory.mktemp("oracle_mtp") / "ckpt"
-    shutil.copytree(oracle_checkpoint_minimax, path)
-    add_mtp(path, ModelConfig.from_pretrained(path))
-    return load_model(path, dtype=torch.float32), path
+def mtp_model(spec_checkpoint):
+    return load_model(spec_checkpoint, dtype=torch.float32), spec_checkpoint
 
 
 def target_info(model, path, pages=64):
