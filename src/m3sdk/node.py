@@ -5,6 +5,7 @@ drains gracefully on SIGTERM: new prefills are refused, running ones finish (up 
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import uuid
@@ -67,3 +68,22 @@ class PrefillNode:
             pass
         log.info("prefill node draining", address=self.address)
         self.stop(grace)
+
+
+def run_prefill_node(args) -> None:
+    """`m3sdk prefill-node`: an engine core of its own behind the node service, until SIGTERM.
+
+    The shared token comes from $M3SDK_PREFILL_TOKEN (not a flag: flags show in `ps`)."""
+    from m3sdk.cli import _engine_overrides
+    from m3sdk.config import EngineConfig
+    from m3sdk.core import EngineCore
+    from m3sdk.disagg.backend import EngineBackend
+
+    config = EngineConfig(**_engine_overrides(args))
+    backend = EngineBackend(EngineCore.build(config), config.model_path())
+    node = PrefillNode(backend, args.listen, token=os.environ.get("M3SDK_PREFILL_TOKEN") or None).start()
+    print(f"m3sdk prefill node {node.node_id} serving on {node.address}", flush=True)
+    try:
+        node.serve_until_signal()
+    finally:
+        backend.stop()

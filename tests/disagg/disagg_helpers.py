@@ -96,3 +96,46 @@ def stop_node(proc: mp.Process) -> None:
     if proc.is_alive():
         proc.kill()
         proc.join()
+
+
+def _serve_engine(conn, checkpoint: str, delay_s: float, corrupt_index_keys: bool) -> None:
+    torch.set_num_threads(1)
+    from m3sdk.config import EngineConfig
+    from m3sdk.core import EngineCore
+    from m3sdk.disagg.backend import EngineBackend
+    from m3sdk.node import PrefillNode
+
+    class Backend(EngineBackend):
+        async def prefill(self, order):
+            await asyncio.sleep(delay_s)  # a slow node, for the kill and abort tests
+            return await super().prefill(order)
+
+        def _on_finish(self, request, reason):
+            super()._on_finish(request, reason)
+            rows = self._snapshots.get(request.request_id)
+            if corrupt_index_keys and rows is not None:
+                for layer in self.core.cache.kv.spec.sparse_layers:
+                    rows[layer][-1].copy_(torch.randint(0, 256, rows[layer][-1].shape, dtype=torch.uint8))
+
+    config = EngineConfig(model=checkpoint, device="cpu", kv_cache_memory=8 << 20)
+    backend = Backend(EngineCore.build(config), config.model_path())
+    node = PrefillNode(backend, "127.0.0.1:0").start()
+    conn.send(node.address)
+    try:
+        node.serve_until_signal(grace=2.0)
+    finally:
+        backend.stop()
+
+
+def spawn_engine_node(checkpoint, delay_s: float = 0.0, corrupt_index_keys: bool = False
+                      ) -> tuple[mp.Process, str]:
+    """A prefill node running the real engine on `checkpoint`; index keys garbled in transit if asked."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_engine, args=(child, str(checkpoint), delay_s, corrupt_index_keys),
+                       daemon=True)
+    proc.start()
+    if not parent.poll(120):
+        proc.kill()
+        raise RuntimeError("prefill node did not start")
+    return proc, parent.recv()

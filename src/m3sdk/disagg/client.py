@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import random
+import re
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -195,8 +196,10 @@ class PrefillClient:
                                   self.max_message_bytes)
         dst = torch.tensor(send_pages, dtype=torch.int64, device=self.rows[0][0].device)
         receive = self.transport.receive(plan, self.rows, dst)
+        # the node sees several engines' requests: the transfer id makes ours unique there
+        node_id = re.sub(r"[^\x21-\x7e]", "_", f"{plan.transfer_id:x}.{request_id}")[:128]
         request = pb.PrefillRequest(
-            request_id=request_id, compat_hash=self.compat.digest, token_ids=token_ids,
+            request_id=node_id, compat_hash=self.compat.digest, token_ids=token_ids,
             sampling=sampling_to_proto(params), transport_port=self.transport.port, transfer_id=plan.transfer_id,
             num_cached_pages=num_cached_pages, dst_pages=send_pages, layers_per_group=self.layers_per_group,
             max_message_bytes=self.max_message_bytes, deadline_unix_s=time.time() + timeout_s)
@@ -232,7 +235,7 @@ class PrefillClient:
                 await receive.cancel()
                 for t in waits:
                     t.cancel()
-                asyncio.ensure_future(self._abort(node, request_id))
+                asyncio.ensure_future(self._abort(node, node_id))
 
     async def _abort(self, node: _Node, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):

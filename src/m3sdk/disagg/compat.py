@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from m3sdk.cache.kv_pool import KVCacheSpec
 from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb
@@ -64,3 +65,19 @@ class CompatInfo:
         """The peer's record; its hash is recomputed, not trusted, so a lying peer still mismatches."""
         return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls) if f.name != "sparse_layers"},
                    sparse_layers=tuple(msg.sparse_layers))
+
+
+def model_fingerprint(path: str | Path, sample_bytes: int = 1 << 20) -> str:
+    """A digest of a checkpoint folder: config.json, and each weight file's name, size, first and last
+    `sample_bytes` (hashing hundreds of GB whole at every start is not an option; retrained weights differ
+    in both ends, where the headers and the first and last tensors sit)."""
+    path = Path(path)
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as f:
+            h.update(f.read(sample_bytes))
+            f.seek(max(0, size - sample_bytes))
+            h.update(f.read(sample_bytes))
+    return h.hexdigest()
