@@ -1,0 +1,244 @@
+"""Attention kernels on one GPU: ours vs the floor vs a peer, one run (method: ../shared/design/kernels.md).
+
+    PYTHONPATH=src python benchmarks/kernels_attention.py [--json PATH] [--skip-prefill]
+
+Floors: the bytes a kernel must read (each selected K/V element and its scale once; the index keys once) over
+the read bandwidth measured here by a large reduction. Peers: SDPA (flash / cuDNN, contiguous bf16 KV; for MSA
+on the pre-gathered selected KV), and plain torch (bmm + block amax + topk on bf16 keys) for the indexer.
+A correctness check of every timed mode against the references runs first (GPU dots are bf16/fp16 there,
+unlike the interpreter's fp32). Prints a table last; writes all numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from m3sdk_kernels.arch import current_arch
+from m3sdk_kernels.indexer import indexer_topk, indexer_topk_ref
+from m3sdk_kernels.layout import PAGE_SIZE, cache_shape
+from m3sdk_kernels.paged_attention import paged_attention, paged_attention_ref
+
+HQ, HKV, D, DI, HIDX, BS, TOPK = 64, 4, 128, 128, 4, 128, 16
+DEV = "cuda"
+
+
+def bench(fn) -> float:
+    """Median ms; CUDA-graph replay when capturable (launch gaps out of the number), events otherwise."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+    except Exception:
+        return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def read_bandwidth() -> tuple[float, float]:
+    """(read TB/s by a 4 GiB reduction, copy TB/s counting read + write)."""
+    x = torch.randn(2 << 30, dtype=torch.bfloat16, device=DEV)
+    t_sum = bench(lambda: x.sum(dtype=torch.float32))
+    y = torch.empty_like(x)
+    t_copy = bench(lambda: y.copy_(x))
+    n = x.numel() * 2
+    return n / t_sum / 1e9, 2 * n / t_copy / 1e9
+
+
+def make_kv(batch: int, ctx: int, kv: str, layout: str):
+    """Random paged K/V for `batch` sequences of `ctx` tokens, pages shuffled across the pool."""
+    pages_per = ctx // PAGE_SIZE
+    num_pages = batch * pages_per
+    fp8 = kv == "fp8"
+    dtype = current_arch().fp8_dtype if fp8 else torch.bfloat16
+    k = torch.randn(cache_shape("k", layout, num_pages, HKV, D, dtype), device=DEV).to(dtype)
+    v = torch.randn(cache_shape("v", layout, num_pages, HKV, D, dtype), device=DEV).to(dtype)
+    ks = vs = None
+    if fp8:
+        ks = torch.rand(num_pages, HKV, PAGE_SIZE, device=DEV) * 0.01 + 1e-3
+        vs = torch.rand(num_pages, HKV, PAGE_SIZE, device=DEV) * 0.01 + 1e-3
+    table = torch.randperm(num_pages, device=DEV, dtype=torch.int32).view(batch, pages_per)
+    return k, v, ks, vs, table
+
+
+def decode_meta(batch: int, ctx: int):
+    cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
+    lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
+    return cu, lens
+
+
+def random_selection(batch: int, ctx: int) -> torch.Tensor:
+    """[Hkv, B, 16]: the local (last) block plus 15 distinct random earlier blocks, in random order."""
+    nb = ctx // BS
+    others = torch.rand(HKV, batch, nb - 1, device=DEV).topk(TOPK - 1, dim=-1).indices
+    local = torch.full((HKV, batch, 1), nb - 1, device=DEV)
+    sel = torch.cat([others, local], -1)
+    return sel.gather(-1, torch.rand(sel.shape, device=DEV).argsort(-1)).to(torch.int32)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def check_correctness() -> dict:
+    """Every timed mode on a small ragged case against the references (errors are relative L2)."""
+    torch.manual_seed(0)
+    errs = {}
+    ctxs, news = [300, 1000, 17, 640], [1, 1, 1, 1]
+    for prefill in (False, True):
+        if prefill:
+            news = [40, 300, 17, 5]
+        for kv in ("bf16", "fp8"):
+            for layout in ("plain", "shuffle"):
+                pages = [-(-c // PAGE_SIZE) for c in ctxs]
+                k, v, ks, vs, _ = make_kv(1, sum(pages) * PAGE_SIZE, kv, layout)
+                perm = torch.randperm(sum(pages), device=DEV, dtype=torch.int32)
+                table = torch.zeros(len(ctxs), max(pages), dtype=torch.int32, device=DEV)
+                at = 0
+                for i, p in enumerate(pages):
+                    table[i, :p] = perm[at:at + p]
+                    at += p
+                cu = torch.tensor([0] + list(torch.tensor(news).cumsum(0)), dtype=torch.int32, device=DEV)
+                lens = torch.tensor(ctxs, dtype=torch.int32, device=DEV)
+                q = torch.randn(sum(news), HQ, D, device=DEV, dtype=torch.bfloat16)
+                bs = 64
+                iq = torch.randn(sum(news), HIDX, DI, device=DEV, dtype=torch.bfloat16)
+                icache = torch.randn(sum(pages), PAGE_SIZE, DI, device=DEV).to(k.dtype)
+                sel = indexer_topk(iq, icache, table, cu, lens, bs, 4, 1)
+                sel_ref = indexer_topk_ref(iq, icache, table, cu, lens, bs, 4, 1)
+                tag = f"{'prefill' if prefill else 'decode'}_{kv}_{layout}"
+                errs[f"indexer_{tag}_mismatch"] = float((sel.sort(-1).values != sel_ref.sort(-1).values).float().mean())
+                for name, s in (("dense", None), ("sparse", sel_ref)):
+                    out = paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, layout, s, bs)
+                    ref = paged_attention_ref(q, k, v, table, cu, lens, D**-0.5, ks, vs, layout, s, bs)
+                    errs[f"{name}_{tag}"] = rel_err(out, ref)
+    return errs
+
+
+def dense_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
+    cu, lens = decode_meta(batch, ctx)
+    q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
+    kc = torch.randn(batch, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    t_sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True))
+    for kv, layout in (("bf16", "plain"), ("bf16", "shuffle"), ("fp8", "plain"), ("fp8", "shuffle")):
+        k, v, ks, vs, table = make_kv(batch, ctx, kv, layout)
+        t = bench(lambda: paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, layout,  # noqa: B023
+                                          max_seqlen_q=1, max_context_len=ctx))
+        nbytes = batch * ctx * HKV * 2 * (D * k.element_size() + (4 if kv == "fp8" else 0))
+        rows.append({"kernel": "dense decode", "shape": f"b{batch} ctx {ctx // 1024}K", "kv": kv, "layout": layout,
+                     "ms": t, "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t / 1e9,
+                     "peer": "SDPA contiguous bf16", "peer_ms": t_sdpa})
+
+
+def sparse_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
+    cu, lens = decode_meta(batch, ctx)
+    q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
+    sel = random_selection(batch, ctx)
+    kg = torch.randn(batch, HKV, TOPK * BS, D, device=DEV, dtype=torch.bfloat16)
+    vg = torch.randn_like(kg)
+    t_sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], kg, vg, enable_gqa=True))
+    for kv, layout in (("fp8", "plain"), ("fp8", "shuffle"), ("bf16", "plain")):
+        k, v, ks, vs, table = make_kv(batch, ctx, kv, layout)
+        t = bench(lambda: paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, layout, sel, BS,  # noqa: B023
+                                          max_seqlen_q=1, max_context_len=ctx))
+        nbytes = batch * HKV * TOPK * BS * 2 * (D * k.element_size() + (4 if kv == "fp8" else 0))
+        rows.append({"kernel": "MSA sparse decode", "shape": f"b{batch} ctx {ctx // 1024}K top16", "kv": kv,
+                     "layout": layout, "ms": t, "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t / 1e9,
+                     "peer": "SDPA on pre-gathered selected bf16 KV", "peer_ms": t_sdpa})
+
+
+def indexer_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
+    cu, lens = decode_meta(batch, ctx)
+    iq = torch.randn(batch, HIDX, DI, device=DEV, dtype=torch.bfloat16)
+    keys = torch.randn(batch, ctx, DI, device=DEV, dtype=torch.bfloat16)
+
+    def torch_indexer():
+        s = torch.bmm(iq, keys.transpose(1, 2))
+        return s.view(batch, HIDX, ctx // BS, BS).amax(-1).topk(TOPK, dim=-1).indices
+
+    t_peer = bench(torch_indexer)
+    num_pages = batch * ctx // PAGE_SIZE
+    table = torch.randperm(num_pages, device=DEV, dtype=torch.int32).view(batch, -1)
+    for key in ("fp8", "bf16"):
+        dtype = current_arch().fp8_dtype if key == "fp8" else torch.bfloat16
+        cache = torch.randn(num_pages, PAGE_SIZE, DI, device=DEV).to(dtype)
+        t = bench(lambda: indexer_topk(iq, cache, table, cu, lens, BS, TOPK, 1,  # noqa: B023
+                                       max_seqlen_q=1, max_context_len=ctx))
+        nbytes = batch * ctx * DI * cache.element_size()
+        rows.append({"kernel": "indexer decode", "shape": f"b{batch} ctx {ctx // 1024}K", "kv": key, "layout": "-",
+                     "ms": t, "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t / 1e9,
+                     "peer": "torch bmm+amax+topk bf16", "peer_ms": t_peer})
+
+
+def sparse_prefill(rows: list, ctx: int) -> None:
+    """One sequence of `ctx` new tokens: the indexer selects (timed too), then MSA prefill; peer dense SDPA."""
+    cu = torch.tensor([0, ctx], device=DEV, dtype=torch.int32)
+    lens = torch.tensor([ctx], device=DEV, dtype=torch.int32)
+    k, v, ks, vs, table = make_kv(1, ctx, "fp8", "plain")
+    iq = torch.randn(ctx, HIDX, DI, device=DEV, dtype=torch.bfloat16)
+    icache = torch.randn(ctx // PAGE_SIZE, PAGE_SIZE, DI, device=DEV).to(k.dtype)
+    sel = indexer_topk(iq, icache, table, cu, lens, BS, TOPK, 1, max_seqlen_q=ctx, max_context_len=ctx)
+    t_idx = bench(lambda: indexer_topk(iq, icache, table, cu, lens, BS, TOPK, 1, max_seqlen_q=ctx,
+                                       max_context_len=ctx))
+    q = torch.randn(ctx, HQ, D, device=DEV, dtype=torch.bfloat16)
+    t = bench(lambda: paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS,
+                                      max_seqlen_q=ctx, max_context_len=ctx))
+    qs = q.transpose(0, 1)[None]
+    kc = torch.randn(1, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    t_sdpa = bench(lambda: F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, enable_gqa=True))
+    flops = 4 * ctx * HQ * TOPK * BS * D  # the selected keys only (upper bound: early tokens see fewer)
+    rows.append({"kernel": "MSA sparse prefill", "shape": f"{ctx // 1024}K tokens", "kv": "fp8", "layout": "plain",
+                 "ms": t, "floor_ms": flops / 790e12 * 1e3, "TB/s": float("nan"),
+                 "peer": "SDPA dense causal bf16", "peer_ms": t_sdpa})
+    rows.append({"kernel": "indexer prefill", "shape": f"{ctx // 1024}K tokens", "kv": "fp8", "layout": "-",
+                 "ms": t_idx, "floor_ms": 2 * ctx * ctx * HIDX * DI / 790e12 * 1e3, "TB/s": float("nan"),
+                 "peer": "-", "peer_ms": float("nan")})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention.json"))
+    parser.add_argument("--skip-prefill", action="store_true")
+    args = parser.parse_args()
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",
+          flush=True)
+    errs = check_correctness()
+    worst = {k: v for k, v in errs.items() if v > (5e-3 if "mismatch" in k else 2e-2)}
+    print("correctness (rel L2 / mismatch fraction):", json.dumps(errs, indent=0), flush=True)
+    read_bw, copy_bw = read_bandwidth()
+    print(f"read {read_bw:.2f} TB/s (4 GiB sum), copy {copy_bw:.2f} TB/s (read + write)", flush=True)
+    rows: list[dict] = []
+    steps = [lambda: sparse_decode(rows, read_bw * 1e3, 32768), lambda: sparse_decode(rows, read_bw * 1e3, 131072),
+             lambda: indexer_decode(rows, read_bw * 1e3, 131072), lambda: indexer_decode(rows, read_bw * 1e3, 32768),
+             lambda: dense_decode(rows, read_bw * 1e3, 32768), lambda: dense_decode(rows, read_bw * 1e3, 131072)]
+    if not args.skip_prefill:
+        steps += [lambda: sparse_prefill(rows, 32768), lambda: sparse_prefill(rows, 131072)]
+    for step in steps:
+        try:
+            step()
+        except Exception as e:  # one failing shape must not cost the rest of the run
+            print(f"FAILED: {type(e).__name__}: {e}", flush=True)
+        torch.cuda.empty_cache()
+    with open(args.json, "w") as f:
+        json.dump({"read_TBps": read_bw, "copy_TBps": copy_bw, "errors": errs, "rows": rows}, f, indent=1)
+    print(f"\n{'kernel':20} {'shape':22} {'kv':5} {'layout':8} {'ours ms':>9} {'floor ms':>9} {'of floor':>8} "
+          f"{'TB/s':>6} {'peer ms':>9} {'vs peer':>8}  peer")
+    for r in rows:
+        vs_floor = r["floor_ms"] / r["ms"]
+        vs_peer = r["peer_ms"] / r["ms"] if not math.isnan(r["peer_ms"]) else float("nan")
+        print(f"{r['kernel']:20} {r['shape']:22} {r['kv']:5} {r['layout']:8} {r['ms']:9.4f} {r['floor_ms']:9.4f} "
+              f"{vs_floor:8.0%} {r['TB/s']:6.2f} {r['peer_ms']:9.4f} {vs_peer:7.2f}x  {r['peer']}")
+    if worst:
+        print("CORRECTNESS FAILURES:", worst)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The Triton attention backend: the m3sdk_kernels kernels over the paged cache (the default on a GPU).
+
+Same contract as the torch backend (Contract 2); the step's host ints (`max_seqlen_q`, `max_context_len`) go to
+the kernels so that picking tiles and split counts never syncs the device.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from m3sdk.attention.base import AttentionMetadata, register_backend
+from m3sdk_kernels.cache_write import norm_rope_write, write_index_key, write_kv
+from m3sdk_kernels.indexer import indexer_topk
+from m3sdk_kernels.paged_attention import paged_attention
+
+if TYPE_CHECKING:
+    from m3sdk.cache.kv_pool import KVPool
+
+
+@register_backend("triton")
+class TritonAttentionBackend:
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None,
+                 meta: AttentionMetadata, kv: KVPool) -> None:
+        write_kv(k, v, kv.k[layer], kv.v[layer], meta.slot_mapping, kv.k_scale[layer], kv.v_scale[layer],
+                 layout=kv.spec.layout)
+        if index_k is not None:
+            write_index_key(index_k, kv.index_k[layer], meta.slot_mapping)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
+               block_sel: torch.Tensor | None, scale: float, block_size: int) -> torch.Tensor:
+        return paged_attention(q, kv.k[layer], kv.v[layer], meta.page_table, meta.cu_seqlens_q, meta.context_lens,
+                               scale, kv.k_scale[layer], kv.v_scale[layer], layout=kv.spec.layout,
+                               block_sel=block_sel, block_size=block_size, max_seqlen_q=meta.max_seqlen_q,
+                               max_context_len=meta.max_context_len)
+
+    def select_blocks(self, layer: int, index_q: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
+                      block_size: int, topk: int, local_blocks: int) -> torch.Tensor:
+        return indexer_topk(index_q, kv.index_k[layer], meta.page_table, meta.cu_seqlens_q, meta.context_lens,
+                            block_size, topk, local_blocks, max_seqlen_q=meta.max_seqlen_q,
+                            max_context_len=meta.max_context_len)
+
+    def norm_rope_write(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        eps: float, meta: AttentionMetadata, kv: KVPool, index_q: torch.Tensor | None = None,
+                        index_k: torch.Tensor | None = None, index_q_norm_w: torch.Tensor | None = None,
+                        index_k_norm_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Optional fused step (not in the protocol): per-head norm + partial RoPE of q, k (and the index query
+        and key), the K/V and index-key writes, in one launch; returns (q, index_q) as the model's
+        norm -> rope -> write_kv sequence would leave them."""
+        return norm_rope_write(q, k, v, q_norm_w, k_norm_w, cos, sin, eps, kv.k[layer], kv.v[layer],
+                               meta.slot_mapping, kv.k_scale[layer], kv.v_scale[layer], kv.spec.layout, index_q,
+                               index_k, index_q_norm_w, index_k_norm_w, kv.index_k[layer])
