@@ -191,6 +191,9 @@ class Engine:
                     item = _DEAD if nxt is _DEAD else _merge(item, nxt)
                 if item is _DEAD:
                     raise EngineDeadError(f"the engine thread died: {self._dead!r}") from self._dead
+                if item.error is not None:
+                    done = True
+                    raise item.error
                 done = item.finish_reason is not None
                 yield item
         finally:
@@ -228,4 +231,4 @@ class Engine:
 def _merge(a: Chunk, b: Chunk) -> Chunk:
     logprobs = None if a.logprobs is None else a.logprobs + (b.logprobs or [])
     return Chunk(a.request_id, a.text + b.text, a.token_ids + b.token_ids, b.finish_reason, logprobs, b.usage,
-                 b.timings)
+                 b.timings, b.error)

@@ -142,6 +142,7 @@ class Chunk:
     logprobs: list[SampledToken] | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    error: Exception | None = None  # the request failed (e.g. PrefillNodeError): its stream raises this
 
 
 @dataclass(frozen=True)
