@@ -1,6 +1,7 @@
 """The engine-ready tiny checkpoint of tests/engine (oracle weights + byte tokenizer), for the end-to-end tests."""
 
 import importlib.util
+import os
 import shutil
 from pathlib import Path
 
@@ -18,3 +19,7 @@ def disagg_checkpoint(oracle_checkpoint, tmp_path_factory):
     shutil.copytree(oracle_checkpoint, directory, dirs_exist_ok=True)
     engine_conftest.write_byte_tokenizer(directory)
     return directory
+
+
+# ucxx sets UCX_MEMTYPE_CACHE, which this UCX build does not know: it would warn on every process start
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
