@@ -52,6 +52,12 @@ class EngineConfig:
     # Speculative decoding: None (off), "ngram" | "eagle3" | "eagle3:/path/to/head" | "mtp", or a dict
     # {"method", "num_speculative_tokens", "model", ...}; normalized to a SpecConfig (m3sdk/spec/base.py).
     speculative: SpecConfig | str | dict | None = None
+    # Tensor parallel over this many ranks (processes; one GPU each, or gloo on a CPU), docs/serving.md.
+    # expert_parallel: whole experts per rank (needs num_experts % ranks == 0), else every expert's width is split.
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = True
+    # Replay decode steps from captured CUDA graphs; None: on for a CUDA device with the triton backend.
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -67,7 +73,7 @@ class EngineConfig:
         if isinstance(self.prefill_timeout, bool) or not isinstance(self.prefill_timeout, int | float) \
                 or not self.prefill_timeout > 0:
             problems.append(f"prefill_timeout must be a positive number of seconds, got {self.prefill_timeout!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "tensor_parallel_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 problems.append(f"{name} must be an int >= 1, got {value!r}")
@@ -87,6 +93,8 @@ class EngineConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.cuda_graphs not in (None, True, False):
+            problems.append(f"cuda_graphs must be None (auto), True or False, got {self.cuda_graphs!r}")
         if not isinstance(self.scheduler, str) and not callable(self.scheduler):
             problems.append(f"scheduler must be a name or a factory, got {self.scheduler!r}")
         try:
@@ -118,6 +126,11 @@ class EngineConfig:
         if self.attention_backend == "auto":
             return "triton" if device.type == "cuda" else "torch"
         return self.attention_backend
+
+    def resolve_cuda_graphs(self, device: torch.device) -> bool:
+        if self.cuda_graphs is None:
+            return device.type == "cuda" and self.resolve_attention_backend(device) == "triton"
+        return self.cuda_graphs and device.type == "cuda"
 
     def resolve_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[str, str]:
         """(kv dtype, index-key dtype) as Contract 1 names them."""

@@ -1,0 +1,344 @@
+"""`m3sdk bench`: offline throughput and serving-style load against the embedded Engine, in-process.
+
+Requests come from random token ids (lengths drawn around --input-len / --output-len, spread by --range-ratio) or
+from a prompt file. They arrive all at once (--request-rate inf: the offline throughput run) or as a Poisson
+process (a rate; --burstiness < 1 is burstier, gamma-distributed gaps as vLLM draws them), optionally capped at
+--max-concurrency requests in flight (fixed concurrency: rate inf + a cap). A comma list of rates or
+concurrencies runs a sweep on one loaded engine.
+
+Metrics are measured where an application sees them: on the event loop, at each streamed chunk. Their names
+are vLLM's `benchmark_serving` names, so existing plotting and comparison scripts read the JSON:
+  TTFT    send -> first chunk                       TPOT  (e2e - TTFT) / (output tokens - 1), per request
+  ITL     gap between consecutive chunks            E2EL  send -> last chunk
+  request/output/total-token throughput over the run's duration; goodput: requests/s meeting every SLO given
+  (--slo-ttft-ms, --slo-tpot-ms, --slo-e2el-ms).
+A chunk may carry several tokens when the consumer falls behind the engine (the Engine merges waiting deltas);
+ITL counts one gap per chunk, as vLLM does for multi-token chunks, so mean ITL can exceed TPOT under load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from m3sdk.config import EngineConfig
+
+_LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: str | list[int]
+    prompt_len: int  # tokens (a file prompt's count comes back in its usage; this is the estimate until then)
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0  # seconds
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    error: str = ""
+
+
+def sample_lengths(rng: random.Random, mean: int, range_ratio: float, n: int) -> list[int]:
+    """n lengths uniform in [mean * (1 - r), mean * (1 + r)], at least 1."""
+    lo, hi = max(1, round(mean * (1 - range_ratio))), max(1, round(mean * (1 + range_ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def random_requests(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                    seed: int) -> list[BenchRequest]:
+    """Prompts of uniform random token ids: no tokenizer round trip, no accidental prefix sharing."""
+    rng = random.Random(seed)
+    ins = sample_lengths(rng, input_len, range_ratio, num)
+    outs = sample_lengths(rng, output_len, range_ratio, num)
+    return [BenchRequest([rng.randrange(vocab_size) for _ in range(n)], n, m) for n, m in zip(ins, outs, strict=True)]
+
+
+def file_requests(path: Path, num: int, output_len: int, range_ratio: float, seed: int) -> list[BenchRequest]:
+    """Prompts from a file: JSON lines ({"prompt": str | [ids], "output_len": int?}) or one prompt per line.
+    Cycled to `num` requests; a line without output_len gets one drawn like the random prompts'."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{path} holds no prompts")
+    rng = random.Random(seed)
+    out = []
+    for i in range(num):
+        line = lines[i % len(lines)]
+        item: dict[str, Any] = {"prompt": line}
+        if path.suffix == ".jsonl":
+            item = json.loads(line)
+            if "prompt" not in item:
+                raise ValueError(f"{path}: line {i % len(lines) + 1} has no 'prompt'")
+        prompt = item["prompt"]
+        n = item.get("output_len") or sample_lengths(rng, output_len, range_ratio, 1)[0]
+        # a text prompt's token count is known only once tokenized: the engine reports it in the usage
+        out.append(BenchRequest(prompt, len(prompt) if isinstance(prompt, list) else 0, int(n)))
+    return out
+
+
+async def arrivals(requests: Sequence[BenchRequest], rate: float, burstiness: float,
+                   seed: int) -> AsyncIterator[BenchRequest]:
+    """Yield requests at a Poisson rate (gamma gaps of shape `burstiness`, mean 1 / rate); all at once if inf."""
+    rng = random.Random(seed)
+    for i, request in enumerate(requests):
+        if i and math.isfinite(rate):
+            await asyncio.sleep(rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
+        yield request
+
+
+async def send(engine, request: BenchRequest, params) -> RequestResult:
+    """Stream one request, timing every chunk on the event loop."""
+    result = RequestResult(prompt_len=request.prompt_len)
+    start = last = time.perf_counter()
+    try:
+        async for chunk in engine.stream(request.prompt, params, max_tokens=request.output_len):
+            now = time.perf_counter()
+            if chunk.token_ids:
+                if result.output_len == 0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                result.output_len += len(chunk.token_ids)
+                last = now
+            if chunk.usage is not None:
+                result.prompt_len = chunk.usage.prompt_tokens
+            if chunk.finish_reason == "abort":
+                raise RuntimeError("aborted by the engine")
+        result.latency = last - start
+        result.success = result.output_len > 0
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, the run goes on
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run_load(engine, requests: Sequence[BenchRequest], params, rate: float = math.inf,
+                   burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0
+                   ) -> tuple[list[RequestResult], float]:
+    """Send `requests` as the arrival process says; -> (results in request order, duration in seconds)."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def limited(request: BenchRequest) -> RequestResult:
+        if limit is None:
+            return await send(engine, request, params)
+        async with limit:
+            return await send(engine, request, params)
+
+    start = time.perf_counter()
+    tasks = [asyncio.create_task(limited(r)) async for r in arrivals(requests, rate, burstiness, seed)]
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
+
+
+def _summary(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
+    """mean/median/std/pNN of seconds, in ms, under vLLM's names (`mean_ttft_ms`, `p99_ttft_ms`, ...)."""
+    ms = sorted(v * 1000.0 for v in values_s)
+    out = {f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0,
+           f"median_{name}_ms": statistics.median(ms) if ms else 0.0,
+           f"std_{name}_ms": statistics.pstdev(ms) if ms else 0.0}
+    for p in percentiles:
+        out[f"p{p:g}_{name}_ms"] = _percentile(ms, p)
+    return out
+
+
+def _percentile(sorted_values: Sequence[float], p: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not sorted_values:
+        return 0.0
+    pos = (len(sorted_values) - 1) * p / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def compute_metrics(results: Sequence[RequestResult], duration: float, percentiles: Sequence[float] = (99,),
+                    slo_ms: dict[str, float] | None = None) -> dict[str, Any]:
+    """The run's metrics under vLLM benchmark_serving's names (latencies in ms, throughputs per second)."""
+    done = [r for r in results if r.success]
+    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1]
+    input_tokens = sum(r.prompt_len for r in done)
+    output_tokens = sum(r.output_len for r in done)
+    metrics: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+    }
+    if slo_ms:
+        good = sum(1 for r in done if _meets(r, slo_ms))
+        metrics["request_goodput"] = good / duration
+        metrics["goodput_fraction"] = good / len(results) if results else 0.0
+    series = {"ttft": [r.ttft for r in done], "tpot": tpots, "itl": [g for r in done for g in r.itl],
+              "e2el": [r.latency for r in done]}
+    for name in _LATENCY_METRICS:
+        metrics.update(_summary(name, series[name], percentiles))
+    return metrics
+
+
+def _meets(r: RequestResult, slo_ms: dict[str, float]) -> bool:
+    values = {"ttft": r.ttft, "e2el": r.latency,
+              "tpot": (r.latency - r.ttft) / (r.output_len - 1) if r.output_len > 1 else 0.0}
+    return all(values[k] * 1000.0 <= limit for k, limit in slo_ms.items())
+
+
+# -- the command ---------------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench options (the engine's --model, --device, ... come from the CLI's shared engine options)."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-prompts", type=int, default=64, help="requests per run (default 64)")
+    g.add_argument("--input-len", type=int, default=256, help="mean prompt tokens of random prompts")
+    g.add_argument("--output-len", type=int, default=64, help="mean generated tokens (EOS ignored)")
+    g.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len*(1-r), len*(1+r)] (default 0: fixed)")
+    g.add_argument("--prompt-file", type=Path, help="prompts: .jsonl with 'prompt' (+ 'output_len') or text lines")
+    g.add_argument("--request-rate", default="inf",
+                   help="requests/s of a Poisson process, 'inf' = all at once; a comma list sweeps")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    g.add_argument("--max-concurrency", default=None,
+                   help="cap on requests in flight; a comma list sweeps (with rate inf: fixed concurrency)")
+    g.add_argument("--num-warmups", type=int, default=1, help="requests run (and not measured) before each sweep")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("metrics")
+    m.add_argument("--metric-percentiles", default="99", help="comma list, e.g. 50,90,99 (default 99)")
+    m.add_argument("--slo-ttft-ms", type=float, help="goodput SLO on time to first token")
+    m.add_argument("--slo-tpot-ms", type=float, help="goodput SLO on time per output token")
+    m.add_argument("--slo-e2el-ms", type=float, help="goodput SLO on end-to-end latency")
+    m.add_argument("--json", type=Path, help="write the results here (one object, or a list for a sweep)")
+    m.add_argument("--save-detailed", action="store_true", help="add per-request lengths, TTFTs, ITLs, errors")
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-num-seqs", type=int)
+    e.add_argument("--max-num-batched-tokens", type=int)
+    e.add_argument("--kv-cache-memory", type=_bytes, help="KV cache bytes (suffix K/M/G allowed)")
+    e.add_argument("--tensor-parallel-size", "--tp", type=int)
+    e.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="any EngineConfig field; VALUE parsed as JSON when it parses (repeatable)")
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().removesuffix("b")
+    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+
+
+def engine_config(args: argparse.Namespace, base: dict[str, Any]) -> EngineConfig:
+    overrides = dict(base)
+    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "tensor_parallel_size"):
+        if getattr(args, name, None) is not None:
+            overrides[name] = getattr(args, name)
+    for item in args.engine_arg:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--engine-arg wants NAME=VALUE, got {item!r}")
+        try:
+            overrides[name] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[name] = value
+    return EngineConfig(**overrides)
+
+
+def _sweep(text: str | None, parse) -> list:
+    return [None] if text is None else [parse(v) for v in str(text).split(",")]
+
+
+def build_requests(args: argparse.Namespace, config: EngineConfig, num: int, seed: int) -> list[BenchRequest]:
+    if args.prompt_file is not None:
+        return file_requests(args.prompt_file, num, args.output_len, args.range_ratio, seed)
+    from m3sdk.model.config import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(config.model_path()).vocab_size
+    return random_requests(num, args.input_len, args.output_len, args.range_ratio, vocab, seed)
+
+
+async def run_bench(args: argparse.Namespace, config: EngineConfig) -> list[dict[str, Any]]:
+    """Load the engine once, warm it up, run every (rate, concurrency) point; -> one result dict per point."""
+    from m3sdk import Engine, SamplingParams
+
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    slo = {k: v for k, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms), ("e2el", args.slo_e2el_ms))
+           if v is not None}
+    params = SamplingParams(temperature=args.temperature, ignore_eos=True)
+    points = [(rate, conc) for rate in _sweep(args.request_rate, float)
+              for conc in _sweep(args.max_concurrency, int)]
+    out = []
+    async with Engine(config) as engine:
+        if args.num_warmups:
+            warm = build_requests(args, config, args.num_warmups, args.seed + 10_000)
+            await run_load(engine, warm, params)
+        for i, (rate, conc) in enumerate(points):
+            requests = build_requests(args, config, args.num_prompts, args.seed + i)
+            before = engine.stats()
+            results, duration = await run_load(engine, requests, params, rate, args.burstiness, conc, args.seed)
+            after = engine.stats()
+            metrics = compute_metrics(results, duration, percentiles, slo)
+            record = {
+                "backend": "m3sdk", "model": config.model, "date": time.strftime("%Y%m%d-%H%M%S"),
+                "num_prompts": len(requests), "request_rate": rate if math.isfinite(rate) else "inf",
+                "burstiness": args.burstiness, "max_concurrency": conc,
+                "input_len": args.input_len if args.prompt_file is None else None, "output_len": args.output_len,
+                "range_ratio": args.range_ratio, **({"slo_ms": slo} if slo else {}), **metrics,
+                "engine_steps": after["steps"] - before["steps"],
+                "engine_preemptions": after["preemptions"] - before["preemptions"],
+                "engine_config": _config_summary(config),
+            }
+            if args.save_detailed:
+                record.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_len for r in results],
+                              ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
+                              errors=[r.error for r in results])
+            out.append(record)
+            print_result(record, percentiles)
+    return out
+
+
+def _config_summary(config: EngineConfig) -> dict[str, Any]:
+    keep = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "attention_backend",
+            "tensor_parallel_size", "cuda_graphs", "enable_prefix_caching")
+    return {k: getattr(config, k) for k in keep if hasattr(config, k)}
+
+
+def print_result(r: dict[str, Any], percentiles: Sequence[float]) -> None:
+    conc = r["max_concurrency"] if r["max_concurrency"] is not None else "-"
+    print(f"{'=' * 16} m3sdk bench: rate {r['request_rate']}, concurrency {conc} {'=' * 16}")
+    rows = [("Successful requests", r["completed"]), ("Failed requests", r["failed"]),
+            ("Duration (s)", r["duration"]), ("Total input tokens", r["total_input_tokens"]),
+            ("Total generated tokens", r["total_output_tokens"]), ("Request throughput (req/s)",
+                                                                   r["request_throughput"])]
+    if "request_goodput" in r:
+        rows.append(("Request goodput (req/s)", r["request_goodput"]))
+    rows += [("Output token throughput (tok/s)", r["output_throughput"]),
+             ("Total token throughput (tok/s)", r["total_token_throughput"])]
+    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
+        rows += [(f"Mean {label} (ms)", r[f"mean_{name}_ms"]), (f"Median {label} (ms)", r[f"median_{name}_ms"])]
+        rows += [(f"P{p:g} {label} (ms)", r[f"p{p:g}_{name}_ms"]) for p in percentiles]
+    for label, value in rows:
+        print(f"{label:<36}{value:>14.2f}" if isinstance(value, float) else f"{label:<36}{value:>14}")
+    sys.stdout.flush()
+
+
+async def main_async(args: argparse.Namespace, base_overrides: dict[str, Any]) -> list[dict[str, Any]]:
+    config = engine_config(args, base_overrides)
+    results = await run_bench(args, config)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results[0] if len(results) == 1 else results, indent=1))
+    return results
