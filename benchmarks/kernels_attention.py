@@ -1,12 +1,15 @@
 """Attention kernels on one GPU: ours vs the floor vs a peer, one run (method: ../shared/design/kernels.md).
 
-    PYTHONPATH=src python benchmarks/kernels_attention.py [--json PATH] [--skip-prefill]
+    PYTHONPATH=src python benchmarks/kernels_attention.py --steps check,bandwidth,STEP...,report [--out DIR]
+
+Each step appends its numbers to DIR/attention.jsonl (so steps can run in separate processes: a fault in one
+does not take the others down); `report` prints the table of everything recorded.
 
 Floors: the bytes a kernel must read (each selected K/V element and its scale once; the index keys once) over
 the read bandwidth measured here by a large reduction. Peers: SDPA (flash / cuDNN, contiguous bf16 KV; for MSA
 on the pre-gathered selected KV), and plain torch (bmm + block amax + topk on bf16 keys) for the indexer.
 A correctness check of every timed mode against the references runs first (GPU dots are bf16/fp16 there,
-unlike the interpreter's fp32). Prints a table last; writes all numbers as JSON.
+unlike the interpreter's fp32).
 """
 
 from __future__ import annotations
@@ -31,11 +34,10 @@ DEV = "cuda"
 
 
 def bench(fn) -> float:
-    """Median ms; CUDA-graph replay when capturable (launch gaps out of the number), events otherwise."""
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
-    except Exception:
-        return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+    """Median ms over CUDA events (launch overhead included: a few us per launch)."""
+    t = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+    torch.cuda.synchronize()  # a fault surfaces here, in the step that caused it
+    return t
 
 
 def read_bandwidth() -> tuple[float, float]:
@@ -201,32 +203,19 @@ def sparse_prefill(rows: list, ctx: int) -> None:
                  "peer": "-", "peer_ms": float("nan")})
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention.json"))
-    parser.add_argument("--skip-prefill", action="store_true")
-    args = parser.parse_args()
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",
-          flush=True)
-    errs = check_correctness()
-    worst = {k: v for k, v in errs.items() if v > (5e-3 if "mismatch" in k else 2e-2)}
-    print("correctness (rel L2 / mismatch fraction):", json.dumps(errs, indent=0), flush=True)
-    read_bw, copy_bw = read_bandwidth()
-    print(f"read {read_bw:.2f} TB/s (4 GiB sum), copy {copy_bw:.2f} TB/s (read + write)", flush=True)
-    rows: list[dict] = []
-    steps = [lambda: sparse_decode(rows, read_bw * 1e3, 32768), lambda: sparse_decode(rows, read_bw * 1e3, 131072),
-             lambda: indexer_decode(rows, read_bw * 1e3, 131072), lambda: indexer_decode(rows, read_bw * 1e3, 32768),
-             lambda: dense_decode(rows, read_bw * 1e3, 32768), lambda: dense_decode(rows, read_bw * 1e3, 131072)]
-    if not args.skip_prefill:
-        steps += [lambda: sparse_prefill(rows, 32768), lambda: sparse_prefill(rows, 131072)]
-    for step in steps:
-        try:
-            step()
-        except Exception as e:  # one failing shape must not cost the rest of the run
-            print(f"FAILED: {type(e).__name__}: {e}", flush=True)
-        torch.cuda.empty_cache()
-    with open(args.json, "w") as f:
-        json.dump({"read_TBps": read_bw, "copy_TBps": copy_bw, "errors": errs, "rows": rows}, f, indent=1)
+STEPS = {
+    "sparse_decode_32k": lambda rows, bw: sparse_decode(rows, bw, 32768),
+    "sparse_decode_128k": lambda rows, bw: sparse_decode(rows, bw, 131072),
+    "indexer_decode_128k": lambda rows, bw: indexer_decode(rows, bw, 131072),
+    "indexer_decode_32k": lambda rows, bw: indexer_decode(rows, bw, 32768),
+    "dense_decode_32k": lambda rows, bw: dense_decode(rows, bw, 32768),
+    "dense_decode_128k": lambda rows, bw: dense_decode(rows, bw, 131072),
+    "sparse_prefill_32k": lambda rows, bw: sparse_prefill(rows, 32768),
+    "sparse_prefill_128k": lambda rows, bw: sparse_prefill(rows, 131072),
+}
+
+
+def print_table(rows: list[dict]) -> None:
     print(f"\n{'kernel':20} {'shape':22} {'kv':5} {'layout':8} {'ours ms':>9} {'floor ms':>9} {'of floor':>8} "
           f"{'TB/s':>6} {'peer ms':>9} {'vs peer':>8}  peer")
     for r in rows:
@@ -234,10 +223,46 @@ def main() -> int:
         vs_peer = r["peer_ms"] / r["ms"] if not math.isnan(r["peer_ms"]) else float("nan")
         print(f"{r['kernel']:20} {r['shape']:22} {r['kv']:5} {r['layout']:8} {r['ms']:9.4f} {r['floor_ms']:9.4f} "
               f"{vs_floor:8.0%} {r['TB/s']:6.2f} {r['peer_ms']:9.4f} {vs_peer:7.2f}x  {r['peer']}")
-    if worst:
-        print("CORRECTNESS FAILURES:", worst)
-        return 1
-    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON results")
+    parser.add_argument("--steps", default="check," + ",".join(STEPS),
+                        help="comma list of: check, bandwidth, " + ", ".join(STEPS) + ", report")
+    args = parser.parse_args()
+    steps = args.steps.split(",")
+    results = os.path.join(args.out, "attention.jsonl")  # one JSON object per line, appended by each step
+    if any(s != "report" for s in steps):
+        print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",
+              flush=True)
+    status = 0
+    for step in steps:
+        if step == "check":
+            errs = check_correctness()
+            worst = {k: v for k, v in errs.items() if v > (5e-3 if "mismatch" in k else 2e-2)}
+            print("correctness (rel L2 / mismatch fraction):", json.dumps(errs), flush=True)
+            record = {"errors": errs}
+            if worst:
+                print("CORRECTNESS FAILURES:", worst)
+                status = 1
+        elif step == "bandwidth":
+            read_bw, copy_bw = read_bandwidth()
+            print(f"read {read_bw:.2f} TB/s (4 GiB sum), copy {copy_bw:.2f} TB/s (read + write)", flush=True)
+            record = {"read_TBps": read_bw, "copy_TBps": copy_bw}
+        elif step == "report":
+            lines = [json.loads(line) for line in open(results)]
+            print_table([r for line in lines for r in line.get("rows", [])])
+            continue
+        else:
+            read_bw = next(r["read_TBps"] for r in map(json.loads, open(results)) if "read_TBps" in r)
+            rows: list[dict] = []
+            STEPS[step](rows, read_bw)
+            print_table(rows)
+            record = {"step": step, "rows": rows}
+        with open(results, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    return status
 
 
 if __name__ == "__main__":

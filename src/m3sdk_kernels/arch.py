@@ -8,6 +8,8 @@ not a code change. Kernel modules never read `torch.cuda` themselves: they ask `
 from __future__ import annotations
 
 import functools
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -175,7 +177,14 @@ TILES.update({
 })
 
 
+@functools.cache
+def _overrides() -> dict[str, dict[str, int]]:
+    """M3SDK_KERNEL_TILES='{"family": {"num_stages": 1}}' overrides table entries on every arch: for tuning runs
+    on a device without editing this file."""
+    return json.loads(os.environ.get("M3SDK_KERNEL_TILES", "{}"))
+
+
 def tiles(family: str, arch: Arch | None = None) -> dict[str, int]:
     """Launch parameters of a kernel family on `arch` (default: the current device's)."""
     arch = arch or current_arch()
-    return TILES[family][arch.name]
+    return TILES[family][arch.name] | _overrides().get(family, {})
