@@ -76,17 +76,21 @@ def _serve(conn, kv_dtype: str, layout: str, delay_s: float, token: str | None) 
     node.serve_until_signal(grace=2.0)
 
 
-def spawn_node(kv_dtype: str = "bf16", layout: str = "plain", delay_s: float = 0.0,
-               token: str | None = TOKEN) -> tuple[mp.Process, str]:
-    """A node in a process of its own; returns (process, "127.0.0.1:PORT")."""
+def _spawn(target, *args) -> tuple[mp.Process, str]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(child, kv_dtype, layout, delay_s, token), daemon=True)
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
     proc.start()
-    if not parent.poll(60):
+    if not parent.poll(120):
         proc.kill()
         raise RuntimeError("prefill node did not start")
     return proc, parent.recv()
+
+
+def spawn_node(kv_dtype: str = "bf16", layout: str = "plain", delay_s: float = 0.0,
+               token: str | None = TOKEN) -> tuple[mp.Process, str]:
+    """A node in a process of its own; returns (process, "127.0.0.1:PORT")."""
+    return _spawn(_serve, kv_dtype, layout, delay_s, token)
 
 
 def stop_node(proc: mp.Process) -> None:
@@ -130,12 +134,4 @@ def _serve_engine(conn, checkpoint: str, delay_s: float, corrupt_index_keys: boo
 def spawn_engine_node(checkpoint, delay_s: float = 0.0, corrupt_index_keys: bool = False
                       ) -> tuple[mp.Process, str]:
     """A prefill node running the real engine on `checkpoint`; index keys garbled in transit if asked."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve_engine, args=(child, str(checkpoint), delay_s, corrupt_index_keys),
-                       daemon=True)
-    proc.start()
-    if not parent.poll(120):
-        proc.kill()
-        raise RuntimeError("prefill node did not start")
-    return proc, parent.recv()
+    return _spawn(_serve_engine, str(checkpoint), delay_s, corrupt_index_keys)
