@@ -6,10 +6,11 @@
   shared expert 32, dense MLP 96; indexer 2 heads x 16 dims, blocks of 8 tokens, top 3 blocks, 1 local block.
   So any query at position >= 24 sees more blocks than it may keep: sparsity engages on short prompts.
 Every weight is random, norm weights and router bias included (transformers initializes norms to the identity,
-which would hide a wrong norm). layout="hf" is transformers' own `save_pretrained` (one model.safetensors);
-layout="minimax" re-lays the same weights under the published names (language_model.model..., experts.E.w1/w3/w2,
-block_sparse_moe, index_q_proj, nested text_config with sparse_attention_config), in 3 shards with an index file,
-plus a vision tensor (to skip) and an mtp tensor (to keep aside). Both hold identical numbers.
+which would hide a wrong norm), and the MLP input weights are large enough that the SwiGLU-OAI clamp engages.
+layout="hf" is transformers' own `save_pretrained` (one model.safetensors). layout="minimax" re-lays the same
+weights under the published names (language_model.model..., experts.E.w1/w3/w2, block_sparse_moe, index_q_proj,
+nested text_config with sparse_attention_config) in 3 shards with an index file, plus a vision tensor (to skip)
+and an mtp tensor (to keep aside). Both hold identical numbers.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def oracle_model(seed: int = 0, **overrides):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            std = 0.3 if name.endswith("norm.weight") else 0.1
+            # gate_up weights large enough that SwiGLU-OAI's clamp at 7 engages (~10% of gate/up values)
+            std = 0.3 if name.endswith("norm.weight") else 0.6 if "gate_up_proj" in name else 0.1
             p.copy_(torch.randn(p.shape, generator=g) * std)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
