@@ -139,6 +139,23 @@ class EngineCore:
     def stats(self) -> dict[str, int]:
         return dict(self._stats)
 
+    def describe(self) -> dict[str, str]:
+        """A human summary for `m3sdk info`: model, kernel backend, cache budget."""
+        mc, spec = self.runner.model.config, self.cache.kv.spec
+        params = sum(p.numel() for p in self.runner.model.parameters())
+        return {
+            "model": str(self.config.model_path()),
+            "layers": f"{mc.num_layers} ({len(mc.sparse_layers)} MSA sparse, {len(mc.moe_layers)} MoE)",
+            "parameters": f"{params / 1e6:.2f} M on {spec.device} as {spec.model_dtype}",
+            "attention": f"{mc.num_heads} q / {mc.num_kv_heads} kv heads x {mc.head_dim}; MSA top-"
+                         f"{mc.index_topk_blocks} of {mc.index_block_size}-token blocks",
+            "experts": f"{mc.num_experts} routed (top-{mc.num_experts_per_tok}) + shared",
+            "backend": self.config.resolve_attention_backend(self.runner.device),
+            "kv cache": f"{spec.num_pages} pages x {spec.bytes_per_page} B = "
+                        f"{spec.num_pages * spec.bytes_per_page / 2**20:.1f} MiB ({spec.kv_dtype} {spec.layout}, "
+                        f"index keys {spec.index_dtype}); max_model_len {self.max_model_len}",
+        }
+
     # -- the engine thread -------------------------------------------------------------------------------
 
     def _run(self, emit: Emit, on_dead: OnDead) -> None:

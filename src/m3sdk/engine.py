@@ -68,6 +68,10 @@ class Engine:
     def max_model_len(self) -> int:
         return self._running_core().max_model_len
 
+    def describe(self) -> dict[str, str]:
+        """Model, kernel backend and cache budget, as `m3sdk info` prints them."""
+        return self._running_core().describe()
+
     def stats(self) -> dict[str, int]:
         """running, waiting, pages_total, pages_free, pages_cached, prefix_cache_queries/hits (tokens),
         preemptions, steps, prompt/generation tokens, requests finished/aborted."""
