@@ -11,7 +11,7 @@ $(BIN)/m3sdk: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,ucx]"
 	touch $(BIN)/m3sdk
 
 setup: $(BIN)/m3sdk
