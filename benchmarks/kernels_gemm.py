@@ -1,0 +1,162 @@
+"""FP8 W8A8 GEMM (per-token activation quantization included) at MiniMax-M3 shapes: ours vs torch vs the floor.
+
+    PYTHONPATH=src python benchmarks/kernels_gemm.py [--json PATH] [--sweep]
+
+Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 6144, the dense MLP 6144 -> 24576
+(gate|up) and 12288 -> 6144 (down); M = 1 .. 8192 tokens. Arms, same inputs:
+- ours: `quantize_fp8_per_token` + `fp8_gemm` (two launches; in the model the quantization is fused into the
+  RMSNorm before the projection, so `gemm only` is the model's cost)
+- torch: per-token quantization in eager torch + `torch._scaled_mm` rowwise (CUTLASS), and `_scaled_mm` alone
+- bf16 `torch.mm`: the "is FP8 worth it" bar
+Floor: max(weight + activation bytes / read bandwidth, FLOPs / the fp8 matmul rate measured by `_scaled_mm` at
+8192^3). Decode shapes rotate 4 weight copies (> L2) so every call streams its weight from HBM.
+`--sweep` times a few tile configs per M bucket first and keeps the fastest (printed; copy into arch.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from m3sdk_kernels.arch import TILES, current_arch
+from m3sdk_kernels.quant import fp8_gemm, fp8_gemm_ref, quantize_fp8_per_token, quantize_fp8_weight
+
+DEV = "cuda"
+SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144),
+          "dense gate_up 6144->24576": (6144, 24576), "dense down 12288->6144": (12288, 6144)}
+MS = (1, 16, 256, 1024, 8192)
+SWEEP = {
+    "fp8_gemm_decode": [dict(BLOCK_N=64, BLOCK_K=256, num_stages=4), dict(BLOCK_N=32, BLOCK_K=256, num_stages=4),
+                        dict(BLOCK_N=32, BLOCK_K=512, num_stages=3), dict(BLOCK_N=128, BLOCK_K=128, num_stages=5)],
+    "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
+                     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)],
+    "fp8_gemm_prefill": [dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
+                         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
+                         dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)],
+}
+
+
+def bench(fn) -> float:
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception:
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def read_bandwidth() -> float:
+    x = torch.randn(2 << 30, dtype=torch.bfloat16, device=DEV)
+    return x.numel() * 2 / bench(lambda: x.sum(dtype=torch.float32)) / 1e9
+
+
+def torch_quant(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    s = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / torch.finfo(fp8).max
+    return (x.float() / s).to(fp8), s
+
+
+def fp8_rate(fp8: torch.dtype) -> float:
+    a = torch.randn(8192, 8192, device=DEV).to(fp8)
+    b = torch.randn(8192, 8192, device=DEV).to(fp8)
+    one = torch.ones(1, device=DEV)
+    t = bench(lambda: torch._scaled_mm(a, b.T, one, one, out_dtype=torch.bfloat16))
+    return 2 * 8192**3 / t / 1e9  # TFLOP/s
+
+
+def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor, fp8: torch.dtype, bw: float,
+            rate: float) -> dict:
+    """One (shape, M) row; each arm runs over the rotated weight copies and is divided by their count."""
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    xq, xs = quantize_fp8_per_token(x, fp8)
+
+    def rotated(one) -> float:
+        return bench(lambda: [one(w, s) for w, s in weights]) / len(weights)
+
+    ours = rotated(lambda w, s: fp8_gemm(*quantize_fp8_per_token(x, fp8), w, s))
+    gemm = rotated(lambda w, s: fp8_gemm(xq, xs, w, s))
+    try:  # cuBLAS/CUTLASS fp8 may refuse some shapes
+        peer = rotated(lambda w, s: torch._scaled_mm(*_quant_pair(x, fp8, w), s[None, :], out_dtype=torch.bfloat16))
+        peer_mm = rotated(lambda w, s: torch._scaled_mm(xq, w.T, xs[:, None], s[None, :], out_dtype=torch.bfloat16))
+    except RuntimeError as e:
+        print(f"torch arm failed at M={m}: {str(e).splitlines()[0][:120]}")
+        peer = peer_mm = float("nan")
+    bf16 = bench(lambda: x @ wbf.T)
+    byts = n * k + m * k * 2 + m * n * 2
+    floor = max(byts / bw / 1e6, 2 * m * n * k / rate / 1e9)  # ms
+    return dict(shape=name, M=m, ours_ms=ours, gemm_ms=gemm, torch_ms=peer, scaled_mm_ms=peer_mm, bf16_ms=bf16,
+                floor_ms=floor, weight_gbps=n * k / gemm / 1e6, tflops=2 * m * n * k / ours / 1e9)
+
+
+def _quant_pair(x: torch.Tensor, fp8: torch.dtype, w: torch.Tensor) -> tuple:
+    q, qs = torch_quant(x, fp8)
+    return q, w.T, qs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    arch = current_arch()
+    fp8 = arch.fp8_dtype
+    bw = read_bandwidth()
+    rate = fp8_rate(fp8)
+    print(f"read bandwidth {bw:.0f} GB/s, fp8 _scaled_mm 8192^3 {rate:.0f} TFLOP/s")
+
+    # correctness at real shapes first (GPU dots, not the interpreter's)
+    for name, (k, n) in SHAPES.items():
+        wq, ws = quantize_fp8_weight(torch.randn(n, k, device=DEV) * 0.02, fp8)
+        for m in (3, 300):
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            xq, xs = quantize_fp8_per_token(x, fp8)
+            ref = fp8_gemm_ref(xq, xs, wq, ws)
+            err = ((fp8_gemm(xq, xs, wq, ws).float() - ref.float()).norm() / ref.float().norm()).item()
+            assert err < 1e-2, (name, m, err)
+    print("correctness: fp8_gemm == fp8_gemm_ref at every shape")
+
+    if args.sweep:
+        for fam, configs in SWEEP.items():
+            m = {"fp8_gemm_decode": 16, "fp8_gemm_mid": 256, "fp8_gemm_prefill": 8192}[fam]
+            k, n = SHAPES["qkv_index 6144->9856"]
+            ws_ = [quantize_fp8_weight(torch.randn(n, k, device=DEV) * 0.02, fp8) for _ in range(4)]
+            xq, xs = quantize_fp8_per_token(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), fp8)
+            base = dict(TILES[fam][arch.name])
+            best = None
+            for cfg in configs:
+                TILES[fam][arch.name].update(cfg)
+                t = bench(lambda xq=xq, xs=xs, ws_=ws_: [fp8_gemm(xq, xs, w, s) for w, s in ws_]) / 4
+                print(f"sweep {fam} M={m}: {cfg} {t * 1e3:.1f} us")
+                if best is None or t < best[0]:
+                    best = (t, dict(TILES[fam][arch.name]))
+                TILES[fam][arch.name].clear()
+                TILES[fam][arch.name].update(base)
+            TILES[fam][arch.name].update(best[1])
+            print(f"sweep {fam}: keep {best[1]}")
+
+    rows = []
+    for name, (k, n) in SHAPES.items():
+        weights = [quantize_fp8_weight(torch.randn(n, k, device=DEV) * 0.02, fp8) for _ in range(4)]
+        wbf = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+        for m in MS:
+            rows.append(measure(name, k, n, m, weights, wbf, fp8, bw, rate))
+            r = rows[-1]
+            print(f"{name:28} M={m:5} ours {r['ours_ms'] * 1e3:8.1f} us (gemm {r['gemm_ms'] * 1e3:8.1f})  torch "
+                  f"{r['torch_ms'] * 1e3:8.1f} (_scaled_mm {r['scaled_mm_ms'] * 1e3:8.1f})  bf16 "
+                  f"{r['bf16_ms'] * 1e3:8.1f}  floor {r['floor_ms'] * 1e3:7.1f}")
+    print("\n| shape | M | ours quant+gemm (us) | gemm only (us) | torch quant+_scaled_mm (us) | _scaled_mm (us) "
+          "| bf16 mm (us) | floor (us) | torch/ours | floor/ours | floor/gemm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['M']} | {r['ours_ms'] * 1e3:.1f} | {r['gemm_ms'] * 1e3:.1f} | "
+              f"{r['torch_ms'] * 1e3:.1f} | {r['scaled_mm_ms'] * 1e3:.1f} | {r['bf16_ms'] * 1e3:.1f} | "
+              f"{r['floor_ms'] * 1e3:.1f} | {r['torch_ms'] / r['ours_ms']:.2f}x | {r['floor_ms'] / r['ours_ms']:.0%} | "
+              f"{r['floor_ms'] / r['gemm_ms']:.0%} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(read_gbps=bw, fp8_tflops=rate, tiles={k: TILES[k][arch.name] for k in SWEEP}, rows=rows),
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Fused MoE at MiniMax-M3 shapes (128 experts top-4 + the shared expert, 6144 -> 2x3072 -> 6144) on one GPU.
+
+    PYTHONPATH=src python benchmarks/kernels_moe.py [--json PATH] [--sweep]
+
+Ours (`fused_moe`, shared expert stacked as expert 128, router weights x 2.0) in bf16, FP8 (W8A8), MXFP4 and MXFP8
+vs `torch._grouped_mm` in bf16 doing the same work (sort pairs by expert, gate_up grouped GEMM, SwiGLU-OAI, down
+grouped GEMM, weight, sum), same routing (each token: 4 distinct random experts + the shared one).
+Floor, decode: the bytes of the experts actually touched (each once, in the arm's format, scales included) over
+the read bandwidth measured here; prefill: FLOPs over the bf16 / fp8 matmul rate measured here.
+`--sweep` first times a few decode / small-batch tile configs and keeps the fastest (printed; copy to arch.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from m3sdk_kernels.arch import TILES, current_arch
+from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, quantize_experts
+
+DEV = "cuda"
+E, H, I, TOP_K, SCALE = 128, 6144, 3072, 4, 2.0
+ALPHA, LIMIT = 1.702, 7.0
+DECODE_T = (1, 4, 16, 64)
+PREFILL_T = 8192
+SWEEP = {
+    "moe_decode": [dict(GU_BLOCK_N=64, GU_BLOCK_K=128, DN_BLOCK_N=64, DN_BLOCK_K=128, num_stages=4),
+                   dict(GU_BLOCK_N=32, GU_BLOCK_K=256, DN_BLOCK_N=32, DN_BLOCK_K=256, num_stages=3),
+                   dict(GU_BLOCK_N=64, GU_BLOCK_K=256, DN_BLOCK_N=64, DN_BLOCK_K=256, num_stages=3)],
+    "moe_small": [dict(GU_BLOCK_N=64, GU_BLOCK_K=128, DN_BLOCK_N=64, DN_BLOCK_K=64, num_stages=4),
+                  dict(GU_BLOCK_N=32, GU_BLOCK_K=256, DN_BLOCK_N=64, DN_BLOCK_K=128, num_stages=3)],
+}
+
+
+def bench(fn) -> float:
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception:
+        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def read_bandwidth() -> float:
+    x = torch.randn(2 << 30, dtype=torch.bfloat16, device=DEV)
+    return x.numel() * 2 / bench(lambda: x.sum(dtype=torch.float32)) / 1e9
+
+
+def mm_rate(dtype: torch.dtype) -> float:
+    a = torch.randn(8192, 8192, device=DEV).to(dtype)
+    b = torch.randn(8192, 8192, device=DEV).to(dtype)
+    if dtype == torch.bfloat16:
+        t = bench(lambda: a @ b.T)
+    else:
+        one = torch.ones(1, device=DEV)
+        t = bench(lambda: torch._scaled_mm(a, b.T, one, one, out_dtype=torch.bfloat16))
+    return 2 * 8192**3 / t / 1e9
+
+
+def routing(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    ids = torch.rand(t, E, generator=g, device=DEV).argsort(-1)[:, :TOP_K].to(torch.int32)
+    w = torch.rand(t, TOP_K, generator=g, device=DEV)
+    w = w / w.sum(-1, keepdim=True) * SCALE
+    return (torch.cat((w, torch.ones(t, 1, device=DEV)), 1),
+            torch.cat((ids, torch.full((t, 1), E, dtype=torch.int32, device=DEV)), 1))
+
+
+def build(fmt: str, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> Experts:
+    """Quantize expert by expert (a whole-stack quantization would need tens of GB of fp32 temporaries)."""
+    parts = [quantize_experts(w_gate_up[e : e + 1], w_down[e : e + 1], fmt) for e in range(w_gate_up.shape[0])]
+    if fmt == "bf16":
+        return Experts(fmt, w_gate_up, w_down)
+    return Experts(fmt, torch.cat([p.gate_up for p in parts]), torch.cat([p.down for p in parts]),
+                   torch.cat([p.gate_up_scale for p in parts]), torch.cat([p.down_scale for p in parts]))
+
+
+def expert_bytes(ex: Experts, touched: int) -> int:
+    per = sum(t[0].numel() * t.element_size() for t in (ex.gate_up, ex.down))
+    per += sum(t[0].numel() * t.element_size() for t in (ex.gate_up_scale, ex.down_scale) if t is not None)
+    return per * touched
+
+
+def grouped_mm_moe(x, ids, w, w_gate_up_t, w_down_t):
+    """The peer: torch._grouped_mm in bf16 over pairs sorted by expert (w_*_t: [E, K, N] views). No host sync,
+    so it is graph-replayed like ours."""
+    t, k = ids.shape
+    sorted_ids, order = ids.reshape(-1).sort()
+    groups = torch.arange(w_gate_up_t.shape[0], device=ids.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, groups, right=True).to(torch.int32)
+    xs = x[order // k]
+    gu = torch._grouped_mm(xs, w_gate_up_t, offs=offs)
+    gate, up = gu.chunk(2, dim=-1)
+    gate = gate.clamp(max=LIMIT)
+    h = (up.clamp(-LIMIT, LIMIT) + 1) * (gate * torch.sigmoid(ALPHA * gate))
+    y = torch._grouped_mm(h, w_down_t, offs=offs) * w.reshape(-1)[order, None].to(h.dtype)
+    out = torch.zeros(t * k, x.shape[1], device=x.device, dtype=y.dtype)
+    out[order] = y
+    return out.view(t, k, -1).sum(1)
+
+
+def check(fmt: str, ex: Experts) -> float:
+    """GPU kernel vs reference on a 4-expert slice at full width: decode (sort-free) and sorted paths."""
+    small = Experts(fmt, ex.gate_up[:4], ex.down[:4], None if ex.gate_up_scale is None else ex.gate_up_scale[:4],
+                    None if ex.down_scale is None else ex.down_scale[:4])
+    worst = 0.0
+    for t in (2, 40, 300):
+        g = torch.Generator(device=DEV).manual_seed(t)
+        ids = torch.rand(t, 4, generator=g, device=DEV).argsort(-1)[:, :2].to(torch.int32)
+        w = torch.rand(t, 2, generator=g, device=DEV)
+        x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
+        ref = fused_moe_ref(x, ids, w, small, ALPHA, LIMIT).float()
+        out = fused_moe(x, ids, w, small, ALPHA, LIMIT).float()
+        worst = max(worst, ((out - ref).norm() / ref.norm()).item())
+    assert worst < 2e-2, (fmt, worst)
+    return worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--formats", default="bf16,fp8,mxfp4,mxfp8")
+    args = ap.parse_args()
+    arch = current_arch()
+    bw = read_bandwidth()
+    rate_bf16, rate_fp8 = mm_rate(torch.bfloat16), mm_rate(arch.fp8_dtype)
+    print(f"read bandwidth {bw:.0f} GB/s; matmul bf16 {rate_bf16:.0f}, fp8 {rate_fp8:.0f} TFLOP/s")
+
+    torch.manual_seed(0)
+    w_gate_up = torch.randn(E + 1, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.02
+    w_down = torch.randn(E + 1, H, I, device=DEV, dtype=torch.bfloat16) * 0.02
+    gu_t, dn_t = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)
+    formats = args.formats.split(",")
+    experts = {f: build(f, w_gate_up, w_down) for f in formats}
+    for f, ex in experts.items():
+        print(f"correctness {f}: rel err vs reference {check(f, ex):.2e}")
+
+    if args.sweep:
+        for fam, configs in SWEEP.items():
+            t = 1 if fam == "moe_decode" else 16
+            w, ids = routing(t, 99)
+            x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
+            base = dict(TILES[fam][arch.name])
+            for f in ("bf16", "mxfp4"):
+                for native in ((False, True) if f == "mxfp4" else (False,)):
+                    for cfg in configs:
+                        TILES[fam][arch.name].update(cfg, MX_NATIVE=native)
+                        ms = bench(lambda x=x, ids=ids, w=w, f=f: fused_moe(x, ids, w, experts[f], ALPHA, LIMIT))
+                        print(f"sweep {fam} T={t} {f} native={native} {cfg}: {ms * 1e3:.1f} us")
+                        TILES[fam][arch.name].clear()
+                        TILES[fam][arch.name].update(base)
+        # the sort-free path against the sorted one at the edge
+        for t in (4, 8, 16):
+            w, ids = routing(t, 7)
+            x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
+            for max_tokens in (t, t - 1):
+                TILES["moe_decode"][arch.name]["MAX_TOKENS"] = max_tokens
+                ms = bench(lambda x=x, ids=ids, w=w: fused_moe(x, ids, w, experts["bf16"], ALPHA, LIMIT))
+                print(f"sweep T={t} {'sort-free' if max_tokens == t else 'sorted'}: {ms * 1e3:.1f} us")
+        TILES["moe_decode"][arch.name]["MAX_TOKENS"] = 4
+
+    rows = []
+    for t in (*DECODE_T, PREFILL_T):
+        w, ids = routing(t, t)
+        x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
+        touched = ids.unique().numel()
+        peer = bench(lambda x=x, ids=ids, w=w: grouped_mm_moe(x, ids, w, gu_t, dn_t))
+        flops = 6 * H * I * ids.numel()
+        row = dict(T=t, experts_touched=touched, grouped_mm_ms=peer)
+        for f, ex in experts.items():
+            ms = bench(lambda x=x, ids=ids, w=w, ex=ex: fused_moe(x, ids, w, ex, ALPHA, LIMIT))
+            byts = expert_bytes(ex, touched)
+            floor = max(byts / bw / 1e6, flops / (rate_fp8 if f == "fp8" else rate_bf16) / 1e9)
+            row[f] = dict(ms=ms, floor_ms=floor, gbps=byts / ms / 1e6, tflops=flops / ms / 1e9,
+                          vs_grouped_mm=peer / ms)
+        rows.append(row)
+        print(f"T={t:5} experts {touched:3}  grouped_mm {peer * 1e3:9.1f} us  " + "  ".join(
+            f"{f} {row[f]['ms'] * 1e3:8.1f} us ({row[f]['vs_grouped_mm']:.2f}x, floor {row[f]['floor_ms'] * 1e3:.1f})"
+            for f in experts))
+
+    print("\n| T | experts touched | grouped_mm bf16 (us) | " + " | ".join(
+        f"{f} (us) | {f} floor (us) | {f} vs grouped_mm" for f in experts) + " |")
+    print("|---|---|---|" + "---|---|---|" * len(experts))
+    for r in rows:
+        print(f"| {r['T']} | {r['experts_touched']} | {r['grouped_mm_ms'] * 1e3:.1f} | " + " | ".join(
+            f"{r[f]['ms'] * 1e3:.1f} | {r[f]['floor_ms'] * 1e3:.1f} | {r[f]['vs_grouped_mm']:.2f}x" for f in experts)
+            + " |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(read_gbps=bw, bf16_tflops=rate_bf16, fp8_tflops=rate_fp8,
+                           tiles={k: TILES[k][arch.name] for k in ("moe_decode", "moe_small", "moe_prefill")},
+                           rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
