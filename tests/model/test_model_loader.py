@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from oracle import PagedSequences
+from oracle import PagedSequences, load_oracle, make_oracle_checkpoint
 from safetensors.torch import load_file, save_file
 
 from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
@@ -31,6 +31,33 @@ def test_minimax_layout_gives_the_same_logits(oracle_checkpoint, oracle_checkpoi
     assert list(mm.mtp_weights) == ["mtp.layers.0.eh_proj.weight"]
     assert mm.mtp_weights["mtp.layers.0.eh_proj.weight"].shape == (64, 128)
     assert len(hf.mtp_weights) == 0
+
+
+def test_vl_wrapper_names_and_nested_config(oracle_checkpoint, tmp_path):
+    """What transformers' VL class saves: model.language_model.*, lm_head, a vision tower, nested text_config."""
+    tensors = {("lm_head.weight" if k == "lm_head.weight" else k.replace("model.", "model.language_model.", 1)): v
+               for k, v in load_file(oracle_checkpoint / "model.safetensors").items()}
+    tensors["model.vision_tower.layers.0.mlp.fc1.weight"] = torch.zeros(4, 4)
+    tmp_path.mkdir(exist_ok=True)
+    save_file(tensors, tmp_path / "model.safetensors")
+    text = json.loads((oracle_checkpoint / "config.json").read_text())
+    config = {"architectures": ["MiniMaxM3VLForConditionalGeneration"], "model_type": "minimax_m3_vl",
+              "text_config": text, "vision_config": {}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ids = list(range(3, 80))
+    assert torch.equal(logits(load_model(tmp_path, dtype=torch.float32), ids),
+                       logits(load_model(oracle_checkpoint, dtype=torch.float32), ids))
+
+
+def test_tied_embeddings(tmp_path):
+    path = make_oracle_checkpoint(tmp_path, layout="hf", tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(path / "model.safetensors")
+    model = load_model(path, dtype=torch.float32)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    ids = list(range(3, 60))
+    with torch.no_grad():
+        ref = load_oracle(path)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits(model, ids), ref, rtol=0, atol=1e-4 * ref.abs().max().item())
 
 
 def test_bf16_load_keeps_router_in_fp32(oracle_checkpoint):

@@ -182,6 +182,15 @@ def _parse_text_config(text: dict[str, Any], outer: dict[str, Any], architecture
     tie = bool(text.get("tie_word_embeddings", outer.get("tie_word_embeddings", False)))
     dtype = r.get("dtype", "torch_dtype", default=outer.get("dtype", outer.get("torch_dtype", "bfloat16")))
     vocab_size = int(r.get("vocab_size", required=True) or 0)
+    # sizes of the MLP kinds the layers use are required; scalar knobs default as in transformers
+    moe, dense = bool(moe_layers), len(moe_layers) < num_layers
+    mlp = {
+        "dense_intermediate_size": int(r.get("dense_intermediate_size", required=dense) or 0),
+        "moe_intermediate_size": int(r.get("intermediate_size", required=moe) or 0),
+        "shared_intermediate_size": int(r.get("shared_intermediate_size", required=moe) or 0),
+        "num_experts": int(r.get("num_local_experts", "num_experts", required=moe) or 0),
+        "num_experts_per_tok": int(r.get("num_experts_per_tok", required=moe) or 0),
+    }
     if r.problems:
         raise CheckpointError(f"{source}: " + "; ".join(r.problems))
     return ModelConfig(
@@ -195,12 +204,7 @@ def _parse_text_config(text: dict[str, Any], outer: dict[str, Any], architecture
         rope_theta=rope_theta,
         max_position_embeddings=int(r.get("max_position_embeddings", default=524288)),
         rms_norm_eps=float(r.get("rms_norm_eps", default=1e-6)),
-        dense_intermediate_size=int(r.get("dense_intermediate_size", default=0)),
-        moe_intermediate_size=int(r.get("intermediate_size", default=0)),
-        shared_intermediate_size=int(r.get("shared_intermediate_size", default=0)),
-        num_experts=int(r.get("num_local_experts", "num_experts", default=0)),
-        num_experts_per_tok=int(r.get("num_experts_per_tok", default=0)),
-        routed_scaling_factor=float(r.get("routed_scaling_factor", default=1.0)),
+        routed_scaling_factor=float(r.get("routed_scaling_factor", default=2.0)),
         swiglu_alpha=float(r.get("swiglu_alpha", default=1.702)),
         swiglu_limit=float(r.get("swiglu_limit", default=7.0)),
         sparse_layers=sparse_layers,
@@ -211,6 +215,7 @@ def _parse_text_config(text: dict[str, Any], outer: dict[str, Any], architecture
         num_mtp_modules=int(r.get("num_mtp_modules", default=0)),
         architecture=architecture,
         checkpoint_dtype=str(dtype).removeprefix("torch."),
+        **mlp,
         **index,
     )
 
