@@ -31,6 +31,16 @@ from m3sdk_kernels.paged_attention import paged_attention, paged_attention_ref
 
 HQ, HKV, D, DI, HIDX, BS, TOPK = 64, 4, 128, 128, 4, 128, 16
 DEV = "cuda"
+ONLY: dict[str, str] = {}  # --kv / --layout filters of the decode steps (for tuning runs)
+
+
+def wanted(kv: str, layout: str) -> bool:
+    return ONLY.get("kv", kv) == kv and ONLY.get("layout", layout) == layout
+
+
+def tiles_tag() -> str:
+    """The tile overrides of this run (M3SDK_KERNEL_TILES), recorded with every row."""
+    return os.environ.get("M3SDK_KERNEL_TILES", "")
 
 
 def bench(fn) -> float:
@@ -128,13 +138,15 @@ def dense_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
     vc = torch.randn_like(kc)
     t_sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True))
     for kv, layout in (("bf16", "plain"), ("bf16", "shuffle"), ("fp8", "plain"), ("fp8", "shuffle")):
+        if not wanted(kv, layout):
+            continue
         k, v, ks, vs, table = make_kv(batch, ctx, kv, layout)
         t = bench(lambda: paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, layout,  # noqa: B023
                                           max_seqlen_q=1, max_context_len=ctx))
         nbytes = batch * ctx * HKV * 2 * (D * k.element_size() + (4 if kv == "fp8" else 0))
         rows.append({"kernel": "dense decode", "shape": f"b{batch} ctx {ctx // 1024}K", "kv": kv, "layout": layout,
                      "ms": t, "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t / 1e9,
-                     "peer": "SDPA contiguous bf16", "peer_ms": t_sdpa})
+                     "peer": "SDPA contiguous bf16", "peer_ms": t_sdpa, "tiles": tiles_tag()})
 
 
 def sparse_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
@@ -145,13 +157,16 @@ def sparse_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None
     vg = torch.randn_like(kg)
     t_sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], kg, vg, enable_gqa=True))
     for kv, layout in (("fp8", "plain"), ("fp8", "shuffle"), ("bf16", "plain")):
+        if not wanted(kv, layout):
+            continue
         k, v, ks, vs, table = make_kv(batch, ctx, kv, layout)
         t = bench(lambda: paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, layout, sel, BS,  # noqa: B023
                                           max_seqlen_q=1, max_context_len=ctx))
         nbytes = batch * HKV * TOPK * BS * 2 * (D * k.element_size() + (4 if kv == "fp8" else 0))
         rows.append({"kernel": "MSA sparse decode", "shape": f"b{batch} ctx {ctx // 1024}K top16", "kv": kv,
                      "layout": layout, "ms": t, "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t / 1e9,
-                     "peer": "SDPA on pre-gathered selected bf16 KV", "peer_ms": t_sdpa})
+                     "peer": "SDPA on pre-gathered selected bf16 KV", "peer_ms": t_sdpa,
+                     "tiles": tiles_tag()})
 
 
 def indexer_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
@@ -222,7 +237,7 @@ def print_table(rows: list[dict]) -> None:
         vs_floor = r["floor_ms"] / r["ms"]
         vs_peer = r["peer_ms"] / r["ms"] if not math.isnan(r["peer_ms"]) else float("nan")
         print(f"{r['kernel']:20} {r['shape']:22} {r['kv']:5} {r['layout']:8} {r['ms']:9.4f} {r['floor_ms']:9.4f} "
-              f"{vs_floor:8.0%} {r['TB/s']:6.2f} {r['peer_ms']:9.4f} {vs_peer:7.2f}x  {r['peer']}")
+              f"{vs_floor:8.0%} {r['TB/s']:6.2f} {r['peer_ms']:9.4f} {vs_peer:7.2f}x  {r['peer']} {r.get('tiles', '')}")
 
 
 def main() -> int:
@@ -230,7 +245,10 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON results")
     parser.add_argument("--steps", default="check," + ",".join(STEPS),
                         help="comma list of: check, bandwidth, " + ", ".join(STEPS) + ", report")
+    parser.add_argument("--kv", choices=("bf16", "fp8"), help="decode steps: only this KV dtype")
+    parser.add_argument("--layout", choices=("plain", "shuffle"), help="decode steps: only this layout")
     args = parser.parse_args()
+    ONLY.update({k: v for k, v in (("kv", args.kv), ("layout", args.layout)) if v})
     steps = args.steps.split(",")
     results = os.path.join(args.out, "attention.jsonl")  # one JSON object per line, appended by each step
     if any(s != "report" for s in steps):

@@ -68,7 +68,7 @@ def selected_keys_mask(block_sel: torch.Tensor, length: int, block_size: int) ->
 # blocks, so a block chosen by several tokens of the tile is loaded once for all of them (block-major inside a
 # query tile), and each row only sees the blocks its own token chose. Softmax is base 2 (scale * log2 e folded).
 # FP8 K/V: tiles convert to fp16 (exact for e4m3) for the dots; per-token scales multiply score columns (K) and
-# probability columns (V, normalized by the tile's largest scale so p stays in fp16's range).
+# probability columns (V, times fp8_max so p stays in fp16's normal range; the output divides it out).
 
 _BIG = tl.constexpr(1 << 30)  # "no block" in the MSA union walk
 
@@ -94,7 +94,7 @@ def seq_of_block(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, pages_ptr,
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
-                 SHUFFLE: tl.constexpr, FP8: tl.constexpr, DOT: tl.constexpr):
+                 SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end)."""
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
@@ -118,9 +118,10 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     v = tl.load(v_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
                                                                    True), mask=key_ok[:, None], other=0.0)
     if FP8:
-        vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=1.0)
-        v_max = tl.max(vs)
-        pv = tl.dot((p * (vs / v_max)[None, :]).to(DOT), v.to(DOT)) * v_max
+        # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
+        # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
+        vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
+        pv = tl.dot((p * (vs * V_MUL)[None, :]).to(DOT), v.to(DOT))
     else:
         pv = tl.dot(p.to(DOT), v.to(DOT))
     acc = acc * alpha[:, None] + pv
@@ -135,7 +136,7 @@ def _attn_kernel(
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
-        TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, DOT: tl.constexpr):
+        TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -186,7 +187,7 @@ def _attn_kernel(
                         if start < kv_end:
                             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
                                                          v_base, ks_base, vs_base, pages_ptr, qk_scale, stride_cp,
-                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, DOT)
+                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -196,8 +197,8 @@ def _attn_kernel(
             for t in range(split * per, tl.minimum(split * per + per, tiles)):
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
                                              ks_base, vs_base, pages_ptr, qk_scale, stride_cp, stride_sp,
-                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, DOT)
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT)
+        o = acc / (tl.where(l_i > 0, l_i, 1.0) * V_MUL)[:, None]
         if NUM_SPLITS == 1:
             tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -296,7 +297,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         NUM_HEADS=hq, HEAD_DIM=head_dim, GROUP=hq // hkv, BLOCK_H=plan["BLOCK_H"], BLOCK_Q=plan["BLOCK_Q"],
         BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle",
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
-        DOT=dot_dtype(k_cache.dtype), num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+        V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if splits > 1:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                      HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
@@ -333,6 +335,7 @@ def aot_variants(arch: Arch) -> list:
                         "BLOCK_Q": plan["BLOCK_Q"], "BLOCK_N": plan["BLOCK_N"], "NUM_SPLITS": plan["NUM_SPLITS"],
                         "X": 16 if kv == "fp8" else 8, "SHUFFLE": layout == "shuffle", "FP8": kv == "fp8",
                         "SPARSE": sparse, "TOPK": m["topk"], "TOPK_PAD": m["topk"], "SEL_BLOCK": m["block_size"],
+                        "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
