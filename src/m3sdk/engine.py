@@ -16,9 +16,12 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from m3sdk.config import EngineConfig
 from m3sdk.core import EngineCore
 from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from m3sdk.metrics import EngineMetrics
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, Completion, Request
 from m3sdk.sampler import SamplingState
@@ -36,6 +39,7 @@ class Engine:
         config = config if config is not None else EngineConfig()
         self.config = config.replace(**overrides) if overrides else config
         self._core: EngineCore | None = None
+        self._metrics: EngineMetrics | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._channels: dict[str, asyncio.Queue[Chunk | object]] = {}
         self._dead: BaseException | None = None
@@ -54,6 +58,8 @@ class Engine:
             raise RuntimeError("an Engine starts once")
         self._loop = asyncio.get_running_loop()
         self._core = await asyncio.to_thread(EngineCore.build, self.config)
+        self._metrics = EngineMetrics(self._core.stats)
+        self._core.finish_hooks.append(self._metrics.on_finish)
         self._core.start(self._emit_threadsafe, self._dead_threadsafe)
 
     async def shutdown(self) -> None:
@@ -67,6 +73,15 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return self._running_core().max_model_len
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        """This engine's Prometheus registry (serve it with prometheus_client's start_http_server)."""
+        return self._running_metrics().registry
+
+    def metrics_text(self) -> bytes:
+        """This engine's metrics in the Prometheus exposition format."""
+        return self._running_metrics().text()
 
     def describe(self) -> dict[str, str]:
         """Model, kernel backend and cache budget, as `m3sdk info` prints them."""
@@ -107,6 +122,11 @@ class Engine:
             self._running_core().abort(request_id)
 
     # -- requests in -----------------------------------------------------------------------------------
+
+    def _running_metrics(self) -> EngineMetrics:
+        self._running_core()
+        assert self._metrics is not None
+        return self._metrics
 
     def _running_core(self) -> EngineCore:
         if self._dead is not None:
