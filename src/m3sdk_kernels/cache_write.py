@@ -92,7 +92,8 @@ def _to_cache_dtype(x, ty: tl.constexpr):
         e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         step = tl.maximum(e, min_exp) - 3  # 3 mantissa bits; below the normals the spacing stays 2^(min-3)
         magic = (((step + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^(step + 23)
-        x = (x + magic) - magic
+        rounded = (tl.abs(x) + magic) - magic
+        x = tl.where(x < 0, -rounded, rounded)  # on |x|: tiny negatives round to -0 as in torch
     return x.to(ty)
 
 

@@ -132,11 +132,13 @@ def indexer_plan(num_tokens: int, num_seqs: int, num_heads: int, max_seqlen_q: i
 def indexer_topk(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int, topk: int,
                  local_blocks: int, *, max_seqlen_q: int | None = None,
-                 max_context_len: int | None = None) -> torch.Tensor:
+                 max_context_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton `indexer_topk_ref`: int32 [Hidx, T, topk], valid entries first (highest score first), -1 padded.
-    The host ints only pick tile shapes and the block-score buffer's width; they must bound the real values."""
+    The host ints only pick tile shapes and the block-score buffer's width; they must bound the real values.
+    `out` receives the result when given."""
     t_total, num_heads, index_dim = index_q.shape
-    out = torch.empty(num_heads, t_total, topk, dtype=torch.int32, device=index_q.device)
+    if out is None:
+        out = torch.empty(num_heads, t_total, topk, dtype=torch.int32, device=index_q.device)
     if t_total == 0:
         return out
     if max_seqlen_q is None:

@@ -263,13 +263,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     layout: str = "plain", block_sel: torch.Tensor | None = None, block_size: int = 128, *,
-                    max_seqlen_q: int | None = None, max_context_len: int | None = None) -> torch.Tensor:
+                    max_seqlen_q: int | None = None, max_context_len: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton `paged_attention_ref`. Pass the host ints `max_seqlen_q` / `max_context_len` (the step's metadata
-    has them) to avoid a device sync; they only pick tile shapes and split counts, never change results."""
+    has them) to avoid a device sync; they only pick tile shapes and split counts, never change results.
+    `out` ([T, Hq, D], q's dtype) receives the result when given (a CUDA graph's static buffer)."""
     t_total, hq, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     hkv = k_cache.shape[1]
-    out = torch.empty(t_total, hq, head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(t_total, hq, head_dim, dtype=q.dtype, device=q.device)
     if t_total == 0:
         return out
     if max_seqlen_q is None:

@@ -1,0 +1,112 @@
+"""Triton cache writes against the references: K/V (FP8 per-token-head scales, both layouts), index keys, and
+the fused norm + RoPE + write of the attention block against the composition of its plain parts."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first m3sdk_kernels import (tests/conftest too)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from attn_cases import DTYPES, poisoned  # noqa: E402
+
+from m3sdk_kernels import cache_write as cw  # noqa: E402
+from m3sdk_kernels.layout import cache_shape, gather_kv_ref  # noqa: E402
+
+PAGES, HKV, D = 5, 2, 32
+# ragged token slots over scattered pages, page edges, and one padding token (slot -1) that must not be written
+SLOTS = torch.tensor([3, 15, 16, -1, 47, 48, 79, 33])
+
+
+def caches(kv_dtype: str, layout: str, index_dtype: str = "bf16"):
+    dtype = DTYPES[kv_dtype]
+    fp8 = dtype.itemsize == 1
+    return {"k_cache": poisoned(cache_shape("k", layout, PAGES, HKV, D, dtype), dtype),
+            "v_cache": poisoned(cache_shape("v", layout, PAGES, HKV, D, dtype), dtype),
+            "k_scale": poisoned((PAGES, HKV, 16), torch.float32) if fp8 else None,
+            "v_scale": poisoned((PAGES, HKV, 16), torch.float32) if fp8 else None,
+            "index_cache": poisoned((PAGES, 16, D), DTYPES[index_dtype])}
+
+
+def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None:
+        return b is None
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("layout", ["plain", "shuffle"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "fp8nuz", "fp32"])
+def test_write_kv_is_bit_exact(kv_dtype, layout):
+    k = (torch.randn(len(SLOTS), HKV, D) * 3).to(torch.bfloat16)
+    v = torch.randn(len(SLOTS), HKV, D).to(torch.bfloat16)
+    k[2, 1] = 0  # an all-zero row: finite scale, zero values
+    got, ref = caches(kv_dtype, layout), caches(kv_dtype, layout)
+    cw.write_kv(k, v, got["k_cache"], got["v_cache"], SLOTS, got["k_scale"], got["v_scale"], layout)
+    cw.write_kv_ref(k, v, ref["k_cache"], ref["v_cache"], SLOTS, ref["k_scale"], ref["v_scale"], layout)
+    for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
+        assert same_bits(got[name], ref[name]), name
+
+
+@pytest.mark.parametrize("index_dtype", ["bf16", "fp8", "fp8nuz"])
+def test_write_index_key_rounds_like_torch(index_dtype):
+    """Magnitudes from fp8 subnormals to near the max: the kernel's own fp8 rounding equals torch's cast.
+    (bf16 caches get bf16 keys, as from the model: the interpreter's fp32 -> bf16 cast does not round right.)"""
+    ik = torch.randn(len(SLOTS), D) * torch.logspace(-4, 2, D)
+    if index_dtype == "bf16":
+        ik = ik.to(torch.bfloat16)
+    got, ref = (caches("bf16", "plain", index_dtype)["index_cache"] for _ in range(2))
+    cw.write_index_key(ik, got, SLOTS)
+    cw.write_index_key_ref(ik, ref, SLOTS)
+    assert same_bits(got, ref)
+
+
+@pytest.mark.parametrize("layout", ["plain", "shuffle"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
+def test_fused_norm_rope_write_matches_composition(sparse, kv_dtype, layout):
+    t, hq, hidx, rot = len(SLOTS), 8, 2, 16
+    sizes = [hq * D, HKV * D, HKV * D] + ([hidx * D, D] if sparse else [])
+    packed = (torch.randn(t, sum(sizes)) * 2).to(torch.bfloat16)  # one projection's output: strided views
+    parts = packed.split(sizes, -1)
+    q, k, v = parts[0].view(t, hq, D), parts[1].view(t, HKV, D), parts[2].view(t, HKV, D)
+    iq, ik = (parts[3].view(t, hidx, D), parts[4]) if sparse else (None, None)
+    w = [(torch.randn(D) * 0.1).to(torch.bfloat16) for _ in range(4)]
+    pos = torch.tensor([0, 7, 100, 5000, 17, 3, 65000, 9])
+    freqs = pos.float()[:, None] / (5e6 ** (torch.arange(0, rot, 2).float() / rot))
+    cos, sin = freqs.cos(), freqs.sin()
+    out = {}
+    for name, fn in (("got", cw.norm_rope_write), ("ref", cw.norm_rope_write_ref)):
+        c = caches(kv_dtype, layout, "fp8")
+        qo, iqo = fn(q, k, v, w[0], w[1], cos, sin, 1e-6, c["k_cache"], c["v_cache"], SLOTS, c["k_scale"],
+                     c["v_scale"], layout, iq, ik, w[2], w[3], c["index_cache"] if sparse else None)
+        out[name] = (qo, iqo, c)
+    (qg, iqg, cg), (qr, iqr, cr) = out["got"], out["ref"]
+    # one bf16 rounding step apart at most (rsqrt vs 1/sqrt)
+    torch.testing.assert_close(qg.float(), qr.float(), atol=0.06, rtol=1e-2)
+    if sparse:
+        torch.testing.assert_close(iqg.float(), iqr.float(), atol=0.06, rtol=1e-2)
+        ok = cr["index_cache"].float()
+        torch.testing.assert_close(cg["index_cache"].float(), ok, atol=0.01, rtol=0.13, equal_nan=True)  # fp8 step
+    else:
+        assert cg["index_cache"].float().isnan().all()
+    pages = torch.arange(PAGES)
+    kg, vg = gather_kv_ref(cg["k_cache"], cg["v_cache"], pages, PAGES * 16, layout, cg["k_scale"], cg["v_scale"])
+    kr, vr = gather_kv_ref(cr["k_cache"], cr["v_cache"], pages, PAGES * 16, layout, cr["k_scale"], cr["v_scale"])
+    written = torch.zeros(PAGES * 16, dtype=torch.bool)
+    written[SLOTS[SLOTS >= 0]] = True
+    assert kg[:, ~written].isnan().all() and vg[:, ~written].isnan().all()  # nothing else touched
+    # K: the fp8 grid step (1/8 relative) of one tiny upstream difference at most; V: exact
+    torch.testing.assert_close(kg[:, written], kr[:, written], atol=0.06, rtol=0.13)
+    torch.testing.assert_close(vg[:, written], vr[:, written], atol=0, rtol=0)
+
+
+def test_gather_kv_matches_reference():
+    from m3sdk_kernels.layout import gather_kv
+
+    c = caches("fp8", "shuffle")
+    k = torch.randn(len(SLOTS), HKV, D).to(torch.bfloat16)
+    cw.write_kv(k, k, c["k_cache"], c["v_cache"], SLOTS, c["k_scale"], c["v_scale"], "shuffle")
+    pages = torch.tensor([0, 2, 1], dtype=torch.int32)
+    got = gather_kv(c["k_cache"], c["v_cache"], pages, 40, "shuffle", c["k_scale"], c["v_scale"])
+    ref = gather_kv_ref(c["k_cache"], c["v_cache"], pages, 40, "shuffle", c["k_scale"], c["v_scale"])
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, equal_nan=True, atol=0, rtol=0)

@@ -1,0 +1,76 @@
+"""Triton indexer (block-max scan, forced local blocks, top-k) against `indexer_topk_ref`."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first m3sdk_kernels import (tests/conftest too)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from attn_cases import make_step  # noqa: E402
+
+from m3sdk_kernels.indexer import indexer_topk, indexer_topk_ref  # noqa: E402
+from m3sdk_kernels.layout import gather_index_keys_ref  # noqa: E402
+
+HIDX, DI = 2, 32
+
+
+def block_scores(index_q, step, block, local):
+    """The reference's score of every (head, token, block), -inf past the token, +inf on its local blocks."""
+    rows = []
+    cu = step.cu_seqlens_q.tolist()
+    for i, ctx in enumerate(step.context_lens.tolist()):
+        n = cu[i + 1] - cu[i]
+        keys = gather_index_keys_ref(step.index_cache, step.page_table[i, : -(-ctx // 16)], ctx)
+        nb = -(-ctx // block)
+        for j in range(n):
+            pos = ctx - n + j
+            s = index_q[cu[i] + j].float() @ keys[: pos + 1].T  # [H, pos + 1]
+            s = torch.nn.functional.pad(s, (0, nb * block - pos - 1), value=float("-inf"))
+            s = s.view(HIDX, nb, block).amax(-1)
+            for back in range(local):
+                s[:, max(pos // block - back, 0)] = float("inf")
+            rows.append(s)
+    return rows
+
+
+def check(got, ref, index_q, step, block, local):
+    """Same number of valid entries per row, valid first; the chosen blocks' scores equal the reference's
+    (as multisets: robust to exact ties, which random data does not make anyway)."""
+    scores = block_scores(index_q, step, block, local)
+    for t, s in enumerate(scores):
+        for h in range(HIDX):
+            g, r = got[h, t], ref[h, t]
+            valid = int((r >= 0).sum())
+            assert int((g >= 0).sum()) == valid and (g[:valid] >= 0).all()
+            assert sorted(s[h, g[:valid].long()].tolist()) == sorted(s[h, r[:valid].long()].tolist())
+
+
+@pytest.mark.parametrize("index_dtype", ["bf16", "fp8", "fp32"])
+@pytest.mark.parametrize("mode", ["decode", "verify", "prefill"])
+def test_matches_reference(mode, index_dtype):
+    """Contexts of up to 200 tokens in 16-token blocks, top-3: selection drops most blocks."""
+    ctx, new = {"decode": ([200, 37, 16, 129, 1], [1] * 5), "verify": ([200, 70], [4, 4]),
+                "prefill": ([150, 40], [70, 40])}[mode]
+    block, topk, local = 16, 3, 1
+    step = make_step(ctx, new, 1, 16, "bf16", "plain", index_dim=DI, index_dtype=index_dtype)
+    index_q = torch.randn(sum(new), HIDX, DI).to(torch.bfloat16)
+    out = torch.full((HIDX, sum(new), topk), 12345, dtype=torch.int32)  # poisoned
+    got = indexer_topk(index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, block,
+                       topk, local, out=out)
+    ref = indexer_topk_ref(index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens,
+                           block, topk, local)
+    assert got is out and got.shape == ref.shape
+    check(got, ref, index_q, step, block, local)
+
+
+def test_local_blocks_and_block_size_32():
+    """Two forced local blocks (clamped at block 0), 32-token blocks, one more head than the dots' rows need."""
+    ctx, new = [20, 100, 250], [1, 3, 1]
+    block, topk, local = 32, 4, 2
+    step = make_step(ctx, new, 1, 16, "bf16", "plain", index_dim=DI, index_dtype="fp8")
+    index_q = torch.randn(sum(new), HIDX, DI).to(torch.bfloat16)
+    args = (index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, block, topk, local)
+    got, ref = indexer_topk(*args), indexer_topk_ref(*args)
+    check(got, ref, index_q, step, block, local)
+    last = got[:, -1]  # position 249: blocks 7 (own) and 6 are forced
+    assert {6, 7} <= set(last[0].tolist()) and {6, 7} <= set(last[1].tolist())

@@ -1,0 +1,93 @@
+"""Triton paged attention (dense and MSA; decode, chunked prefill, mixed) against `paged_attention_ref`."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first m3sdk_kernels import (tests/conftest too)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from attn_cases import DTYPES, make_step, poisoned  # noqa: E402
+
+from m3sdk_kernels import arch  # noqa: E402
+from m3sdk_kernels.indexer import indexer_topk_ref  # noqa: E402
+from m3sdk_kernels.paged_attention import attention_plan, paged_attention, paged_attention_ref  # noqa: E402
+
+HKV, GROUP, D = 2, 16, 32  # M3's 16 query heads per KV head, small head dim
+# (ctx after the step, new tokens): decode across page edges, a chunk in the middle of a prompt, a whole prompt
+DECODE = ([1, 15, 16, 17, 70, 129], [1, 1, 1, 1, 1, 1])
+MIXED = ([70, 33, 5, 130], [20, 33, 1, 4])
+MIXED_SPARSE = ([70, 20, 5, 130], [12, 20, 1, 4])  # smaller: the interpreter walks block unions slowly
+
+
+def run(step, q, scale, **kw):
+    """Kernel into a NaN-poisoned output (every element must be written) and the reference."""
+    out = poisoned(q.shape, q.dtype)
+    got = paged_attention(q, *step.kv, scale, step.k_scale, step.v_scale, step.layout, out=out, **kw)
+    assert got is out
+    ref = paged_attention_ref(q, *step.kv, scale, step.k_scale, step.v_scale, step.layout, **kw)
+    assert not got.isnan().any()
+    return got.float(), ref.float()
+
+
+@pytest.mark.parametrize("layout", ["plain", "shuffle"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("case", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_dense_matches_reference(case, kv_dtype, layout):
+    ctx, new = case
+    step = make_step(ctx, new, HKV, D, kv_dtype, layout)
+    q = torch.randn(sum(new), HKV * GROUP, D).to(torch.bfloat16)
+    got, ref = run(step, q, D**-0.5)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("layout", ["plain", "shuffle"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("case", [DECODE, MIXED_SPARSE], ids=["decode", "mixed"])
+def test_sparse_matches_reference_and_drops_blocks(case, kv_dtype, layout):
+    """MSA with 16-token blocks, top-2: contexts up to 130 tokens keep 2 of up to 9 blocks."""
+    ctx, new = case
+    block, topk = 16, 2
+    step = make_step(ctx, new, HKV, D, kv_dtype, layout, index_dim=32)
+    index_q = torch.randn(sum(new), HKV, 32).to(torch.bfloat16)
+    sel = indexer_topk_ref(index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens,
+                           block, topk, 1)
+    q = torch.randn(sum(new), HKV * GROUP, D).to(torch.bfloat16)
+    got, ref = run(step, q, D**-0.5, block_sel=sel, block_size=block)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    dense = paged_attention_ref(q, *step.kv, D**-0.5, step.k_scale, step.v_scale, layout).float()
+    assert (ref - dense).abs().max() > 0.05  # the selection changed the result: something was dropped
+
+
+def test_splits_and_gqa_padding(monkeypatch):
+    """Split-KV + LSE merge (many splits, some empty), a group of 4 heads padded to 16 rows, fp32 KV."""
+    monkeypatch.setitem(arch.TILES["attn_decode"], "sm90", {**arch.TILES["attn_decode"]["sm90"], "BLOCK_N": 16,
+                                                            "SPLIT_PROGRAMS": 1 << 12})
+    ctx, new = [3, 100, 47], [1, 1, 1]
+    plan = attention_plan(3, 3, HKV, 4, 1, max(ctx), False, 1, 128)
+    assert plan["NUM_SPLITS"] >= 2 and plan["BLOCK_H"] == 16
+    step = make_step(ctx, new, HKV, D, "fp32", "plain")
+    q = torch.randn(3, HKV * 4, D)
+    got, ref = run(step, q, 0.3)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_sparse_decode_splits_and_unsorted_selection(monkeypatch):
+    """Selections in any order (valid entries first, -1 padded) split over programs."""
+    monkeypatch.setitem(arch.TILES["sparse_decode"], "sm90", {**arch.TILES["sparse_decode"]["sm90"],
+                                                              "SPLIT_PROGRAMS": 1 << 12})
+    ctx, new = [100, 40], [1, 1]
+    step = make_step(ctx, new, HKV, D, "fp8", "shuffle")
+    sel = torch.tensor([[[6, 0, 3, -1], [2, 1, -1, -1]], [[1, 6, -1, -1], [0, 2, 1, -1]]], dtype=torch.int32)
+    q = torch.randn(2, HKV * GROUP, D).to(torch.bfloat16)
+    got, ref = run(step, q, D**-0.5, block_sel=sel, block_size=16)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_fnuz_cache():
+    """gfx942's e4m3fnuz pages decode the same way (scales carry the range)."""
+    ctx, new = [40, 17], [3, 1]
+    step = make_step(ctx, new, HKV, D, "fp8nuz", "plain")
+    assert step.k_cache.dtype == DTYPES["fp8nuz"]
+    q = torch.randn(4, HKV * GROUP, D).to(torch.bfloat16)
+    got, ref = run(step, q, D**-0.5)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
