@@ -44,7 +44,7 @@ def bench(fn) -> float:
 
 def read_bandwidth() -> float:
     x = torch.randn(2 << 30, dtype=torch.bfloat16, device=DEV)
-    return x.numel() * 2 / bench(lambda: x.sum(dtype=torch.float32)) / 1e9
+    return x.numel() * 2 / bench(lambda: x.sum(dtype=torch.float32)) / 1e6  # bytes / ms -> GB/s
 
 
 def mm_rate(dtype: torch.dtype) -> float:
@@ -143,14 +143,13 @@ def main() -> None:
             w, ids = routing(t, 99)
             x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
             base = dict(TILES[fam][arch.name])
-            for f in ("bf16", "mxfp4"):
-                for native in ((False, True) if f == "mxfp4" else (False,)):
-                    for cfg in configs:
-                        TILES[fam][arch.name].update(cfg, MX_NATIVE=native)
-                        ms = bench(lambda x=x, ids=ids, w=w, f=f: fused_moe(x, ids, w, experts[f], ALPHA, LIMIT))
-                        print(f"sweep {fam} T={t} {f} native={native} {cfg}: {ms * 1e3:.1f} us")
-                        TILES[fam][arch.name].clear()
-                        TILES[fam][arch.name].update(base)
+            for f in ("bf16", "fp8", "mxfp4"):
+                for cfg in configs:
+                    TILES[fam][arch.name].update(cfg)
+                    ms = bench(lambda x=x, ids=ids, w=w, f=f: fused_moe(x, ids, w, experts[f], ALPHA, LIMIT))
+                    print(f"sweep {fam} T={t} {f} {cfg}: {ms * 1e3:.1f} us")
+                    TILES[fam][arch.name].clear()
+                    TILES[fam][arch.name].update(base)
         # the sort-free path against the sorted one at the edge
         for t in (4, 8, 16):
             w, ids = routing(t, 7)
@@ -159,7 +158,7 @@ def main() -> None:
                 TILES["moe_decode"][arch.name]["MAX_TOKENS"] = max_tokens
                 ms = bench(lambda x=x, ids=ids, w=w: fused_moe(x, ids, w, experts["bf16"], ALPHA, LIMIT))
                 print(f"sweep T={t} {'sort-free' if max_tokens == t else 'sorted'}: {ms * 1e3:.1f} us")
-        TILES["moe_decode"][arch.name]["MAX_TOKENS"] = 4
+        TILES["moe_decode"][arch.name]["MAX_TOKENS"] = 2
 
     rows = []
     for t in (*DECODE_T, PREFILL_T):

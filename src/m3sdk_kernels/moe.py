@@ -21,7 +21,9 @@ Weight formats (`Experts.fmt`):
 - "fp8": e4m3 (e4m3fnuz on gfx942) with one float32 scale per output channel; activations are quantized per token
   (gate_up input) and per 64-column group (the intermediate, in the gate_up epilogue): fp8 x fp8 tensor cores.
 - "mxfp4": E2M1 two per byte + E8M0 scale per 32 along K; "mxfp8": e4m3fn + E8M0 per 32. Weight-only: the
-  activation stays bf16; Hopper upcasts in registers (no FP4 tensor cores), gfx950 uses tl.dot_scaled.
+  activation stays bf16 and the GEMMs are tl.dot_scaled, which the compiler lowers to an in-register upcast on
+  Hopper and gfx942 (no FP4 tensor cores) and on gfx950 too while the activation is bf16 (its MX matrix cores
+  want MX activations: see docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -245,19 +247,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 @triton.jit
-def _e2m1_bf16(nibble, scale):
-    # E2M1 code (s, e:2, m:1; e == 0 is 0 or the subnormal 0.5) times 2^(scale - 127), built as bf16 bits: the
-    # E8M0 scale is an add to the exponent field, no float math. Results below bf16's normal range flush to 0.
-    n = nibble.to(tl.int32)
-    mag = n & 7
-    e = mag >> 1
-    exp = tl.where(e > 0, e + 126, 126) + scale.to(tl.int32) - 127
-    mant = tl.where(e > 0, (mag & 1) << 6, 0)
-    bits = tl.where((mag == 0) | (exp <= 0), 0, (exp << 7) | mant) | ((n & 8) << 12)
-    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def _dot(a, w, acc, DOT_F32: tl.constexpr):
     if DOT_F32:
         a = a.to(tl.float32)
@@ -266,49 +255,24 @@ def _dot(a, w, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _load_a(a_rows, valid, k0, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Activation tile(s) at columns k0 .. k0 + BLOCK_K of the rows `a_rows` (pointers). SPLIT_K: the even and
-    # the odd columns apart, matching MXFP4's low and high nibbles, so the weight needs no register shuffle.
-    if SPLIT_K:
-        kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        a0 = tl.load(a_rows[:, None] + kk[None, :], mask=valid[:, None], other=0.0)
-        a1 = tl.load(a_rows[:, None] + kk[None, :] + 1, mask=valid[:, None], other=0.0)
-    else:
-        a0 = tl.load(a_rows[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None], other=0.0)
-        a1 = a0
-    return a0, a1
-
-
-@triton.jit
-def _dot_step(acc, a0, a1, w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT: tl.constexpr,
-              MX_NATIVE: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+def _dot_step(acc, a, w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT: tl.constexpr, BLOCK_K: tl.constexpr,
+              DOT_F32: tl.constexpr):
     # acc += A[:, k0:k0+BLOCK_K] @ W^T[k0:k0+BLOCK_K, rows] for the weight format W_FMT (0 bf16, 1 fp8,
-    # 2 mxfp4, 3 mxfp8). MX without MX_NATIVE: upcast to bf16 in registers, one E8M0 scale per 32 along K.
-    if W_FMT == 2:
-        kp = tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_base + rows[None, :] * stride_wn + (k0 // 2 + kp)[:, None])
-        if MX_NATIVE:
-            ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            sc = tl.load(s_base + rows[:, None] * stride_sn + ks[None, :])
-            acc = tl.dot_scaled(a0, None, "bf16", packed, sc, "e2m1", acc)
+    # 2 mxfp4, 3 mxfp8). MX goes through tl.dot_scaled: MX matrix cores where the target has them, an in-register
+    # upcast to bf16 by the compiler elsewhere (measured 3x faster on Hopper than our own upcast, docs/perf.md).
+    if W_FMT >= 2:
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        sc = tl.load(s_base + rows[:, None] * stride_sn + ks[None, :])
+        if W_FMT == 2:
+            kp = tl.arange(0, BLOCK_K // 2)
+            w = tl.load(w_base + rows[None, :] * stride_wn + (k0 // 2 + kp)[:, None])
+            acc = tl.dot_scaled(a, None, "bf16", w, sc, "e2m1", acc)
         else:
-            sc = tl.load(s_base + rows[None, :] * stride_sn + (k0 // 32 + kp // 16)[:, None])
-            acc = _dot(a0, _e2m1_bf16(packed & 0xF, sc), acc, DOT_F32)
-            acc = _dot(a1, _e2m1_bf16(packed >> 4, sc), acc, DOT_F32)
-    elif W_FMT == 3:
-        kk = tl.arange(0, BLOCK_K)
-        q = tl.load(w_base + rows[None, :] * stride_wn + (k0 + kk)[:, None])
-        if MX_NATIVE:
-            ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            sc = tl.load(s_base + rows[:, None] * stride_sn + ks[None, :])
-            acc = tl.dot_scaled(a0, None, "bf16", q, sc, "e4m3", acc)
-        else:
-            sc = tl.load(s_base + rows[None, :] * stride_sn + (k0 // 32 + kk // 32)[:, None])
-            scale = (sc.to(tl.uint32) << 23).to(tl.float32, bitcast=True)  # 2^(byte - 127)
-            acc = _dot(a0, (q.to(tl.float32) * scale).to(tl.bfloat16), acc, DOT_F32)
+            w = tl.load(w_base + rows[None, :] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[:, None])
+            acc = tl.dot_scaled(a, None, "bf16", w, sc, "e4m3", acc)
     else:
         w = tl.load(w_base + rows[None, :] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[:, None])
-        acc = _dot(a0, w, acc, DOT_F32 and W_FMT == 0)
+        acc = _dot(a, w, acc, DOT_F32 and W_FMT == 0)
     return acc
 
 
@@ -331,7 +295,7 @@ def _pair_rows(pid_m, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, SORTED: t
 def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, h_ptr, h_scale_ptr, pairs_ptr, block_expert_ptr,
                         num_padded_ptr, ids_ptr, num_pairs, I, K, stride_xt, stride_we, stride_wn, stride_se,
                         stride_sn, stride_hp, stride_hsp, alpha, limit, TOP_K: tl.constexpr, SORTED: tl.constexpr,
-                        W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, DOT_F32: tl.constexpr,
                         INTERPRET: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -348,15 +312,13 @@ def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, h_ptr, h_scale_p
     rows_u = rows_g + I
     w_base = w_ptr + expert * stride_we
     s_base = w_scale_ptr + expert * stride_se
-    a_rows = x_ptr + tokens * stride_xt
+    offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a0, a1 = _load_a(a_rows, valid, k0, W_FMT == 2 and not MX_NATIVE, BLOCK_K)
-        acc_g = _dot_step(acc_g, a0, a1, w_base, s_base, rows_g, k0, stride_wn, stride_sn, W_FMT, MX_NATIVE,
-                          BLOCK_K, DOT_F32)
-        acc_u = _dot_step(acc_u, a0, a1, w_base, s_base, rows_u, k0, stride_wn, stride_sn, W_FMT, MX_NATIVE,
-                          BLOCK_K, DOT_F32)
+        a = tl.load(x_ptr + tokens[:, None] * stride_xt + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
+        acc_g = _dot_step(acc_g, a, w_base, s_base, rows_g, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, DOT_F32)
+        acc_u = _dot_step(acc_u, a, w_base, s_base, rows_u, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, DOT_F32)
     if W_FMT == 1:
         xs = tl.load(x_scale_ptr + tokens)
         acc_g = acc_g * xs[:, None] * tl.load(s_base + rows_g)[None, :]
@@ -380,21 +342,20 @@ def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, h_ptr, h_scale_p
 
 @triton.jit
 def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn,
-              W_FMT: tl.constexpr, MX_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    a_rows = h_ptr + pairs * stride_hp
+              W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a0, a1 = _load_a(a_rows, valid, k0, W_FMT == 2 and not MX_NATIVE, BLOCK_K)
+        a = tl.load(h_ptr + pairs[:, None] * stride_hp + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
         if W_FMT == 1:
             # BLOCK_K <= 64 divides the activation group: one scale per row for this step
-            part = _dot_step(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a0, a1, w_base, s_base, rows, k0, stride_wn,
-                             stride_sn, W_FMT, MX_NATIVE, BLOCK_K, DOT_F32)
+            part = _dot_step(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a, w_base, s_base, rows, k0, stride_wn,
+                             stride_sn, W_FMT, BLOCK_K, DOT_F32)
             hs = tl.load(h_scale_ptr + pairs * stride_hsp + k0 // 64, mask=valid, other=0.0)
             acc += part * hs[:, None]
         else:
-            acc = _dot_step(acc, a0, a1, w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT, MX_NATIVE, BLOCK_K,
-                            DOT_F32)
+            acc = _dot_step(acc, a, w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, DOT_F32)
     if W_FMT == 1:
         acc = acc * tl.load(s_base + rows)[None, :]
     return acc
@@ -404,8 +365,7 @@ def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, pairs, valid, rows, K, stride_
 def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr,
                      num_padded_ptr, ids_ptr, num_pairs, N, K, stride_hp, stride_hsp, stride_we, stride_wn, stride_se,
                      stride_sn, stride_om, TOP_K: tl.constexpr, SORTED: tl.constexpr, W_FMT: tl.constexpr,
-                     MX_NATIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_F32: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -417,7 +377,7 @@ def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr
             return
         pairs, valid, expert = _pair_rows(pid_m, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, True, BLOCK_M)
         acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se, pairs,
-                        valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn, W_FMT, MX_NATIVE, BLOCK_M,
+                        valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn, W_FMT, BLOCK_M,
                         BLOCK_N, BLOCK_K, DOT_F32)
         acc = acc * tl.load(topk_w_ptr + pairs, mask=valid, other=0.0)[:, None]
         tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -430,7 +390,7 @@ def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr
             pairs, valid, expert = _pair_rows(pair, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, False,
                                               BLOCK_M)
             acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se, pairs,
-                            valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn, W_FMT, MX_NATIVE, BLOCK_M,
+                            valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn, W_FMT, BLOCK_M,
                             BLOCK_N, BLOCK_K, DOT_F32)
             total += tl.sum(tl.where(valid[:, None], acc, 0.0), axis=0) * tl.load(topk_w_ptr + pair)
         tl.store(out_ptr + pid_m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -464,12 +424,11 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         return out
     arch = current_arch(dev)
     cfg, sort = moe_tiles(t, arch)
-    mx_native = bool(cfg["MX_NATIVE"]) and fmt in ("mxfp4", "mxfp8")
-    gu_bk, dn_bk = cfg["GU_BLOCK_K"], cfg["DN_BLOCK_K"]
-    if fmt == "fp8":
-        dn_bk = min(dn_bk, FP8_ACT_GROUP)
-    if hdim % gu_bk or inter % dn_bk or (fmt == "fp8" and inter % FP8_ACT_GROUP):
-        raise ValueError(f"hidden {hdim} / intermediate {inter} must be multiples of {gu_bk} / {dn_bk}")
+    # K tiles: the table's, or the largest power of two dividing K when K is smaller (small models)
+    gu_bk = min(cfg["GU_BLOCK_K"], hdim & -hdim)
+    dn_bk = min(cfg["DN_BLOCK_K"], inter & -inter, FP8_ACT_GROUP if fmt == "fp8" else inter)
+    if min(gu_bk, dn_bk) < (32 if fmt != "bf16" else 16) or (fmt == "fp8" and inter % FP8_ACT_GROUP):
+        raise ValueError(f"hidden {hdim} / intermediate {inter} too small or odd for {fmt} experts")
     ids = topk_ids.reshape(-1).to(torch.int32)
     weights = topk_weights.reshape(-1).to(torch.float32)
     if fmt == "fp8":
@@ -487,7 +446,7 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     else:
         pairs = block_expert = num_padded = ids
         m_blocks = n_pairs
-    common = dict(TOP_K=k, SORTED=sort, W_FMT=_FMT_CODE[fmt], MX_NATIVE=mx_native, BLOCK_M=block_m,
+    common = dict(TOP_K=k, SORTED=sort, W_FMT=_FMT_CODE[fmt], BLOCK_M=block_m,
                   DOT_F32=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     fp8_max = torch.finfo(experts.down.dtype).max if fmt == "fp8" else 0.0
 
@@ -525,8 +484,7 @@ def aot_variants(arch: Arch) -> list:
         cfg = tiles(family, arch)
         for fmt, (wt, st) in w_types.items():
             act = fp8 if fmt == "fp8" else "*bf16"
-            mx = bool(cfg["MX_NATIVE"]) and fmt.startswith("mx")
-            common = {"TOP_K": 5, "SORTED": sort, "W_FMT": _FMT_CODE[fmt], "MX_NATIVE": mx, "BLOCK_M": cfg["BLOCK_M"],
+            common = {"TOP_K": 5, "SORTED": sort, "W_FMT": _FMT_CODE[fmt], "BLOCK_M": cfg["BLOCK_M"],
                       "DOT_F32": False}
             ptrs = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "ids_ptr": "*i32"}
             strides = {"stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32"}

@@ -173,7 +173,7 @@ def quantize_fp8_per_token(x: torch.Tensor, fp8_dtype: torch.dtype | None = None
     return q, s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M == 1 specialized ran 1.6x slower than M == 16 on the H200
 def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr):
