@@ -58,6 +58,8 @@ class EngineCore:
         self._pending: list[Chunk] = []  # abort notices, sent with the next step's deltas
         # Called in the engine thread when a request finishes, before its pages are freed.
         self.finish_hooks: list[Callable[[Request, FinishReason], None]] = []
+        # Called in the engine thread when its loop ends, however it ends (e.g. stopping tensor-parallel workers).
+        self.stop_hooks: list[Callable[[], None]] = []
         self.remote = None  # RemotePrefill (m3sdk/disagg/remote.py) when config.prefill_nodes is set
         self._counters = dict(steps=0, prompt_tokens=0, generation_tokens=0, requests_finished=0,
                               requests_aborted=0)
@@ -70,7 +72,18 @@ class EngineCore:
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
         path = config.model_path()
-        model = load_model(path, device, dtype, config.resolve_attention_backend(device))
+        tp = None
+        if config.tensor_parallel_size > 1:  # ranks 1.. run in worker processes that mirror every forward
+            from m3sdk.parallel import TensorParallel
+
+            if config.speculative is not None and config.speculative.method != "ngram":
+                raise ValueError("tensor_parallel_size > 1 supports speculative='ngram' only (drafters read the "
+                                 "target's weights, which are sharded)")
+            tp = TensorParallel.launch(path, config.tensor_parallel_size, device, dtype,
+                                       config.resolve_attention_backend(device), config.expert_parallel)
+            model = tp.model
+        else:
+            model = load_model(path, device, dtype, config.resolve_attention_backend(device))
         tokenizer = Tokenizer.from_pretrained(path)
         mc = model.config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
@@ -105,7 +118,10 @@ class EngineCore:
             drafter = build_drafter(config.speculative, TargetInfo(
                 config=mc, embed_tokens=model.embed_tokens, lm_head=model.lm_head, checkpoint=str(path),
                 device=device, dtype=dtype, model=model, kv_spec=cache.kv.spec, num_cache_pages=num_pages))
-        return cls(config, ModelRunner(model, cache, device), scheduler, cache, tokenizer, max_model_len, drafter)
+        core = cls(config, ModelRunner(model, cache, device), scheduler, cache, tokenizer, max_model_len, drafter)
+        if tp is not None:
+            core.stop_hooks.append(tp.shutdown)
+        return core
 
     # -- any thread --------------------------------------------------------------------------------------
 
@@ -176,6 +192,9 @@ class EngineCore:
         except BaseException as e:  # noqa: BLE001 - any failure must reach the waiters, never hang them
             on_dead(e)
             log.exception("engine thread died")
+        finally:
+            for hook in self.stop_hooks:
+                hook()
 
     def _handle_inbox(self) -> bool:
         """Apply queued adds and aborts; blocks while there is nothing to run. False once told to stop."""

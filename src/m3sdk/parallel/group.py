@@ -1,0 +1,197 @@
+"""Tensor parallel at run time: rank 0 is the engine's own process; ranks 1..N-1 are worker processes.
+
+Design (docs/serving.md): only rank 0 schedules. A forward pre-hook on rank 0's model mirrors every forward call
+to the workers: a small header (token count, batch, page-table width, host ints, aux layers) goes over a pipe,
+then the step's integer inputs (token ids, positions, slots, cu_seqlens, context lengths, page table) go as one
+int64 tensor broadcast over the process group (NCCL between GPUs, gloo on a CPU), and every rank runs the same
+forward. All-reduces after o_proj and after each MLP/MoE make the hidden states identical on every rank, so rank 0
+alone computes the logits and samples. Workers hold their own KV pool of the same page count (its spec comes
+over the pipe before the first step) and never see requests.
+
+Workers are started with `python -m m3sdk.parallel.worker` (not multiprocessing's spawn, which would re-run the
+application's main module), and talk to rank 0 over an inherited socket pair. One tensor-parallel engine per
+process: torch.distributed's default group is process-wide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from m3sdk.attention.base import AttentionMetadata
+from m3sdk.cache.kv_pool import KVPool
+from m3sdk.model.config import ModelConfig
+from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
+from m3sdk.parallel.sharding import Shard, check_divisible, load_shard
+
+HELLO, READY, ERROR, STEP, KV, STOP = "hello", "ready", "error", "step", "kv", "stop"
+_STARTUP_TIMEOUT_S = 600.0
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: the r-th GPU after the engine's own (cuda:k -> cuda:k+r); the CPU for every rank."""
+    if device.type == "cpu":
+        return device
+    return torch.device(device.type, (device.index or 0) + rank)
+
+
+def init_distributed(rank: int, world: int, store_port: int, device: torch.device) -> None:
+    store = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=timedelta(seconds=300))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300), device_id=device if device.type == "cuda" else None)
+
+
+def add_all_reduces(model: MiniMaxM3ForCausalLM) -> None:
+    """Sum the partial outputs of the row-parallel o_proj and of every MLP/MoE over the ranks, in place."""
+
+    def all_reduce(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(out)
+        return out
+
+    for layer in model.layers:
+        layer.self_attn.o_proj.register_forward_hook(all_reduce)
+        layer.mlp.register_forward_hook(all_reduce)
+
+
+def pack_step(input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    return torch.cat([input_ids, meta.positions, meta.slot_mapping, meta.cu_seqlens_q.long(), meta.context_lens.long(),
+                      meta.page_table.long().flatten()])
+
+
+def unpack_step(payload: torch.Tensor, t: int, b: int, width: int, max_seqlen_q: int, max_context_len: int
+                ) -> tuple[torch.Tensor, AttentionMetadata]:
+    ids, pos, slots, cu, ctx, table = payload.split([t, t, t, b + 1, b, b * width])
+    meta = AttentionMetadata(positions=pos, slot_mapping=slots, cu_seqlens_q=cu.int(), context_lens=ctx.int(),
+                             page_table=table.int().view(b, width), max_seqlen_q=max_seqlen_q,
+                             max_context_len=max_context_len)
+    return ids, meta
+
+
+class TensorParallel:
+    """Rank 0's side: the worker processes, their pipes, and the hook that mirrors each forward to them."""
+
+    def __init__(self, model: MiniMaxM3ForCausalLM, conns: list[Connection], procs: list[subprocess.Popen]):
+        self.model = model
+        self.conns = conns
+        self.procs = procs
+        self._kv: KVPool | None = None
+        self._closed = False
+        model.register_forward_pre_hook(self._mirror, with_kwargs=True)
+
+    @classmethod
+    def launch(cls, path: str | Path, world: int, device: torch.device, dtype: torch.dtype, attn_backend: str,
+               expert_parallel: bool = True) -> TensorParallel:
+        """Start ranks 1..world-1, join the process group, load rank 0's shard; -> rank 0's handle."""
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialized in this process: one tensor-parallel "
+                               "engine per process")
+        check_divisible(ModelConfig.from_pretrained(path), Shard(0, world, expert_parallel))
+        if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {world} needs GPUs {device} .. +{world - 1}; "
+                             f"{torch.cuda.device_count()} visible")
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=300),
+                               wait_for_workers=False)
+        conns, procs = [], []
+        try:
+            for rank in range(1, world):
+                parent, child = multiprocessing.Pipe()
+                spec = {"rank": rank, "world": world, "store_port": store.port, "fd": child.fileno(),
+                        "model": str(path), "device": str(rank_device(device, rank)), "dtype": str(dtype),
+                        "attn_backend": attn_backend, "expert_parallel": expert_parallel,
+                        "threads": torch.get_num_threads()}
+                procs.append(subprocess.Popen([sys.executable, "-m", "m3sdk.parallel.worker", json.dumps(spec)],
+                                              pass_fds=[child.fileno()], env=_worker_env()))
+                child.close()
+                conns.append(parent)
+            _expect(conns, procs, HELLO)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0,
+                                    world_size=world, timeout=timedelta(seconds=300),
+                                    device_id=device if device.type == "cuda" else None)
+            model = load_shard(path, Shard(0, world, expert_parallel), device, dtype, attn_backend)
+            add_all_reduces(model)
+            _expect(conns, procs, READY)
+        except BaseException:
+            _stop(conns, procs)
+            raise
+        return cls(model, conns, procs)
+
+    def _mirror(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        names = ("input_ids", "meta", "kv", "logits_indices", "aux_layers")
+        call = dict(zip(names, args, strict=False)) | kwargs
+        input_ids, meta, kv = call["input_ids"], call["meta"], call["kv"]
+        if kv is not self._kv:
+            self._send((KV, dataclasses.replace(kv.spec, device="cpu")))
+            self._kv = kv
+        b, width = meta.page_table.shape
+        header = (input_ids.shape[0], b, width, meta.max_seqlen_q, meta.max_context_len,
+                  tuple(call.get("aux_layers") or ()))
+        self._send((STEP, header))
+        dist.broadcast(pack_step(input_ids, meta), src=0)
+
+    def _send(self, message: tuple) -> None:
+        for conn in self.conns:
+            conn.send(message)
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        _stop(self.conns, self.procs)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2])  # the m3sdk package's root, for source checkouts
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _expect(conns: list[Connection], procs: list[subprocess.Popen], kind: str) -> None:
+    """Wait until every worker has sent `kind`; a worker's error or death raises at once."""
+    deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+    for rank, (conn, proc) in enumerate(zip(conns, procs, strict=True), start=1):
+        while not conn.poll(0.05):
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel rank {rank} did not start in {_STARTUP_TIMEOUT_S:.0f} s")
+        message = conn.recv()
+        if message[0] == ERROR:
+            raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{message[1]}")
+        if message[0] != kind:
+            raise RuntimeError(f"tensor-parallel rank {rank} sent {message[0]!r}, expected {kind!r}")
+
+
+def _stop(conns: list[Connection], procs: list[subprocess.Popen]) -> None:
+    for conn in conns:
+        try:
+            conn.send((STOP, None))
+        except OSError:
+            pass  # already gone
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # stuck in a collective whose peer is gone
+            proc.wait()
+    for conn in conns:
+        conn.close()

@@ -1,0 +1,241 @@
+"""Which part of each weight a tensor-parallel rank holds, and loading just that part from a checkpoint.
+
+A rank of N holds (docs/serving.md):
+- attention: query heads [r*Hq/N, (r+1)*Hq/N) and KV heads [r*Hkv/N, ...) of the packed qkv projection (so GQA
+  groups stay whole), the index-query heads of its KV groups (index head j selects for KV group j), the single
+  index-key head whole; o_proj's input columns of its query heads (row parallel: partial sums);
+- dense MLP and shared expert: gate rows and up rows of its 1/N of the intermediate, down_proj's matching columns;
+- routed experts: whole experts [r*E/N, (r+1)*E/N) with `expert_parallel`, else 1/N of every expert's
+  intermediate (like the dense MLP);
+- everything else whole: embeddings, norms, the router and its bias, lm_head.
+So the rank's attention output after o_proj and its MLP/MoE output are partial sums: one all-reduce each.
+
+The rank's model is the ordinary MiniMaxM3ForCausalLM built from `local_config` (fewer heads, narrower MLPs); with
+expert parallelism each MoE layer is an ExpertParallelMoE (all E router rows, E/N experts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from m3sdk.model.config import ModelConfig
+from m3sdk.model.layers import SparseMoE, moe_experts, route
+from m3sdk.model.loader import _check, _detect_layout, _read_headers, _tensor_files, expected_tensors
+from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
+
+_CHUNK_BYTES = 64 << 20
+
+# A piece of a sharded parameter: rows/columns [full_start, full_end) of the full parameter along the shard
+# dimension land at [local_start, ...) of the rank's parameter.
+Piece = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    world: int
+    expert_parallel: bool = True
+
+    def span(self, total: int) -> tuple[int, int]:
+        """This rank's [start, end) of `total` items split evenly."""
+        n = total // self.world
+        return self.rank * n, (self.rank + 1) * n
+
+
+def check_divisible(config: ModelConfig, shard: Shard) -> None:
+    """Every sharded count must split evenly over the ranks; say all that do not, at once."""
+    c, n = config, shard.world
+    counts = {"num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads}
+    if c.dense_layers:
+        counts["dense_intermediate_size"] = c.dense_intermediate_size
+    if c.moe_layers:
+        counts["shared_intermediate_size"] = c.shared_intermediate_size
+        if shard.expert_parallel:
+            counts["num_local_experts"] = c.num_experts
+        else:
+            counts["intermediate_size (per expert)"] = c.moe_intermediate_size
+    bad = [f"{k}={v}" for k, v in counts.items() if v % n]
+    if bad:
+        raise ValueError(f"tensor_parallel_size {n} must divide {', '.join(bad)}")
+
+
+def local_config(config: ModelConfig, shard: Shard) -> ModelConfig:
+    """The config of one rank's model: 1/N of the heads and of the MLP widths (experts: see the module doc)."""
+    check_divisible(config, shard)
+    n = shard.world
+    return dataclasses.replace(
+        config, num_heads=config.num_heads // n, num_kv_heads=config.num_kv_heads // n,
+        index_n_heads=config.index_n_heads // n if config.sparse_layers else config.index_n_heads,
+        dense_intermediate_size=config.dense_intermediate_size // n,
+        shared_intermediate_size=config.shared_intermediate_size // n,
+        moe_intermediate_size=config.moe_intermediate_size // (1 if shard.expert_parallel else n))
+
+
+def _split(total: int, shard: Shard, full_offset: int, local_offset: int) -> Piece:
+    start, end = shard.span(total)
+    return full_offset + start, full_offset + end, local_offset
+
+
+def _gate_up(inter: int, shard: Shard) -> list[Piece]:
+    """[gate | up] rows of width `inter` each -> the rank's gate rows then its up rows."""
+    m = inter // shard.world
+    return [_split(inter, shard, 0, 0), _split(inter, shard, inter, m)]
+
+
+def param_pieces(name: str, config: ModelConfig, shard: Shard) -> tuple[int, list[Piece]] | None:
+    """(dimension, pieces) of full-model parameter `name` that this rank holds, or None when held whole."""
+    c = config
+    parts = name.split(".")
+    if parts[0] != "layers":
+        return None
+    layer, rest = int(parts[1]), ".".join(parts[2:])
+    if rest == "self_attn.qkv_proj.weight":
+        d, n = c.head_dim, shard.world
+        q, kv = c.num_heads * d, c.num_kv_heads * d
+        pieces = [_split(q, shard, 0, 0), _split(kv, shard, q, q // n), _split(kv, shard, q + kv, q // n + kv // n)]
+        if c.is_sparse(layer):
+            iq = c.index_n_heads * c.index_head_dim
+            local = q // n + 2 * kv // n
+            pieces += [_split(iq, shard, q + 2 * kv, local),
+                       (q + 2 * kv + iq, q + 2 * kv + iq + c.index_head_dim, local + iq // n)]  # index key: whole
+        return 0, pieces
+    if rest == "self_attn.o_proj.weight":
+        return 1, [_split(c.num_heads * c.head_dim, shard, 0, 0)]
+    for prefix, inter in (("mlp.shared_experts.", c.shared_intermediate_size), ("mlp.", c.dense_intermediate_size)):
+        if rest == f"{prefix}gate_up_proj.weight":
+            return 0, _gate_up(inter, shard)
+        if rest == f"{prefix}down_proj.weight":
+            return 1, [_split(inter, shard, 0, 0)]
+    if rest in ("mlp.w_gate_up", "mlp.w_down"):
+        if shard.expert_parallel:
+            return 0, [_split(c.num_experts, shard, 0, 0)]
+        inter = c.moe_intermediate_size
+        return (1, _gate_up(inter, shard)) if rest == "mlp.w_gate_up" else (2, [_split(inter, shard, 0, 0)])
+    return None
+
+
+def copy_plan(index: tuple, full_shape: tuple[int, ...], pieces: tuple[int, list[Piece]] | None
+              ) -> list[tuple[tuple[slice, ...], tuple]]:
+    """For a checkpoint tensor that fills region `index` of a full parameter: [(source slices, local index)].
+
+    `index` is the loader's Target.index: leading ints (a dimension dropped, e.g. one expert) or slices.
+    The source's dimensions are the region's non-int ones."""
+    entries = [index[k] if k < len(index) else slice(None) for k in range(len(full_shape))]
+    ranges = []
+    for k, e in enumerate(entries):
+        if isinstance(e, int):
+            ranges.append((e, e + 1, True))
+        else:
+            start, stop, _ = e.indices(full_shape[k])
+            ranges.append((start, stop, False))
+    if pieces is None:
+        return [(tuple(slice(None) for _, _, is_int in ranges if not is_int), tuple(index))]
+    dim, spans = pieces
+    a, b, is_int = ranges[dim]
+    out = []
+    for full_start, full_end, local_start in spans:
+        lo, hi = max(a, full_start), min(b, full_end)
+        if lo >= hi:
+            continue
+        local = []
+        src = []
+        for k, (start, stop, k_int) in enumerate(ranges):
+            if k == dim:
+                at = local_start + lo - full_start
+                local.append(at if k_int else slice(at, at + hi - lo))
+                if not k_int:
+                    src.append(slice(lo - a, hi - a))
+            else:
+                local.append(start if k_int else slice(start, stop))
+                if not k_int:
+                    src.append(slice(None))
+        out.append((tuple(src), tuple(local)))
+    return out
+
+
+class ExpertParallelMoE(SparseMoE):
+    """SparseMoE holding experts [first, first + E_local) of E: routing runs over all E (the router is whole),
+    pairs routed elsewhere get weight 0 on local expert 0, so the expert kernels see fixed shapes (no host sync,
+    CUDA-graph safe); their ranks' all-reduce adds them back."""
+
+    def __init__(self, config: ModelConfig, shard: Shard, dtype: torch.dtype):
+        c = config
+        self.first_expert, end = shard.span(c.num_experts)
+        super().__init__(c.hidden_size, end - self.first_expert, c.moe_intermediate_size,
+                         c.shared_intermediate_size // shard.world, c.num_experts_per_tok, c.routed_scaling_factor,
+                         c.swiglu_alpha, c.swiglu_limit, dtype)
+        self.router_weight = torch.nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = torch.nn.Parameter(torch.empty(c.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_experts(x)
+        weights, ids = route(x, self.router_weight, self.e_score_correction_bias, self.top_k)
+        local = ids - self.first_expert
+        mine = (local >= 0) & (local < self.w_gate_up.shape[0])
+        routed = moe_experts(x, torch.where(mine, local, 0), torch.where(mine, weights, 0.0), self.w_gate_up,
+                             self.w_down, self.alpha, self.limit)
+        return routed * self.scaling + shared
+
+
+def build_local_model(config: ModelConfig, shard: Shard, dtype: torch.dtype, attn_backend: str
+                      ) -> MiniMaxM3ForCausalLM:
+    """The rank's model on the meta device (weights unallocated)."""
+    with torch.device("meta"):
+        model = MiniMaxM3ForCausalLM(local_config(config, shard), dtype=dtype, attn_backend=attn_backend)
+        if shard.expert_parallel:
+            for i in config.moe_layers:
+                model.layers[i].mlp = ExpertParallelMoE(config, shard, dtype)
+    model.requires_grad_(False)
+    return model
+
+
+def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype: torch.dtype,
+               attn_backend: str) -> MiniMaxM3ForCausalLM:
+    """Read this rank's part of the checkpoint at `path` into its model (no rank reads a whole sharded tensor)."""
+    path = Path(path)
+    config = ModelConfig.from_pretrained(path)
+    files = _tensor_files(path)
+    shapes = _read_headers(files)
+    layout, prefix, lm_head = _detect_layout(shapes)
+    expected = expected_tensors(config, layout, prefix, lm_head)
+    with torch.device("meta"):
+        full = MiniMaxM3ForCausalLM(config, dtype=dtype, attn_backend=attn_backend)
+    full_params = dict(full.named_parameters())
+    _check(shapes, expected, full_params, path)  # the whole checkpoint against the whole model's shapes
+
+    model = build_local_model(config, shard, dtype, attn_backend)
+    model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.named_parameters())
+    handles = {}
+    for name, target in expected.items():
+        pieces = param_pieces(target.param, config, shard)
+        plan = copy_plan(target.index, tuple(full_params[target.param].shape), pieces)
+        if not plan:
+            continue
+        if files[name] not in handles:
+            handles[files[name]] = safe_open(files[name], framework="pt")
+        source = handles[files[name]].get_slice(name)
+        for src, local in plan:
+            _copy(source, src, params[target.param][local])
+    return model.eval()
+
+
+def _copy(source, src: tuple[slice, ...], dest: torch.Tensor) -> None:
+    """dest <- source[src], in blocks of rows of at most _CHUNK_BYTES (an expert stack is GBs)."""
+    if not src:  # a scalar
+        dest.copy_(source[:])
+        return
+    start, stop, _ = src[0].indices(source.get_shape()[0])
+    row_bytes = math.prod(dest.shape[1:]) * 4
+    step = max(1, _CHUNK_BYTES // max(1, row_bytes))
+    for s in range(start, stop, step):
+        e = min(s + step, stop)
+        dest[s - start:e - start].copy_(source[(slice(s, e), *src[1:])])

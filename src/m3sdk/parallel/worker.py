@@ -1,0 +1,62 @@
+"""A tensor-parallel worker rank: `python -m m3sdk.parallel.worker SPEC_JSON` (started by TensorParallel.launch).
+
+It loads its shard, then mirrors rank 0's forwards until told to stop (or until rank 0's end of the pipe closes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from m3sdk.cache.kv_pool import KVPool
+from m3sdk.parallel.group import ERROR, HELLO, KV, READY, STEP, STOP, add_all_reduces, init_distributed, unpack_step
+from m3sdk.parallel.sharding import Shard, load_shard
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+def serve(spec: dict, conn: Connection) -> None:
+    torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    conn.send((HELLO, None))
+    init_distributed(spec["rank"], spec["world"], spec["store_port"], device)
+    try:
+        model = load_shard(spec["model"], Shard(spec["rank"], spec["world"], spec["expert_parallel"]), device,
+                           _DTYPES[spec["dtype"]], spec["attn_backend"])
+        add_all_reduces(model)
+    except Exception:
+        conn.send((ERROR, traceback.format_exc()))
+        raise
+    conn.send((READY, None))
+    kv = None
+    while True:
+        try:
+            kind, body = conn.recv()
+        except EOFError:  # rank 0 is gone
+            break
+        if kind == STOP:
+            break
+        if kind == KV:
+            kv = KVPool(dataclasses.replace(body, device=device))
+        elif kind == STEP:
+            t, b, width, max_seqlen_q, max_context_len, aux_layers = body
+            payload = torch.empty(3 * t + 2 * b + 1 + b * width, dtype=torch.int64, device=device)
+            dist.broadcast(payload, src=0)
+            input_ids, meta = unpack_step(payload, t, b, width, max_seqlen_q, max_context_len)
+            model(input_ids, meta, kv, None, aux_layers)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    serve(spec, Connection(spec["fd"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Tensor + expert parallel on the CPU (gloo, worker processes): each rank's weights are exactly its slices of the
+checkpoint, and an engine sharded over 2 ranks gives the same greedy tokens as one rank, on the oracle model
+(where MSA drops blocks past position 24)."""
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+
+from m3sdk import Engine
+from m3sdk.model.loader import load_model
+from m3sdk.parallel import Shard, load_shard
+from m3sdk.parallel.sharding import param_pieces
+
+PROMPTS = [list(range(3 + i, 40 + 9 * i)) for i in range(4)]  # 37..64 tokens: past the sparse threshold
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoint(oracle_checkpoint, tmp_path_factory):
+    from engine.conftest import write_byte_tokenizer
+
+    directory = tmp_path_factory.mktemp("tp_ckpt")
+    shutil.copytree(oracle_checkpoint, directory, dirs_exist_ok=True)
+    write_byte_tokenizer(directory)
+    return directory
+
+
+@pytest.mark.parametrize("expert_parallel", [True, False])
+@pytest.mark.parametrize("layout", ["hf", "minimax"])
+def test_rank_weights_are_slices_of_the_checkpoint(layout, expert_parallel, oracle_checkpoint,
+                                                   oracle_checkpoint_minimax):
+    path = oracle_checkpoint if layout == "hf" else oracle_checkpoint_minimax  # minimax: one tensor per expert
+    full = dict(load_model(path, "cpu", torch.float32).named_parameters())
+    covered = {name: torch.zeros(p.shape, dtype=torch.bool) for name, p in full.items()}
+    for rank in range(2):
+        shard = Shard(rank, 2, expert_parallel)
+        local = dict(load_shard(path, shard, "cpu", torch.float32, "torch").named_parameters())
+        assert local.keys() == full.keys()
+        for name, param in local.items():
+            pieces = param_pieces(name, load_model_config(path), shard)
+            if pieces is None:
+                assert torch.equal(param, full[name]), name
+                covered[name][...] = True
+                continue
+            dim, spans = pieces
+            assert param.shape[dim] == sum(e - s for s, e, _ in spans), name
+            for s, e, at in spans:
+                assert torch.equal(param.narrow(dim, at, e - s), full[name].narrow(dim, s, e - s)), name
+                covered[name].narrow(dim, s, e - s)[...] = True
+    assert all(c.all() for c in covered.values())  # the ranks together hold every weight
+
+
+def load_model_config(path):
+    from m3sdk.model.config import ModelConfig
+
+    return ModelConfig.from_pretrained(path)
+
+
+async def _greedy(path, **config) -> tuple[list[list[int]], list]:
+    async with Engine(model=str(path), kv_cache_memory=8 << 20, max_model_len=256, max_num_seqs=4, **config) as e:
+        outs = await asyncio.gather(*[e.generate(p, max_tokens=10, temperature=0) for p in PROMPTS])
+        procs = list(e._core.stop_hooks[0].__self__.procs) if config.get("tensor_parallel_size", 1) > 1 else []
+    return [o.token_ids for o in outs], procs
+
+
+@pytest.fixture(scope="module")
+def single_rank_tokens(tp_checkpoint):
+    torch.set_num_threads(1)
+    return asyncio.run(_greedy(tp_checkpoint))[0]
+
+
+@pytest.mark.parametrize("expert_parallel", [True, False])
+def test_two_ranks_give_the_same_greedy_tokens(expert_parallel, tp_checkpoint, single_rank_tokens):
+    torch.set_num_threads(1)
+    tokens, procs = asyncio.run(_greedy(tp_checkpoint, tensor_parallel_size=2, expert_parallel=expert_parallel))
+    assert tokens == single_rank_tokens
+    assert [p.returncode for p in procs] == [0]  # the worker left cleanly at shutdown
+
+
+def test_ranks_must_divide_the_heads(tp_checkpoint):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide num_attention_heads=4"):
+        asyncio.run(_greedy(tp_checkpoint, tensor_parallel_size=3))
