@@ -242,11 +242,11 @@ def dot_dtype(kv_dtype: torch.dtype) -> tl.dtype:
 
 
 def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: int,
-                   max_context_len: int, sparse: bool, topk: int, block_size: int,
+                   max_context_len: int, sparse: bool, topk: int, block_size: int, fp8: bool = False,
                    arch: Arch | None = None) -> dict:
     """Tile shape and split count of one paged_attention call: a function of shapes and host ints only."""
     family = ("sparse" if sparse else "attn") + ("_decode" if max_seqlen_q <= 1 else "_prefill")
-    cfg = tiles(family, arch)
+    cfg = tiles(family, arch, "fp8" if fp8 else None)
     block_q = 1 if max_seqlen_q <= 1 else min(cfg["BLOCK_Q"], triton.next_power_of_2(max_seqlen_q))
     block_h = max(triton.next_power_of_2(group), triton.next_power_of_2(triton.cdiv(16, block_q)))
     block_n = min(cfg["BLOCK_N"], block_size) if sparse else cfg["BLOCK_N"]
@@ -282,7 +282,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sparse = block_sel is not None
     topk = block_sel.shape[-1] if sparse else 1
     plan = attention_plan(t_total, num_seqs, hkv, hq // hkv, max_seqlen_q, max_context_len, sparse, topk,
-                          block_size)
+                          block_size, k_scale is not None)
     splits = plan["NUM_SPLITS"]
     if splits > 1:
         part_o = torch.empty(splits, t_total, hq, head_dim, dtype=torch.float32, device=q.device)
@@ -325,7 +325,7 @@ def aot_variants(arch: Arch) -> list:
         # batch 64 decode at 32K, or an 8K-token prefill chunk of one sequence
         tokens, seqs = (64, 64) if decode else (8192, 1)
         plan = attention_plan(tokens, seqs, hkv, hq // hkv, 1 if decode else tokens, 32768, sparse, m["topk"],
-                              m["block_size"], arch)
+                              m["block_size"], kv == "fp8", arch)
         kv_type = arch.fp8_triton if kv == "fp8" else "bf16"
         types = {"q_ptr": "*bf16", "k_cache": f"*{kv_type}", "v_cache": f"*{kv_type}", "k_scale": "*fp32",
                  "v_scale": "*fp32", "page_table": "*i32", "cu_q": "*i32", "ctx_lens": "*i32", "sel_ptr": "*i32",
