@@ -67,15 +67,6 @@ def routing(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.cat((ids, torch.full((t, 1), E, dtype=torch.int32, device=DEV)), 1))
 
 
-def build(fmt: str, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> Experts:
-    """Quantize expert by expert (a whole-stack quantization would need tens of GB of fp32 temporaries)."""
-    parts = [quantize_experts(w_gate_up[e : e + 1], w_down[e : e + 1], fmt) for e in range(w_gate_up.shape[0])]
-    if fmt == "bf16":
-        return Experts(fmt, w_gate_up, w_down)
-    return Experts(fmt, torch.cat([p.gate_up for p in parts]), torch.cat([p.down for p in parts]),
-                   torch.cat([p.gate_up_scale for p in parts]), torch.cat([p.down_scale for p in parts]))
-
-
 def expert_bytes(ex: Experts, touched: int) -> int:
     per = sum(t[0].numel() * t.element_size() for t in (ex.gate_up, ex.down))
     per += sum(t[0].numel() * t.element_size() for t in (ex.gate_up_scale, ex.down_scale) if t is not None)
@@ -133,7 +124,7 @@ def main() -> None:
     w_down = torch.randn(E + 1, H, I, device=DEV, dtype=torch.bfloat16) * 0.02
     gu_t, dn_t = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)
     formats = args.formats.split(",")
-    experts = {f: build(f, w_gate_up, w_down) for f in formats}
+    experts = {f: quantize_experts(w_gate_up, w_down, f) for f in formats}
     for f, ex in experts.items():
         print(f"correctness {f}: rel err vs reference {check(f, ex):.2e}")
 

@@ -81,7 +81,12 @@ class Experts:
 def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, fmt: str,
                      fp8_dtype: torch.dtype | None = None) -> Experts:
     """bf16/fp32 expert weights [E, 2I, H], [E, H, I] -> `Experts` in `fmt` (fp8: `fp8_dtype`, default the
-    platform's)."""
+    platform's). Expert by expert: quantizing a whole stack at once would need its size several times in fp32."""
+    if fmt != "bf16" and w_gate_up.shape[0] > 1:
+        parts = [quantize_experts(w_gate_up[e : e + 1], w_down[e : e + 1], fmt, fp8_dtype)
+                 for e in range(w_gate_up.shape[0])]
+        return Experts(fmt, *(torch.cat([getattr(p, f) for p in parts])
+                              for f in ("gate_up", "down", "gate_up_scale", "down_scale")))
     if fmt == "bf16":
         return Experts(fmt, w_gate_up.to(torch.bfloat16).contiguous(), w_down.to(torch.bfloat16).contiguous())
     if fmt == "fp8":

@@ -116,12 +116,12 @@ def fp8_gemm_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_
     return (acc * x_scale.float()[:, None] * w_scale.float()[None, :]).to(out_dtype)
 
 
-def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                   x_scale: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """y = x @ dequant(w).T. x is bf16 (quantized here per token) or already fp8 with its `x_scale`."""
     if x_scale is None:
         x, x_scale = quantize_fp8_per_token_ref(x, w_q.dtype)
-    return fp8_gemm_ref(x, x_scale, w_q, w_scale)
+    return fp8_gemm_ref(x, x_scale, w_q, w_scale, out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -236,12 +236,12 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
     return out
 
 
-def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-               x_scale: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Triton version of `fp8_linear_ref`: quantize x per token unless it comes quantized (from the norm)."""
     if x_scale is None:
         x, x_scale = quantize_fp8_per_token(x, w_q.dtype)
-    return fp8_gemm(x, x_scale, w_q, w_scale)
+    return fp8_gemm(x, x_scale, w_q, w_scale, out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------

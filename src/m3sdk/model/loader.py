@@ -30,6 +30,7 @@ from safetensors import safe_open
 from m3sdk.errors import CheckpointError
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
+from m3sdk.model.quantize import quantize_model
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -50,8 +51,9 @@ class Target:
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-               attn_backend: str = "torch") -> MiniMaxM3ForCausalLM:
-    """Read config.json and the safetensors weights of `path` into a ready model on `device` in `dtype`."""
+               attn_backend: str = "torch", quantization: str = "none") -> MiniMaxM3ForCausalLM:
+    """Read config.json and the safetensors weights of `path` into a ready model on `device` in `dtype`;
+    `quantization` ("none" | "fp8" | "mxfp4", see m3sdk.model.quantize) is applied once the weights are in."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     files = _tensor_files(path)
@@ -77,7 +79,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
             target = expected[name]
             shard.copy_to(name, params[target.param][target.index])
     model.mtp_weights = LazyTensors({m.group(2): (files[k], k) for k in shapes if (m := _MTP.search(k))})
-    return model.eval()
+    return quantize_model(model, quantization).eval()
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:

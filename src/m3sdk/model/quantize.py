@@ -1,0 +1,90 @@
+"""Online quantization of a loaded MiniMax-M3 (`load_model(..., quantization=...)`).
+
+- "none":  as loaded.
+- "fp8":   the attention projections (the packed q|k|v|index GEMM and o_proj), the dense layers' MLPs and the shared
+           experts become FP8 W8A8 linears: e4m3 weights (e4m3fnuz on gfx942) with one scale per output channel,
+           activations quantized per token on the fly. Embeddings, norms, the router, lm_head and the routed
+           experts stay as loaded.
+- "mxfp4": "fp8", plus the routed experts in MXFP4 (E2M1, one E8M0 scale per 32 inputs) with the shared expert
+           stacked after them in the same format, so one fused MoE launch pair serves both (AMD's published MXFP4
+           checkpoint quantizes the shared experts too).
+GEMMs go through m3sdk_kernels: the Triton kernels on a GPU, their references on a CPU, which quantize and
+dequantize the same way (so the quantized model is testable in CI).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from m3sdk.model.layers import DenseMLP, SparseMoE
+from m3sdk_kernels.arch import current_arch
+from m3sdk_kernels.moe import fused_moe, fused_moe_ref, quantize_experts
+from m3sdk_kernels.quant import fp8_linear, fp8_linear_ref, quantize_fp8_weight
+from m3sdk_kernels.router import route, route_ref
+
+QUANTIZATIONS = ("none", "fp8", "mxfp4")
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ W.T with W in FP8 (per-output-channel scales) and x quantized per token."""
+
+    def __init__(self, linear: nn.Linear, fp8_dtype: torch.dtype):
+        super().__init__()
+        w_q, w_scale = quantize_fp8_weight(linear.weight.detach(), fp8_dtype)
+        self.register_buffer("weight", w_q)
+        self.register_buffer("weight_scale", w_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        linear = fp8_linear if x.is_cuda else fp8_linear_ref
+        return linear(flat, self.weight, self.weight_scale, out_dtype=x.dtype).reshape(*x.shape[:-1], -1)
+
+
+class QuantizedMoE(nn.Module):
+    """SparseMoE with its routed experts and shared expert stacked into one `Experts` in `fmt`: the router kernel
+    appends the shared expert (id E, weight 1) to each token's routed choice, scaled by the routing factor."""
+
+    def __init__(self, moe: SparseMoE, fmt: str):
+        super().__init__()
+        shared = moe.shared_experts
+        if shared.gate_up_proj.weight.shape[0] != moe.w_gate_up.shape[1]:
+            raise ValueError("stacking the shared expert needs the routed experts' width")
+        self.top_k, self.scaling, self.alpha, self.limit = moe.top_k, moe.scaling, moe.alpha, moe.limit
+        self.router_weight = moe.router_weight
+        self.e_score_correction_bias = moe.e_score_correction_bias
+        self.experts = quantize_experts(torch.cat((moe.w_gate_up, shared.gate_up_proj.weight[None])),
+                                        torch.cat((moe.w_down, shared.down_proj.weight[None])), fmt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = nn.functional.linear(x.to(self.router_weight.dtype), self.router_weight).float()
+        router, moe = (route, fused_moe) if x.is_cuda else (route_ref, fused_moe_ref)
+        weights, ids = router(logits, self.e_score_correction_bias, self.top_k, self.scaling, shared=True)
+        return moe(x, ids, weights, self.experts, self.alpha, self.limit)
+
+
+def _fp8_mlp(mlp: DenseMLP, fp8_dtype: torch.dtype) -> None:
+    mlp.gate_up_proj = Fp8Linear(mlp.gate_up_proj, fp8_dtype)
+    mlp.down_proj = Fp8Linear(mlp.down_proj, fp8_dtype)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, quantization: str) -> nn.Module:
+    """Quantize `model` (a loaded MiniMaxM3ForCausalLM) in place, layer by layer (the bf16 weights of a layer
+    are freed as it is done), and return it."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "none":
+        return model
+    fp8_dtype = current_arch(model.embed_tokens.weight.device).fp8_dtype
+    for layer in model.layers:
+        attn = layer.self_attn
+        attn.qkv_proj = Fp8Linear(attn.qkv_proj, fp8_dtype)
+        attn.o_proj = Fp8Linear(attn.o_proj, fp8_dtype)
+        if isinstance(layer.mlp, DenseMLP):
+            _fp8_mlp(layer.mlp, fp8_dtype)
+        elif quantization == "mxfp4":
+            layer.mlp = QuantizedMoE(layer.mlp, "mxfp4")
+        else:
+            _fp8_mlp(layer.mlp.shared_experts, fp8_dtype)
+    return model
