@@ -205,7 +205,8 @@ def _meets(r: RequestResult, slo_ms: dict[str, float]) -> bool:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench options (the engine's --model, --device, ... come from the CLI's shared engine options)."""
     g = p.add_argument_group("workload")
-    g.add_argument("--num-prompts", type=int, default=64, help="requests per run (default 64)")
+    g.add_argument("--num-prompts", default="64",
+                   help="requests per run (default 64); a comma list gives each sweep point its own count")
     g.add_argument("--input-len", type=int, default=256, help="mean prompt tokens of random prompts")
     g.add_argument("--output-len", type=int, default=64, help="mean generated tokens (EOS ignored)")
     g.add_argument("--range-ratio", type=float, default=0.0,
@@ -280,13 +281,17 @@ async def run_bench(args: argparse.Namespace, config: EngineConfig) -> list[dict
     params = SamplingParams(temperature=args.temperature, ignore_eos=True)
     points = [(rate, conc) for rate in _sweep(args.request_rate, float)
               for conc in _sweep(args.max_concurrency, int)]
+    counts = _sweep(str(args.num_prompts), int)
+    if len(counts) not in (1, len(points)):
+        raise ValueError(f"--num-prompts has {len(counts)} values for {len(points)} sweep points")
+    counts = counts * len(points) if len(counts) == 1 else counts
     out = []
     async with Engine(config) as engine:
         if args.num_warmups:
             warm = build_requests(args, config, args.num_warmups, args.seed + 10_000)
             await run_load(engine, warm, params)
         for i, (rate, conc) in enumerate(points):
-            requests = build_requests(args, config, args.num_prompts, args.seed + i)
+            requests = build_requests(args, config, counts[i], args.seed + i)
             before = engine.stats()
             results, duration = await run_load(engine, requests, params, rate, args.burstiness, conc, args.seed)
             after = engine.stats()

@@ -21,6 +21,7 @@ from m3sdk.cache.manager import CacheManager, cache_budget_bytes, num_pages_for_
 from m3sdk.cache.page_pool import PAGE_SIZE, pages_for
 from m3sdk.config import EngineConfig
 from m3sdk.errors import PrefillNodeError
+from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.loader import load_model
 from m3sdk.observability import get_logger
 from m3sdk.request import Chunk, FinishReason, Request
@@ -118,7 +119,11 @@ class EngineCore:
             drafter = build_drafter(config.speculative, TargetInfo(
                 config=mc, embed_tokens=model.embed_tokens, lm_head=model.lm_head, checkpoint=str(path),
                 device=device, dtype=dtype, model=model, kv_spec=cache.kv.spec, num_cache_pages=num_pages))
-        core = cls(config, ModelRunner(model, cache, device), scheduler, cache, tokenizer, max_model_len, drafter)
+        runner = ModelRunner(model, cache, device)
+        if config.resolve_cuda_graphs(device) and tp is None and drafter is None and DecodeGraphs.supported(model):
+            # docs/serving.md says why not with tensor parallel or speculative decoding (yet)
+            runner.graphs = DecodeGraphs(model, cache.kv, config.max_num_seqs, max_model_len, device)
+        core = cls(config, runner, scheduler, cache, tokenizer, max_model_len, drafter)
         if tp is not None:
             core.stop_hooks.append(tp.shutdown)
         return core

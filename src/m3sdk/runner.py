@@ -8,6 +8,7 @@ import torch
 
 from m3sdk.attention.base import AttentionMetadata
 from m3sdk.cache.manager import CacheManager
+from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 from m3sdk.scheduler.base import StepPlan
 
@@ -17,6 +18,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = device
+        self.graphs: DecodeGraphs | None = None  # captured decode steps (m3sdk/graphs.py), set by the core on a GPU
 
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """Write every scheduled token's K/V (and index keys) and return float32 logits [N, vocab], one row per
@@ -40,6 +42,9 @@ class ModelRunner:
             logits_rows.extend(range(len(ids) - m, len(ids)))
         meta = AttentionMetadata.build(counts, context_lens, tables, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        if self.graphs is not None and not aux_layers and self.graphs.fits(meta, len(logits_rows)):
+            hidden, logits = self.graphs.run(input_ids, meta)
+            return logits, hidden, None
         indices = torch.tensor(logits_rows, dtype=torch.int64, device=self.device) if logits_rows else None
         hidden, logits, *aux = self.model(input_ids, meta, self.cache.kv, indices, aux_layers)
         return logits, hidden, aux[0] if aux else None

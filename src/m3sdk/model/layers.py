@@ -85,6 +85,11 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int)
     return weights / weights.sum(dim=-1, keepdim=True), ids
 
 
+def fused_moe_fits(hidden: int, inter: int) -> bool:
+    """Whether m3sdk_kernels' fused MoE tiles these widths (their K steps go up to 256)."""
+    return hidden % 256 == 0 and inter % 256 == 0
+
+
 def moe_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]) for hidden [T, H] -> [T, H] (hidden's dtype).
@@ -92,6 +97,11 @@ def moe_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     Experts: w_gate_up [E, 2I, H] (gate | up), w_down [E, H, I]. Plain version: tokens sorted by expert, one
     GEMM pair per expert that has tokens (what a fused grouped-GEMM kernel does in one launch).
     """
+    if hidden.is_cuda and hidden.dtype == torch.bfloat16 and fused_moe_fits(hidden.shape[1], w_down.shape[2]):
+        # the fused Triton kernels: two launches, no host sync, so CUDA graphs can capture the step
+        from m3sdk_kernels.moe import Experts, fused_moe
+
+        return fused_moe(hidden, topk_ids, topk_weights, Experts("bf16", w_gate_up, w_down), alpha, limit)
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)

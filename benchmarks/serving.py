@@ -1,0 +1,244 @@
+"""Serving performance of an M3 slice on one GPU, each ratio from one run (method: ../shared/design/kernels.md).
+
+    PYTHONPATH=src python benchmarks/serving.py STEP [--slice DIR] [--out DIR] [...]
+
+Steps (each in its own process, so a fault in one does not take the others down; each appends JSON lines to
+OUT/serving.jsonl and prints them):
+  slice      write the slice (scripts/make_m3_slice.py: real width, --dense + --sparse layers, random weights)
+  decode     decode step time of the engine's forward (captured CUDA graph, static-buffer copies included;
+             eager beside it) at (batch, context) points, against the roofline: bytes that one step must read
+             (every active weight once: attention, dense MLP, router, shared expert, each distinct routed
+             expert the batch picked, lm_head; the FP8 KV it attends to: all of a dense layer's, the selected
+             16 x 128 keys per KV group of a sparse layer, plus all index keys) over the read bandwidth measured
+             in the same process. Also checks a graph replay against the eager forward (same step, same cache).
+  hf         HF transformers generate of the same slice: decode step time at batch 1 and 16 after a 2048-token
+             prompt ((t(9 new tokens) - t(1)) / 8).
+The serving curves come from the real command (`m3sdk bench`), run separately: see docs/perf.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = Path(".")
+
+
+def record(**row) -> None:
+    row["step_time"] = time.strftime("%H:%M:%S")
+    with open(OUT / "serving.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def step_slice(args) -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_m3_slice import make_slice
+
+    t = time.perf_counter()
+    make_slice(args.slice, args.dense, args.sparse, device="cuda" if torch.cuda.is_available() else "cpu",
+               max_position_embeddings=args.max_position_embeddings,
+               overrides=dict(json.loads(s) for s in args.set))
+    size = sum(f.stat().st_size for f in args.slice.glob("*.safetensors"))
+    record(step="slice", path=str(args.slice), dense=args.dense, sparse=args.sparse, gbytes=size / 1e9,
+           seconds=time.perf_counter() - t)
+
+
+def read_bandwidth() -> float:
+    """Read TB/s of a 4 GiB reduction (median of CUDA-event timings)."""
+    import triton
+
+    x = torch.randn(2 << 30, dtype=torch.bfloat16, device="cuda")
+    ms = triton.testing.do_bench(lambda: x.sum(dtype=torch.float32), warmup=20, rep=100, return_mode="median")
+    return (2 << 30) * 2 / ms / 1e9
+
+
+def fill_cache(kv, seed: int = 0) -> None:
+    """Random K/V (FP8 with positive per-token scales) and index keys: never time on zeros."""
+    g = torch.Generator(device=kv.spec.device).manual_seed(seed)
+    for tensors in (kv.k, kv.v, kv.index_k):
+        for t in tensors:
+            if t is None:
+                continue
+            for chunk in t.split(4096):
+                chunk.copy_(torch.randn(chunk.shape, generator=g, device=t.device, dtype=torch.bfloat16))
+    for tensors in (kv.k_scale, kv.v_scale):
+        for t in tensors:
+            if t is not None:
+                t.uniform_(0.005, 0.05, generator=g)
+
+
+def decode_meta(batch: int, context: int, pages_per_seq: int, perm: torch.Tensor, device):
+    from m3sdk.attention.base import PAGE_SIZE, AttentionMetadata
+
+    table = perm[: batch * pages_per_seq].view(batch, pages_per_seq).to(torch.int32)
+    last = context - 1
+    table = table[:, : -(-context // PAGE_SIZE)].contiguous()
+    slots = table[:, last // PAGE_SIZE].long() * PAGE_SIZE + last % PAGE_SIZE
+    meta = AttentionMetadata(positions=torch.full((batch,), last, dtype=torch.int64, device=device),
+                             slot_mapping=slots.to(device),
+                             cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device),
+                             context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+                             page_table=table.to(device), max_seqlen_q=1, max_context_len=context)
+    return meta
+
+
+def distinct_experts(model, input_ids, meta, kv) -> dict[int, int]:
+    """Layer -> how many distinct routed experts this step's tokens picked (one eager forward, hooks only)."""
+    from m3sdk.model.layers import SparseMoE, route
+
+    seen: dict[int, int] = {}
+    hooks = []
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, SparseMoE):
+            def hook(module, args, i=i):
+                _, ids = route(args[0], module.router_weight, module.e_score_correction_bias, module.top_k)
+                seen[i] = int(ids.unique().numel())
+            hooks.append(layer.mlp.register_forward_pre_hook(hook))
+    model(input_ids, meta, kv, torch.arange(input_ids.shape[0], device=input_ids.device))
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def step_bytes(model, kv, batch: int, context: int, experts: dict[int, int]) -> dict[str, float]:
+    """Bytes one decode step must read, by kind."""
+    c = model.config
+
+    def nbytes(module, skip=()) -> int:  # parameters and buffers (FP8 linears keep their weights as buffers)
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        return sum(t.numel() * t.element_size() for n, t in tensors if n not in skip)
+
+    weights = 0
+    for i, layer in enumerate(model.layers):
+        weights += nbytes(layer.self_attn)
+        mlp = layer.mlp
+        if i in experts:
+            per_expert = (mlp.w_gate_up[0].numel() + mlp.w_down[0].numel()) * mlp.w_gate_up.element_size()
+            weights += experts[i] * per_expert + nbytes(mlp, skip=("w_gate_up", "w_down"))
+        else:
+            weights += nbytes(mlp)
+    head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    kv_elt = kv.k[0].element_size()
+    per_token = 2 * c.num_kv_heads * c.head_dim * kv_elt + (2 * c.num_kv_heads * 4 if kv.k_scale[0] is not None
+                                                             else 0)
+    selected = min(c.index_topk_blocks * c.index_block_size, context)
+    kv_bytes = 0
+    index_bytes = 0
+    for i in range(c.num_layers):
+        if c.is_sparse(i):
+            kv_bytes += batch * selected * per_token
+            index_bytes += batch * context * c.index_head_dim * kv.index_k[i].element_size()
+        else:
+            kv_bytes += batch * context * per_token
+    return {"weights": weights, "lm_head": head, "kv": kv_bytes, "index_keys": index_bytes,
+            "total": weights + head + kv_bytes + index_bytes}
+
+
+def step_decode(args) -> None:
+    import triton
+
+    from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
+    from m3sdk.graphs import DecodeGraphs
+    from m3sdk.model.loader import load_model
+    from m3sdk_kernels.arch import fp8_dtype
+
+    dev = torch.device("cuda")
+    bw = read_bandwidth()
+    record(step="bandwidth", read_tb_s=bw, device=torch.cuda.get_device_name(0), torch=torch.__version__,
+           triton=triton.__version__)
+    t = time.perf_counter()
+    model = load_model(args.slice, dev, torch.bfloat16, "triton", quantization=args.quantization)
+    torch.cuda.synchronize()
+    record(step="load", seconds=time.perf_counter() - t, quantization=args.quantization)
+    points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
+    max_b, max_ctx = max(b for b, _ in points), max(c for _, c in points)
+    pages_per_seq = -(-max_ctx // 16) + 1
+    spec = KVCacheSpec.for_model(model.config, max_b * pages_per_seq, kv_dtype="fp8", index_dtype="fp8",
+                                 fp8_dtype=fp8_dtype(dev), model_dtype=torch.bfloat16, device=dev)
+    kv = KVPool(spec)
+    fill_cache(kv)
+    perm = torch.randperm(spec.num_pages, generator=torch.Generator().manual_seed(0))
+    t = time.perf_counter()
+    graphs = DecodeGraphs(model, kv, max_b, max_ctx, dev)
+    torch.cuda.synchronize()
+    record(step="capture", buckets=graphs.buckets, seconds=time.perf_counter() - t)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    for batch, context in points:
+        meta = decode_meta(batch, context, pages_per_seq, perm, dev)
+        ids = torch.randint(0, model.config.vocab_size, (batch,), device=dev, generator=gen)
+        rows = torch.arange(batch, device=dev)
+        experts = distinct_experts(model, ids, meta, kv)
+        _, eager_logits = model(ids, meta, kv, rows)
+        _, graph_logits = graphs.run(ids, meta)
+        err = ((graph_logits - eager_logits).norm() / eager_logits.norm()).item()
+        agree = (graph_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item()
+        t_graph = triton.testing.do_bench(lambda: graphs.run(ids, meta), warmup=10, rep=200,  # noqa: B023
+                                          return_mode="median")
+        t_eager = triton.testing.do_bench(lambda: model(ids, meta, kv, rows), warmup=5, rep=100,  # noqa: B023
+                                          return_mode="median")
+        need = step_bytes(model, kv, batch, context, experts)
+        floor_ms = need["total"] / bw / 1e9
+        record(step="decode", quantization=args.quantization, batch=batch, context=context, graph_ms=t_graph,
+               eager_ms=t_eager,
+               roofline_ms=floor_ms, graph_over_roofline=t_graph / floor_ms,
+               bandwidth_fraction=floor_ms / t_graph, bytes=need, distinct_experts=experts,
+               graph_vs_eager_rel_err=err, graph_vs_eager_argmax_agree=agree, tok_s=batch / t_graph * 1e3)
+
+
+def step_hf(args) -> None:
+    from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+    t = time.perf_counter()
+    hf = MiniMaxM3VLForCausalLM.from_pretrained(args.slice, dtype=torch.bfloat16, device_map="cuda").eval()
+    record(step="hf_load", seconds=time.perf_counter() - t, attn=hf.config._attn_implementation)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for batch in (int(b) for b in args.hf_batches.split(",")):
+        ids = torch.randint(0, hf.config.vocab_size - 100, (batch, args.prompt_len), device="cuda", generator=gen)
+
+        def generate(n: int) -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,  # noqa: B023
+                        do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        generate(2)  # warm-up (allocator, kernels)
+        t1, tn = generate(1), generate(9)
+        step_s = (tn - t1) / 8
+        record(step="hf", batch=batch, prompt_len=args.prompt_len, prefill_s=t1, decode_step_ms=step_s * 1e3,
+               tok_s=batch / step_s)
+
+
+def main() -> None:
+    global OUT
+    p = argparse.ArgumentParser()
+    p.add_argument("step", choices=["slice", "decode", "hf"])
+    p.add_argument("--slice", type=Path, default=Path("/tmp/m3-slice"))
+    p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--dense", type=int, default=1)
+    p.add_argument("--sparse", type=int, default=1)
+    p.add_argument("--max-position-embeddings", type=int, default=524288)
+    p.add_argument("--set", action="append", default=[], help='a config override as a JSON pair: ["k", v]')
+    p.add_argument("--points", default="1x2048,16x2048,1x32768,64x32768", help="BATCHxCONTEXT decode points")
+    p.add_argument("--quantization", default="none", help="load_model's: none | fp8 (decode step)")
+    p.add_argument("--hf-batches", default="1,16")
+    p.add_argument("--prompt-len", type=int, default=2048)
+    args = p.parse_args()
+    OUT = args.out
+    OUT.mkdir(parents=True, exist_ok=True)
+    if args.step == "slice" and args.slice.exists():
+        shutil.rmtree(args.slice)
+    {"slice": step_slice, "decode": step_decode, "hf": step_hf}[args.step](args)
+
+
+if __name__ == "__main__":
+    main()
