@@ -16,7 +16,8 @@ from .errors import M3Error
 
 def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
-    for name in ("model", "device", "dtype", "max_model_len", "attention_backend", "kv_cache_dtype", "speculative"):
+    for name in ("model", "device", "dtype", "max_model_len", "attention_backend", "kv_cache_dtype", "speculative",
+                 "quantization"):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -113,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-model-len", type=int)
         p.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
         p.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8"])
+        p.add_argument("--quantization", choices=["none", "fp8", "mxfp4"],
+                       help="quantize weights at load: fp8 attention/MLPs, mxfp4 also the experts")
         p.add_argument("--speculative", help='e.g. "ngram", "eagle3" or "eagle3:/path/to/head"')
 
     def sampling_options(p: argparse.ArgumentParser) -> None:

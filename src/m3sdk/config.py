@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from m3sdk.model.quantize import QUANTIZATIONS
 from m3sdk.spec.base import SpecConfig
 
 BUNDLED_MODELS = {"m3-tiny": Path(__file__).parent / "assets" / "m3-tiny"}
@@ -58,6 +59,9 @@ class EngineConfig:
     expert_parallel: bool = True
     # Replay decode steps from captured CUDA graphs; None: on for a CUDA device with the triton backend.
     cuda_graphs: bool | None = None
+    # Weights quantized at load (m3sdk/model/quantize.py): "fp8" = FP8 W8A8 attention, dense MLPs and shared
+    # experts; "mxfp4" = that plus MXFP4 routed experts. Experts a checkpoint stores quantized stay as stored.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         problems = []
@@ -89,7 +93,8 @@ class EngineConfig:
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             problems.append(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         choices = {"dtype": ("auto", *_DTYPES), "kv_cache_dtype": _CACHE_DTYPES, "index_cache_dtype": _CACHE_DTYPES,
-                   "kv_cache_layout": ("plain", "shuffle"), "attention_backend": ("auto", "torch", "triton")}
+                   "kv_cache_layout": ("plain", "shuffle"), "attention_backend": ("auto", "torch", "triton"),
+                   "quantization": QUANTIZATIONS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

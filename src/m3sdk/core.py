@@ -80,11 +80,15 @@ class EngineCore:
             if config.speculative is not None and config.speculative.method != "ngram":
                 raise ValueError("tensor_parallel_size > 1 supports speculative='ngram' only (drafters read the "
                                  "target's weights, which are sharded)")
+            if config.quantization != "none":
+                raise ValueError("tensor_parallel_size > 1 does not support quantization yet (ranks load bf16 "
+                                 "shards)")
             tp = TensorParallel.launch(path, config.tensor_parallel_size, device, dtype,
                                        config.resolve_attention_backend(device), config.expert_parallel)
             model = tp.model
         else:
-            model = load_model(path, device, dtype, config.resolve_attention_backend(device))
+            model = load_model(path, device, dtype, config.resolve_attention_backend(device),
+                               quantization=config.quantization)
         tokenizer = Tokenizer.from_pretrained(path)
         mc = model.config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
@@ -172,6 +176,7 @@ class EngineCore:
                          f"{mc.index_topk_blocks} of {mc.index_block_size}-token blocks",
             "experts": f"{mc.num_experts} routed (top-{mc.num_experts_per_tok}) + shared",
             "backend": self.config.resolve_attention_backend(self.runner.device),
+            "quantization": self.config.quantization,
             "kv cache": f"{spec.num_pages} pages x {spec.bytes_per_page} B = "
                         f"{spec.num_pages * spec.bytes_per_page / 2**20:.1f} MiB ({spec.kv_dtype} {spec.layout}, "
                         f"index keys {spec.index_dtype}); max_model_len {self.max_model_len}",
