@@ -37,6 +37,7 @@ import triton.language as tl
 from .arch import Arch, current_arch, tiles
 from .quant import (
     INTERPRET,
+    MX_BLOCK,
     dequantize_mxfp4,
     dequantize_mxfp8,
     fp8_grid,
@@ -102,21 +103,18 @@ def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, fmt: str,
     raise ValueError(f"expert format {fmt!r} is not one of {FORMATS}")
 
 
-def stack_experts(fmt: str, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor],
-                  gate_scale: list[torch.Tensor] | None = None, up_scale: list[torch.Tensor] | None = None,
-                  down_scale: list[torch.Tensor] | None = None) -> Experts:
-    """Experts from per-expert checkpoint tensors already in `fmt` (w1 = gate, w3 = up, w2 = down; e.g. Quark's
-    MXFP4 `weight` + `weight_scale`, or the MXFP8 checkpoint's `weight` + `weight_scale_inv`): no requantization."""
-    gate_up = torch.stack([torch.cat((g, u)) for g, u in zip(gate, up, strict=True)])
-    if fmt == "bf16":
-        return Experts(fmt, gate_up.to(torch.bfloat16), torch.stack(down).to(torch.bfloat16))
-    if gate_scale is None or up_scale is None or down_scale is None:
-        raise ValueError(f"{fmt} experts need their scales")
-    gus = torch.stack([torch.cat((g, u)) for g, u in zip(gate_scale, up_scale, strict=True)])
-    if fmt != "fp8":  # E8M0 may come typed as float8_e8m0fnu: the kernels read its bytes
-        gus = gus.view(torch.uint8)
-    dns = torch.stack(down_scale)
-    return Experts(fmt, gate_up, torch.stack(down), gus, dns if fmt == "fp8" else dns.view(torch.uint8))
+def empty_experts(fmt: str, num_experts: int, hidden: int, inter: int) -> Experts:
+    """Uninitialized MX storage for `num_experts` experts (the `Experts` shapes) on the default device, for a
+    loader to read a checkpoint's bytes into."""
+    if fmt not in ("mxfp4", "mxfp8"):
+        raise ValueError(f"empty_experts holds MX formats, not {fmt!r}")
+    pack, wdtype = (2, torch.uint8) if fmt == "mxfp4" else (1, torch.float8_e4m3fn)
+
+    def empty(rows: int, k: int, dtype: torch.dtype, div: int) -> torch.Tensor:
+        return torch.empty((num_experts, rows, k // div), dtype=dtype)
+
+    return Experts(fmt, empty(2 * inter, hidden, wdtype, pack), empty(hidden, inter, wdtype, pack),
+                   empty(2 * inter, hidden, torch.uint8, MX_BLOCK), empty(hidden, inter, torch.uint8, MX_BLOCK))
 
 
 def dequantize_experts(experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:

@@ -98,14 +98,17 @@ def test_moe_align(block_m):
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
-def test_stack_experts_from_checkpoint_tensors(weights, fmt):
-    # per-expert gate (w1), up (w3), down (w2) as an MX checkpoint stores them, stacked without requantizing
+def test_empty_experts_filled_from_checkpoint_tensors(weights, fmt):
+    # per-expert gate (w1), up (w3), down (w2) as an MX checkpoint stores them, copied into the storage as the
+    # loader does (bytes, no requantization): the same stack as quantizing the whole stack at once
     w_gate_up, w_down = weights
     quantize = quant.quantize_mxfp4 if fmt == "mxfp4" else quant.quantize_mxfp8
-    parts = [[quantize(m) for m in (w_gate_up[e, :I], w_gate_up[e, I:], w_down[e])] for e in range(E)]
-    got = moe.stack_experts(fmt, *([p[i][0] for p in parts] for i in range(3)),
-                            *([p[i][1] for p in parts] for i in range(3)))
+    got = moe.empty_experts(fmt, E, H, I)
+    for e in range(E):
+        for rows, m in ((slice(0, I), w_gate_up[e, :I]), (slice(I, 2 * I), w_gate_up[e, I:])):
+            got.gate_up[e, rows], got.gate_up_scale[e, rows] = quantize(m)
+        got.down[e], got.down_scale[e] = quantize(w_down[e])
     want = moe.quantize_experts(w_gate_up, w_down, fmt)
     for a, b in zip((got.gate_up, got.gate_up_scale, got.down, got.down_scale),
                     (want.gate_up, want.gate_up_scale, want.down, want.down_scale), strict=True):
-        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

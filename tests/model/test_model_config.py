@@ -39,7 +39,15 @@ def published(oracle_checkpoint_minimax) -> dict:
     (lambda t: t["sparse_attention_config"].update(sparse_init_block=1), "sparse_init_block"),
     (lambda t: t["sparse_attention_config"].update(sparse_disable_index_value=[0, 0, 1, 0]),
      "sparse_disable_index_value"),
-    (lambda t: t.update(quantization_config={"quant_method": "mxfp8"}), "quantization_config"),
+    (lambda t: t.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+     "quant_method='fp8' is not supported .*mxfp8"),
+    (lambda t: t.update(quantization_config={"quant_method": "mxfp8", "weight_block_size": [128, 128]}),
+     "weight_block_size"),
+    (lambda t: t.update(quantization_config={"quant_method": "quark", "global_quant_config": {"weight": {
+        "dtype": "fp8_e4m3", "qscheme": "per_channel"}}}), "global_quant_config.weight"),
+    (lambda t: t.update(quantization_config={"quant_method": "quark", "global_quant_config": {"weight": {
+        "dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0"}},
+        "layer_quant_config": {"*self_attn*": {}}}), "layer_quant_config"),
     (lambda t: t.update(rotary_dim=16), "rotary_dim"),
     (lambda t: t.update(scoring_func="softmax"), "scoring_func"),
     (lambda t: t.update(moe_layer_freq=[0, 1]), "moe_layer_freq"),

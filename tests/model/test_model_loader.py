@@ -112,7 +112,7 @@ def test_every_problem_in_one_error(oracle_checkpoint, tmp_path):
     assert "2 missing tensors" in msg and "model.norm.weight" in msg and "layers.0.mlp.down_proj" in msg
     assert "1 wrong shapes" in msg and "q_norm.weight: [17], expected [16]" in msg
     assert "1 unexpected tensors" in msg and "layers.0.mlp.experts.gate_up_proj" in msg
-    assert "unsupported dtypes" in msg and "o_proj.weight: F8_E4M3" in msg
+    assert "1 wrong dtypes" in msg and "o_proj.weight: F8_E4M3, expected BF16 or F16 or F32" in msg
 
 
 def test_unknown_architecture(oracle_checkpoint, tmp_path):

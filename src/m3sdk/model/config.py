@@ -74,6 +74,9 @@ class ModelConfig:
     num_mtp_modules: int = 0
     architecture: str = "MiniMaxM3VLForCausalLM"
     checkpoint_dtype: str = "bfloat16"
+    # How the checkpoint stores its quantized linears (from quantization_config; the loader reads them as stored):
+    # "none", "mxfp8" (MiniMaxAI/MiniMax-M3-MXFP8) or "mxfp4" (AMD Quark, amd/MiniMax-M3-MXFP4)
+    quant_format: str = "none"
 
     def __post_init__(self) -> None:
         problems = []
@@ -173,6 +176,7 @@ def _parse_text_config(text: dict[str, Any], outer: dict[str, Any], architecture
     head_dim = int(r.get("head_dim", default=hidden // max(num_heads, 1)))
 
     _check_unsupported(r, num_layers)
+    quant_format = _quant_format(r, text.get("quantization_config") or outer.get("quantization_config"))
     rope_theta, rotary_dim = _rope(r, head_dim)
     sparse_layers, index = _sparse_attention(r, num_layers)
     moe_layers = _moe_layers(r, num_layers)
@@ -215,6 +219,7 @@ def _parse_text_config(text: dict[str, Any], outer: dict[str, Any], architecture
         num_mtp_modules=int(r.get("num_mtp_modules", default=0)),
         architecture=architecture,
         checkpoint_dtype=str(dtype).removeprefix("torch."),
+        quant_format=quant_format,
         **mlp,
         **index,
     )
@@ -238,9 +243,30 @@ def _check_unsupported(r: _Reader, num_layers: int) -> None:
         r.expect("swiglu_beta", float(t["swiglu_beta"]) == 1.0, t["swiglu_beta"], "only (up + 1)")
     if t.get("n_shared_experts") is not None:
         r.expect("n_shared_experts", int(t["n_shared_experts"]) == 1, t["n_shared_experts"], "one shared expert")
-    if t.get("quantization_config"):
-        method = t["quantization_config"].get("quant_method", "?")
-        r.expect("quantization_config", False, method, "quantized checkpoints are not loadable yet")
+
+
+def _quant_format(r: _Reader, qc: dict[str, Any] | None) -> str:
+    """The MX format of a quantization_config we can load as stored, or a named problem (docs/kernels.md has the
+    layouts: MiniMax's MXFP8 release and AMD Quark's MXFP4 experts, both E8M0 scales on 1x32 blocks)."""
+    if not qc:
+        return "none"
+    served = "m3sdk loads quant_method 'mxfp8' (MiniMaxAI/MiniMax-M3-MXFP8) and 'quark' MXFP4 (amd/MiniMax-M3-MXFP4)"
+    method = qc.get("quant_method")
+    if method == "mxfp8":
+        block = qc.get("weight_block_size", [1, 32])
+        r.expect("quantization_config.weight_block_size", list(block) == [1, 32], block, "MXFP8 blocks are 1x32")
+        return "mxfp8"
+    if method == "quark":
+        weight = (qc.get("global_quant_config") or {}).get("weight") or {}
+        scheme = {k: weight.get(k) for k in ("dtype", "qscheme", "group_size", "scale_format")}
+        mxfp4 = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0"}
+        r.expect("quantization_config.global_quant_config.weight", scheme == mxfp4, scheme,
+                 f"of Quark's schemes only MXFP4 weights {mxfp4}")
+        r.expect("quantization_config.layer_quant_config", not qc.get("layer_quant_config"),
+                 sorted(qc.get("layer_quant_config") or ()), "per-layer Quark schemes (e.g. FP8 attention)")
+        return "mxfp4"
+    r.expect("quantization_config.quant_method", False, method, served)
+    return "none"
 
 
 def _rope(r: _Reader, head_dim: int) -> tuple[float, int]:

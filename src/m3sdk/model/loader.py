@@ -9,6 +9,12 @@ Vision tower and projector tensors are skipped; `mtp.*` tensors are kept aside, 
 Every expected tensor is checked for presence, shape and dtype before anything is read, and all problems are
 reported in one CheckpointError.
 
+Quantized checkpoints (config.quant_format, docs/kernels.md): a linear is stored in the MX format when its E8M0
+scale tensor is there (`<name>.weight_scale_inv` for MiniMax's MXFP8, `<name>.weight_scale` for Quark's MXFP4).
+A MoE layer whose experts are stored so becomes a QuantizedMoE whose stack the bytes are read into as stored (no
+requantization, no float copy); any other MX linear (attention, dense MLP) is dequantized into the model's dtype
+as it is read.
+
 Memory: the model is built on the meta device, then allocated on the target device; tensors, in model order, are
 read through a memory map (re-opened every `_REMAP_BYTES`, so mapped pages do not pile up in the process) in
 slices of at most `_CHUNK_BYTES`, straight into the destination parameter: no second full host copy.
@@ -30,7 +36,9 @@ from safetensors import safe_open
 from m3sdk.errors import CheckpointError
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
-from m3sdk.model.quantize import quantize_model
+from m3sdk.model.quantize import QuantizedMoE, quantize_model
+from m3sdk_kernels.moe import empty_experts
+from m3sdk_kernels.quant import MX_BLOCK, dequantize_mxfp4, dequantize_mxfp8
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -40,14 +48,27 @@ _FLOAT_DTYPES = {"F32", "BF16", "F16"}
 _CHUNK_BYTES = 64 << 20
 _REMAP_BYTES = 256 << 20
 _MAX_LISTED = 40
+# MX checkpoints: the E8M0 scale tensor beside each quantized `weight`, and the weight's stored dtype
+_MX_SCALE = {"mxfp8": "weight_scale_inv", "mxfp4": "weight_scale"}
+_MX_WEIGHT_DTYPE = {"mxfp8": "F8_E4M3", "mxfp4": "U8"}
+_E8M0_DTYPES = {"U8", "F8_E8M0"}
+_MX_DEQUANTIZE = {"mxfp8": dequantize_mxfp8, "mxfp4": dequantize_mxfp4}
+# expert parameters of a float MoE layer -> (tensor of the QuantizedMoE stack, is it the shared expert: row E)
+_STACKED = {"mlp.w_gate_up": ("gate_up", False), "mlp.w_down": ("down", False),
+            "mlp.shared_experts.gate_up_proj.weight": ("gate_up", True),
+            "mlp.shared_experts.down_proj.weight": ("down", True)}
 
 
 @dataclass(frozen=True)
 class Target:
-    """Where one checkpoint tensor goes: parameter `param`, region `index` (() = the whole parameter)."""
+    """Where one checkpoint tensor goes: parameter or buffer `param`, region `index` (() = the whole of it).
+    MX tensors are either dequantized with their E8M0 `scale` tensor as they are read, or copied as `raw` bytes
+    into an MX expert stack."""
 
     param: str
     index: tuple = ()
+    scale: str | None = None
+    raw: bool = False
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
@@ -60,24 +81,32 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     shapes = _read_headers(files)
     layout, prefix, lm_head = _detect_layout(shapes)
     expected = expected_tensors(config, layout, prefix, lm_head)
+    mx = mx_weights(shapes, expected, config.quant_format)
 
     with torch.device("meta"):
         model = MiniMaxM3ForCausalLM(config, dtype=dtype, attn_backend=attn_backend)
-    params = dict(model.named_parameters())
-    _check(shapes, expected, params, path)
+        _check(shapes, expected, dict(model.named_parameters()), path, mx, config.quant_format)
+        plan = _mx_plan(model, expected, mx)
 
     model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    params = dict(model.named_parameters())
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     by_file: dict[Path, list[str]] = defaultdict(list)
-    for name in expected:  # in model order within each shard
+    for name in plan:  # in model order within each shard
         by_file[files[name]].append(name)
     for file, names in by_file.items():
         shard = _MappedShard(file)
         for name in names:
-            target = expected[name]
-            shard.copy_to(name, params[target.param][target.index])
+            target = plan[name]
+            dest = tensors[target.param][target.index]
+            if target.raw:
+                shard.copy_to(name, dest, lambda rows, _, d=dest: rows.view(d.dtype))
+            elif target.scale is not None:
+                shard.copy_to(name, dest, _dequantizer(files[target.scale], target.scale, config.quant_format,
+                                                       dest.dtype))
+            else:
+                shard.copy_to(name, dest)
     model.mtp_weights = LazyTensors({m.group(2): (files[k], k) for k in shapes if (m := _MTP.search(k))})
     return quantize_model(model, quantization).eval()
 
@@ -201,22 +230,35 @@ def _expected_moe(c: ModelConfig, layout: str, add) -> None:
 
 
 def _check(shapes: Mapping[str, tuple[tuple[int, ...], str]], expected: Mapping[str, Target],
-           params: Mapping[str, torch.Tensor], path: Path) -> None:
+           params: Mapping[str, torch.Tensor], path: Path, mx: Mapping[str, str] | None = None,
+           fmt: str = "none") -> None:
+    """Presence, shape and dtype of every expected tensor (`mx`: weight -> scale names of the MX-stored linears,
+    in `fmt`), and no unexpected ones; all problems in one CheckpointError."""
+    mx = mx or {}
     missing = [n for n in expected if n not in shapes]
     bad_shape, bad_dtype = [], []
     for name, target in expected.items():
         if name not in shapes:
             continue
-        shape, dtype = shapes[name]
         want = tuple(params[target.param][target.index].shape)
-        if shape != want:
-            bad_shape.append(f"{name}: {list(shape)}, expected {list(want)}")
-        if dtype not in _FLOAT_DTYPES:
-            bad_dtype.append(f"{name}: {dtype}")
-    unexpected = [n for n in shapes if n not in expected and not _SKIPPED.search(n) and not _MTP.search(n)]
+        wants = {name: (want, _FLOAT_DTYPES)}
+        if name in mx:  # [out, in] stored as MX rows + one E8M0 scale per 32 inputs
+            out, k = want
+            if k % MX_BLOCK:
+                bad_shape.append(f"{name}: {k} inputs is not a multiple of the MX block {MX_BLOCK}")
+            wants = {name: ((out, k // 2 if fmt == "mxfp4" else k), {_MX_WEIGHT_DTYPE[fmt]}),
+                     mx[name]: ((out, k // MX_BLOCK), _E8M0_DTYPES)}
+        for tensor, (want_shape, dtypes) in wants.items():
+            shape, dtype = shapes[tensor]
+            if shape != want_shape:
+                bad_shape.append(f"{tensor}: {list(shape)}, expected {list(want_shape)}")
+            if dtype not in dtypes:
+                bad_dtype.append(f"{tensor}: {dtype}, expected {' or '.join(sorted(dtypes))}")
+    scales = set(mx.values())
+    unexpected = [n for n in shapes if n not in expected and n not in scales and not _SKIPPED.search(n)
+                  and not _MTP.search(n)]
     problems = []
-    for what, items in (("missing tensors", missing), ("wrong shapes", bad_shape),
-                        ("unsupported dtypes (quantized weights are not loadable yet)", bad_dtype),
+    for what, items in (("missing tensors", missing), ("wrong shapes", bad_shape), ("wrong dtypes", bad_dtype),
                         ("unexpected tensors", unexpected)):
         if items:
             listed = "\n    ".join(items[:_MAX_LISTED])
@@ -224,6 +266,63 @@ def _check(shapes: Mapping[str, tuple[tuple[int, ...], str]], expected: Mapping[
             problems.append(f"  {len(items)} {what}:\n    {listed}{more}")
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match its config.json:\n" + "\n".join(problems))
+
+
+def mx_weights(shapes: Mapping[str, object], expected: Mapping[str, Target], fmt: str) -> dict[str, str]:
+    """weight name -> its E8M0 scale tensor's name, for the linears the checkpoint stores in the MX format `fmt`:
+    those whose scale tensor is present (the rest, e.g. the router and lm_head, are stored as floats)."""
+    if fmt == "none":
+        return {}
+    suffix = _MX_SCALE[fmt]
+    return {n: scale for n in expected if n.endswith(".weight") and (scale := n[: -len("weight")] + suffix) in shapes}
+
+
+def _mx_plan(model: MiniMaxM3ForCausalLM, expected: Mapping[str, Target], mx: Mapping[str, str]
+             ) -> dict[str, Target]:
+    """The copy plan: `expected`, where each MoE layer whose experts (routed and shared) are all MX-stored becomes a
+    QuantizedMoE (built where the model is, e.g. on the meta device) that their bytes and scales are read into, and
+    every other MX linear is dequantized as it is read."""
+    fmt = model.config.quant_format
+    plan: dict[str, Target] = {}
+    experts: dict[int, list[tuple[str, str]]] = defaultdict(list)  # MoE layer -> (tensor name, float param)
+    for name, target in expected.items():
+        layer, _, param = target.param.removeprefix("layers.").partition(".")
+        if param in _STACKED:
+            experts[int(layer)].append((name, param))
+        else:
+            plan[name] = Target(target.param, target.index, scale=mx.get(name))
+    problems = []
+    for layer, names in experts.items():
+        stored = sum(name in mx for name, _ in names)
+        if stored == 0:
+            plan.update({name: expected[name] for name, _ in names})
+            continue
+        # the MoE kernels serve the routed experts and the shared expert as one stack in one format
+        moe = model.layers[layer].mlp
+        num_experts, hidden, inter = moe.w_down.shape
+        if stored < len(names):
+            problems.append(f"layer {layer}: {stored} of its {len(names)} expert tensors (routed + shared) are "
+                            f"stored as {fmt}: one {fmt} stack needs them all")
+        elif moe.shared_experts.down_proj.weight.shape[1] != inter:
+            problems.append(f"layer {layer}: the shared expert's width differs from the routed experts' {inter}")
+        if problems:
+            continue
+        model.layers[layer].mlp = QuantizedMoE(moe, empty_experts(fmt, num_experts + 1, hidden, inter))
+        for name, param in names:
+            stack, shared = _STACKED[param]
+            index = (num_experts, *expected[name].index) if shared else expected[name].index
+            plan[name] = Target(f"layers.{layer}.mlp.{stack}", index, raw=True)
+            plan[mx[name]] = Target(f"layers.{layer}.mlp.{stack}_scale", index, raw=True)
+    if problems:
+        raise CheckpointError(f"{fmt} experts:\n  " + "\n  ".join(problems))
+    return plan
+
+
+def _dequantizer(file: Path, scale_name: str, fmt: str, dtype: torch.dtype):
+    """rows of an MX weight (and their first row number) -> the dequantized rows in `dtype`."""
+    with safe_open(file, framework="pt") as f:
+        scale = f.get_tensor(scale_name).view(torch.uint8)  # E8M0 may come typed float8_e8m0fnu: its bytes
+    return lambda rows, start: _MX_DEQUANTIZE[fmt](rows, scale[start : start + rows.shape[0]], dtype)
 
 
 class _MappedShard:
@@ -235,8 +334,9 @@ class _MappedShard:
         self.handle = None
         self.mapped = 0
 
-    def copy_to(self, name: str, dest: torch.Tensor) -> None:
-        """Copy tensor `name` into `dest` in row blocks of at most _CHUNK_BYTES (an expert stack can be GBs)."""
+    def copy_to(self, name: str, dest: torch.Tensor, convert=None) -> None:
+        """Copy tensor `name` into `dest` in row blocks of at most _CHUNK_BYTES (an expert stack can be GBs),
+        through `convert(rows, first_row)` when given."""
         shape = self._open().get_slice(name).get_shape()
         if not shape:
             dest.copy_(self._open().get_tensor(name))
@@ -244,7 +344,7 @@ class _MappedShard:
         step = max(1, _CHUNK_BYTES // (4 * math.prod(shape[1:])))
         for start in range(0, shape[0], step):
             chunk = self._open().get_slice(name)[start : start + step]
-            dest[start : start + chunk.shape[0]].copy_(chunk)
+            dest[start : start + chunk.shape[0]].copy_(chunk if convert is None else convert(chunk, start))
             self.mapped += chunk.numel() * chunk.element_size()
             del chunk  # its view keeps the map alive: release it before a possible re-open
 

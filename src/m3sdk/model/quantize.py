@@ -8,6 +8,8 @@
 - "mxfp4": "fp8", plus the routed experts in MXFP4 (E2M1, one E8M0 scale per 32 inputs) with the shared expert
            stacked after them in the same format, so one fused MoE launch pair serves both (AMD's published MXFP4
            checkpoint quantizes the shared experts too).
+Experts a checkpoint stores in an MX format (the loader builds their QuantizedMoE) stay as stored under every
+choice; "mxfp4" refuses MXFP8 experts rather than requantize them.
 GEMMs go through m3sdk_kernels: the Triton kernels on a GPU, their references on a CPU, which quantize and
 dequantize the same way (so the quantized model is testable in CI).
 """
@@ -19,11 +21,12 @@ from torch import nn
 
 from m3sdk.model.layers import DenseMLP, SparseMoE
 from m3sdk_kernels.arch import current_arch
-from m3sdk_kernels.moe import fused_moe, fused_moe_ref, quantize_experts
+from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, quantize_experts
 from m3sdk_kernels.quant import fp8_linear, fp8_linear_ref, quantize_fp8_weight
 from m3sdk_kernels.router import route, route_ref
 
 QUANTIZATIONS = ("none", "fp8", "mxfp4")
+_EXPERT_TENSORS = ("gate_up", "down", "gate_up_scale", "down_scale")
 
 
 class Fp8Linear(nn.Module):
@@ -42,19 +45,33 @@ class Fp8Linear(nn.Module):
 
 
 class QuantizedMoE(nn.Module):
-    """SparseMoE with its routed experts and shared expert stacked into one `Experts` in `fmt`: the router kernel
-    appends the shared expert (id E, weight 1) to each token's routed choice, scaled by the routing factor."""
+    """SparseMoE with its routed experts and shared expert stacked into one `Experts` (shared last): the router
+    kernel appends the shared expert (id E, weight 1) to each token's routed choice, scaled by the routing factor.
+    The stack's tensors are buffers, so `to`/`to_empty` move them and the loader can read a checkpoint into them."""
 
-    def __init__(self, moe: SparseMoE, fmt: str):
+    def __init__(self, moe: SparseMoE, experts: Experts):
         super().__init__()
-        shared = moe.shared_experts
-        if shared.gate_up_proj.weight.shape[0] != moe.w_gate_up.shape[1]:
-            raise ValueError("stacking the shared expert needs the routed experts' width")
+        if experts.num_experts != moe.router_weight.shape[0] + 1:
+            raise ValueError("the stack holds the routed experts and the shared expert last")
         self.top_k, self.scaling, self.alpha, self.limit = moe.top_k, moe.scaling, moe.alpha, moe.limit
         self.router_weight = moe.router_weight
         self.e_score_correction_bias = moe.e_score_correction_bias
-        self.experts = quantize_experts(torch.cat((moe.w_gate_up, shared.gate_up_proj.weight[None])),
-                                        torch.cat((moe.w_down, shared.down_proj.weight[None])), fmt)
+        self.fmt = experts.fmt
+        for name in _EXPERT_TENSORS:
+            self.register_buffer(name, getattr(experts, name))
+
+    @classmethod
+    def quantize(cls, moe: SparseMoE, fmt: str) -> QuantizedMoE:
+        """`moe`'s float experts and shared expert quantized to `fmt`."""
+        shared = moe.shared_experts
+        if shared.gate_up_proj.weight.shape[0] != moe.w_gate_up.shape[1]:
+            raise ValueError("stacking the shared expert needs the routed experts' width")
+        return cls(moe, quantize_experts(torch.cat((moe.w_gate_up, shared.gate_up_proj.weight[None])),
+                                         torch.cat((moe.w_down, shared.down_proj.weight[None])), fmt))
+
+    @property
+    def experts(self) -> Experts:
+        return Experts(self.fmt, *(getattr(self, name) for name in _EXPERT_TENSORS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = nn.functional.linear(x.to(self.router_weight.dtype), self.router_weight).float()
@@ -83,8 +100,12 @@ def quantize_model(model: nn.Module, quantization: str) -> nn.Module:
         attn.o_proj = Fp8Linear(attn.o_proj, fp8_dtype)
         if isinstance(layer.mlp, DenseMLP):
             _fp8_mlp(layer.mlp, fp8_dtype)
+        elif isinstance(layer.mlp, QuantizedMoE):  # stored quantized by the checkpoint: served as stored
+            if quantization == "mxfp4" and layer.mlp.fmt != "mxfp4":
+                raise ValueError(f"quantization='mxfp4' would requantize the checkpoint's {layer.mlp.fmt} experts; "
+                                 "use 'fp8' or 'none' (the stored experts are served as they are)")
         elif quantization == "mxfp4":
-            layer.mlp = QuantizedMoE(layer.mlp, "mxfp4")
+            layer.mlp = QuantizedMoE.quantize(layer.mlp, "mxfp4")
         else:
             _fp8_mlp(layer.mlp.shared_experts, fp8_dtype)
     return model

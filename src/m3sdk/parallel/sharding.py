@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from m3sdk.errors import CheckpointError
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.layers import SparseMoE, moe_experts, route
 from m3sdk.model.loader import _check, _detect_layout, _read_headers, _tensor_files, expected_tensors
@@ -200,6 +201,8 @@ def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype
     """Read this rank's part of the checkpoint at `path` into its model (no rank reads a whole sharded tensor)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
+    if config.quant_format != "none":
+        raise CheckpointError(f"tensor parallel loading of {config.quant_format} checkpoints is not supported yet")
     files = _tensor_files(path)
     shapes = _read_headers(files)
     layout, prefix, lm_head = _detect_layout(shapes)
