@@ -101,3 +101,11 @@ def test_rolled_back_slots_leave_no_page(spec_checkpoint):
                 assert r.num_tokens == r.num_computed_tokens + 1  # the real tokens only
     assert core.spec.stats()["spec_accepted_tokens"] > 0
     assert core.cache.num_free_pages() == core.cache.num_pages
+
+
+async def test_token_budget_that_cuts_drafts(spec_checkpoint, reference):
+    """8 tokens a step for up to 6 decoding requests with 3 drafts each: the budget cuts drafts (only the
+    scheduled ones are verified), tokens unchanged."""
+    out, stats = await greedy(spec_checkpoint, prompts(0), max_num_batched_tokens=8,
+                              speculative={"method": "ngram", "num_speculative_tokens": 3})
+    assert out == reference and stats["spec_accepted_tokens"] > 0
