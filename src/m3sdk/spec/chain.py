@@ -99,11 +99,10 @@ class ChainDrafter(ABC):
         dev = feats[0].device
         out = self.run(ctxs, counts, torch.tensor(toks, dtype=torch.long, device=dev), torch.cat(feats),
                        torch.cat(pos).to(dev), from_target=True)
-        last = torch.tensor(counts, device=dev).cumsum(0) - 1
-        firsts = self.tokens(out[last])
-        for i, rid in enumerate(rids):
+        last = out[torch.tensor(counts, device=dev).cumsum(0) - 1]  # a copy: the prefill's rows are not kept
+        for rid, token, row in zip(rids, self.tokens(last), last, strict=True):
             seq = self._seqs[rid]
-            seq.next_token, seq.hidden = firsts[i], out[last[i]]
+            seq.next_token, seq.hidden = token, row
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
