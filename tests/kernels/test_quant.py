@@ -125,3 +125,40 @@ def test_quantized_model_logits_and_greedy_agreement(oracle_checkpoint):
     assert control[0] < 0.06 and control[1] > 0.9
     assert control[0] < fp8[0] < 0.35 and fp8[1] > 0.5
     assert fp8[0] < mxfp4[0] < 0.55 and mxfp4[1] > 0.35
+
+
+def test_fp8_norms_hand_quantized_rows_to_the_projections(oracle_checkpoint):
+    """quantization="fp8": the input norm and the fused residual-add + post-attention norm quantize their output
+    per token for qkv_proj and the dense MLP's gate_up (the same rows the Triton kernel produces); MoE layers
+    keep bf16 (the router and the experts read it)."""
+    from m3sdk.model import load_model
+    from m3sdk.model.layers import Fp8Activation
+    from m3sdk_kernels.norm import add_rms_norm, add_rms_norm_ref
+
+    model = load_model(oracle_checkpoint, dtype=torch.bfloat16, quantization="fp8")
+    dense, moe = model.layers[0], model.layers[1]
+    fp8 = dense.self_attn.qkv_proj.weight.dtype
+    seen = {}
+
+    def keep(name, output=False):
+        def hook(module, args, out=None):
+            seen[name] = out if output else args[0]
+        return hook
+
+    dense.register_forward_pre_hook(keep("x"))
+    dense.self_attn.register_forward_hook(keep("attn", output=True))
+    dense.self_attn.qkv_proj.register_forward_pre_hook(keep("qkv_in"))
+    dense.mlp.gate_up_proj.register_forward_pre_hook(keep("gate_up_in"))
+    moe.mlp.register_forward_pre_hook(keep("moe_in"))
+    _logits(model, {"s": list(range(3, 40))})
+
+    eps = dense.input_layernorm.eps
+    want_qkv = add_rms_norm_ref(seen["x"], dense.input_layernorm.weight, eps, fp8_dtype=fp8)
+    want_mlp = add_rms_norm_ref(seen["attn"], dense.post_attention_layernorm.weight, eps, seen["x"], fp8)
+    for got, want in ((seen["qkv_in"], want_qkv), (seen["gate_up_in"], want_mlp)):
+        assert isinstance(got, Fp8Activation) and got.data.dtype == fp8
+        assert torch.equal(got.data.float(), want[0].float()) and torch.equal(got.scale, want[1])
+    assert isinstance(seen["moe_in"], torch.Tensor) and seen["moe_in"].dtype == torch.bfloat16
+    # the kernel (interpreted here) hands over the same rows, up to the interpreter's bf16 rounding of h
+    y, s, _ = add_rms_norm(seen["attn"], dense.post_attention_layernorm.weight, eps, seen["x"], fp8)
+    assert rel(y.float() * s[:, None], want_mlp[0].float() * want_mlp[1][:, None]) < 2e-2

@@ -5,8 +5,12 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
+
+from m3sdk_kernels.norm import add_rms_norm, add_rms_norm_ref
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,6 +28,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemma_rms_norm(x, self.weight, self.eps)
+
+
+class Fp8Activation(NamedTuple):
+    """A norm's output quantized per token for the FP8 projection that reads it (`quantize.Fp8Linear`)."""
+
+    data: torch.Tensor  # fp8 [T, H]
+    scale: torch.Tensor  # float32 [T]
+
+
+def residual_rms_norm(x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None = None,
+                      fp8_dtype: torch.dtype | None = None) -> tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
+    """h = x + residual (x alone without one) and its Gemma norm in one pass -> (normed, h). With `fp8_dtype` the
+    normed rows come quantized per token from fp32, so the FP8 projection after the norm needs no quantization
+    launch of its own. The Triton kernel on a GPU, its reference elsewhere: the same math."""
+    op = add_rms_norm if x.is_cuda else add_rms_norm_ref
+    y, scale, h = op(x, norm.weight, norm.eps, residual, fp8_dtype)
+    return (y if scale is None else Fp8Activation(y, scale)), h
 
 
 class RotaryEmbedding:

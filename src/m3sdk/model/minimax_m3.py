@@ -16,7 +16,15 @@ from torch import nn
 from m3sdk.attention.base import AttentionBackend, AttentionMetadata, get_backend
 from m3sdk.cache.kv_pool import KVPool
 from m3sdk.model.config import ModelConfig
-from m3sdk.model.layers import DenseMLP, RMSNorm, RotaryEmbedding, SparseMoE, apply_rope
+from m3sdk.model.layers import (
+    DenseMLP,
+    Fp8Activation,
+    RMSNorm,
+    RotaryEmbedding,
+    SparseMoE,
+    apply_rope,
+    residual_rms_norm,
+)
 
 
 class Attention(nn.Module):
@@ -46,9 +54,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
-                backend: AttentionBackend) -> torch.Tensor:
-        t = x.shape[0]
+    def forward(self, x: torch.Tensor | Fp8Activation, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv: KVPool, backend: AttentionBackend) -> torch.Tensor:
+        t = meta.positions.shape[0]
         parts = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = apply_rope(self.q_norm(parts[0].view(t, self.num_heads, self.head_dim)), cos, sin)
         k = apply_rope(self.k_norm(parts[1].view(t, self.num_kv_heads, self.head_dim)), cos, sin)
@@ -79,11 +87,18 @@ class DecoderLayer(nn.Module):
                                  dtype)
         else:
             self.mlp = DenseMLP(c.hidden_size, c.dense_intermediate_size, c.swiglu_alpha, c.swiglu_limit, dtype)
+        # set by quantize_model where an FP8 projection reads the norm: it then hands over fp8 rows + scales
+        self.attn_input_fp8: torch.dtype | None = None
+        self.mlp_input_fp8: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
                 backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        y, _ = residual_rms_norm(x, self.input_layernorm, fp8_dtype=self.attn_input_fp8)
+        attn = self.self_attn(y, cos, sin, meta, kv, backend)
+        # the residual add fused into the post-attention norm; the MLP's add stays here because the layer's output
+        # is the residual stream (EAGLE3's aux states and the MTP layer read it)
+        y, x = residual_rms_norm(attn, self.post_attention_layernorm, residual=x, fp8_dtype=self.mlp_input_fp8)
+        return x + self.mlp(y)
 
 
 class MiniMaxM3ForCausalLM(nn.Module):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from m3sdk.model.layers import DenseMLP, SparseMoE
+from m3sdk.model.layers import DenseMLP, Fp8Activation, SparseMoE
 from m3sdk_kernels.arch import current_arch
 from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, quantize_experts
 from m3sdk_kernels.quant import fp8_linear, fp8_linear_ref, quantize_fp8_weight
@@ -30,17 +30,21 @@ _EXPERT_TENSORS = ("gate_up", "down", "gate_up_scale", "down_scale")
 
 
 class Fp8Linear(nn.Module):
-    """y = x @ W.T with W in FP8 (per-output-channel scales) and x quantized per token."""
+    """y = x @ W.T with W in FP8 (per-output-channel scales) and x quantized per token, here or already by the
+    norm before it (an `Fp8Activation`)."""
 
     def __init__(self, linear: nn.Linear, fp8_dtype: torch.dtype):
         super().__init__()
+        self.out_dtype = linear.weight.dtype
         w_q, w_scale = quantize_fp8_weight(linear.weight.detach(), fp8_dtype)
         self.register_buffer("weight", w_q)
         self.register_buffer("weight_scale", w_scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        linear = fp8_linear if self.weight.is_cuda else fp8_linear_ref
+        if isinstance(x, Fp8Activation):
+            return linear(x.data, self.weight, self.weight_scale, x.scale, out_dtype=self.out_dtype)
         flat = x.reshape(-1, x.shape[-1])
-        linear = fp8_linear if x.is_cuda else fp8_linear_ref
         return linear(flat, self.weight, self.weight_scale, out_dtype=x.dtype).reshape(*x.shape[:-1], -1)
 
 
@@ -98,8 +102,10 @@ def quantize_model(model: nn.Module, quantization: str) -> nn.Module:
         attn = layer.self_attn
         attn.qkv_proj = Fp8Linear(attn.qkv_proj, fp8_dtype)
         attn.o_proj = Fp8Linear(attn.o_proj, fp8_dtype)
+        layer.attn_input_fp8 = fp8_dtype  # the input norm quantizes for qkv_proj
         if isinstance(layer.mlp, DenseMLP):
             _fp8_mlp(layer.mlp, fp8_dtype)
+            layer.mlp_input_fp8 = fp8_dtype  # MoE layers keep bf16: the router and the experts read it too
         elif isinstance(layer.mlp, QuantizedMoE):  # stored quantized by the checkpoint: served as stored
             if quantization == "mxfp4" and layer.mlp.fmt != "mxfp4":
                 raise ValueError(f"quantization='mxfp4' would requantize the checkpoint's {layer.mlp.fmt} experts; "
