@@ -303,9 +303,9 @@ def _mx_plan(model: MiniMaxM3ForCausalLM, expected: Mapping[str, Target], mx: Ma
         if stored < len(names):
             problems.append(f"layer {layer}: {stored} of its {len(names)} expert tensors (routed + shared) are "
                             f"stored as {fmt}: one {fmt} stack needs them all")
-        elif moe.shared_experts.down_proj.weight.shape[1] != inter:
+            continue
+        if moe.shared_experts.down_proj.weight.shape[1] != inter:
             problems.append(f"layer {layer}: the shared expert's width differs from the routed experts' {inter}")
-        if problems:
             continue
         model.layers[layer].mlp = QuantizedMoE(moe, empty_experts(fmt, num_experts + 1, hidden, inter))
         for name, param in names:
