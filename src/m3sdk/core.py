@@ -167,11 +167,13 @@ class EngineCore:
     def describe(self) -> dict[str, str]:
         """A human summary for `m3sdk info`: model, kernel backend, cache budget."""
         mc, spec = self.runner.model.config, self.cache.kv.spec
-        params = sum(p.numel() for p in self.runner.model.parameters())
+        model = self.runner.model
+        # quantized weights are buffers (Fp8Linear, QuantizedMoE): count their bytes too
+        weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         return {
             "model": str(self.config.model_path()),
             "layers": f"{mc.num_layers} ({len(mc.sparse_layers)} MSA sparse, {len(mc.moe_layers)} MoE)",
-            "parameters": f"{params / 1e6:.2f} M on {spec.device} as {spec.model_dtype}",
+            "weights": f"{weight_bytes / 2**20:.1f} MiB on {spec.device} as {spec.model_dtype}",
             "attention": f"{mc.num_heads} q / {mc.num_kv_heads} kv heads x {mc.head_dim}; MSA top-"
                          f"{mc.index_topk_blocks} of {mc.index_block_size}-token blocks",
             "experts": f"{mc.num_experts} routed (top-{mc.num_experts_per_tok}) + shared",
