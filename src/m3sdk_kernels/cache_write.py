@@ -83,10 +83,10 @@ def norm_rope_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_nor
 
 
 @triton.jit
-def _to_cache_dtype(x, ty: tl.constexpr):
-    """x (fp32) cast to the cache element type. FP8 rounds in fp32 first (to nearest even, on the e4m3 grid of
-    that type), so the cast itself is exact: Triton's interpreter rounds fp32 -> fp8 wrongly, and the same
-    integer trick costs nothing next to the store on a GPU."""
+def _exact_cast(x, ty: tl.constexpr):
+    """x (fp32) cast to `ty`, rounded to nearest even in fp32 first (on the e4m3 grid of that type for FP8, on
+    bf16's for bf16), so the cast itself is exact: Triton's interpreter rounds fp32 -> fp8 wrongly and truncates
+    fp32 -> bf16, and the same integer trick costs nothing next to the store on a GPU."""
     if ty.is_fp8():
         min_exp: tl.constexpr = -7 if ty == tl.float8e4b8 else -6  # smallest normal exponent: fnuz vs fn
         e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
@@ -94,6 +94,10 @@ def _to_cache_dtype(x, ty: tl.constexpr):
         magic = (((step + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^(step + 23)
         rounded = (tl.abs(x) + magic) - magic
         x = tl.where(x < 0, -rounded, rounded)  # on |x|: tiny negatives round to -0 as in torch
+    elif ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16  # ties to the even upper half
+        x = bits.to(tl.float32, bitcast=True)
     return x.to(ty)
 
 
@@ -107,7 +111,7 @@ def _quantize_store(x, cache_ptr, scale_ptr, page, off, d, head, stride_cp, stri
         x = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
         tl.store(scale_ptr + page * stride_sp + head * stride_sh + off, scale)
     dst = cache_ptr + page * stride_cp + head * stride_ch + slot_offsets(off, d, HEAD_DIM, X, SHUFFLE, IS_V)
-    tl.store(dst, _to_cache_dtype(x, cache_ptr.dtype.element_ty))
+    tl.store(dst, _exact_cast(x, cache_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -137,7 +141,7 @@ def _write_index_key_kernel(ik_ptr, cache_ptr, slot_ptr, stride_t, stride_cp, IN
         d = tl.arange(0, INDEX_DIM)
         x = tl.load(ik_ptr + t * stride_t + d).to(tl.float32)
         dst = cache_ptr + (slot // PAGE).to(tl.int64) * stride_cp + (slot % PAGE) * INDEX_DIM + d
-        tl.store(dst, _to_cache_dtype(x, cache_ptr.dtype.element_ty))
+        tl.store(dst, _exact_cast(x, cache_ptr.dtype.element_ty))
 
 
 def _kv_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> tuple:
@@ -182,13 +186,13 @@ def _norm_rope(ptr, w_ptr, cos_ptr, sin_ptr, eps, DIM: tl.constexpr, HALF: tl.co
     x = tl.load(ptr + d)
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf) / DIM + eps)
-    y = (xf * inv_rms * (1.0 + tl.load(w_ptr + d).to(tl.float32))).to(x.dtype).to(tl.float32)
+    y = _exact_cast(xf * inv_rms * (1.0 + tl.load(w_ptr + d).to(tl.float32)), x.dtype).to(tl.float32)
     xp = tl.load(ptr + partner).to(tl.float32)
-    yp = (xp * inv_rms * (1.0 + tl.load(w_ptr + partner).to(tl.float32))).to(x.dtype).to(tl.float32)
+    yp = _exact_cast(xp * inv_rms * (1.0 + tl.load(w_ptr + partner).to(tl.float32)), x.dtype).to(tl.float32)
     c = tl.load(cos_ptr + d % HALF, mask=rotated, other=1.0)
     s = tl.load(sin_ptr + d % HALF, mask=rotated, other=0.0)
     s = tl.where(d < HALF, -s, s)
-    return tl.where(rotated, y * c + yp * s, y).to(x.dtype).to(tl.float32)
+    return _exact_cast(tl.where(rotated, y * c + yp * s, y), x.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -233,7 +237,7 @@ def _norm_rope_write_kernel(
             if slot >= 0:
                 y = _norm_rope(ik_ptr + t * stride_ikt, ik_w, cos_t, sin_t, eps, INDEX_DIM, HALF)
                 dst = index_cache + (slot // PAGE).to(tl.int64) * stride_ip + (slot % PAGE) * INDEX_DIM + d
-                tl.store(dst, _to_cache_dtype(y, index_cache.dtype.element_ty))
+                tl.store(dst, _exact_cast(y, index_cache.dtype.element_ty))
 
 
 def norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor,
