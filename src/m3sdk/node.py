@@ -76,11 +76,9 @@ def run_prefill_node(args) -> None:
     The shared token comes from $M3SDK_PREFILL_TOKEN (not a flag: flags show in `ps`)."""
     from m3sdk.cli import _engine_overrides
     from m3sdk.config import EngineConfig
-    from m3sdk.core import EngineCore
     from m3sdk.disagg.backend import EngineBackend
 
-    config = EngineConfig(**_engine_overrides(args))
-    backend = EngineBackend(EngineCore.build(config), config.model_path())
+    backend = EngineBackend(EngineConfig(**_engine_overrides(args)))
     node = PrefillNode(backend, args.listen, token=os.environ.get("M3SDK_PREFILL_TOKEN") or None).start()
     print(f"m3sdk prefill node {node.node_id} serving on {node.address}", flush=True)
     try:

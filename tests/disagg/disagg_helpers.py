@@ -18,7 +18,7 @@ from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
 from m3sdk.disagg import wire
 from m3sdk.disagg.compat import CompatInfo
 from m3sdk.disagg.messages import Limits, PrefillOrder
-from m3sdk.disagg.server import Prefilled
+from m3sdk.disagg.server import FirstToken
 from m3sdk_kernels.layout import PAGE_SIZE
 
 VOCAB = 1000
@@ -53,18 +53,24 @@ def first_token(token_ids: list[int]) -> int:
 
 
 class PatternBackend:
-    """Fills the requested pages with `pattern` after `delay_s` (a stand-in for compute time)."""
+    """Packs the pattern of the requested pages after `delay_s` (a stand-in for compute time)."""
 
     def __init__(self, kv_dtype: str, layout: str, delay_s: float = 0.0):
         self.spec = spec(kv_dtype, layout)
         self.compat = CompatInfo.from_spec(self.spec, "pattern-model")
         self.vocab_size = VOCAB
+        self.rows = wire.page_rows(KVPool(self.spec))
         self.delay_s = delay_s
 
-    async def prefill(self, order: PrefillOrder) -> Prefilled:
+    async def prefill(self, order: PrefillOrder, outbox) -> FirstToken:
         await asyncio.sleep(self.delay_s)
         rows = expected_rows(self.spec, order.token_ids, order.num_cached_pages)
-        return Prefilled(first_token(order.token_ids), -0.25, rows)
+        outbox.pack(list(outbox.plan.messages), rows, torch.arange(outbox.plan.num_pages))
+        top = [(first_token(order.token_ids), -0.25)] * order.params.logprobs
+        return FirstToken(first_token(order.token_ids), -0.25, top)
+
+    def pages(self) -> tuple[int, int]:
+        return 0, 0
 
 
 def _serve(conn, kv_dtype: str, layout: str, delay_s: float, token: str | None) -> None:
@@ -102,27 +108,32 @@ def stop_node(proc: mp.Process) -> None:
         proc.join()
 
 
-def _serve_engine(conn, checkpoint: str, delay_s: float, corrupt_index_keys: bool) -> None:
+def _serve_engine(conn, checkpoint: str, delay_s: float, corrupt_index_keys: bool, hold_last_layer: bool) -> None:
     torch.set_num_threads(1)
     from m3sdk.config import EngineConfig
-    from m3sdk.core import EngineCore
     from m3sdk.disagg.backend import EngineBackend
     from m3sdk.node import PrefillNode
 
     class Backend(EngineBackend):
-        async def prefill(self, order):
+        async def prefill(self, order, outbox):
             await asyncio.sleep(delay_s)  # a slow node, for the kill and abort tests
-            return await super().prefill(order)
+            return await super().prefill(order, outbox)
 
-        def _on_finish(self, request, reason):
-            super()._on_finish(request, reason)
-            rows = self._snapshots.get(request.request_id)
-            if corrupt_index_keys and rows is not None:
-                for layer in self.core.cache.kv.spec.sparse_layers:
-                    rows[layer][-1].copy_(torch.randint(0, 256, rows[layer][-1].shape, dtype=torch.uint8))
+        def _pack(self, job, messages):
+            if corrupt_index_keys:
+                # garble the group's index keys after its layers ran (the first token is computed from the
+                # real ones) and before they are packed: what travels is wrong, the node's compute is not
+                sparse = set(self.core.cache.kv.spec.sparse_layers)
+                for layer in {layer for m in messages for layer in m.layers} & sparse:
+                    index_rows = self.rows[layer][-1]
+                    index_rows[job.src] = torch.randint(0, 256, (len(job.src), index_rows.shape[1]),
+                                                        dtype=torch.uint8)
+            super()._pack(job, messages)
 
     config = EngineConfig(model=checkpoint, device="cpu", kv_cache_memory=8 << 20)
-    backend = Backend(EngineCore.build(config), config.model_path())
+    backend = Backend(config)
+    if hold_last_layer:
+        hold_until_first_group_sent(backend)
     node = PrefillNode(backend, "127.0.0.1:0").start()
     conn.send(node.address)
     try:
@@ -131,7 +142,25 @@ def _serve_engine(conn, checkpoint: str, delay_s: float, corrupt_index_keys: boo
         backend.stop()
 
 
-def spawn_engine_node(checkpoint, delay_s: float = 0.0, corrupt_index_keys: bool = False
-                      ) -> tuple[mp.Process, str]:
-    """A prefill node running the real engine on `checkpoint`; index keys garbled in transit if asked."""
-    return _spawn(_serve_engine, str(checkpoint), delay_s, corrupt_index_keys)
+def hold_until_first_group_sent(backend) -> None:
+    """Make the last layer of a forward that completes a prompt wait until that transfer's first message was
+    sent (its first group of layers): a node that pushed only after the whole forward would wait forever, so past
+    20 s the hook raises, the node's engine dies and the decode side sees the prefill fail."""
+    import time
+
+    def before_last_layer(module, args):
+        for job in backend._step:
+            deadline = time.monotonic() + 20
+            while not job.outbox.sent:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the first group of layers was not sent before the last layer ran")
+                time.sleep(0.005)
+
+    backend.core.runner.model.layers[-1].register_forward_pre_hook(before_last_layer)
+
+
+def spawn_engine_node(checkpoint, delay_s: float = 0.0, corrupt_index_keys: bool = False,
+                      hold_last_layer: bool = False) -> tuple[mp.Process, str]:
+    """A prefill node running the real engine on `checkpoint`; index keys garbled in transit if asked; with
+    `hold_last_layer`, a forward cannot finish before its transfers' first group of layers was sent."""
+    return _spawn(_serve_engine, str(checkpoint), delay_s, corrupt_index_keys, hold_last_layer)

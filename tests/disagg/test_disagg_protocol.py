@@ -183,8 +183,9 @@ def test_a_message_that_does_not_match_the_plan_never_reaches_the_pages():
         receive = receiver.receive(plan, rows, torch.tensor([10, 11, 12, 13]))
         # the same transfer id and tags, cut differently: 1 layer per message where the receiver expects 2
         forged = wire.TransferPlan.build(sender_rows, 1234, 4, 1, 1 << 20)
-        push = asyncio.ensure_future(sender.push("127.0.0.1", receiver.port, forged, sender_rows,
-                                                 torch.arange(4)))
+        outbox = sender.outbox(forged, torch.device("cpu"))
+        outbox.pack(list(forged.messages), sender_rows, torch.arange(4))
+        push = asyncio.ensure_future(sender.push("127.0.0.1", receiver.port, outbox))
         with pytest.raises(TransportError, match="bad header"):
             await asyncio.wait_for(receive.wait(), 10)
         push.cancel()  # its later messages match no posted buffer: they can only time out

@@ -1,55 +1,96 @@
-"""The prefill node's backend: an engine core of its own computes each prompt as a one-token request.
+"""The prefill node's backend: an engine core of its own computes each prompt as a one-token request, and its pages
+leave a group of layers at a time while the following layers still compute.
 
-When such a request finishes (its first token sampled), the core's finish hook runs in the engine thread while
-the request still holds its pages: the pages to send are copied out then, so the core may free and reuse them
-at once and the push runs from the copy.
+The core runs a continuous scheduler that reports each step plan (through the EngineConfig.scheduler seam). When
+a plan holds the step that completes one of our prompts (the step samples it), a forward hook after the last
+layer of each group of layers packs that group's pages of the prompt into the transfer's outbox, and the push
+sends them while the next layers run. Packing copies, so the core may free and reuse the pages afterwards. The
+first token comes with the step's chunk, after every message was packed.
 """
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+import functools
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from m3sdk.config import EngineConfig
 from m3sdk.core import EngineCore
 from m3sdk.disagg import wire
 from m3sdk.disagg.compat import CompatInfo, model_fingerprint
 from m3sdk.disagg.messages import PrefillOrder
-from m3sdk.disagg.server import Prefilled
-from m3sdk.request import Chunk, FinishReason, Request
+from m3sdk.disagg.server import FirstToken
+from m3sdk.disagg.transport import Outbox
+from m3sdk.request import Chunk, Request
 from m3sdk.sampler import SamplingState
+from m3sdk.scheduler.base import StepPlan
+from m3sdk.scheduler.continuous import ContinuousScheduler
 from m3sdk.tokenizer import TextStream
-from m3sdk_kernels.layout import PAGE_SIZE
+
+
+class _ReportingScheduler(ContinuousScheduler):
+    def __init__(self, cache: Any, config: EngineConfig, on_plan: Any):
+        super().__init__(cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self._on_plan = on_plan
+
+    def schedule(self) -> StepPlan:
+        plan = super().schedule()
+        self._on_plan(plan)
+        return plan
+
+
+@dataclass
+class _Job:
+    order: PrefillOrder
+    outbox: Outbox
+    done: asyncio.Future[FirstToken]
+    groups: dict[int, list[wire.MessageSpec]]  # last layer of a group of layers -> the group's messages
+    src: torch.Tensor | None = None  # the source pages, known in the step that completes the prompt
+    packed: int = field(default=0)
 
 
 class EngineBackend:
-    def __init__(self, core: EngineCore, model_path: str | Path):
-        self.core = core
-        self.compat = CompatInfo.from_spec(core.cache.kv.spec, model_fingerprint(model_path))
-        self.vocab_size = core.vocab_size
-        self._rows = wire.page_rows(core.cache.kv)
-        self._waiters: dict[str, tuple[asyncio.Future, int]] = {}  # request id -> (result, cached pages)
-        self._snapshots: dict[str, list[list[torch.Tensor]]] = {}
-        core.finish_hooks.append(self._on_finish)
-        core.start(self._emit, self._on_dead)
+    def __init__(self, config: EngineConfig):
+        if config.scheduler != "continuous":
+            raise ValueError(f"a prefill node runs the continuous scheduler, got {config.scheduler!r}")
+        if config.tensor_parallel_size != 1:
+            raise ValueError("a prefill node runs with tensor_parallel_size=1 (pages of other ranks are not sent)")
+        factory = functools.partial(_ReportingScheduler, on_plan=self._on_plan)
+        self.core = EngineCore.build(config.replace(scheduler=factory))
+        self.compat = CompatInfo.from_spec(self.core.cache.kv.spec, model_fingerprint(config.model_path()))
+        self.vocab_size = self.core.vocab_size
+        self.rows = wire.page_rows(self.core.cache.kv)
+        self._jobs: dict[str, _Job] = {}
+        self._step: list[_Job] = []  # engine thread: jobs whose prompt completes in the running step
+        for i, layer in enumerate(self.core.runner.model.layers):
+            layer.register_forward_hook(functools.partial(self._after_layer, i))
+        self.core.start(self._emit, self._on_dead)
 
-    async def prefill(self, order: PrefillOrder) -> Prefilled:
+    async def prefill(self, order: PrefillOrder, outbox: Outbox) -> FirstToken:
         ids = order.token_ids
         request = Request(order.request_id, ids, order.params, len(ids) + 1)
         request.sampling = SamplingState(order.params, ids)
         request.text = TextStream(self.core.tokenizer, order.params, ids)
-        done = asyncio.get_running_loop().create_future()
-        self._waiters[order.request_id] = (done, order.num_cached_pages)
+        groups: dict[int, list[wire.MessageSpec]] = {}
+        for msg in outbox.plan.messages:
+            groups.setdefault(msg.layers[-1], []).append(msg)
+        job = _Job(order, outbox, asyncio.get_running_loop().create_future(), groups)
+        self._jobs[order.request_id] = job
         self.core.submit(request)
         try:
-            return await done
+            return await job.done
         except asyncio.CancelledError:
             self.core.abort(order.request_id)
             raise
         finally:
-            self._waiters.pop(order.request_id, None)
-            self._snapshots.pop(order.request_id, None)
+            self._jobs.pop(order.request_id, None)
+
+    def pages(self) -> tuple[int, int]:
+        stats = self.core.stats()
+        return stats["pages_free"], stats["pages_total"]
 
     def stop(self) -> None:
         self.core.stop()
@@ -57,33 +98,45 @@ class EngineBackend:
 
     # -- the engine thread -------------------------------------------------------------------------------
 
-    def _on_finish(self, request: Request, reason: FinishReason) -> None:
-        waiter = self._waiters.get(request.request_id)
-        if waiter is None or reason == "abort":
-            return
-        table = self.core.cache.page_table(request)
-        num_pages = -(-request.num_prompt_tokens // PAGE_SIZE)
-        idx = torch.tensor(table[waiter[1]:num_pages], dtype=torch.int64, device=self._rows[0][0].device)
-        self._snapshots[request.request_id] = [[t.index_select(0, idx) for t in layer] for layer in self._rows]
+    def _on_plan(self, plan: StepPlan) -> None:
+        self._step = []
+        for request, _, samples in plan.scheduled:
+            job = self._jobs.get(request.request_id)
+            if job is not None and samples:
+                table = self.core.cache.page_table(request)
+                pages = table[job.order.num_cached_pages:job.order.num_pages]
+                job.src = torch.tensor(pages, dtype=torch.int64, device=self.rows[0][0].device)
+                self._step.append(job)
+
+    def _after_layer(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        for job in self._step:
+            messages = job.groups.get(layer)
+            if messages:
+                self._pack(job, messages)
+
+    def _pack(self, job: _Job, messages: list[wire.MessageSpec]) -> None:
+        job.outbox.pack(messages, self.rows, job.src)
+        job.packed += len(messages)
 
     def _emit(self, chunks: list[Chunk]) -> None:
         for chunk in chunks:
-            waiter = self._waiters.get(chunk.request_id)
-            if waiter is not None and chunk.finish_reason is not None:
-                waiter[0].get_loop().call_soon_threadsafe(self._resolve, chunk)
+            job = self._jobs.get(chunk.request_id)
+            if job is not None and chunk.finish_reason is not None:
+                job.done.get_loop().call_soon_threadsafe(self._resolve, job, chunk)
 
-    def _resolve(self, chunk: Chunk) -> None:
-        waiter = self._waiters.get(chunk.request_id)
-        if waiter is None or waiter[0].done():
+    def _resolve(self, job: _Job, chunk: Chunk) -> None:
+        if job.done.done():
             return
-        rows = self._snapshots.pop(chunk.request_id, None)
-        if chunk.finish_reason == "abort" or rows is None:
-            waiter[0].set_exception(RuntimeError(f"prefill of {chunk.request_id!r} was aborted in the engine"))
+        if chunk.finish_reason == "abort":
+            job.done.set_exception(RuntimeError(f"prefill of {chunk.request_id!r} was aborted in the engine"))
+        elif job.packed != len(job.outbox.plan.messages):
+            job.done.set_exception(RuntimeError(f"prefill of {chunk.request_id!r} finished with {job.packed} of "
+                                                f"{len(job.outbox.plan.messages)} messages packed"))
         else:
             token = chunk.logprobs[0]
-            waiter[0].set_result(Prefilled(token.token_id, token.logprob, rows))
+            job.done.set_result(FirstToken(token.token_id, token.logprob, token.top_logprobs))
 
     def _on_dead(self, exc: BaseException) -> None:
-        for done, _ in list(self._waiters.values()):
-            done.get_loop().call_soon_threadsafe(
-                lambda d=done: d.done() or d.set_exception(RuntimeError(f"engine died: {exc!r}")))
+        for job in list(self._jobs.values()):
+            job.done.get_loop().call_soon_threadsafe(
+                lambda d=job.done: d.done() or d.set_exception(RuntimeError(f"engine died: {exc!r}")))

@@ -50,6 +50,7 @@ def _next_transfer_id() -> int:
 class RemotePrefillResult:
     first_token: int
     first_logprob: float
+    top_logprobs: list[tuple[int, float]] | None  # when the request asked for top-n logprobs
     node: str
 
 
@@ -70,13 +71,16 @@ class PrefillClient:
 
     def __init__(self, nodes: Sequence[str], compat: CompatInfo, rows: list[list[torch.Tensor]], vocab_size: int,
                  *, transport: KVTransport | None = None, token: str | None = None,
-                 tls_root_certificates: bytes | None = None, layers_per_group: int = 4,
+                 tls_root_certificates: bytes | None = None, layers_per_group: int | None = None,
                  max_message_bytes: int = 64 << 20, heartbeat_s: float = 1.0, connect_timeout: float = 5.0):
         if not nodes:
             raise ValueError("prefill_nodes is empty")
         self.compat, self.rows, self.vocab_size = compat, rows, vocab_size
         self.transport = transport or UcxTransport()
-        self.layers_per_group = min(layers_per_group, compat.num_layers)
+        # groups of 4 layers (as SGLang's layer pipeline), but at least two groups, so that the first group
+        # always travels while the rest of the prompt computes
+        default = max(1, min(4, compat.num_layers // 2))
+        self.layers_per_group = min(layers_per_group or default, compat.num_layers)
         self.max_message_bytes = max_message_bytes
         self.heartbeat_s, self.connect_timeout = heartbeat_s, connect_timeout
         self._metadata = ((TOKEN_HEADER, f"Bearer {token}"),) if token else None
@@ -221,9 +225,10 @@ class PrefillClient:
                     t.result()
             reply = await call
             check_reply(reply, self.vocab_size, len(token_ids), plan.num_pages, len(plan.messages),
-                        plan.total_bytes)
+                        plan.total_bytes, params.logprobs or 0)
             ok = True
-            return RemotePrefillResult(reply.first_token, reply.first_logprob, node.target)
+            top = None if params.logprobs is None else [(t.token_id, t.logprob) for t in reply.top_logprobs]
+            return RemotePrefillResult(reply.first_token, reply.first_logprob, top, node.target)
         except grpc.aio.AioRpcError as e:
             raise PrefillNodeError(f"prefill node {node.target}: {e.code().name}: {e.details()}") from e
         except (TransportError, WireError) as e:

@@ -58,14 +58,16 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     """What the first token needs (output penalties have no output yet; stops apply on the decode side)."""
     return pb.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                              min_p=params.min_p, repetition_penalty=params.repetition_penalty,
-                             has_seed=params.seed is not None, seed=params.seed or 0)
+                             has_seed=params.seed is not None, seed=params.seed or 0,
+                             top_logprobs=params.logprobs or 0)
 
 
 def _sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=1, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
                               min_p=msg.min_p, repetition_penalty=msg.repetition_penalty,
-                              seed=msg.seed if msg.has_seed else None, ignore_eos=True, logprobs=0)
+                              seed=msg.seed if msg.has_seed else None, ignore_eos=True,
+                              logprobs=msg.top_logprobs)
     except InvalidRequestError as e:
         raise WireError(f"sampling: {e}") from e
 
@@ -112,13 +114,23 @@ def check_prefill(req: pb.PrefillRequest, limits: Limits, compat_hash: str, voca
                         max_message_bytes=req.max_message_bytes, deadline=req.deadline_unix_s)
 
 
+def _is_logprob(x: float) -> bool:
+    return math.isfinite(x) and x <= 0
+
+
 def check_reply(reply: pb.PrefillReply, vocab_size: int, num_prompt_tokens: int, num_pages: int,
-                num_messages: int, total_bytes: int) -> None:
+                num_messages: int, total_bytes: int, top_logprobs: int) -> None:
     """The node's final message must agree with what the decode side asked and received."""
     if not 0 <= reply.first_token < vocab_size:
         raise WireError(f"first_token {reply.first_token} is outside the vocabulary")
-    if not (math.isfinite(reply.first_logprob) and reply.first_logprob <= 0):
+    if not _is_logprob(reply.first_logprob):
         raise WireError(f"first_logprob {reply.first_logprob} is not a log-probability")
+    top = reply.top_logprobs
+    if len(top) != top_logprobs:
+        raise WireError(f"top_logprobs holds {len(top)} entries, {top_logprobs} were asked")
+    if any(not 0 <= t.token_id < vocab_size or not _is_logprob(t.logprob) for t in top) \
+            or any(a.logprob < b.logprob for a, b in zip(top, top[1:], strict=False)):
+        raise WireError("top_logprobs must be in-vocabulary tokens with log-probabilities, best first")
     got = (reply.num_prompt_tokens, reply.num_pages_sent, reply.num_messages_sent, reply.bytes_sent)
     want = (num_prompt_tokens, num_pages, num_messages, total_bytes)
     if got != want:

@@ -24,7 +24,7 @@ from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb
 from m3sdk.disagg._proto import m3sdk_disagg_pb2_grpc as pb_grpc
 from m3sdk.disagg.compat import PROTOCOL_VERSION, CompatInfo
 from m3sdk.disagg.messages import Limits, PrefillOrder, check_prefill
-from m3sdk.disagg.transport import KVTransport, TransportError
+from m3sdk.disagg.transport import KVTransport, Outbox, TransportError
 from m3sdk.observability import get_logger
 
 log = get_logger("m3sdk.disagg.server")
@@ -32,14 +32,14 @@ log = get_logger("m3sdk.disagg.server")
 TOKEN_HEADER = "authorization"
 
 
-@dataclass
-class Prefilled:
-    """A computed prompt: its first token, and a snapshot of the pages to send (`rows` as wire.page_rows,
-    holding only those pages, in prompt order), taken before the backend freed or reused them."""
+@dataclass(frozen=True)
+class FirstToken:
+    """What the node's compute produced besides the pages: the first sampled token (with its top-n logprobs
+    when the request asked for them)."""
 
-    first_token: int
-    first_logprob: float
-    rows: list[list[torch.Tensor]]
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class PrefillBackend(Protocol):
@@ -47,9 +47,14 @@ class PrefillBackend(Protocol):
 
     compat: CompatInfo
     vocab_size: int
+    rows: list[list[torch.Tensor]]  # its pool's page rows (wire.page_rows): the plan is cut from their widths
 
-    async def prefill(self, order: PrefillOrder) -> Prefilled:
-        """Run the prompt; cancelling the call aborts it and frees what it holds."""
+    async def prefill(self, order: PrefillOrder, outbox: Outbox) -> FirstToken:
+        """Run the prompt and pack every message of `outbox.plan` into `outbox` (the pages the order names, as
+        soon as they are computed); cancelling the call aborts it and frees what it holds."""
+
+    def pages(self) -> tuple[int, int]:
+        """(free, total) pages of its KV cache."""
 
 
 def peer_host(peer: str) -> str:
@@ -121,13 +126,26 @@ class PrefillServicer(pb_grpc.PrefillNodeServicer):
             self._running.pop(order.request_id, None)
 
     async def _serve(self, order: PrefillOrder, host: str) -> pb.PrefillReply:
-        done = await self.backend.prefill(order)
         num_pages = order.num_pages - order.num_cached_pages
-        plan = wire.TransferPlan.build(done.rows, order.transfer_id, num_pages, order.layers_per_group,
+        plan = wire.TransferPlan.build(self.backend.rows, order.transfer_id, num_pages, order.layers_per_group,
                                        order.max_message_bytes)
-        src = torch.arange(num_pages, device=done.rows[0][0].device)
-        await self.transport.push(host, order.transport_port, plan, done.rows, src)
-        return pb.PrefillReply(first_token=done.first_token, first_logprob=done.first_logprob,
+        outbox = self.transport.outbox(plan, self.backend.rows[0][0].device)
+        # the push starts with the compute: it sends each group of layers as the backend packs it
+        push = asyncio.ensure_future(self.transport.push(host, order.transport_port, outbox))
+        compute = asyncio.ensure_future(self.backend.prefill(order, outbox))
+        try:
+            done, _ = await asyncio.wait((push, compute), return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()
+            first = await compute
+            await push
+        finally:
+            for task in (push, compute):
+                task.cancel()
+            await asyncio.gather(push, compute, return_exceptions=True)
+        top = first.top_logprobs or ()
+        return pb.PrefillReply(first_token=first.token_id, first_logprob=first.logprob,
+                               top_logprobs=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top],
                                num_prompt_tokens=len(order.token_ids), num_pages_sent=num_pages,
                                num_messages_sent=len(plan.messages), bytes_sent=plan.total_bytes)
 
@@ -138,8 +156,10 @@ class PrefillServicer(pb_grpc.PrefillNodeServicer):
         return pb.AbortReply(was_running=entry is not None)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthReply:
+        free, total = self.backend.pages()
         return pb.HealthReply(serving=not self.draining, running=len(self._running),
-                              waiting_tokens=sum(n for _, n in self._running.values()))
+                              waiting_tokens=sum(n for _, n in self._running.values()), pages_free=free,
+                              pages_total=total)
 
     async def drain(self, timeout: float) -> None:
         """Refuse new prefills; wait up to `timeout` for the running ones, then abort what is left."""

@@ -1,15 +1,23 @@
 """The KV transport seam and its UCX implementation (ucxx).
 
-The decode side posts receive buffers for a transfer's messages (`receive`), the prefill side packs its pages
-into messages and pushes them (`push`), and the decode side checks each message against the plan before it
-scatters the pages into its pool (wire.py). ucxx offers two-sided tag messaging (no one-sided RMA from
-Python), so "posted buffers + scatter" is the shape of the protocol; a one-sided transport (NIXL) would write
-pages in place behind the same seam.
+The decode side posts receive buffers for a transfer's messages (`receive`); the prefill side packs pages into
+messages as they are computed and queues them in an `Outbox` (from any thread), which `push` sends in order;
+the decode side checks each message against the plan before it scatters the pages into its pool (wire.py).
+ucxx offers two-sided tag messaging (no one-sided RMA from Python), so "posted buffers + scatter" is the shape of
+the protocol; a one-sided transport (NIXL) would write pages in place behind the same seam.
 
 Connection direction: the decode side listens; a prefill node connects to the port the decode side declared,
 on the address its gRPC call came from. So a node never parses a peer-supplied UCX address (a malformed one
 can abort the process inside UCX), and the decode side accepts nothing but messages whose 64-bit tags it
 posted, whose headers and trailers it checks.
+
+Endpoints are created without UCX peer error handling. With it, this UCX (1.21) keeps shared memory out of an
+endpoint's lanes and moves every byte over TCP even between processes of one host (UCX_LOG_LEVEL=info:
+"tag(tcp/lo)"; without it: "tag(sysv/memory cma/memory)"; docs/perf.md has the rates). A dead peer is still
+noticed: a refused connection or a peer gone mid-message fails the request (UCXXNotConnectedError,
+UCXXConnectionResetError: measured), and what UCX cannot see (a peer that dies with nothing in flight) the
+deadlines and gRPC heartbeats of client.py and server.py catch. ucxx's create_listener/create_endpoint always
+enable error handling, so the binding layer (`ucxx._lib.libucxx`) is used directly here.
 
 Every coroutine here runs on the disagg loop (loop.py).
 """
@@ -18,16 +26,80 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+from collections import deque
 from typing import Any, Protocol
 
 import torch
 
 from m3sdk.disagg import wire
-from m3sdk.disagg.wire import TransferPlan
+from m3sdk.disagg.wire import MessageSpec, TransferPlan
 
 
 class TransportError(RuntimeError):
     """The transport could not move a transfer (peer gone, connection refused, message refused)."""
+
+
+class BufferPool:
+    """Staging buffers kept for reuse: a fresh buffer pays a page fault per 4 KiB page on first touch (a copy into
+    a fresh 64 MiB buffer ran at about 1 GB/s here, into a reused one at about 20 GB/s). Thread-safe."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, device: torch.device | str) -> torch.Tensor:
+        """A uint8 buffer of exactly `nbytes` (a view of a pooled one at most twice as large, or a new one)."""
+        device = torch.device(device)
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.device == device and nbytes <= b.numel() <= 2 * nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        base = buf if buf._base is None else buf._base
+        with self._lock:
+            self._free.append(base)
+            while sum(b.numel() for b in self._free) > self.max_bytes:
+                self._free.pop(0)
+
+
+class Outbox:
+    """The packed messages of one transfer, from the producer (the prefill backend, any thread) to `push`, which
+    sends them in plan order as they come. Create it on the disagg loop."""
+
+    def __init__(self, plan: TransferPlan, device: torch.device, pool: BufferPool):
+        self.plan, self.device, self._pool = plan, torch.device(device), pool
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[tuple[int, torch.Tensor, Any]] = asyncio.Queue()
+        self.sent = 0  # messages the decode side has taken (their sends completed)
+
+    def pack(self, messages: list[MessageSpec], rows: list[list[torch.Tensor]], src_pages: torch.Tensor) -> None:
+        """Gather `messages` from `rows` at `src_pages` (the transfer's source pages) into staging buffers and
+        queue them. The copy is taken now, so the caller may overwrite or free the pages once this returns (on a
+        GPU: once the current stream passed this point; `push` waits for it before sending)."""
+        # the engine calls this from its forward (inference mode): pooled buffers must stay ordinary tensors
+        with torch.inference_mode(False):
+            for msg in messages:
+                buf = self._pool.take(msg.nbytes, self.device)
+                wire.pack(self.plan, msg, rows, src_pages, buf)
+                ready = None
+                if buf.is_cuda:
+                    ready = torch.cuda.Event()
+                    ready.record()
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, (msg.index, buf, ready))
+
+    def count_sent(self, send: asyncio.Future) -> None:
+        if not send.cancelled() and send.exception() is None:
+            self.sent += 1
+
+    async def get(self) -> tuple[int, torch.Tensor]:
+        index, buf, ready = await self._queue.get()
+        while ready is not None and not ready.query():  # the gather still runs on the device
+            await asyncio.sleep(1e-4)
+        return index, buf
 
 
 class Receive(Protocol):
@@ -50,9 +122,11 @@ class KVTransport(Protocol):
     def receive(self, plan: TransferPlan, rows: list[list[torch.Tensor]], dst_pages: torch.Tensor) -> Receive:
         """Post buffers for `plan` and scatter each checked message into `rows` at `dst_pages`."""
 
-    async def push(self, host: str, port: int, plan: TransferPlan, rows: list[list[torch.Tensor]],
-                   src_pages: torch.Tensor) -> None:
-        """Pack `src_pages` of `rows` message by message and send them to the decode side at host:port."""
+    def outbox(self, plan: TransferPlan, device: torch.device) -> Outbox:
+        """Where a producer queues the packed messages of `plan` (call on the disagg loop)."""
+
+    async def push(self, host: str, port: int, outbox: Outbox) -> None:
+        """Send every message of `outbox.plan`, in order as they are queued, to the decode side at host:port."""
 
     async def close(self) -> None: ...
 
@@ -60,6 +134,25 @@ class KVTransport(Protocol):
 def _ucx_buffer(t: torch.Tensor) -> Any:
     # ucxx takes the buffer protocol (numpy for host memory) or __cuda_array_interface__ (CUDA tensors)
     return t if t.is_cuda else t.numpy()
+
+
+def _api() -> Any:
+    from ucxx._lib import libucxx
+
+    return libucxx
+
+
+def _worker() -> Any:
+    import ucxx
+
+    return ucxx.core._get_ctx().worker
+
+
+async def _send(ep: Any, buf: Any, tag: int) -> None:
+    from ucxx._lib.arr import Array
+    from ucxx.types import Tag
+
+    await ep.tag_send(Array(buf), Tag(tag)).wait()
 
 
 class UcxReceive:
@@ -76,8 +169,7 @@ class UcxReceive:
     def _post(self, index: int) -> None:
         import ucxx
 
-        msg = self._plan.messages[index]
-        buf = torch.empty(msg.nbytes, dtype=torch.uint8, device=self._dst.device)
+        buf = self._transport.pool.take(self._plan.messages[index].nbytes, self._dst.device)
         wire.arm(buf)
         fut = asyncio.ensure_future(ucxx.recv(_ucx_buffer(buf), self._plan.tag(index)))
         self._posted[index] = (buf, fut)
@@ -95,12 +187,13 @@ class UcxReceive:
             if self._cancelled:
                 return
             del self._posted[index]
+            if index + self._window < count:
+                self._post(index + self._window)  # before the scatter, so UCX can fill it meanwhile
             try:
                 wire.scatter(self._plan, self._plan.messages[index], self._rows, self._dst, buf)
             except wire.WireError as e:
                 raise TransportError(str(e)) from e
-            if index + self._window < count:
-                self._post(index + self._window)
+            self._transport.pool.give(buf)
 
     async def wait(self) -> None:
         try:
@@ -128,24 +221,25 @@ class UcxReceive:
 
 
 class UcxTransport:
-    """KVTransport over UCX (ucxx): TCP and shared memory on CPUs, cuda_ipc between GPUs of one host.
+    """KVTransport over UCX (ucxx): shared memory (sysv + cma) between processes of one host, TCP between hosts,
+    cuda_ipc between GPUs of one host.
 
     `options` are UCX settings without the `UCX_` prefix (e.g. {"TLS": "tcp,self,sm"}); they apply when this
-    is the first UCX user of the process. ucxx pins UCX_MAX_RNDV_RAILS to 1; 2 about doubles loopback TCP.
+    is the first UCX user of the process. `window`: messages a receive keeps posted and a push keeps in flight.
     """
 
     name = "ucx"
 
-    def __init__(self, options: dict[str, str] | None = None, window: int = 2, connect_timeout: float = 5.0,
-                 drain_timeout: float = 5.0):
+    def __init__(self, options: dict[str, str] | None = None, window: int = 2, drain_timeout: float = 5.0,
+                 pool_bytes: int = 512 << 20):
+        # ucxx pins UCX_MAX_RNDV_RAILS to 1; 2 lets a TCP rendezvous use both loopback and eth0 lanes
         self.options = {"MAX_RNDV_RAILS": "2", **(options or {})}
         self.window = window
-        self.connect_timeout = connect_timeout
         self.drain_timeout = drain_timeout
+        self.pool = BufferPool(pool_bytes)
         self._listener: Any = None
-        self._accepted: set[Any] = set()  # endpoints prefill nodes opened to us: kept alive while open
+        self._accepted: list[Any] = []  # endpoints prefill nodes opened to us: kept alive with the transport
         self._endpoints: dict[tuple[str, int], Any] = {}
-        self._connecting: dict[tuple[str, int], asyncio.Future] = {}
         self._self_ep: Any = None
 
     async def start(self, listen: bool) -> None:
@@ -153,12 +247,13 @@ class UcxTransport:
 
         with contextlib.suppress(RuntimeError):  # already initialized by another transport of this process
             ucxx.init(options=self.options)
+        ucxx.continuous_ucx_progress()
         if listen and self._listener is None:
-            self._listener = ucxx.create_listener(self._accept, 0, connect_timeout=self.connect_timeout)
+            self._listener = _api().UCXListener.create(_worker(), 0, self._accept, (), deliver_endpoint=False)
 
-    def _accept(self, ep: Any) -> None:
-        self._accepted.add(ep)
-        ep.set_close_callback(self._accepted.discard, cb_args=(ep,))
+    def _accept(self, conn_request: int, *_: Any) -> None:
+        # UCX's progress thread: accept with the same (no) error handling as the connecting side
+        self._accepted.append(self._listener.create_endpoint_from_conn_request(conn_request, False))
 
     @property
     def port(self) -> int:
@@ -169,12 +264,13 @@ class UcxTransport:
     def receive(self, plan: TransferPlan, rows: list[list[torch.Tensor]], dst_pages: torch.Tensor) -> UcxReceive:
         return UcxReceive(self, plan, rows, dst_pages, self.window)
 
-    async def send_to_self(self, data: bytes, tag: int) -> None:
-        import ucxx
+    def outbox(self, plan: TransferPlan, device: torch.device) -> Outbox:
+        return Outbox(plan, device, self.pool)
 
-        if self._self_ep is None or self._self_ep.closed:
-            self._self_ep = await ucxx.create_endpoint("127.0.0.1", self.port, connect_timeout=self.connect_timeout)
-        await self._self_ep.send(bytearray(data), tag=tag, force_tag=True)
+    async def send_to_self(self, data: bytes, tag: int) -> None:
+        if self._self_ep is None:
+            self._self_ep = _api().UCXEndpoint.create(_worker(), "127.0.0.1", self.port, False)
+        await _send(self._self_ep, bytearray(data), tag)
 
     async def drain(self, tag: int, nbytes: int) -> None:
         import ucxx
@@ -182,67 +278,64 @@ class UcxTransport:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(ucxx.recv(bytearray(nbytes), tag), self.drain_timeout)
 
-    async def _endpoint(self, host: str, port: int) -> Any:
-        import ucxx
-
+    def _endpoint(self, host: str, port: int) -> Any:
+        # one endpoint per decode side, shared by its transfers; it connects in the background, and a refused
+        # connection fails the first send (UCXXNotConnectedError)
         key = (host, port)
-        ep = self._endpoints.get(key)
-        if ep is not None and not ep.closed:
-            return ep
-        if key not in self._connecting:  # one connection per peer even when its prefills start together
-            self._connecting[key] = asyncio.ensure_future(
-                ucxx.create_endpoint(host, port, connect_timeout=self.connect_timeout))
-        connecting = self._connecting[key]
-        try:
-            ep = await asyncio.shield(connecting)
-        except Exception as e:
-            raise TransportError(f"cannot connect to decode transport {host}:{port}: {e!r}") from e
-        finally:
-            if self._connecting.get(key) is connecting and connecting.done():
-                del self._connecting[key]
-        self._endpoints[key] = ep
-        return ep
+        if key not in self._endpoints:
+            self._endpoints[key] = _api().UCXEndpoint.create(_worker(), host, port, False)
+        return self._endpoints[key]
 
     def _drop(self, host: str, port: int) -> None:
         ep = self._endpoints.pop((host, port), None)
         if ep is not None:
-            ep.abort()
+            ep.close_blocking(period=10**8, max_attempts=1)
 
-    async def push(self, host: str, port: int, plan: TransferPlan, rows: list[list[torch.Tensor]],
-                   src_pages: torch.Tensor) -> None:
-        ep = await self._endpoint(host, port)
-        largest = max(m.nbytes for m in plan.messages)
-        # two buffers: the next message is packed while the previous one is on the wire
-        bufs = [torch.empty(largest, dtype=torch.uint8, device=src_pages.device) for _ in range(2)]
-        in_flight = None
-        for msg in plan.messages:
-            out = bufs[msg.index % 2][:msg.nbytes]
-            wire.pack(plan, msg, rows, src_pages, out)
-            if in_flight is not None:
-                await self._finish(in_flight, host, port, plan)
-            in_flight = asyncio.ensure_future(ep.send(_ucx_buffer(out), tag=plan.tag(msg.index), force_tag=True))
-        await self._finish(in_flight, host, port, plan)
-
-    async def _finish(self, send: asyncio.Future, host: str, port: int, plan: TransferPlan) -> None:
+    async def push(self, host: str, port: int, outbox: Outbox) -> None:
+        plan = outbox.plan
         try:
-            await asyncio.shield(send)
+            ep = self._endpoint(host, port)
+        except Exception as e:
+            raise TransportError(f"cannot connect to decode transport {host}:{port}: {e!r}") from e
+        in_flight: deque[tuple[asyncio.Future, torch.Tensor]] = deque()
+        try:
+            for expected in range(len(plan.messages)):
+                index, buf = await outbox.get()
+                if index != expected:
+                    raise TransportError(f"transfer {plan.transfer_id}: message {index} queued before {expected}")
+                if len(in_flight) >= self.window:
+                    await self._finish(in_flight, host, port, plan)
+                send = asyncio.ensure_future(_send(ep, _ucx_buffer(buf), plan.tag(index)))
+                send.add_done_callback(outbox.count_sent)
+                in_flight.append((send, buf))
+            while in_flight:
+                await self._finish(in_flight, host, port, plan)
         except asyncio.CancelledError:
-            # the endpoint is shared by every transfer to this decode side: let the message in flight finish
-            # rather than abort it, unless it cannot finish in time
-            try:
-                await asyncio.wait_for(send, self.drain_timeout)
-            except Exception:
-                self._drop(host, port)
+            # the endpoint is shared by every transfer to this decode side: let the messages in flight finish
+            # rather than abort it, unless they cannot finish in time
+            if in_flight:
+                _, late = await asyncio.wait([send for send, _ in in_flight], timeout=self.drain_timeout)
+                if late:
+                    self._drop(host, port)
             raise
+
+    async def _finish(self, in_flight: deque[tuple[asyncio.Future, torch.Tensor]], host: str, port: int,
+                      plan: TransferPlan) -> None:
+        """Wait for the oldest send in flight; its buffer goes back to the pool."""
+        send, buf = in_flight[0]
+        try:
+            await asyncio.shield(send)  # a cancelled push leaves the sends to its own handler
         except Exception as e:
             self._drop(host, port)
             raise TransportError(f"push of transfer {plan.transfer_id} to {host}:{port} failed: {e!r}") from e
+        in_flight.popleft()
+        self.pool.give(buf)
 
     async def close(self) -> None:
         for ep in [*self._endpoints.values(), *self._accepted, self._self_ep]:
-            if ep is not None and not ep.closed:
+            if ep is not None:
                 with contextlib.suppress(Exception):
-                    ep.abort()
+                    ep.close_blocking(period=10**8, max_attempts=1)
         self._endpoints.clear()
         self._accepted.clear()
         self._self_ep = None

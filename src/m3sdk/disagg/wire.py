@@ -119,6 +119,27 @@ def _trailer(plan: TransferPlan, msg: MessageSpec) -> bytes:
     return _TRAILER.pack(TRAILER_MAGIC, msg.index, plan.transfer_id)
 
 
+def _runs(pages: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """(offset, first page, length) of each run of consecutive page ids, when the pages form runs of 8 pages on
+    average or longer (a fresh engine's page tables do) and live on a CPU; None otherwise. A run moves as one
+    slice copy: about 27 GB/s here, against 5-13 GB/s for index_copy_ on the same rows (reading the ids of a
+    device tensor would cost a sync, so device pages always take the index path)."""
+    if pages.device.type != "cpu":
+        return None
+    breaks = ((pages[1:] - pages[:-1]) != 1).nonzero().flatten() + 1
+    if (len(breaks) + 1) * 8 > len(pages):
+        return None
+    starts = [0, *breaks.tolist()]
+    ends = [*starts[1:], len(pages)]
+    return [(a, page, b - a) for a, b, page in zip(starts, ends, pages[starts].tolist(), strict=True)]
+
+
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """Byte rows viewed as 8-byte words where the width allows: gathers and scatters of uint8 rows run a byte at a
+    time on CPUs (index_copy_ about 0.8 GB/s measured here, 4-12 GB/s on the same rows as int64)."""
+    return rows.view(torch.int64) if rows.shape[1] % 8 == 0 and rows.data_ptr() % 8 == 0 else rows
+
+
 def _put(out: torch.Tensor, offset: int, data: bytes) -> None:
     out[offset:offset + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
@@ -129,12 +150,18 @@ def pack(plan: TransferPlan, msg: MessageSpec, rows: list[list[torch.Tensor]], s
     if out.dtype != torch.uint8 or out.numel() != msg.nbytes:
         raise ValueError(f"message {msg.index} needs a uint8 buffer of {msg.nbytes} bytes")
     idx = src_pages[msg.page_start:msg.page_start + msg.page_count]
+    runs = _runs(idx)
     _put(out, 0, _header(plan, msg, KIND_DATA))
     offset = HEADER_BYTES
     for layer in msg.layers:
         for t in rows[layer]:
             n = msg.page_count * t.shape[1]
-            torch.index_select(t, 0, idx, out=out[offset:offset + n].view(msg.page_count, t.shape[1]))
+            block = out[offset:offset + n].view(msg.page_count, -1)
+            if runs is None:
+                torch.index_select(_words(t), 0, idx, out=_words(block))
+            else:
+                for at, page, length in runs:
+                    block[at:at + length].copy_(t[page:page + length])
             offset += n
     _put(out, offset, _trailer(plan, msg))
 
@@ -173,9 +200,15 @@ def scatter(plan: TransferPlan, msg: MessageSpec, rows: list[list[torch.Tensor]]
     """Check `buf` against the plan, then write its pages into the pool (`dst_pages`: int64, the transfer's)."""
     check(plan, msg, buf)
     idx = dst_pages[msg.page_start:msg.page_start + msg.page_count]
+    runs = _runs(idx)
     offset = HEADER_BYTES
     for layer in msg.layers:
         for t in rows[layer]:
             n = msg.page_count * t.shape[1]
-            t.index_copy_(0, idx, buf[offset:offset + n].view(msg.page_count, t.shape[1]))
+            block = buf[offset:offset + n].view(msg.page_count, -1)
+            if runs is None:
+                _words(t).index_copy_(0, idx, _words(block))
+            else:
+                for at, page, length in runs:
+                    t[page:page + length].copy_(block[at:at + length])
             offset += n

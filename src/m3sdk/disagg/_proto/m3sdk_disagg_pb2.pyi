@@ -63,7 +63,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., transport: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "has_seed", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "has_seed", "seed", "top_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     HAS_SEED_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -78,7 +79,8 @@ class SamplingParams(_message.Message):
     repetition_penalty: float
     has_seed: bool
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "compat_hash", "token_ids", "sampling", "transport_port", "transfer_id", "num_cached_pages", "dst_pages", "layers_per_group", "max_message_bytes", "deadline_unix_s")
@@ -106,21 +108,31 @@ class PrefillRequest(_message.Message):
     deadline_unix_s: float
     def __init__(self, request_id: _Optional[str] = ..., compat_hash: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transport_port: _Optional[int] = ..., transfer_id: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., dst_pages: _Optional[_Iterable[int]] = ..., layers_per_group: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
 
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token", "first_logprob", "num_prompt_tokens", "num_pages_sent", "num_messages_sent", "bytes_sent")
+    __slots__ = ("first_token", "first_logprob", "num_prompt_tokens", "num_pages_sent", "num_messages_sent", "bytes_sent", "top_logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_SENT_FIELD_NUMBER: _ClassVar[int]
     NUM_MESSAGES_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     first_logprob: float
     num_prompt_tokens: int
     num_pages_sent: int
     num_messages_sent: int
     bytes_sent: int
-    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_pages_sent: _Optional[int] = ..., num_messages_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, first_token: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., num_pages_sent: _Optional[int] = ..., num_messages_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -139,11 +151,15 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("serving", "running", "waiting_tokens")
+    __slots__ = ("serving", "running", "waiting_tokens", "pages_free", "pages_total")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     running: int
     waiting_tokens: int
-    def __init__(self, serving: _Optional[bool] = ..., running: _Optional[int] = ..., waiting_tokens: _Optional[int] = ...) -> None: ...
+    pages_free: int
+    pages_total: int
+    def __init__(self, serving: _Optional[bool] = ..., running: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., pages_free: _Optional[int] = ..., pages_total: _Optional[int] = ...) -> None: ...
