@@ -47,7 +47,7 @@ def validation_passage(tokenizer, length: int) -> torch.Tensor:
     """Held-out paragraphs (the trainer keeps every 50th paragraph of each novel out), joined up to `length`."""
     paragraphs = [p for book in lzma.decompress(CORPUS.read_bytes()).decode().strip().split("\n\n")
                   for i, p in enumerate(book.split("\n")) if i % 50 == 49]
-    return tokenizer("\n".join(paragraphs)[: 8 * length], return_tensors="pt").input_ids[:, :length]
+    return tokenizer("\n".join(paragraphs)[: 4 * length], return_tensors="pt").input_ids[:, :length]
 
 
 @torch.no_grad()

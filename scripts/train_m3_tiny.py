@@ -80,19 +80,19 @@ class Recipe:
     batch_size: int = 16
     long_seq_len: int = 512  # the last steps train on longer, fewer sequences (same tokens per step)
     long_from: float = 0.8
-    steps: int = 800
+    steps: int = 600
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 60
+    warmup_steps: int = 40
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     indexer_loss_weight: float = 1.0
     indexer_sequences: int = 2  # sequences of each batch the indexer is distilled on
-    router_bias_rate: float = 1e-3
+    router_bias_rate: float = 1e-2  # DeepSeek-V3 uses 1e-3 over far more steps
     chat_docs: int = 1200  # synthetic one-turn conversations mixed into the stream
     val_every: int = 50  # every Nth paragraph is held out for validation
     eval_every: int = 100
-    eval_batches: int = 4
+    eval_batches: int = 2
 
 
 def model_config(recipe: Recipe) -> MiniMaxM3VLTextConfig:
