@@ -55,8 +55,8 @@ class RecordingBackend:
     def __init__(self, inner):
         self.inner, self.selections = inner, {}
 
-    def write_kv(self, *args):
-        return self.inner.write_kv(*args)
+    def norm_rope_write(self, *args):
+        return self.inner.norm_rope_write(*args)
 
     def attend(self, *args):
         return self.inner.attend(*args)

@@ -65,6 +65,16 @@ class AttentionBackend(Protocol):
                  meta: AttentionMetadata, kv: KVPool) -> None:
         """Store k, v [T, Hkv, D] (k normed and roped) and, on sparse layers, index_k [T, Di] at meta.slot_mapping."""
 
+    def norm_rope_write(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        eps: float, meta: AttentionMetadata, kv: KVPool, index_q: torch.Tensor | None = None,
+                        index_k: torch.Tensor | None = None, index_q_norm_w: torch.Tensor | None = None,
+                        index_k_norm_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention block's pre-attention step: per-head Gemma norm + partial RoPE (cos/sin [T, R/2]) of q
+        [T, Hq, D] and k [T, Hkv, D] (and, on sparse layers, of index_q [T, Hidx, Di] and index_k [T, Di]), then
+        `write_kv` of k, v, index_k. Inputs may be strided token rows of one packed projection (heads contiguous).
+        Returns (q, index_q) normed and roped, index_q None on dense layers."""
+
     def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
                block_sel: torch.Tensor | None, scale: float, block_size: int) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over the paged cache -> [T, Hq, D]; block_sel [Hkv, T, topk] restricts

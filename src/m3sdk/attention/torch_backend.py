@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from m3sdk.attention.base import AttentionMetadata, register_backend
-from m3sdk_kernels.cache_write import write_index_key_ref, write_kv_ref
+from m3sdk_kernels.cache_write import norm_rope_write_ref, write_index_key_ref, write_kv_ref
 from m3sdk_kernels.indexer import indexer_topk_ref
 from m3sdk_kernels.paged_attention import paged_attention_ref
 
@@ -23,6 +23,15 @@ class TorchAttentionBackend:
                      layout=kv.spec.layout)
         if index_k is not None:
             write_index_key_ref(index_k, kv.index_k[layer], meta.slot_mapping)
+
+    def norm_rope_write(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        eps: float, meta: AttentionMetadata, kv: KVPool, index_q: torch.Tensor | None = None,
+                        index_k: torch.Tensor | None = None, index_q_norm_w: torch.Tensor | None = None,
+                        index_k_norm_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return norm_rope_write_ref(q, k, v, q_norm_w, k_norm_w, cos, sin, eps, kv.k[layer], kv.v[layer],
+                                   meta.slot_mapping, kv.k_scale[layer], kv.v_scale[layer], kv.spec.layout, index_q,
+                                   index_k, index_q_norm_w, index_k_norm_w, kv.index_k[layer])
 
     def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
                block_sel: torch.Tensor | None, scale: float, block_size: int) -> torch.Tensor:

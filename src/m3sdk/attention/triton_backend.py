@@ -46,9 +46,8 @@ class TritonAttentionBackend:
                         eps: float, meta: AttentionMetadata, kv: KVPool, index_q: torch.Tensor | None = None,
                         index_k: torch.Tensor | None = None, index_q_norm_w: torch.Tensor | None = None,
                         index_k_norm_w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Optional fused step (not in the protocol): per-head norm + partial RoPE of q, k (and the index query
-        and key), the K/V and index-key writes, in one launch; returns (q, index_q) as the model's
-        norm -> rope -> write_kv sequence would leave them."""
+        """Per-head norm + partial RoPE of q, k (and the index query and key) and the K/V and index-key writes
+        in one launch."""
         return norm_rope_write(q, k, v, q_norm_w, k_norm_w, cos, sin, eps, kv.k[layer], kv.v[layer],
                                meta.slot_mapping, kv.k_scale[layer], kv.v_scale[layer], kv.spec.layout, index_q,
                                index_k, index_q_norm_w, index_k_norm_w, kv.index_k[layer])

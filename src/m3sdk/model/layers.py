@@ -65,15 +65,6 @@ class RotaryEmbedding:
         return freqs.cos(), freqs.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first 2 * cos.shape[-1] dims of x [T, H, D] (rotate-half pairing); the rest pass through."""
-    half = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-    return torch.cat((rotated, x[..., 2 * half :]), dim=-1)
-
-
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """[.., 2I] (gate | up, not interleaved) -> [.., I]: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, L)."""
     gate, up = gate_up.chunk(2, dim=-1)

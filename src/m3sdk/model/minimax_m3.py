@@ -2,8 +2,8 @@
 
 Per layer: Gemma norm -> attention (dense, or MSA on sparse layers: the lightning indexer picks key blocks per
 query and KV group) -> residual -> Gemma norm -> MLP (dense, or sigmoid-routed MoE + shared expert) -> residual.
-The attention math over the cache lives behind the AttentionBackend seam; this file only projects, norms and
-ropes, and hands tokens to it.
+The attention math over the cache lives behind the AttentionBackend seam: this file projects, and the backend
+norms, ropes and writes the new tokens' heads, then selects blocks and attends.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from m3sdk.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     SparseMoE,
-    apply_rope,
     residual_rms_norm,
 )
 
@@ -58,15 +57,17 @@ class Attention(nn.Module):
                 kv: KVPool, backend: AttentionBackend) -> torch.Tensor:
         t = meta.positions.shape[0]
         parts = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = apply_rope(self.q_norm(parts[0].view(t, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(parts[1].view(t, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = parts[0].view(t, self.num_heads, self.head_dim)
+        k = parts[1].view(t, self.num_kv_heads, self.head_dim)
         v = parts[2].view(t, self.num_kv_heads, self.head_dim)
-        block_sel = index_k = None
+        block_sel = index_q = index_k = index_q_w = index_k_w = None
         if self.sparse:
-            index_q = apply_rope(self.index_q_norm(parts[3].view(t, self.index_n_heads, self.index_head_dim)), cos, sin)
-            index_k = apply_rope(self.index_k_norm(parts[4].view(t, 1, self.index_head_dim)), cos, sin)[:, 0]
-        # write first: every query then sees its own sequence's new tokens through the cache, causally
-        backend.write_kv(self.layer, k, v, index_k, meta, kv)
+            index_q = parts[3].view(t, self.index_n_heads, self.index_head_dim)
+            index_k, index_q_w, index_k_w = parts[4], self.index_q_norm.weight, self.index_k_norm.weight
+        # per-head norm + RoPE, then the cache writes (one launch on the triton backend); written first, so every
+        # query then sees its own sequence's new tokens through the cache, causally
+        q, index_q = backend.norm_rope_write(self.layer, q, k, v, self.q_norm.weight, self.k_norm.weight, cos, sin,
+                                             self.q_norm.eps, meta, kv, index_q, index_k, index_q_w, index_k_w)
         if self.sparse:
             block_sel = backend.select_blocks(self.layer, index_q, meta, kv, self.block_size, self.topk,
                                               self.local_blocks)
