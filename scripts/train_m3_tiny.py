@@ -377,8 +377,8 @@ out, not for any real use.
 
 Final training loss {final["loss"]} (mean of the last 50 steps), validation loss {val["val_loss"]} nats/token on
 held-out paragraphs, after {recipe.steps} steps of {recipe.batch_size * recipe.seq_len} tokens (sequences of
-{recipe.seq_len}, then {recipe.long_seq_len} from {recipe.long_from:.0%} of the steps) in {log["train_seconds"]:.0f} s
-on CPU. Recipe, loss curve and samples: `docs/m3-tiny.md`.
+{recipe.seq_len}, then {recipe.long_seq_len} from {recipe.long_from:.0%} of the steps), {log["train_seconds"]:.0f} s of
+wall clock on the CPU it ran on. Recipe, timing, loss curve and samples: `docs/m3-tiny.md`.
 
 ## Recipe
 {recipe_lines}
