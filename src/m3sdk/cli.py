@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     node = sub.add_parser("prefill-node", help="run a remote prefill node daemon")
     node.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT of the gRPC service")
+    node.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
+    node.add_argument("--tls-key", help="PEM private key of --tls-cert")
     engine_options(node)
     return parser
 

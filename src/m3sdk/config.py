@@ -46,6 +46,7 @@ class EngineConfig:
     prefill_fallback: str = "local"
     prefill_timeout: float = 60.0  # seconds per remote prefill, enforced on both sides
     prefill_token: str | None = None  # the shared token the prefill nodes require, if any
+    prefill_tls_root_cert: str | None = None  # PEM file of the CA that signed the nodes' certificates: TLS
     # A registered name, or a factory (cache_manager, config) -> Scheduler, e.g. a Scheduler class.
     scheduler: str | Callable[..., Any] = "continuous"
     attention_backend: str = "auto"  # "auto" (triton on a GPU, torch on a CPU) | "torch" | "triton"

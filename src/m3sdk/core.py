@@ -314,7 +314,7 @@ class EngineCore:
                     chunks.append(self._finish(request, "abort", "", [], error=error))
             else:
                 self.scheduler.resume_remote(request, computed=True)
-                token = SampledToken(outcome.first_token, outcome.first_logprob, None)
+                token = SampledToken(outcome.first_token, outcome.first_logprob, outcome.top_logprobs)
                 chunks.append(self._accept(request, token))
         return chunks
 

@@ -60,7 +60,8 @@ class Engine:
         self._core = await asyncio.to_thread(EngineCore.build, self.config)
         self._metrics = EngineMetrics(self._core.stats)
         self._core.finish_hooks.append(self._metrics.on_finish)
-        self._core.start(self._emit_threadsafe, self._dead_threadsafe)
+        # off the loop too: with prefill_nodes, start handshakes them (up to a connect timeout each)
+        await asyncio.to_thread(self._core.start, self._emit_threadsafe, self._dead_threadsafe)
 
     async def shutdown(self) -> None:
         """Abort what is live (its waiters get finish_reason "abort"), stop the thread, free everything."""

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import uuid
+from pathlib import Path
 
 import grpc
 
@@ -78,8 +79,11 @@ def run_prefill_node(args) -> None:
     from m3sdk.config import EngineConfig
     from m3sdk.disagg.backend import EngineBackend
 
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
     backend = EngineBackend(EngineConfig(**_engine_overrides(args)))
-    node = PrefillNode(backend, args.listen, token=os.environ.get("M3SDK_PREFILL_TOKEN") or None).start()
+    node = PrefillNode(backend, args.listen, token=os.environ.get("M3SDK_PREFILL_TOKEN") or None, tls=tls).start()
     print(f"m3sdk prefill node {node.node_id} serving on {node.address}", flush=True)
     try:
         node.serve_until_signal()

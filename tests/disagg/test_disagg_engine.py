@@ -6,6 +6,7 @@ missing index keys would change which blocks decode steps attend to."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import pytest
@@ -34,7 +35,9 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def node(disagg_checkpoint):
-    proc, address = spawn_engine_node(disagg_checkpoint)
+    # every forward there holds its last layer until the first group of layers was sent: each remote prefill
+    # through this node proves the push overlaps compute (a node pushing after the forward fails the prefill)
+    proc, address = spawn_engine_node(disagg_checkpoint, hold_last_layer=True)
     yield address
     stop_node(proc)
 
@@ -47,10 +50,19 @@ def colocated(disagg_checkpoint):
     return asyncio.run(run())
 
 
-def node_running(client) -> int:
+def node_health(client, index: int = 0) -> pb.HealthReply:
     async def health():
-        return (await client._nodes[0].stub.Health(pb.HealthRequest(), timeout=5)).running
+        return await client._nodes[index].stub.Health(pb.HealthRequest(), timeout=5)
     return loop.run(health())
+
+
+def assert_node_pages_free(client, index: int = 0) -> None:
+    """No page leak on the node: once nothing runs there, all its pages are free (cached ones count)."""
+    deadline = time.monotonic() + 5
+    while (health := node_health(client, index)).running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert health.running == 0
+    assert health.pages_free == health.pages_total > 0
 
 
 def decode_engine(checkpoint, nodes, **kwargs) -> Engine:
@@ -68,7 +80,24 @@ async def test_remote_prefill_is_greedy_identical_to_colocated(disagg_checkpoint
         free = engine.stats()["pages_free"]
         assert await generate_all(engine) == colocated
         assert engine._core.remote.num_remote == len(PROMPTS)
+        assert engine._core.remote.client.layers_per_group == 2  # 4 layers: two groups, the first overlaps
         assert engine.stats()["pages_free"] == free
+        assert_node_pages_free(engine._core.remote.client)
+
+
+async def test_first_token_top_logprobs_come_from_the_node(disagg_checkpoint, node):
+    async def run(**kwargs):
+        async with Engine(model=str(disagg_checkpoint), device="cpu", kv_cache_memory=8 << 20, **kwargs) as engine:
+            done = await engine.generate(PROMPTS[2], temperature=0.0, max_tokens=3, logprobs=4)
+            return done, engine._core.remote
+    local, _ = await run()
+    remote, rp = await run(prefill_nodes=[node], remote_prefill_min_tokens=32, prefill_fallback="error")
+    assert rp.num_remote == 1
+    assert remote.token_ids == local.token_ids
+    for got, want in zip(remote.logprobs, local.logprobs, strict=True):
+        assert got.token_id == want.token_id and got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [t for t, _ in got.top_logprobs] == [t for t, _ in want.top_logprobs]
+        assert [lp for _, lp in got.top_logprobs] == pytest.approx([lp for _, lp in want.top_logprobs], abs=1e-5)
 
 
 async def test_index_keys_travel(disagg_checkpoint, colocated):
@@ -114,17 +143,19 @@ async def test_fallback_error_raises_and_caller_abort_reaches_the_node(disagg_ch
             with pytest.raises(PrefillNodeError, match="deadline|DEADLINE"):
                 await engine.generate(PROMPTS[0], temperature=0.0, max_tokens=4)
             assert engine.stats()["pages_free"] == free
+            assert_node_pages_free(engine._core.remote.client)  # the node gave up at the deadline too
         async with decode_engine(disagg_checkpoint, [address], prefill_timeout=30.0) as engine:
             task = asyncio.ensure_future(engine.generate(PROMPTS[1], temperature=0.0, max_tokens=4))
             await asyncio.sleep(0.5)
             client = engine._core.remote.client
-            assert node_running(client) == 1
+            assert node_health(client).running == 1
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             await asyncio.sleep(0.3)
-            assert node_running(client) == 0  # the node dropped the prefill the caller gave up on
+            assert node_health(client).running == 0  # the node dropped the prefill the caller gave up on
             assert engine.stats()["pages_free"] == free
+            assert_node_pages_free(client)
     finally:
         stop_node(proc)
 
@@ -135,8 +166,39 @@ async def test_two_nodes_one_engine_and_one_node_two_engines(disagg_checkpoint, 
         async with decode_engine(disagg_checkpoint, [node, second], prefill_fallback="error") as engine:
             assert await generate_all(engine) == colocated
             assert set(engine._core.remote.nodes_used) == {node, second}
+            for index in range(2):
+                assert_node_pages_free(engine._core.remote.client, index)
         async with decode_engine(disagg_checkpoint, [second], prefill_fallback="error") as a, \
                 decode_engine(disagg_checkpoint, [second], prefill_fallback="error") as b:
             assert await asyncio.gather(generate_all(a), generate_all(b)) == [colocated, colocated]
     finally:
         stop_node(proc)
+
+
+async def test_handshake_runs_off_the_callers_event_loop(disagg_checkpoint, colocated):
+    # a "node" that accepts TCP connections and never answers: the handshake waits out its connect timeout
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        gaps, ticking = [], True
+
+        async def tick():
+            last = time.monotonic()
+            while ticking:
+                await asyncio.sleep(0.02)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(tick())
+        t0 = time.monotonic()
+        async with decode_engine(disagg_checkpoint, [f"127.0.0.1:{silent.getsockname()[1]}"]) as engine:
+            started = time.monotonic() - t0
+            ticking = False
+            await ticker
+            assert started > 4.0  # the handshake did wait (connect timeout 5 s)...
+            assert max(gaps) < 1.0  # ...without blocking this loop
+            # the node is unreachable: prompts are prefilled here at once
+            assert (await engine.generate(PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS)).token_ids \
+                == colocated[0]
+            assert engine._core.remote.num_remote == 0

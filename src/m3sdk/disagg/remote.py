@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 
 from m3sdk.cache.manager import CacheManager
 from m3sdk.disagg import wire
@@ -39,8 +40,10 @@ class RemotePrefill:
     @classmethod
     def from_config(cls, config, cache: CacheManager, vocab_size: int, wake: Callable[[], None]) -> RemotePrefill:
         compat = CompatInfo.from_spec(cache.kv.spec, model_fingerprint(config.model_path()))
+        root = config.prefill_tls_root_cert
         client = PrefillClient(list(config.prefill_nodes), compat, wire.page_rows(cache.kv), vocab_size,
-                               token=config.prefill_token)
+                               token=config.prefill_token, tls_root_certificates=Path(root).read_bytes() if root
+                               else None)
         client.start()
         return cls(client, config.remote_prefill_min_tokens, config.prefill_fallback, config.prefill_timeout, wake)
 

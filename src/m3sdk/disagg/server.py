@@ -121,6 +121,8 @@ class PrefillServicer(pb_grpc.PrefillNodeServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed on the node")
         except (TransportError, wire.WireError) as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"pushing pages failed: {e}")
+        except RuntimeError as e:  # the backend could not compute it (aborted in the engine, engine died)
+            await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed on the node: {e}")
         finally:
             work.cancel()
             self._running.pop(order.request_id, None)
