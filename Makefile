@@ -17,7 +17,7 @@ $(BIN)/m3sdk: pyproject.toml
 setup: $(BIN)/m3sdk
 
 run: setup
-	$(BIN)/m3sdk generate "$(PROMPT)" --max-tokens 64
+	$(BIN)/m3sdk generate "$(PROMPT)" --max-tokens 80 --temperature 0.7 --seed 0 --stream
 
 test: setup
 	$(BIN)/ruff check src tests examples benchmarks scripts
