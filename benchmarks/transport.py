@@ -78,7 +78,11 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int) -> None:
             async def kv(port=port, plan=plan, src=srcs[what]):
                 outbox = transport.outbox(plan, torch.device("cpu"))
                 push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
-                for msg in plan.messages:  # packed one at a time while the earlier ones travel
+                for msg in plan.messages:
+                    # packed just ahead of the sends (as a node packs while it computes), so the staging
+                    # buffers stay within the pool and stay warm
+                    while msg.index > outbox.sent + transport.window:
+                        await asyncio.sleep(2e-4)
                     outbox.pack([msg], rows, src)
                     await asyncio.sleep(0)
                 await push
