@@ -15,7 +15,8 @@ runs them: step j sits at position t + j, reads the previous step's pre-norm out
 attends to the step-0 entries at positions <= t plus its own chain's entries (a diagonal per earlier step).
 Loss: cross-entropy of each step against the target's greedy token, weighted 0.8^j.
 
-Fixed seeds; about 6 minutes on 2 busy CPU cores (the target's transformers forward is most of the data time). CI does not run this; it uses the committed head.
+Fixed seeds; about 6 minutes on 2 busy CPU cores (the target's transformers forward is most of the data
+time). CI does not run this; it uses the committed head.
 
     .venv/bin/python scripts/train_eagle3_tiny.py [--steps N] [--out DIR]
 """
@@ -23,6 +24,7 @@ Fixed seeds; about 6 minutes on 2 busy CPU cores (the target's transformers forw
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import lzma
 import math
@@ -187,11 +189,13 @@ def main() -> None:
     head.shared_embed = None
     save_eagle3(head.to(torch.bfloat16), args.out)
     final = torch.tensor(agree_log[-20:]).mean(0).tolist()
+    target_sha = hashlib.sha256((args.target / "model.safetensors").read_bytes()).hexdigest()
     (args.out / "TRAINING.md").write_text(
         f"EAGLE3 head of m3-tiny, trained by scripts/train_eagle3_tiny.py ({args.steps} steps of {BATCH} x {SEQ}, "
         f"depth {DEPTH}, seed {SEED}, {time.time() - t0:.0f} s on this machine).\n"
         f"Aux layers {list(AUX_LAYERS)}, draft vocabulary {DRAFT_VOCAB} of {tc.vocab_size}, embedding shared with "
-        f"the target.\nTop-1 agreement with the target's greedy token per draft depth (last 20 training batches): "
+        f"the target.\nTarget: {args.target.name}/model.safetensors sha256 {target_sha}.\n"
+        f"Top-1 agreement with the target's greedy token per draft depth (last 20 training batches): "
         f"{json.dumps([round(a, 3) for a in final])}.\n")
     print(f"wrote {args.out} in {time.time() - t0:.0f}s")
 
