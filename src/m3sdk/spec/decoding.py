@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from m3sdk.request import Request, RequestStatus
 from m3sdk.sampler import SampledToken, Sampler
 from m3sdk.scheduler.base import Scheduled, StepPlan
-from m3sdk.spec.base import DraftRequest, SpeculativeDecoder, TargetStates
+from m3sdk.spec.base import DraftRequest, Proposal, SpeculativeDecoder, TargetStates
 from m3sdk.spec.verify import VerifyRow, verify
 
 if TYPE_CHECKING:
@@ -42,8 +42,8 @@ class Speculation:
         self.cache = cache
         self.sampler = sampler
         self.k = drafter.num_speculative_tokens
-        # request id -> (request, its drafts, its real length): the drafts sit at token_ids[real:]
-        self._drafts: dict[str, tuple[Request, list[int], int]] = {}
+        # request id -> (request, its proposal, its real length): the drafts sit at token_ids[real:]
+        self._drafts: dict[str, tuple[Request, Proposal, int]] = {}
         # metrics
         self.drafted = [0] * self.k  # drafts verified at each position
         self.accepted = [0] * self.k
@@ -64,7 +64,7 @@ class Speculation:
             return
         for (r, _), proposal in zip(asks, self.drafter.propose([a for _, a in asks]), strict=True):
             if proposal.tokens:
-                self._drafts[r.request_id] = (r, proposal.tokens, r.num_tokens)
+                self._drafts[r.request_id] = (r, proposal, r.num_tokens)
                 r.token_ids.extend(proposal.tokens)
 
     def scheduled(self, plan: StepPlan) -> None:
@@ -90,9 +90,11 @@ class Speculation:
         row = 0
         for (request, n, _), m, is_spec in zip(plan.scheduled, num_logits, spec, strict=True):
             if is_spec:
-                drafts = self._drafts[request.request_id][1][: n - 1]  # the scheduled ones (the budget may cut)
+                proposal = self._drafts[request.request_id][1]
+                # the scheduled drafts (the token budget may cut some) and, if sampled, their distributions
+                q = None if proposal.probs is None else proposal.probs[: n - 1]
                 verify_reqs.append(request)
-                verify_rows.append(VerifyRow(request.sampling, drafts))
+                verify_rows.append(VerifyRow(request.sampling, proposal.tokens[: n - 1], q))
                 verify_at.extend(range(row, row + m))
             elif m:
                 plain_reqs.append(request)
