@@ -16,6 +16,7 @@ import torch
 
 from m3sdk.model.quantize import QUANTIZATIONS
 from m3sdk.spec.base import SpecConfig
+from m3sdk_kernels.arch import current_arch
 
 BUNDLED_MODELS = {"m3-tiny": Path(__file__).parent / "assets" / "m3-tiny"}
 
@@ -35,7 +36,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: gpu_memory_fraction (or a CPU default)
     gpu_memory_fraction: float = 0.9  # of the device memory free after loading the model
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bf16" | "fp8" | "fp32"
-    kv_cache_layout: str = "plain"  # "plain" | "shuffle"
+    kv_cache_layout: str = "auto"  # "auto" (the platform's measured default, m3sdk_kernels.arch) | "plain" | "shuffle"
     index_cache_dtype: str = "auto"  # indexer keys of sparse layers; "auto": as kv_cache_dtype
     enable_prefix_caching: bool = True
     # Remote prefill (docs/disaggregation.md): prompts with at least remote_prefill_min_tokens tokens to compute
@@ -94,7 +95,7 @@ class EngineConfig:
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             problems.append(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         choices = {"dtype": ("auto", *_DTYPES), "kv_cache_dtype": _CACHE_DTYPES, "index_cache_dtype": _CACHE_DTYPES,
-                   "kv_cache_layout": ("plain", "shuffle"), "attention_backend": ("auto", "torch", "triton"),
+                   "kv_cache_layout": ("auto", "plain", "shuffle"), "attention_backend": ("auto", "torch", "triton"),
                    "quantization": QUANTIZATIONS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -137,6 +138,12 @@ class EngineConfig:
         if self.cuda_graphs is None:
             return device.type == "cuda" and self.resolve_attention_backend(device) == "triton"
         return self.cuda_graphs and device.type == "cuda"
+
+    def resolve_kv_layout(self, device: torch.device) -> str:
+        """"auto": plain on the CPU and on Hopper (measured faster there), SHUFFLE on AMD Instinct."""
+        if self.kv_cache_layout == "auto":
+            return current_arch(device).kv_layout if device.type == "cuda" else "plain"
+        return self.kv_cache_layout
 
     def resolve_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[str, str]:
         """(kv dtype, index-key dtype) as Contract 1 names them."""

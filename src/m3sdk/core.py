@@ -96,7 +96,7 @@ class EngineCore:
                              f"max_position_embeddings {mc.max_position_embeddings}")
         max_model_len = config.max_model_len or mc.max_position_embeddings
         kv_dtype, index_dtype = config.resolve_cache_dtypes(dtype)
-        spec = KVCacheSpec.for_model(mc, 1, kv_dtype=kv_dtype, layout=config.kv_cache_layout,
+        spec = KVCacheSpec.for_model(mc, 1, kv_dtype=kv_dtype, layout=config.resolve_kv_layout(device),
                                      index_dtype=index_dtype, fp8_dtype=fp8_dtype(device), model_dtype=dtype,
                                      device=device)
         budget = cache_budget_bytes(config.kv_cache_memory, config.gpu_memory_fraction, device)
