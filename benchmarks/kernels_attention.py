@@ -3,7 +3,9 @@
     PYTHONPATH=src python benchmarks/kernels_attention.py --steps check,bandwidth,STEP...,report [--out DIR]
 
 Each step appends its numbers to DIR/attention.jsonl (so steps can run in separate processes: a fault in one
-does not take the others down); `report` prints the table of everything recorded.
+does not take the others down); `report` prints the table of everything recorded. A decode step may carry its own
+filters, `STEP:KV[:LAYOUT]` (e.g. `dense_decode_128k:fp8:shuffle`). `tiles_decode_fp8` times FP8 SHUFFLE decode
+under a few tile variants set in-process; `graphs` captures the decode kernels in CUDA graphs and replays them.
 
 Floors: the bytes a kernel must read (each selected K/V element and its scale once; the index keys once) over
 the read bandwidth measured here by a large reduction. Peers: SDPA (flash / cuDNN, contiguous bf16 KV; for MSA
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from m3sdk_kernels import arch
 from m3sdk_kernels.arch import current_arch
 from m3sdk_kernels.indexer import indexer_topk, indexer_topk_ref
 from m3sdk_kernels.layout import PAGE_SIZE, cache_shape
@@ -31,7 +34,8 @@ from m3sdk_kernels.paged_attention import paged_attention, paged_attention_ref
 
 HQ, HKV, D, DI, HIDX, BS, TOPK = 64, 4, 128, 128, 4, 128, 16
 DEV = "cuda"
-ONLY: dict[str, str] = {}  # --kv / --layout filters of the decode steps (for tuning runs)
+ONLY: dict[str, str] = {}  # --kv / --layout (or a step's own) filters of the decode steps (for tuning runs)
+TAG: dict[str, str] = {}  # the in-process tile variant being timed (tiles_decode_fp8)
 
 
 def wanted(kv: str, layout: str) -> bool:
@@ -39,8 +43,8 @@ def wanted(kv: str, layout: str) -> bool:
 
 
 def tiles_tag() -> str:
-    """The tile overrides of this run (M3SDK_KERNEL_TILES), recorded with every row."""
-    return os.environ.get("M3SDK_KERNEL_TILES", "")
+    """The tile overrides of this run (M3SDK_KERNEL_TILES or an in-process variant), recorded with every row."""
+    return TAG.get("tiles", os.environ.get("M3SDK_KERNEL_TILES", ""))
 
 
 def bench(fn) -> float:
@@ -156,7 +160,7 @@ def sparse_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None
     kg = torch.randn(batch, HKV, TOPK * BS, D, device=DEV, dtype=torch.bfloat16)
     vg = torch.randn_like(kg)
     t_sdpa = bench(lambda: F.scaled_dot_product_attention(q[:, :, None], kg, vg, enable_gqa=True))
-    for kv, layout in (("fp8", "plain"), ("fp8", "shuffle"), ("bf16", "plain")):
+    for kv, layout in (("fp8", "plain"), ("fp8", "shuffle"), ("bf16", "plain"), ("bf16", "shuffle")):
         if not wanted(kv, layout):
             continue
         k, v, ks, vs, table = make_kv(batch, ctx, kv, layout)
@@ -218,6 +222,69 @@ def sparse_prefill(rows: list, ctx: int) -> None:
                  "peer": "-", "peer_ms": float("nan")})
 
 
+def tiles_decode_fp8(rows: list, read_bw: float, ctx: int = 32768) -> None:
+    """FP8 SHUFFLE decode (dense and MSA) under tile variants of the current arch's table, set in-process; the
+    defaults are the rows of dense_decode_32k / sparse_decode_32k."""
+    name = current_arch().name
+    variants = {"attn_decode:fp8": ({"BLOCK_N": 128}, {"num_stages": 3}, {"SPLIT_PROGRAMS": 528}),
+                "sparse_decode:fp8": ({"BLOCK_N": 64}, {"SPLIT_PROGRAMS": 528}, {"num_stages": 2})}
+    ONLY.update(kv="fp8", layout="shuffle")
+    for family, changes in variants.items():
+        entry = arch.TILES.setdefault(family, {}).get(name, {})
+        for change in changes:
+            arch.TILES[family][name] = entry | change
+            TAG["tiles"] = json.dumps({family: change})
+            try:
+                (dense_decode if family.startswith("attn") else sparse_decode)(rows, read_bw, ctx)
+            finally:
+                arch.TILES[family][name] = entry
+                TAG.clear()
+
+
+def graphs_check() -> dict:
+    """Each decode mode captured in a torch.cuda.CUDAGraph (static output), replayed, synchronized: the replays
+    must equal eager. Then do_bench_cudagraph of MSA FP8 decode at b64 32K after a full synchronize (inputs made
+    on the default stream must be ready before Triton's side stream reads them)."""
+    result = {}
+    batch, ctx = 8, 4096
+    cu, lens = decode_meta(batch, ctx)
+    q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
+    sel = random_selection(batch, ctx)
+    for kv, layout in (("fp8", "shuffle"), ("fp8", "plain"), ("bf16", "plain"), ("bf16", "shuffle")):
+        k, v, ks, vs, table = make_kv(batch, ctx, kv, layout)
+        for mode, s in (("sparse", sel), ("dense", None)):
+            def run(out=None):
+                return paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, layout, s, BS,  # noqa: B023
+                                       max_seqlen_q=1, max_context_len=ctx, out=out)
+            eager = run()
+            static = torch.empty_like(eager)
+            torch.cuda.synchronize()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run(static)  # warm-up outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run(static)
+            for _ in range(3):
+                static.fill_(float("nan"))
+                graph.replay()
+            torch.cuda.synchronize()
+            result[f"{mode}_{kv}_{layout}_replay_equals_eager"] = bool(torch.equal(static, eager))
+    batch, ctx = 64, 32768
+    cu, lens = decode_meta(batch, ctx)
+    q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
+    sel = random_selection(batch, ctx)
+    k, v, ks, vs, table = make_kv(batch, ctx, "fp8", "shuffle")
+    torch.cuda.synchronize()
+    result["sparse_fp8_shuffle_b64_32k_graph_ms"] = triton.testing.do_bench_cudagraph(
+        lambda: paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, "shuffle", sel, BS, max_seqlen_q=1,
+                                max_context_len=ctx), rep=100, return_mode="median")
+    torch.cuda.synchronize()
+    return result
+
+
 STEPS = {
     "sparse_decode_32k": lambda rows, bw: sparse_decode(rows, bw, 32768),
     "sparse_decode_128k": lambda rows, bw: sparse_decode(rows, bw, 131072),
@@ -227,6 +294,7 @@ STEPS = {
     "dense_decode_128k": lambda rows, bw: dense_decode(rows, bw, 131072),
     "sparse_prefill_32k": lambda rows, bw: sparse_prefill(rows, 32768),
     "sparse_prefill_128k": lambda rows, bw: sparse_prefill(rows, 131072),
+    "tiles_decode_fp8": tiles_decode_fp8,
 }
 
 
@@ -244,18 +312,21 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON results")
     parser.add_argument("--steps", default="check," + ",".join(STEPS),
-                        help="comma list of: check, bandwidth, " + ", ".join(STEPS) + ", report")
+                        help="comma list of: check, bandwidth, " + ", ".join(STEPS) + ", graphs, report")
     parser.add_argument("--kv", choices=("bf16", "fp8"), help="decode steps: only this KV dtype")
     parser.add_argument("--layout", choices=("plain", "shuffle"), help="decode steps: only this layout")
     args = parser.parse_args()
-    ONLY.update({k: v for k, v in (("kv", args.kv), ("layout", args.layout)) if v})
     steps = args.steps.split(",")
     results = os.path.join(args.out, "attention.jsonl")  # one JSON object per line, appended by each step
     if any(s != "report" for s in steps):
         print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",
               flush=True)
     status = 0
-    for step in steps:
+    for token in steps:
+        step, *filters = token.split(":")
+        ONLY.clear()
+        ONLY.update({k: v for k, v in (("kv", args.kv), ("layout", args.layout)) if v})
+        ONLY.update(zip(("kv", "layout"), filters, strict=False))
         if step == "check":
             errs = check_correctness()
             worst = {k: v for k, v in errs.items() if v > (5e-3 if "mismatch" in k else 2e-2)}
@@ -264,6 +335,9 @@ def main() -> int:
             if worst:
                 print("CORRECTNESS FAILURES:", worst)
                 status = 1
+        elif step == "graphs":
+            record = {"graphs": graphs_check()}
+            print("CUDA graphs:", json.dumps(record["graphs"]), flush=True)
         elif step == "bandwidth":
             read_bw, copy_bw = read_bandwidth()
             print(f"read {read_bw:.2f} TB/s (4 GiB sum), copy {copy_bw:.2f} TB/s (read + write)", flush=True)

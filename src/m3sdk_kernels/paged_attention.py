@@ -99,7 +99,8 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     key_ok = n < kv_end
-    page = tl.load(pages_ptr + n // PAGE, mask=key_ok, other=0).to(tl.int64)
+    in_pages = n // PAGE < tl.cdiv(kv_end, PAGE)  # the keys of the sequence's pages, tails of the last included
+    page = tl.load(pages_ptr + n // PAGE, mask=in_pages, other=0).to(tl.int64)
     off = n % PAGE
     k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
                                                                    False), mask=key_ok[:, None], other=0.0)
@@ -115,8 +116,20 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
-                                                                   True), mask=key_ok[:, None], other=0.0)
+    if SHUFFLE:
+        # V is key-major inside a page ([16 // X, HEAD_DIM, X]): load V^T, whose runs of X keys are 16-byte
+        # vectors, and give the dot its transpose, an operand contiguous along its reduction (the keys). Loaded
+        # as [BLOCK_N, HEAD_DIM], 8-bit V went through byte loads and register transposes. The compiler cannot
+        # see that the gathered page ids repeat over a page, so the runs are stated, and the mask is per page (a
+        # per-key mask would split the vectors): the unwritten tail of a sequence's last page is read with p = 0
+        # there, which is why Contract 1 keeps every slot finite.
+        vo = page[None, :] * stride_cp + slot_offsets(off[None, :], d[:, None], HEAD_DIM, X, SHUFFLE, True)
+        v = tl.load(v_base + tl.max_contiguous(tl.multiple_of(vo, [X, X]), [1, X]), mask=in_pages[None, :],
+                    other=0.0)
+        v = tl.trans(v)
+    else:
+        v = tl.load(v_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X,
+                                                                       SHUFFLE, True), mask=key_ok[:, None], other=0.0)
     if FP8:
         # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
         # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
@@ -168,7 +181,22 @@ def _attn_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if SPARSE:
+        if SPARSE and BLOCK_Q == 1:
+            # decode: the token's own selection in list order (the online softmax does not care), a fixed slice
+            # of it per split, in a plain loop the compiler pipelines; -1 entries are fully masked tiles
+            TILES_PER: tl.constexpr = SEL_BLOCK // BLOCK_N
+            BLOCKS_PER: tl.constexpr = (TOPK + NUM_SPLITS - 1) // NUM_SPLITS
+            sel_row = sel_ptr + h * stride_sel_h + (q_start + first).to(tl.int64) * stride_sel_t
+            row_sel = r >= 0
+            lo = split * BLOCKS_PER
+            for i in range(lo * TILES_PER, tl.minimum(lo + BLOCKS_PER, TOPK) * TILES_PER):
+                blk = tl.load(sel_row + i // TILES_PER)
+                start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, tl.where(blk >= 0, kv_end, 0), pos, row_sel,
+                                             k_base, v_base, ks_base, vs_base, pages_ptr, qk_scale, stride_cp,
+                                             stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT)
+        elif SPARSE:
+            # prefill / verification: walk the sorted union of the tile's tokens' blocks, each loaded once
             qq = first + tl.arange(0, BLOCK_Q)
             kk = tl.arange(0, TOPK_PAD)
             sel = tl.load(sel_ptr + h * stride_sel_h + (q_start + qq)[:, None] * stride_sel_t + kk[None, :],

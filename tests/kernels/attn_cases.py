@@ -55,7 +55,13 @@ def make_step(ctx: list[int], new: list[int], kv_heads: int, head_dim: int, kv_d
     for i, (c, p) in enumerate(zip(ctx, pages, strict=True)):
         table[i, :p] = perm[at:at + p].int()
         at += p
-        slots = table[i].long()[torch.arange(c) // PAGE_SIZE] * PAGE_SIZE + torch.arange(c) % PAGE_SIZE
+        at_page = torch.arange(p * PAGE_SIZE)
+        slots = table[i].long()[at_page // PAGE_SIZE] * PAGE_SIZE + at_page % PAGE_SIZE
+        # the last page's tail holds a finished sequence's (large) K/V, as a reused page does: kernels may read it
+        # with weight 0 (Contract 1 keeps every slot finite); pages of no sequence stay NaN, never to be read
+        stale = (torch.randn(len(slots) - c, kv_heads, head_dim, generator=g) * 100).to(torch.bfloat16)
+        write_kv_ref(stale, stale, k_cache, v_cache, slots[c:], k_scale, v_scale, layout)
+        slots = slots[:c]
         k = torch.randn(c, kv_heads, head_dim, generator=g).to(torch.bfloat16)
         v = torch.randn(c, kv_heads, head_dim, generator=g).to(torch.bfloat16)
         write_kv_ref(k, v, k_cache, v_cache, slots, k_scale, v_scale, layout)
