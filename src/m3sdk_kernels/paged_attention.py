@@ -124,7 +124,7 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         # per-key mask would split the vectors): the unwritten tail of a sequence's last page is read with p = 0
         # there, which is why Contract 1 keeps every slot finite.
         vo = page[None, :] * stride_cp + slot_offsets(off[None, :], d[:, None], HEAD_DIM, X, SHUFFLE, True)
-        v = tl.load(v_base + tl.max_contiguous(tl.multiple_of(vo, [X, X]), [1, X]), mask=in_pages[None, :],
+        v = tl.load(v_base + tl.max_contiguous(tl.multiple_of(vo, [1, X]), [1, X]), mask=in_pages[None, :],
                     other=0.0)
         v = tl.trans(v)
     else:
