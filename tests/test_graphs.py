@@ -59,6 +59,11 @@ def test_replay_matches_eager_and_padding_writes_nowhere(tmp_path):
     assert err < 2e-2 and torch.equal(replay.argmax(-1), eager.argmax(-1))
     # the replay wrote the same K/V as the eager step at the same slots, and nothing else anywhere
     after = [t.clone() for t in (*kv.k, *kv.v, *kv.k_scale, *kv.v_scale, kv.index_k[1])]
-    assert all(torch.equal(a, b) for a, b in zip(written, after, strict=True))
+    # The replay wrote what the eager step wrote, up to rounding: its batch-4 GEMMs round bf16 differently from
+    # the eager batch-3 ones, and a one-ulp change can move an fp8 code. Everywhere else both equal `before`.
+    for old, eager_t, replay_t in zip(before, written, after, strict=True):
+        touched = (eager_t != old) | (replay_t != old)
+        a, b = replay_t[touched].float(), eager_t[touched].float()
+        assert (a - b).norm() <= 0.05 * b.norm()
     changed = sum(int((a != b).any(dim=tuple(range(1, a.dim()))).sum()) for a, b in zip(before, after, strict=True))
     assert 0 < changed <= 3 * len(before)  # at most the 3 new tokens' pages, in each tensor
