@@ -116,13 +116,14 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if SHUFFLE:
-        # V is key-major inside a page ([16 // X, HEAD_DIM, X]): load V^T, whose runs of X keys are 16-byte
+    if SHUFFLE and X == PAGE:
+        # 8-bit SHUFFLE V is key-major inside a page ([1, HEAD_DIM, 16]): load V^T, whose 16-key runs are 16-byte
         # vectors, and give the dot its transpose, an operand contiguous along its reduction (the keys). Loaded
-        # as [BLOCK_N, HEAD_DIM], 8-bit V went through byte loads and register transposes. The compiler cannot
-        # see that the gathered page ids repeat over a page, so the runs are stated, and the mask is per page (a
-        # per-key mask would split the vectors): the unwritten tail of a sequence's last page is read with p = 0
-        # there, which is why Contract 1 keeps every slot finite.
+        # as [BLOCK_N, HEAD_DIM], it went through byte loads and register transposes (H200, b64 32K: 2.08 -> 1.08
+        # ms). The compiler cannot see that the gathered page ids repeat over a page, so the runs are stated, and
+        # the mask is per page (a per-key mask would split the vectors): the unwritten tail of a sequence's last
+        # page is read with p = 0 there, which is why Contract 1 keeps every slot finite. bf16 SHUFFLE (runs of 8)
+        # ran slower this way on the H200 (1.79 -> 2.63 ms), so it keeps the row load.
         vo = page[None, :] * stride_cp + slot_offsets(off[None, :], d[:, None], HEAD_DIM, X, SHUFFLE, True)
         v = tl.load(v_base + tl.max_contiguous(tl.multiple_of(vo, [1, X]), [1, X]), mask=in_pages[None, :],
                     other=0.0)
