@@ -15,7 +15,7 @@ from .errors import M3Error
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = {"show_progress": sys.stderr.isatty()}
     for name in ("model", "device", "dtype", "max_model_len", "attention_backend", "kv_cache_dtype", "speculative",
                  "quantization"):
         value = getattr(args, name, None)

@@ -64,6 +64,8 @@ class EngineConfig:
     # Weights quantized at load (m3sdk/model/quantize.py): "fp8" = FP8 W8A8 attention, dense MLPs and shared
     # experts; "mxfp4" = that plus MXFP4 routed experts. Experts a checkpoint stores quantized stay as stored.
     quantization: str = "none"
+    # A progress bar on stderr while the weights load (the CLI turns it on; an embedded engine stays silent).
+    show_progress: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -88,7 +88,7 @@ class EngineCore:
             model = tp.model
         else:
             model = load_model(path, device, dtype, config.resolve_attention_backend(device),
-                               quantization=config.quantization)
+                               quantization=config.quantization, progress=config.show_progress)
         tokenizer = Tokenizer.from_pretrained(path)
         mc = model.config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:

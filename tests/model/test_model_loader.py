@@ -143,3 +143,11 @@ def test_index_naming_a_missing_shard(oracle_checkpoint_minimax, tmp_path):
     (dst / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(CheckpointError, match="shards that do not exist.*model-00002-of-00003"):
         load_model(dst)
+
+
+def test_progress_bar_only_when_asked(oracle_checkpoint, capfd):
+    load_model(oracle_checkpoint, "cpu", torch.float32)
+    assert capfd.readouterr().err == ""  # an embedded engine prints nothing
+    load_model(oracle_checkpoint, "cpu", torch.float32, progress=True)
+    err = capfd.readouterr().err
+    assert f"loading {oracle_checkpoint.name}" in err

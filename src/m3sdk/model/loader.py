@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from m3sdk.errors import CheckpointError
 from m3sdk.model.config import ModelConfig
@@ -72,9 +73,10 @@ class Target:
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-               attn_backend: str = "torch", quantization: str = "none") -> MiniMaxM3ForCausalLM:
+               attn_backend: str = "torch", quantization: str = "none", progress: bool = False) -> MiniMaxM3ForCausalLM:
     """Read config.json and the safetensors weights of `path` into a ready model on `device` in `dtype`;
-    `quantization` ("none" | "fp8" | "mxfp4", see m3sdk.model.quantize) is applied once the weights are in."""
+    `quantization` ("none" | "fp8" | "mxfp4", see m3sdk.model.quantize) is applied once the weights are in.
+    `progress` draws a bar on stderr (the CLI's choice: an embedded engine stays silent)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     files = _tensor_files(path)
@@ -95,11 +97,14 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name in plan:  # in model order within each shard
         by_file[files[name]].append(name)
+    destinations = {name: tensors[target.param][target.index] for name, target in plan.items()}
+    bar = tqdm(total=sum(d.numel() * d.element_size() for d in destinations.values()), unit="B", unit_scale=True,
+               desc=f"loading {path.name}", disable=not progress, leave=False)
     for file, names in by_file.items():
         shard = _MappedShard(file)
         for name in names:
             target = plan[name]
-            dest = tensors[target.param][target.index]
+            dest = destinations[name]
             if target.raw:
                 shard.copy_to(name, dest, lambda rows, _, d=dest: rows.view(d.dtype))
             elif target.scale is not None:
@@ -107,6 +112,8 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
                                                        dest.dtype))
             else:
                 shard.copy_to(name, dest)
+            bar.update(dest.numel() * dest.element_size())
+    bar.close()
     model.mtp_weights = LazyTensors({m.group(2): (files[k], k) for k in shapes if (m := _MTP.search(k))})
     return quantize_model(model, quantization).eval()
 
