@@ -11,7 +11,8 @@ Two processes on 127.0.0.1 move the same bytes each way:
   ucxx raw, EH  the same on ucxx's public create_endpoint/create_listener endpoints (peer error handling: TCP)
   perftest      ucx_perftest tag_bw, the same message size (UCX's own C loopback rate; from the libucx wheel);
                 "-e" asks it for peer error handling, like ucxx's public endpoints
-Rates are GB/s (1e9 bytes/s); each row gives min / median / max over the repeats (the machine is shared).
+Rates are GB/s (1e9 bytes/s), from the sender's first pack or send to the receiver's last scatter or receive;
+each cell gives min / median / max over the repeats (the machine is shared), after one warm-up round.
 The transports each side actually uses are printed by UCX_LOG_LEVEL=info (e.g. "tag(sysv/memory cma/memory)").
 """
 
@@ -76,6 +77,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int) -> None:
         plan = plan_for(pool, message_bytes, transfer_id)
         if what in srcs:
             async def kv(port=port, plan=plan, src=srcs[what]):
+                start = time.perf_counter()
                 outbox = transport.outbox(plan, torch.device("cpu"))
                 push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
                 for msg in plan.messages:
@@ -86,7 +88,8 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int) -> None:
                     outbox.pack([msg], rows, src)
                     await asyncio.sleep(0)
                 await push
-            loop.run(kv())
+                return start
+            start = loop.run(kv())
         elif what in ("raw", "raw-eh"):
             async def raw(port=port, plan=plan, eh=what == "raw-eh"):
                 key = (eh, port)
@@ -94,12 +97,14 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int) -> None:
                     raw_eps[key] = (await ucxx.create_endpoint("127.0.0.1", port) if eh
                                     else _api().UCXEndpoint.create(_worker(), "127.0.0.1", port, False))
                 ep = raw_eps[key]
+                start = time.perf_counter()
                 bufs = raw_bufs[plan.messages[0].nbytes]
                 sends = [ep.send(b, tag=plan.tag(i), force_tag=True) if eh else _send(ep, b, plan.tag(i))
                          for i, b in enumerate(bufs)]
                 await asyncio.gather(*sends)
-            loop.run(raw())
-        conn.send("sent")
+                return start
+            start = loop.run(raw())
+        conn.send(start)
 
 
 async def _recv_all(plan: wire.TransferPlan, bufs: list) -> None:
@@ -136,11 +141,12 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int) -> di
                     else:
                         bufs = [torch.zeros(m.nbytes, dtype=torch.uint8).numpy() for m in plan.messages]
                         done = loop.submit(_recv_all(plan, bufs))
-                    t0 = time.perf_counter()
                     parent.send((what, port, size, transfer_id))
                     done.result()
-                    rate = plan.total_bytes / (time.perf_counter() - t0) / 1e9
-                    parent.recv()
+                    end = time.perf_counter()
+                    # from the sender's first pack or send (perf_counter is one clock for all processes of the
+                    # host): the command's trip through the pipe is not the transport's
+                    rate = plan.total_bytes / (end - parent.recv()) / 1e9
                     if repeat:
                         rates.setdefault((what, size), []).append(rate)
                 if repeat:  # interleaved with the others, so each row sees the same load
