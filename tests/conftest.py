@@ -13,6 +13,16 @@ import pytest  # noqa: E402
 from oracle import load_oracle, make_oracle_checkpoint
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The CPU forwards here are many small ops: one intra-op thread. On a shared, oversubscribed CPU, OpenMP
+    threads waiting for each other at every op made a 60-step generation take 45 s instead of 0.3 s."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def oracle_checkpoint(tmp_path_factory):
     """A tiny random MiniMax-M3 checkpoint as transformers saves it (one model.safetensors)."""

@@ -7,7 +7,6 @@ import random
 import shutil
 
 import pytest
-import torch
 
 from m3sdk.bench import RequestResult, compute_metrics, random_requests
 from m3sdk.cli import main
@@ -25,13 +24,6 @@ def bench_model(oracle_checkpoint, tmp_path_factory):
     write_byte_tokenizer(directory)
     return str(directory)
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_metrics_on_known_numbers():

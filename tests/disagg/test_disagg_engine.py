@@ -10,7 +10,6 @@ import socket
 import time
 
 import pytest
-import torch
 
 pytest.importorskip("ucxx")
 
@@ -24,13 +23,6 @@ from m3sdk.errors import PrefillNodeError  # noqa: E402
 PROMPTS = [[(7 * i + 3 * k) % 251 + 1 for i in range(90 + 13 * k)] for k in range(4)]
 MAX_TOKENS = 12
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 import tokenizers
-import torch
 from tokenizers import decoders, models, pre_tokenizers
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
@@ -42,12 +41,3 @@ def engine_checkpoint(oracle_checkpoint, tmp_path_factory):
     write_byte_tokenizer(directory)
     return directory
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The engine's CPU steps are many small ops: on a shared, oversubscribed CPU, OpenMP threads that wait for
-    each other at every op made a 60-step test take 45 s instead of 0.3 s. One intra-op thread for these tests."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

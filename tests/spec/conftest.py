@@ -68,11 +68,3 @@ def eagle3_head(tmp_path_factory):
     save_eagle3(head, path)
     return path
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Many small ops on a shared CPU: one intra-op thread (see tests/engine/conftest.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

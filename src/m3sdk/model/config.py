@@ -116,14 +116,7 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         """Read `path/config.json` (or `path` itself when it is the json file)."""
-        path = Path(path)
-        file = path if path.suffix == ".json" else path / "config.json"
-        if not file.is_file():
-            raise CheckpointError(f"no config.json in {path}")
-        try:
-            raw = json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{file}: unreadable config ({e})") from e
+        raw, file = read_config_json(path)
         return cls.from_dict(raw, source=str(file))
 
     @classmethod
@@ -133,6 +126,18 @@ class ModelConfig:
         if not isinstance(text, dict):
             raise CheckpointError(f"{source}: text_config is not an object")
         return _parse_text_config(text, raw, architecture, source)
+
+
+def read_config_json(path: str | Path) -> tuple[dict[str, Any], Path]:
+    """The parsed `config.json` of a checkpoint folder (or the json file itself), and its path."""
+    path = Path(path)
+    file = path if path.suffix == ".json" else path / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"no config.json in {path}")
+    try:
+        return json.loads(file.read_text()), file
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: unreadable config ({e})") from e
 
 
 def _check_architecture(raw: dict[str, Any], source: str) -> str:

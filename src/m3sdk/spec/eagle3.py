@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from m3sdk.errors import CheckpointError
+from m3sdk.model.config import read_config_json
 from m3sdk.spec.base import SpecConfig, TargetInfo, register
 from m3sdk.spec.chain import ChainDrafter
 
@@ -108,13 +109,7 @@ class Eagle3Config:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Eagle3Config:
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise CheckpointError(f"no config.json in {path}")
-        try:
-            raw = json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{file}: unreadable config ({e})") from e
+        raw, file = read_config_json(path)
         return cls.from_dict(raw, str(file))
 
     def to_dict(self) -> dict[str, Any]:
