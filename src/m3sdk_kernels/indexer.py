@@ -6,7 +6,7 @@ import triton.language as tl
 
 from .arch import Arch, tiles
 from .layout import PAGE, gather_index_keys_ref
-from .paged_attention import dot_dtype, seq_of_block
+from .paged_attention import dot_dtype, q_tile, seq_of_block
 
 
 def indexer_topk_ref(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
@@ -59,13 +59,7 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_s
                  SEL_BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, DOT: tl.constexpr):
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
-    seq = seq_of_block(cu_q, num_seqs, pid, BLOCK_Q)
-    q_start = tl.load(cu_q + seq)
-    n_q = tl.load(cu_q + seq + 1) - q_start
-    if BLOCK_Q == 1:
-        first = pid - q_start
-    else:
-        first = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    seq, q_start, n_q, first = q_tile(cu_q, num_seqs, pid, BLOCK_Q)
     if first < n_q:
         BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_HI
         ctx = tl.load(ctx_lens + seq)

@@ -92,6 +92,20 @@ def seq_of_block(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def q_tile(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """Program `pid`'s query tile: (sequence, its first token in the batch, its token count, the tile's first
+    query inside the sequence). A tile with first >= count is surplus and does nothing."""
+    seq = seq_of_block(cu_ptr, num_seqs, pid, BLOCK_Q)
+    q_start = tl.load(cu_ptr + seq)
+    n_q = tl.load(cu_ptr + seq + 1) - q_start
+    if BLOCK_Q == 1:
+        first = pid - q_start
+    else:
+        first = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    return seq, q_start, n_q, first
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, pages_ptr,
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
                  SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr):
@@ -154,13 +168,7 @@ def _attn_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    seq = seq_of_block(cu_q, num_seqs, pid, BLOCK_Q)
-    q_start = tl.load(cu_q + seq)
-    n_q = tl.load(cu_q + seq + 1) - q_start
-    if BLOCK_Q == 1:
-        first = pid - q_start
-    else:
-        first = (pid - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    seq, q_start, n_q, first = q_tile(cu_q, num_seqs, pid, BLOCK_Q)
     if first < n_q:
         BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
         ctx = tl.load(ctx_lens + seq)
