@@ -9,7 +9,8 @@ under a few tile variants set in-process; `graphs` captures the decode kernels i
 
 Floors: the bytes a kernel must read (each selected K/V element and its scale once; the index keys once) over
 the read bandwidth measured here by a large reduction. Peers: SDPA (flash / cuDNN, contiguous bf16 KV; for MSA
-on the pre-gathered selected KV), and plain torch (bmm + block amax + topk on bf16 keys) for the indexer.
+on the pre-gathered selected KV), FlexAttention with a BlockMask of the same selection (`flex_decode_*`,
+`sparse_prefill_32k*`), and plain torch (bmm + block amax + topk on bf16 keys) for the indexer.
 A correctness check of every timed mode against the references runs first (GPU dots are bf16/fp16 there,
 unlike the interpreter's fp32).
 """
@@ -25,6 +26,7 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from m3sdk_kernels import arch
 from m3sdk_kernels.arch import current_arch
@@ -36,6 +38,7 @@ HQ, HKV, D, DI, HIDX, BS, TOPK = 64, 4, 128, 128, 4, 128, 16
 DEV = "cuda"
 ONLY: dict[str, str] = {}  # --kv / --layout (or a step's own) filters of the decode steps (for tuning runs)
 TAG: dict[str, str] = {}  # the in-process tile variant being timed (tiles_decode_fp8)
+FLEX = torch.compile(flex_attention, dynamic=False)  # compiled at its first call, once per shape
 
 
 def wanted(kv: str, layout: str) -> bool:
@@ -98,6 +101,73 @@ def random_selection(batch: int, ctx: int) -> torch.Tensor:
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
+
+
+def smooth_index(ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index queries [ctx, Hidx, Di] and keys [ctx, Di] with locality, as a real indexer sees them: both are a
+    rank-16 signal whose coefficients drift slowly along the sequence (keys over ~256 tokens, queries over ~4096)
+    plus noise, so neighbouring queries pick mostly the same blocks (random keys make them pick unrelated ones)."""
+    rank = 16
+    basis = torch.randn(rank, DI, device=DEV) / rank**0.5
+
+    def drift(heads: int, corr: int) -> torch.Tensor:  # [ctx, heads, rank], linear between random knots
+        knots = torch.randn(1, heads * rank, ctx // corr + 2, device=DEV)
+        c = F.interpolate(knots, size=ctx, mode="linear", align_corners=True)[0]
+        return c.view(heads, rank, ctx).permute(2, 0, 1)
+
+    keys = 2 * drift(1, 256)[:, 0] @ basis + 0.5 * torch.randn(ctx, DI, device=DEV)
+    iq = 2 * drift(HIDX, 4096) @ basis + 0.5 * torch.randn(ctx, HIDX, DI, device=DEV)
+    return iq.to(torch.bfloat16), keys
+
+
+def contiguous_kv(k, v, ks, vs, table) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-layout paged K/V (dequantized when FP8) as contiguous bf16 [B, Hkv, ctx, D]: FlexAttention's input,
+    the same values our kernel reads (Flex cannot walk a page table)."""
+    def one(cache, scale):
+        x = cache[table.long()].to(torch.bfloat16)  # [B, pages, Hkv, 16, D]
+        if scale is not None:
+            x.mul_(scale[table.long()][..., None])
+        b, p, h, _, d = x.shape
+        return x.permute(0, 2, 1, 3, 4).reshape(b, h, p * PAGE_SIZE, d)
+    return one(k, ks), one(v, vs)
+
+
+def flex_decode_mask(sel: torch.Tensor, ctx: int) -> BlockMask:
+    """BlockMask for one query per sequence from sel [Hkv, B, topk] (all valid): per (sequence, query head) the
+    selected 128-token KV blocks of its KV group, as full blocks (a decode query sees every key before it, so Flex
+    skips mask_mod there); mask_mod looks the block up in the selection for any partial use."""
+    hkv, batch, topk = sel.shape
+    nb, group = ctx // BS, HQ // hkv
+    per_seq = sel.permute(1, 0, 2).long()  # [B, Hkv, topk]
+    chosen = torch.zeros(batch, hkv, nb, dtype=torch.bool, device=sel.device).scatter_(-1, per_seq, True)
+    idx = F.pad(per_seq.sort(-1).values.repeat_interleave(group, 1)[:, :, None], (0, nb - topk)).to(torch.int32)
+    num = torch.full((batch, HQ, 1), topk, dtype=torch.int32, device=sel.device)
+
+    def mask_mod(b, h, q, kv):
+        return chosen[b, h // group, kv // BS]
+    return BlockMask.from_kv_blocks(torch.zeros_like(num), torch.zeros_like(idx), num, idx, BLOCK_SIZE=(BS, BS),
+                                    mask_mod=mask_mod, seq_lengths=(1, ctx))
+
+
+def flex_prefill_mask(sel: torch.Tensor, ctx: int) -> tuple[BlockMask, dict]:
+    """BlockMask for one sequence of `ctx` new tokens from sel [Hkv, ctx, topk] (-1 padded): a 128-query block
+    visits the union of its queries' selected KV blocks; mask_mod keeps, per query, its own blocks and causality.
+    Also returns the selection's locality: distinct KV blocks per 128-query block and per 8-query tile (ours)."""
+    hkv, t, topk = sel.shape
+    nb, group = ctx // BS, HQ // hkv
+    tok = torch.zeros(hkv, t, nb + 1, dtype=torch.bool, device=sel.device)
+    tok.scatter_(-1, torch.where(sel >= 0, sel, nb).long(), True)
+    tok = tok[..., :nb].contiguous()  # [Hkv, T, blocks]: query t chose block b
+    union = tok.view(hkv, t // BS, BS, nb).any(2)
+    num = union.sum(-1).to(torch.int32).repeat_interleave(group, 0)[None]
+    idx = union.to(torch.int32).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+    idx = idx.repeat_interleave(group, 0)[None]
+
+    def mask_mod(b, h, q, kv):
+        return tok[h // group, q, kv // BS] & (kv <= q)
+    locality = {"blocks_per_128q": float(union.sum(-1).float().mean()),
+                "blocks_per_8q_tile": float(tok.view(hkv, t // 8, 8, nb).any(2).sum(-1).float().mean())}
+    return BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(BS, BS), mask_mod=mask_mod, seq_lengths=(ctx, ctx)), locality
 
 
 def check_correctness() -> dict:
@@ -196,28 +266,81 @@ def indexer_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> Non
                      "peer": "torch bmm+amax+topk bf16", "peer_ms": t_peer})
 
 
-def sparse_prefill(rows: list, ctx: int) -> None:
-    """One sequence of `ctx` new tokens: the indexer selects (timed too), then MSA prefill; peer dense SDPA."""
+def flex_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
+    """MSA FP8 decode (plain) vs FlexAttention with a BlockMask of the same top-16 selection, over the same K/V
+    dequantized to contiguous bf16; Flex's output is checked against ours before timing."""
+    cu, lens = decode_meta(batch, ctx)
+    q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
+    sel = random_selection(batch, ctx)
+    k, v, ks, vs, table = make_kv(batch, ctx, "fp8", "plain")
+
+    def ours():
+        return paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS, max_seqlen_q=1,
+                               max_context_len=ctx)
+    t = bench(ours)
+    nbytes = batch * HKV * TOPK * BS * 2 * (D * k.element_size() + 4)
+    row = {"kernel": "MSA sparse decode", "shape": f"b{batch} ctx {ctx // 1024}K top16", "kv": "fp8",
+           "layout": "plain", "ms": t, "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t / 1e9,
+           "peer": "FlexAttention, same block mask, bf16 KV", "peer_ms": float("nan")}
+    try:
+        kc, vc = contiguous_kv(k, v, ks, vs, table)
+        mask, qf = flex_decode_mask(sel, ctx), q[:, :, None]
+        err = rel_err(FLEX(qf, kc, vc, block_mask=mask, enable_gqa=True)[:, :, 0], ours())
+        row["peer_ms"] = bench(lambda: FLEX(qf, kc, vc, block_mask=mask, enable_gqa=True))
+        flex_tbps = batch * HKV * TOPK * BS * 2 * D * 2 / row["peer_ms"] / 1e9  # its bf16 selected blocks
+        row["note"] = f"flex rel err vs ours {err:.1e}; flex {flex_tbps:.2f} TB/s = {flex_tbps / read_bw:.0%} of read"
+    except Exception as e:  # noqa: BLE001 (the peer failing must not lose our row)
+        row["note"] = f"flex failed: {type(e).__name__}: {str(e)[:200]}"
+    rows.append(row)
+
+
+def sparse_prefill(rows: list, ctx: int, selection: str, flex: bool) -> None:
+    """One sequence of `ctx` new tokens: the indexer selects (timed too), then MSA prefill. `selection`: "random"
+    (random index keys: neighbouring queries share almost no blocks) or "smooth" (`smooth_index`: locality).
+    Peers: dense causal SDPA, and with `flex` FlexAttention with the selection's BlockMask (output checked)."""
     cu = torch.tensor([0, ctx], device=DEV, dtype=torch.int32)
     lens = torch.tensor([ctx], device=DEV, dtype=torch.int32)
     k, v, ks, vs, table = make_kv(1, ctx, "fp8", "plain")
-    iq = torch.randn(ctx, HIDX, DI, device=DEV, dtype=torch.bfloat16)
-    icache = torch.randn(ctx // PAGE_SIZE, PAGE_SIZE, DI, device=DEV).to(k.dtype)
+    if selection == "smooth":
+        iq, keys = smooth_index(ctx)
+    else:
+        iq = torch.randn(ctx, HIDX, DI, device=DEV, dtype=torch.bfloat16)
+        keys = torch.randn(ctx, DI, device=DEV)
+    icache = torch.empty(ctx // PAGE_SIZE, PAGE_SIZE, DI, device=DEV, dtype=k.dtype)
+    icache[table[0].long()] = keys.view(-1, PAGE_SIZE, DI).to(k.dtype)  # logical page p lives at table[0, p]
     sel = indexer_topk(iq, icache, table, cu, lens, BS, TOPK, 1, max_seqlen_q=ctx, max_context_len=ctx)
     t_idx = bench(lambda: indexer_topk(iq, icache, table, cu, lens, BS, TOPK, 1, max_seqlen_q=ctx,
                                        max_context_len=ctx))
     q = torch.randn(ctx, HQ, D, device=DEV, dtype=torch.bfloat16)
-    t = bench(lambda: paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS,
-                                      max_seqlen_q=ctx, max_context_len=ctx))
-    qs = q.transpose(0, 1)[None]
+
+    def ours():
+        return paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS, max_seqlen_q=ctx,
+                               max_context_len=ctx)
+    t = bench(ours)
+    qs = q.transpose(0, 1)[None].contiguous()
     kc = torch.randn(1, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     t_sdpa = bench(lambda: F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, enable_gqa=True))
     flops = 4 * ctx * HQ * TOPK * BS * D  # the selected keys only (upper bound: early tokens see fewer)
-    rows.append({"kernel": "MSA sparse prefill", "shape": f"{ctx // 1024}K tokens", "kv": "fp8", "layout": "plain",
-                 "ms": t, "floor_ms": flops / 790e12 * 1e3, "TB/s": float("nan"),
-                 "peer": "SDPA dense causal bf16", "peer_ms": t_sdpa})
-    rows.append({"kernel": "indexer prefill", "shape": f"{ctx // 1024}K tokens", "kv": "fp8", "layout": "-",
+    shape = f"{ctx // 1024}K tokens, {selection} sel"
+    base = {"kernel": "MSA sparse prefill", "shape": shape, "kv": "fp8", "layout": "plain", "ms": t,
+            "floor_ms": flops / 790e12 * 1e3, "TB/s": float("nan")}
+    mask, locality = flex_prefill_mask(sel, ctx)
+    note = (f"distinct blocks per 128-query block {locality['blocks_per_128q']:.1f}, "
+            f"per 8-query tile {locality['blocks_per_8q_tile']:.1f} (16 = perfect sharing)")
+    rows.append(base | {"peer": "SDPA dense causal bf16", "peer_ms": t_sdpa, "note": note})
+    if flex:
+        row = base | {"peer": "FlexAttention, same block mask, bf16 KV", "peer_ms": float("nan")}
+        try:
+            del kc, vc
+            kc, vc = contiguous_kv(k, v, ks, vs, table)
+            err = rel_err(FLEX(qs, kc, vc, block_mask=mask, enable_gqa=True)[0].transpose(0, 1), ours())
+            row["peer_ms"] = bench(lambda: FLEX(qs, kc, vc, block_mask=mask, enable_gqa=True))
+            row["note"] = f"flex rel err vs ours {err:.1e}"
+        except Exception as e:  # noqa: BLE001 (the peer failing must not lose our rows)
+            row["note"] = f"flex failed: {type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+    rows.append({"kernel": "indexer prefill", "shape": shape, "kv": "fp8", "layout": "-",
                  "ms": t_idx, "floor_ms": 2 * ctx * ctx * HIDX * DI / 790e12 * 1e3, "TB/s": float("nan"),
                  "peer": "-", "peer_ms": float("nan")})
 
@@ -292,8 +415,12 @@ STEPS = {
     "indexer_decode_32k": lambda rows, bw: indexer_decode(rows, bw, 32768),
     "dense_decode_32k": lambda rows, bw: dense_decode(rows, bw, 32768),
     "dense_decode_128k": lambda rows, bw: dense_decode(rows, bw, 131072),
-    "sparse_prefill_32k": lambda rows, bw: sparse_prefill(rows, 32768),
-    "sparse_prefill_128k": lambda rows, bw: sparse_prefill(rows, 131072),
+    "sparse_prefill_32k": lambda rows, bw: sparse_prefill(rows, 32768, "random", flex=True),
+    "sparse_prefill_32k_smooth": lambda rows, bw: sparse_prefill(rows, 32768, "smooth", flex=True),
+    "sparse_prefill_128k": lambda rows, bw: sparse_prefill(rows, 131072, "random", flex=False),
+    "sparse_prefill_128k_smooth": lambda rows, bw: sparse_prefill(rows, 131072, "smooth", flex=False),
+    "flex_decode_32k": lambda rows, bw: flex_decode(rows, bw, 32768),
+    "flex_decode_128k": lambda rows, bw: flex_decode(rows, bw, 131072),
     "tiles_decode_fp8": tiles_decode_fp8,
 }
 
@@ -305,7 +432,8 @@ def print_table(rows: list[dict]) -> None:
         vs_floor = r["floor_ms"] / r["ms"]
         vs_peer = r["peer_ms"] / r["ms"] if not math.isnan(r["peer_ms"]) else float("nan")
         print(f"{r['kernel']:20} {r['shape']:22} {r['kv']:5} {r['layout']:8} {r['ms']:9.4f} {r['floor_ms']:9.4f} "
-              f"{vs_floor:8.0%} {r['TB/s']:6.2f} {r['peer_ms']:9.4f} {vs_peer:7.2f}x  {r['peer']} {r.get('tiles', '')}")
+              f"{vs_floor:8.0%} {r['TB/s']:6.2f} {r['peer_ms']:9.4f} {vs_peer:7.2f}x  {r['peer']} "
+              f"{r.get('tiles', '')} {r.get('note', '')}")
 
 
 def main() -> int:
