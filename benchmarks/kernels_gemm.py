@@ -19,7 +19,7 @@ import argparse
 import json
 
 import torch
-import triton
+from gpu_timing import bench, read_bandwidth
 
 from m3sdk_kernels.arch import TILES, current_arch
 from m3sdk_kernels.quant import fp8_gemm, fp8_gemm_ref, quantize_fp8_per_token, quantize_fp8_weight
@@ -37,18 +37,6 @@ SWEEP = {
                          dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
                          dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)],
 }
-
-
-def bench(fn) -> float:
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    except Exception:
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def read_bandwidth() -> float:
-    x = torch.randn(2 << 30, dtype=torch.bfloat16, device=DEV)
-    return x.numel() * 2 / bench(lambda: x.sum(dtype=torch.float32)) / 1e6  # bytes / ms -> GB/s
 
 
 def torch_quant(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

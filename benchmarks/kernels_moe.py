@@ -16,7 +16,7 @@ import argparse
 import json
 
 import torch
-import triton
+from gpu_timing import bench, read_bandwidth
 
 from m3sdk_kernels.arch import TILES, current_arch
 from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, quantize_experts
@@ -33,18 +33,6 @@ SWEEP = {
     "moe_small": [dict(GU_BLOCK_N=64, GU_BLOCK_K=128, DN_BLOCK_N=64, DN_BLOCK_K=64, num_stages=4),
                   dict(GU_BLOCK_N=32, GU_BLOCK_K=256, DN_BLOCK_N=64, DN_BLOCK_K=128, num_stages=3)],
 }
-
-
-def bench(fn) -> float:
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    except Exception:
-        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
-
-
-def read_bandwidth() -> float:
-    x = torch.randn(2 << 30, dtype=torch.bfloat16, device=DEV)
-    return x.numel() * 2 / bench(lambda: x.sum(dtype=torch.float32)) / 1e6  # bytes / ms -> GB/s
 
 
 def mm_rate(dtype: torch.dtype) -> float:
