@@ -57,6 +57,8 @@ class EngineCore:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._pending: list[Chunk] = []  # abort notices, sent with the next step's deltas
+        # The last step could run nothing until a remote prefill ends: the loop sleeps until its inbox wake.
+        self._stalled = False
         # Called in the engine thread when a request finishes, before its pages are freed.
         self.finish_hooks: list[Callable[[Request, FinishReason], None]] = []
         # Called in the engine thread when its loop ends, however it ends (e.g. stopping tensor-parallel workers).
@@ -210,13 +212,13 @@ class EngineCore:
 
     def _handle_inbox(self) -> bool:
         """Apply queued adds and aborts; blocks while there is nothing to run. False once told to stop."""
-        block = not (self.scheduler.num_running or self.scheduler.num_waiting)
+        block = self._stalled or not (self.scheduler.num_running or self.scheduler.num_waiting)
         while True:
             try:
                 kind, item = self._inbox.get(block=block)
             except queue.Empty:
                 return True
-            block = False
+            block = self._stalled = False
             if kind == _ADD:
                 self.scheduler.add(item)
                 self._counters["prompt_tokens"] += item.num_prompt_tokens
@@ -240,6 +242,10 @@ class EngineCore:
             self.spec.scheduled(plan)
         if not plan:
             if plan.preempted or not (self.scheduler.num_running or self.scheduler.num_waiting):
+                return []
+            if self.remote is not None and self.scheduler.remote_pending:
+                # the waiting requests need pages or max_num_seqs slots held by requests on prefill nodes
+                self._stalled = True
                 return []
             raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
         self._counters["steps"] += 1
