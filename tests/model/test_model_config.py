@@ -84,3 +84,15 @@ def test_missing_config(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="unreadable config"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_absent_rope_theta_defaults_like_transformers(oracle_checkpoint):
+    # a config without any rope_theta is served by transformers with MiniMax-M3's theta (5e6), not Llama's 1e4
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+
+    raw = json.loads((oracle_checkpoint / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    text.pop("rope_theta", None)
+    text["rope_parameters"].pop("rope_theta")
+    want = MiniMaxM3VLTextConfig(num_hidden_layers=1).rope_parameters["rope_theta"]
+    assert ModelConfig.from_dict(raw).rope_theta == want == 5e6

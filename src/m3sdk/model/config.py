@@ -281,7 +281,8 @@ def _rope(r: _Reader, head_dim: int) -> tuple[float, int]:
         params = {**scaling, **params}
     rope_type = params.get("rope_type", params.get("type", "default"))
     r.expect("rope_parameters.rope_type", rope_type == "default", rope_type, "only plain RoPE is implemented")
-    theta = float(params.get("rope_theta", r.get("rope_theta", default=10000.0)))
+    # absent: MiniMax-M3's theta, as transformers' MiniMaxM3VLTextConfig (default_theta) fills it in
+    theta = float(params.get("rope_theta", r.get("rope_theta", default=5e6)))
     factor = params.get("partial_rotary_factor", r.get("partial_rotary_factor"))
     declared = r.get("rotary_dim")
     if factor is None and declared is None:
