@@ -128,7 +128,8 @@ def dequantize_experts(experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
     return dequantize(ex.gate_up, ex.gate_up_scale), dequantize(ex.down, ex.down_scale)
 
 
-def _swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+def swiglu_oai_ref(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[.., 2I] (gate | up, not interleaved) -> [.., I]: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, L)."""
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     return (up.clamp(-limit, limit) + 1.0) * (gate * torch.sigmoid(alpha * gate))
@@ -157,7 +158,7 @@ def fused_moe_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     for e in flat.unique().tolist():
         pairs = (flat == e).nonzero().squeeze(1)
         tokens = pairs // k
-        h = _swiglu_oai(x[tokens] @ w_gate_up[e].T, alpha, limit)
+        h = swiglu_oai_ref(x[tokens] @ w_gate_up[e].T, alpha, limit)
         h = _quantize_groups_ref(h, experts.down.dtype) if experts.fmt == "fp8" else h.to(hidden.dtype).float()
         y = (h @ w_down[e].T) * topk_weights.reshape(-1)[pairs, None].float()
         out.index_add_(0, tokens, y)

@@ -1,6 +1,7 @@
 """The building blocks of MiniMax-M3: Gemma RMSNorm, partial NeoX RoPE, SwiGLU-OAI, the sigmoid router and MoE.
 
-`moe_experts` is the one function a fused MoE kernel replaces; everything around it stays.
+`moe_experts` is the one function a fused MoE kernel replaces; everything around it stays. The norm and the
+SwiGLU-OAI math are m3sdk_kernels' references (`gemma_rms_norm_ref`, `swiglu_oai_ref`): one definition each.
 """
 
 from __future__ import annotations
@@ -10,24 +11,21 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from m3sdk_kernels.cache_write import gemma_rms_norm_ref
+from m3sdk_kernels.moe import Experts, fused_moe, swiglu_oai_ref
 from m3sdk_kernels.norm import add_rms_norm, add_rms_norm_ref
 
 
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalize in fp32 and scale by (1 + w) (Gemma style; the stored weight is an offset from 1)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + weight.float())).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
+    """Gemma RMSNorm: normalize in fp32 and scale by (1 + w) (the stored weight is an offset from 1)."""
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemma_rms_norm(x, self.weight, self.eps)
+        return gemma_rms_norm_ref(x, self.weight, self.eps)
 
 
 class Fp8Activation(NamedTuple):
@@ -65,14 +63,6 @@ class RotaryEmbedding:
         return freqs.cos(), freqs.sin()
 
 
-def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """[.., 2I] (gate | up, not interleaved) -> [.., I]: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, L)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1.0) * (gate * torch.sigmoid(gate * alpha))
-
-
 class DenseMLP(nn.Module):
     """SwiGLU-OAI MLP: the dense layers' MLP and the MoE's shared expert."""
 
@@ -83,7 +73,7 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_oai(self.gate_up_proj(x), self.alpha, self.limit))
+        return self.down_proj(swiglu_oai_ref(self.gate_up_proj(x), self.alpha, self.limit))
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +101,6 @@ def moe_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     """
     if hidden.is_cuda and hidden.dtype == torch.bfloat16 and fused_moe_fits(hidden.shape[1], w_down.shape[2]):
         # the fused Triton kernels: two launches, no host sync, so CUDA graphs can capture the step
-        from m3sdk_kernels.moe import Experts, fused_moe
-
         return fused_moe(hidden, topk_ids, topk_weights, Experts("bf16", w_gate_up, w_down), alpha, limit)
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
@@ -126,7 +114,7 @@ def moe_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         if n == 0:
             continue
         idx = tokens[start : start + n]
-        h = swiglu_oai(torch.nn.functional.linear(hidden[idx], w_gate_up[expert]), alpha, limit)
+        h = swiglu_oai_ref(torch.nn.functional.linear(hidden[idx], w_gate_up[expert]), alpha, limit)
         y = torch.nn.functional.linear(h, w_down[expert]) * weights[start : start + n, None]
         out.index_add_(0, idx, y.to(out.dtype))
         start += n
