@@ -42,6 +42,9 @@ class Engine:
         self._metrics: EngineMetrics | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._channels: dict[str, asyncio.Queue[Chunk | object]] = {}
+        # ids whose waiter left early, with how many aborts are in flight: their chunks are dropped until the
+        # core's last one, so a new request reusing the id gets only its own
+        self._orphans: dict[str, int] = {}
         self._dead: BaseException | None = None
         self._closed = False
 
@@ -224,7 +227,8 @@ class Engine:
         finally:
             if self._channels.get(rid) is channel:
                 del self._channels[rid]
-            if not done and self._dead is None and not self._closed:
+            if not done and self._dead is None and not self._closed and not _holds_last(channel):
+                self._orphans[rid] = self._orphans.get(rid, 0) + 1
                 self._core.abort(rid)
 
     # -- deltas out (called in the engine thread) -------------------------------------------------------
@@ -243,7 +247,14 @@ class Engine:
 
     def _dispatch(self, chunks: list[Chunk]) -> None:
         for chunk in chunks:
-            channel = self._channels.get(chunk.request_id)
+            rid, last = chunk.request_id, chunk.finish_reason is not None
+            if rid in self._orphans:  # a left waiter's: never for a new request that reuses the id
+                if last:
+                    self._orphans[rid] -= 1
+                    if not self._orphans[rid]:
+                        del self._orphans[rid]
+                continue
+            channel = self._channels.get(rid)
             if channel is not None:
                 channel.put_nowait(chunk)
 
@@ -251,6 +262,15 @@ class Engine:
         self._dead = exc
         for channel in self._channels.values():
             channel.put_nowait(_DEAD)
+
+
+def _holds_last(channel: asyncio.Queue[Chunk | object]) -> bool:
+    """Whether the core's last chunk already reached this channel, which its waiter left (drains it)."""
+    while not channel.empty():
+        item = channel.get_nowait()
+        if item is not _DEAD and item.finish_reason is not None:
+            return True
+    return False
 
 
 def _merge(a: Chunk, b: Chunk) -> Chunk:

@@ -252,3 +252,16 @@ async def test_cache_knobs_pass_through(engine_checkpoint):
     with contextlib.suppress(ValueError):
         EngineConfig(kv_cache_layout="diagonal")
         raise AssertionError("a bad layout must be refused")
+
+
+async def test_a_request_id_reused_right_after_leaving_its_stream_gets_only_its_own_chunks(engine_checkpoint):
+    # the left stream's abort notice (and any delta still in flight) must not reach the new request's waiter
+    async with engine(engine_checkpoint) as e:
+        for _ in range(3):
+            async with contextlib.aclosing(e.stream("abc", request_id="x", max_tokens=50, ignore_eos=True)) as s:
+                async for _chunk in s:
+                    break
+            done = await e.generate("abc", request_id="x", max_tokens=5, ignore_eos=True)
+            assert done.finish_reason == "length" and len(done.token_ids) == 5
+        stats = await settle(e)
+        assert stats["requests_aborted"] == 3 and stats["pages_free"] == stats["pages_total"]
