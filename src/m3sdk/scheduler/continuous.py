@@ -5,7 +5,8 @@ while the token budget (`max_num_batched_tokens`), `max_num_seqs` and free pages
 prefilled in chunks. When a running request needs a page and none is left, the last request in that order is
 preempted: its pages are freed and it waits to be recomputed from its tokens (prompt + what it generated,
 often a prefix-cache hit). The first request in order can always grow (the cache holds at least one
-`max_model_len` sequence), so the batch never deadlocks and no request is lost.
+`max_model_len` sequence), so the batch never deadlocks and no request is lost; only requests parked on a
+remote prefill (which hold pages and slots) can leave nothing to schedule until their node answers.
 """
 
 from __future__ import annotations
