@@ -256,3 +256,37 @@ def _health(address: str) -> pb.HealthReply:
             return await PrefillNodeStub(channel).Health(pb.HealthRequest(), timeout=5,
                                                          metadata=(("authorization", f"Bearer {TOKEN}"),))
     return loop.run(call())
+
+
+def test_a_draining_node_finishes_the_prefills_it_runs():
+    # SIGTERM drains the node: running prefills finish within its grace period (2 s), so the client must stop
+    # sending it new work but must not fail the jobs it already runs there
+    proc, address = spawn_node(delay_s=1.5)
+    client, pool = make_client(address, heartbeat_s=0.2)
+    try:
+        tokens = list(range(40))
+        fut = client.submit("g1", tokens, GREEDY, [7, 8, 9], 0, 30)
+        time.sleep(0.3)
+        proc.terminate()
+        assert fut.result(10).first_token == first_token(tokens)
+        assert_pages(pool, tokens, [7, 8, 9], 0)
+        assert not client.has_healthy_node
+    finally:
+        client.close()
+        stop_node(proc)
+
+
+def test_a_request_the_wire_cannot_carry_fails_without_leaving_its_receive_posted(node):
+    # a seed outside uint64 cannot go into the Prefill call: the job must fail as PrefillNodeError (the core
+    # then prefills locally) and must not leave receive buffers posted for a transfer that never comes
+    client, _ = make_client(node)
+
+    async def receives() -> list[asyncio.Task]:
+        return [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "UcxReceive._run"]
+
+    try:
+        with pytest.raises(PrefillNodeError, match="seed|out of range"):
+            client.submit("w1", list(range(40)), SamplingParams(seed=-1), [1, 2, 3], 0, 10).result(10)
+        assert not loop.run(receives())
+    finally:
+        client.close()

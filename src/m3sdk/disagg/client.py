@@ -158,8 +158,9 @@ class PrefillClient:
                 return
             reply = await node.stub.Health(pb.HealthRequest(), timeout=self.heartbeat_s, metadata=self._metadata)
             node.remote_running = reply.running
-            if not reply.serving:
-                self._mark_down(node, "draining")
+            if not reply.serving:  # draining: no new work, but what it runs still finishes (server.drain)
+                log.warning("prefill node draining", node=node.target)
+                node.healthy, node.error = False, "draining"
         except grpc.aio.AioRpcError as e:
             self._mark_down(node, f"heartbeat failed: {e.code().name}")
         except PrefillNodeError as e:  # it came back incompatible (another model): keep it out
@@ -198,15 +199,19 @@ class PrefillClient:
         send_pages = pages[num_cached_pages:]
         plan = TransferPlan.build(self.rows, _next_transfer_id(), len(send_pages), self.layers_per_group,
                                   self.max_message_bytes)
-        dst = torch.tensor(send_pages, dtype=torch.int64, device=self.rows[0][0].device)
-        receive = self.transport.receive(plan, self.rows, dst)
         # the node sees several engines' requests: the transfer id makes ours unique there
         node_id = re.sub(r"[^\x21-\x7e]", "_", f"{plan.transfer_id:x}.{request_id}")[:128]
-        request = pb.PrefillRequest(
-            request_id=node_id, compat_hash=self.compat.digest, token_ids=token_ids,
-            sampling=sampling_to_proto(params), transport_port=self.transport.port, transfer_id=plan.transfer_id,
-            num_cached_pages=num_cached_pages, dst_pages=send_pages, layers_per_group=self.layers_per_group,
-            max_message_bytes=self.max_message_bytes, deadline_unix_s=time.time() + timeout_s)
+        try:  # before the receive is posted: nothing to retire when a value does not fit the wire
+            request = pb.PrefillRequest(
+                request_id=node_id, compat_hash=self.compat.digest, token_ids=token_ids,
+                sampling=sampling_to_proto(params), transport_port=self.transport.port,
+                transfer_id=plan.transfer_id, num_cached_pages=num_cached_pages, dst_pages=send_pages,
+                layers_per_group=self.layers_per_group, max_message_bytes=self.max_message_bytes,
+                deadline_unix_s=time.time() + timeout_s)
+        except ValueError as e:  # e.g. a seed outside uint64
+            raise PrefillNodeError(f"request {request_id!r} cannot be sent to a prefill node: {e}") from e
+        dst = torch.tensor(send_pages, dtype=torch.int64, device=self.rows[0][0].device)
+        receive = self.transport.receive(plan, self.rows, dst)
         call = node.stub.Prefill(request, timeout=timeout_s, metadata=self._metadata)
         waits = {asyncio.ensure_future(call), asyncio.ensure_future(receive.wait())}
         down = asyncio.ensure_future(node.down.wait())

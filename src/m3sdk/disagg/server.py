@@ -79,6 +79,8 @@ class PrefillServicer(pb_grpc.PrefillNodeServicer):
         return len(self._running)
 
     async def Handshake(self, request: pb.HandshakeRequest, context: grpc.aio.ServicerContext) -> pb.HandshakeReply:
+        if self.draining:  # a client that saw it draining retries the handshake: keep it away
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "node is draining")
         if request.protocol_version != PROTOCOL_VERSION:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"protocol version {request.protocol_version} != node's {PROTOCOL_VERSION}")
