@@ -170,3 +170,19 @@ def test_bad_checkpoints_are_named(tmp_path):
         load_eagle3(write(tmp_path / "c", W, {**CONFIG, "vocab_size": 65}), target_info())
     with pytest.raises(CheckpointError, match="architectures"):
         load_eagle3(write(tmp_path / "d", W, {**CONFIG, "architectures": ["LlamaForCausalLM"]}), target_info())
+
+
+def test_vocab_maps_that_disagree_are_refused(tmp_path):
+    """d2t holds offsets (target = draft + d2t[draft]); a d2t written as absolute target ids, or one that leaves
+    the vocabulary or maps two draft ids to one target, would draft garbage silently: the loader refuses it."""
+    W = published_tensors()
+    vocab_ids = W["d2t"] + torch.arange(DVOCAB)
+    with pytest.raises(CheckpointError, match="d2t"):  # absolute ids: disagrees with t2d
+        load_eagle3(write(tmp_path / "abs", {**W, "d2t": vocab_ids}), target_info())
+    no_t2d = {k: v for k, v in W.items() if k != "t2d"}
+    with pytest.raises(CheckpointError, match="d2t"):  # absolute ids run past the vocabulary
+        load_eagle3(write(tmp_path / "range", {**no_t2d, "d2t": vocab_ids}), target_info())
+    twice = W["d2t"].clone()
+    twice[1] = vocab_ids[0] - 1  # draft ids 0 and 1 both map to vocab_ids[0]
+    with pytest.raises(CheckpointError, match="d2t"):
+        load_eagle3(write(tmp_path / "dup", {**no_t2d, "d2t": twice}), target_info())

@@ -344,10 +344,13 @@ def load_eagle3(path: str | Path, target: TargetInfo) -> Eagle3Head:
     expected = head.state_dict()
     if "d2t" not in tensors and config.draft_vocab_size == config.vocab_size:
         tensors["d2t"] = torch.zeros(config.vocab_size, dtype=torch.long)  # identity map
-    if "t2d" not in tensors and "d2t" in tensors:  # only the target -> draft direction is missing: derive it
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[torch.arange(config.draft_vocab_size) + tensors["d2t"].long()] = True
-        tensors["t2d"] = t2d
+    if "d2t" in tensors and tensors["d2t"].shape == (config.draft_vocab_size,):
+        t2d = _vocab_map(tensors["d2t"], config, path)
+        if "t2d" not in tensors:  # only the target -> draft direction is missing: derive it
+            tensors["t2d"] = t2d
+        elif tensors["t2d"].shape == t2d.shape and not torch.equal(tensors["t2d"].bool(), t2d):
+            raise CheckpointError(f"{path}: d2t and t2d name different target ids (d2t holds offsets: target id = "
+                                  "draft id + d2t[draft id])")
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     bad = [f"{n} {tuple(tensors[n].shape)} != {tuple(t.shape)}" for n, t in expected.items()
@@ -359,6 +362,17 @@ def load_eagle3(path: str | Path, target: TargetInfo) -> Eagle3Head:
     head.shared_lm_head = None if own_head else target.lm_head
     head.aux_layers = tuple(aux)
     return head.to(device=target.device, dtype=target.dtype).eval()
+
+
+def _vocab_map(d2t: torch.Tensor, config: Eagle3Config, path: Path) -> torch.Tensor:
+    """The t2d mask that d2t implies; d2t must map the draft ids one to one into the target vocabulary."""
+    targets = torch.arange(config.draft_vocab_size) + d2t.long()
+    if targets.min() < 0 or targets.max() >= config.vocab_size or targets.unique().numel() != targets.numel():
+        raise CheckpointError(f"{path}: d2t maps draft ids outside [0, {config.vocab_size}) or two onto one target "
+                              "(d2t holds offsets: target id = draft id + d2t[draft id])")
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[targets] = True
+    return t2d
 
 
 def save_eagle3(head: Eagle3Head, path: str | Path) -> None:
