@@ -100,6 +100,7 @@ class TensorParallel:
             raise RuntimeError("torch.distributed is already initialized in this process: one tensor-parallel "
                                "engine per process")
         check_divisible(ModelConfig.from_pretrained(path), Shard(0, world, expert_parallel))
+        device = rank_device(device, 0)  # "cuda" -> "cuda:0": NCCL's device_id wants an index
         if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {world} needs GPUs {device} .. +{world - 1}; "
                              f"{torch.cuda.device_count()} visible")
