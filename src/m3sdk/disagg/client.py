@@ -4,8 +4,8 @@ message).
 
 The engine core (a plain thread) calls `submit` and `cancel`; the jobs run on the disagg loop. Every job ends
 by its deadline: on any failure (node error, transport error, a node that stops answering heartbeats, a
-malformed reply) the receive is retired and the node told to abort *before* the job's future fails, so the
-caller may reuse or free the pages the moment it sees the failure. The client never frees pages: the core
+malformed reply) the receive is retired *before* the job's future fails (and the node is sent an Abort), so
+the caller may reuse or free the pages the moment it sees the failure. The client never frees pages: the core
 owns them.
 """
 

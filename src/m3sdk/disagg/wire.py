@@ -16,6 +16,7 @@ cut short (stale trailer), belongs to another transfer, or is misplaced never re
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -144,6 +145,18 @@ def _put(out: torch.Tensor, offset: int, data: bytes) -> None:
     out[offset:offset + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
+def _blocks(msg: MessageSpec, rows: list[list[torch.Tensor]],
+            buf: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each (pool rows, the message's block of them `[page_count, width]`) in payload order: the one layout that
+    `pack` writes and `scatter` reads."""
+    offset = HEADER_BYTES
+    for layer in msg.layers:
+        for t in rows[layer]:
+            n = msg.page_count * t.shape[1]
+            yield t, buf[offset:offset + n].view(msg.page_count, -1)
+            offset += n
+
+
 def pack(plan: TransferPlan, msg: MessageSpec, rows: list[list[torch.Tensor]], src_pages: torch.Tensor,
          out: torch.Tensor) -> None:
     """Gather message `msg`'s pages (`src_pages`: int64, the transfer's source page ids) into `out`."""
@@ -152,18 +165,13 @@ def pack(plan: TransferPlan, msg: MessageSpec, rows: list[list[torch.Tensor]], s
     idx = src_pages[msg.page_start:msg.page_start + msg.page_count]
     runs = _runs(idx)
     _put(out, 0, _header(plan, msg, KIND_DATA))
-    offset = HEADER_BYTES
-    for layer in msg.layers:
-        for t in rows[layer]:
-            n = msg.page_count * t.shape[1]
-            block = out[offset:offset + n].view(msg.page_count, -1)
-            if runs is None:
-                torch.index_select(_words(t), 0, idx, out=_words(block))
-            else:
-                for at, page, length in runs:
-                    block[at:at + length].copy_(t[page:page + length])
-            offset += n
-    _put(out, offset, _trailer(plan, msg))
+    for t, block in _blocks(msg, rows, out):
+        if runs is None:
+            torch.index_select(_words(t), 0, idx, out=_words(block))
+        else:
+            for at, page, length in runs:
+                block[at:at + length].copy_(t[page:page + length])
+    _put(out, msg.nbytes - TRAILER_BYTES, _trailer(plan, msg))
 
 
 def cancel_message(plan: TransferPlan, msg: MessageSpec) -> bytes:
@@ -201,14 +209,9 @@ def scatter(plan: TransferPlan, msg: MessageSpec, rows: list[list[torch.Tensor]]
     check(plan, msg, buf)
     idx = dst_pages[msg.page_start:msg.page_start + msg.page_count]
     runs = _runs(idx)
-    offset = HEADER_BYTES
-    for layer in msg.layers:
-        for t in rows[layer]:
-            n = msg.page_count * t.shape[1]
-            block = buf[offset:offset + n].view(msg.page_count, -1)
-            if runs is None:
-                _words(t).index_copy_(0, idx, _words(block))
-            else:
-                for at, page, length in runs:
-                    t[page:page + length].copy_(block[at:at + length])
-            offset += n
+    for t, block in _blocks(msg, rows, buf):
+        if runs is None:
+            _words(t).index_copy_(0, idx, _words(block))
+        else:
+            for at, page, length in runs:
+                t[page:page + length].copy_(block[at:at + length])
