@@ -44,7 +44,11 @@ class RemotePrefill:
         client = PrefillClient(list(config.prefill_nodes), compat, wire.page_rows(cache.kv), vocab_size,
                                token=config.prefill_token, tls_root_certificates=Path(root).read_bytes() if root
                                else None)
-        client.start()
+        try:
+            client.start()
+        except BaseException:  # e.g. an incompatible node: close the listener and channels opened so far
+            client.close()
+            raise
         return cls(client, config.remote_prefill_min_tokens, config.prefill_fallback, config.prefill_timeout, wake)
 
     def wants(self, request: Request, cached_tokens: int) -> bool:
