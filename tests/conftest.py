@@ -1,6 +1,7 @@
 """Shared fixtures. The oracle checkpoints (see tests/oracle.py) are built once per session."""
 
 import os
+import shutil
 
 import torch
 
@@ -10,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from oracle import load_oracle, make_oracle_checkpoint
+from oracle import load_oracle, make_oracle_checkpoint, write_byte_tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -39,3 +40,13 @@ def oracle_checkpoint_minimax(tmp_path_factory):
 def oracle_hf(oracle_checkpoint):
     """transformers' MiniMaxM3VLForCausalLM of `oracle_checkpoint` (float32, eager attention)."""
     return load_oracle(oracle_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def engine_checkpoint(oracle_checkpoint, tmp_path_factory):
+    """`oracle_checkpoint` made engine-ready: the byte-level tokenizer and chat template beside the weights
+    (MSA drops blocks past position 24 in this model)."""
+    directory = tmp_path_factory.mktemp("engine_ckpt")
+    shutil.copytree(oracle_checkpoint, directory, dirs_exist_ok=True)
+    write_byte_tokenizer(directory)
+    return directory

@@ -19,8 +19,10 @@ import json
 import random
 from pathlib import Path
 
+import tokenizers
 import torch
 from safetensors.torch import save_file
+from tokenizers import decoders, models, pre_tokenizers
 
 from m3sdk.attention.base import PAGE_SIZE, AttentionMetadata
 from m3sdk.cache.kv_pool import KVPool
@@ -181,3 +183,31 @@ class PagedSequences:
         meta = AttentionMetadata.build(counts, ctxs, tables)
         _, logits = model(torch.tensor(ids), meta, self.kv, torch.arange(len(ids)))
         return dict(zip(feeds, logits.split(counts), strict=True))
+
+
+# A real byte-level tokenizer whose 256 tokens are the oracle model's vocabulary, and a chat template: with it an
+# oracle checkpoint is engine-ready.
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte -> printable character map, so token id b is byte b."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def write_byte_tokenizer(directory) -> None:
+    vocab = {c: i for i, c in enumerate(_byte_alphabet())}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))

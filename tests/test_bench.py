@@ -4,7 +4,6 @@
 import json
 import math
 import random
-import shutil
 
 import pytest
 
@@ -14,15 +13,10 @@ from m3sdk.config import BUNDLED_MODELS
 
 
 @pytest.fixture(scope="module")
-def bench_model(oracle_checkpoint, tmp_path_factory):
+def bench_model(engine_checkpoint):
     if (BUNDLED_MODELS["m3-tiny"] / "config.json").is_file():
         return "m3-tiny"
-    from engine.conftest import write_byte_tokenizer
-
-    directory = tmp_path_factory.mktemp("bench_ckpt")
-    shutil.copytree(oracle_checkpoint, directory, dirs_exist_ok=True)
-    write_byte_tokenizer(directory)
-    return str(directory)
+    return str(engine_checkpoint)
 
 
 

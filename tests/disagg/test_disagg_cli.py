@@ -48,11 +48,11 @@ async def generate(engine: Engine) -> list[int]:
     return (await engine.generate(PROMPT, temperature=0.0, max_tokens=8)).token_ids
 
 
-def test_prefill_node_daemon_tls_token_and_sigterm_drain(disagg_checkpoint, tmp_path):
+def test_prefill_node_daemon_tls_token_and_sigterm_drain(engine_checkpoint, tmp_path):
     key, cert = self_signed(tmp_path, "node")
     _, other_ca = self_signed(tmp_path, "other")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "m3sdk.cli", "prefill-node", "--model", str(disagg_checkpoint), "--device", "cpu",
+        [sys.executable, "-m", "m3sdk.cli", "prefill-node", "--model", str(engine_checkpoint), "--device", "cpu",
          "--listen", "127.0.0.1:0", "--tls-cert", cert, "--tls-key", key],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env={**os.environ, "M3SDK_PREFILL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"})
@@ -62,14 +62,14 @@ def test_prefill_node_daemon_tls_token_and_sigterm_drain(disagg_checkpoint, tmp_
         address = line.split()[-1]
 
         async def run():
-            async with decode_engine(disagg_checkpoint) as engine:
+            async with decode_engine(engine_checkpoint) as engine:
                 local = await generate(engine)
-            async with decode_engine(disagg_checkpoint, address, root=cert) as engine:
+            async with decode_engine(engine_checkpoint, address, root=cert) as engine:
                 assert await generate(engine) == local
                 assert engine._core.remote.num_remote == 1
             # no TLS, or a CA that did not sign the node's certificate: the node is unreachable, prefill is local
             for root in (None, other_ca):
-                async with decode_engine(disagg_checkpoint, address, root=root) as engine:
+                async with decode_engine(engine_checkpoint, address, root=root) as engine:
                     assert not engine._core.remote.client.has_healthy_node
                     assert await generate(engine) == local
                     assert engine._core.remote.num_remote == 0

@@ -26,18 +26,18 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def node(disagg_checkpoint):
+def node(engine_checkpoint):
     # every forward there holds its last layer until the first group of layers was sent: each remote prefill
     # through this node proves the push overlaps compute (a node pushing after the forward fails the prefill)
-    proc, address = spawn_engine_node(disagg_checkpoint, hold_last_layer=True)
+    proc, address = spawn_engine_node(engine_checkpoint, hold_last_layer=True)
     yield address
     stop_node(proc)
 
 
 @pytest.fixture(scope="module")
-def colocated(disagg_checkpoint):
+def colocated(engine_checkpoint):
     async def run():
-        async with Engine(model=str(disagg_checkpoint), device="cpu", kv_cache_memory=8 << 20) as engine:
+        async with Engine(model=str(engine_checkpoint), device="cpu", kv_cache_memory=8 << 20) as engine:
             return [(await engine.generate(p, temperature=0.0, max_tokens=MAX_TOKENS)).token_ids for p in PROMPTS]
     return asyncio.run(run())
 
@@ -67,8 +67,8 @@ async def generate_all(engine: Engine) -> list[list[int]]:
     return [c.token_ids for c in done]
 
 
-async def test_remote_prefill_is_greedy_identical_to_colocated(disagg_checkpoint, node, colocated):
-    async with decode_engine(disagg_checkpoint, [node], prefill_fallback="error") as engine:
+async def test_remote_prefill_is_greedy_identical_to_colocated(engine_checkpoint, node, colocated):
+    async with decode_engine(engine_checkpoint, [node], prefill_fallback="error") as engine:
         free = engine.stats()["pages_free"]
         assert await generate_all(engine) == colocated
         assert engine._core.remote.num_remote == len(PROMPTS)
@@ -77,9 +77,9 @@ async def test_remote_prefill_is_greedy_identical_to_colocated(disagg_checkpoint
         assert_node_pages_free(engine._core.remote.client)
 
 
-async def test_first_token_top_logprobs_come_from_the_node(disagg_checkpoint, node):
+async def test_first_token_top_logprobs_come_from_the_node(engine_checkpoint, node):
     async def run(**kwargs):
-        async with Engine(model=str(disagg_checkpoint), device="cpu", kv_cache_memory=8 << 20, **kwargs) as engine:
+        async with Engine(model=str(engine_checkpoint), device="cpu", kv_cache_memory=8 << 20, **kwargs) as engine:
             done = await engine.generate(PROMPTS[2], temperature=0.0, max_tokens=3, logprobs=4)
             return done, engine._core.remote
     local, _ = await run()
@@ -92,10 +92,10 @@ async def test_first_token_top_logprobs_come_from_the_node(disagg_checkpoint, no
         assert [lp for _, lp in got.top_logprobs] == pytest.approx([lp for _, lp in want.top_logprobs], abs=1e-5)
 
 
-async def test_index_keys_travel(disagg_checkpoint, colocated):
-    proc, address = spawn_engine_node(disagg_checkpoint, corrupt_index_keys=True)
+async def test_index_keys_travel(engine_checkpoint, colocated):
+    proc, address = spawn_engine_node(engine_checkpoint, corrupt_index_keys=True)
     try:
-        async with decode_engine(disagg_checkpoint, [address], prefill_fallback="error") as engine:
+        async with decode_engine(engine_checkpoint, [address], prefill_fallback="error") as engine:
             got = await generate_all(engine)
         # the first token comes from the node (computed before the garbling); decode steps then select blocks
         # with the index keys that arrived: garbled keys select other blocks
@@ -105,11 +105,11 @@ async def test_index_keys_travel(disagg_checkpoint, colocated):
         stop_node(proc)
 
 
-async def test_node_killed_mid_prefill_falls_back_within_deadline_without_page_leaks(disagg_checkpoint,
+async def test_node_killed_mid_prefill_falls_back_within_deadline_without_page_leaks(engine_checkpoint,
                                                                                      colocated):
-    proc, address = spawn_engine_node(disagg_checkpoint, delay_s=3.0)
+    proc, address = spawn_engine_node(engine_checkpoint, delay_s=3.0)
     try:
-        async with decode_engine(disagg_checkpoint, [address], prefill_timeout=30.0) as engine:
+        async with decode_engine(engine_checkpoint, [address], prefill_timeout=30.0) as engine:
             free = engine.stats()["pages_free"]
             task = asyncio.ensure_future(generate_all(engine))
             await asyncio.sleep(1.0)
@@ -126,17 +126,17 @@ async def test_node_killed_mid_prefill_falls_back_within_deadline_without_page_l
         stop_node(proc)
 
 
-async def test_fallback_error_raises_and_caller_abort_reaches_the_node(disagg_checkpoint):
-    proc, address = spawn_engine_node(disagg_checkpoint, delay_s=3.0)
+async def test_fallback_error_raises_and_caller_abort_reaches_the_node(engine_checkpoint):
+    proc, address = spawn_engine_node(engine_checkpoint, delay_s=3.0)
     try:
-        async with decode_engine(disagg_checkpoint, [address], prefill_fallback="error",
+        async with decode_engine(engine_checkpoint, [address], prefill_fallback="error",
                                  prefill_timeout=1.0) as engine:
             free = engine.stats()["pages_free"]
             with pytest.raises(PrefillNodeError, match="deadline|DEADLINE"):
                 await engine.generate(PROMPTS[0], temperature=0.0, max_tokens=4)
             assert engine.stats()["pages_free"] == free
             assert_node_pages_free(engine._core.remote.client)  # the node gave up at the deadline too
-        async with decode_engine(disagg_checkpoint, [address], prefill_timeout=30.0) as engine:
+        async with decode_engine(engine_checkpoint, [address], prefill_timeout=30.0) as engine:
             task = asyncio.ensure_future(engine.generate(PROMPTS[1], temperature=0.0, max_tokens=4))
             await asyncio.sleep(0.5)
             client = engine._core.remote.client
@@ -152,22 +152,22 @@ async def test_fallback_error_raises_and_caller_abort_reaches_the_node(disagg_ch
         stop_node(proc)
 
 
-async def test_two_nodes_one_engine_and_one_node_two_engines(disagg_checkpoint, node, colocated):
-    proc, second = spawn_engine_node(disagg_checkpoint)
+async def test_two_nodes_one_engine_and_one_node_two_engines(engine_checkpoint, node, colocated):
+    proc, second = spawn_engine_node(engine_checkpoint)
     try:
-        async with decode_engine(disagg_checkpoint, [node, second], prefill_fallback="error") as engine:
+        async with decode_engine(engine_checkpoint, [node, second], prefill_fallback="error") as engine:
             assert await generate_all(engine) == colocated
             assert set(engine._core.remote.nodes_used) == {node, second}
             for index in range(2):
                 assert_node_pages_free(engine._core.remote.client, index)
-        async with decode_engine(disagg_checkpoint, [second], prefill_fallback="error") as a, \
-                decode_engine(disagg_checkpoint, [second], prefill_fallback="error") as b:
+        async with decode_engine(engine_checkpoint, [second], prefill_fallback="error") as a, \
+                decode_engine(engine_checkpoint, [second], prefill_fallback="error") as b:
             assert await asyncio.gather(generate_all(a), generate_all(b)) == [colocated, colocated]
     finally:
         stop_node(proc)
 
 
-async def test_handshake_runs_off_the_callers_event_loop(disagg_checkpoint, colocated):
+async def test_handshake_runs_off_the_callers_event_loop(engine_checkpoint, colocated):
     # a "node" that accepts TCP connections and never answers: the handshake waits out its connect timeout
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -184,7 +184,7 @@ async def test_handshake_runs_off_the_callers_event_loop(disagg_checkpoint, colo
 
         ticker = asyncio.ensure_future(tick())
         t0 = time.monotonic()
-        async with decode_engine(disagg_checkpoint, [f"127.0.0.1:{silent.getsockname()[1]}"]) as engine:
+        async with decode_engine(engine_checkpoint, [f"127.0.0.1:{silent.getsockname()[1]}"]) as engine:
             started = time.monotonic() - t0
             ticking = False
             await ticker

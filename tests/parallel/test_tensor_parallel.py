@@ -3,7 +3,6 @@ checkpoint, and an engine sharded over 2 ranks gives the same greedy tokens as o
 (where MSA drops blocks past position 24)."""
 
 import asyncio
-import shutil
 
 import pytest
 import torch
@@ -14,16 +13,6 @@ from m3sdk.parallel import Shard, load_shard
 from m3sdk.parallel.sharding import param_pieces
 
 PROMPTS = [list(range(3 + i, 40 + 9 * i)) for i in range(4)]  # 37..64 tokens: past the sparse threshold
-
-
-@pytest.fixture(scope="module")
-def tp_checkpoint(oracle_checkpoint, tmp_path_factory):
-    from engine.conftest import write_byte_tokenizer
-
-    directory = tmp_path_factory.mktemp("tp_ckpt")
-    shutil.copytree(oracle_checkpoint, directory, dirs_exist_ok=True)
-    write_byte_tokenizer(directory)
-    return directory
 
 
 @pytest.mark.parametrize("expert_parallel", [True, False])
@@ -65,19 +54,19 @@ async def _greedy(path, **config) -> tuple[list[list[int]], list]:
 
 
 @pytest.fixture(scope="module")
-def single_rank_tokens(tp_checkpoint):
+def single_rank_tokens(engine_checkpoint):
     torch.set_num_threads(1)
-    return asyncio.run(_greedy(tp_checkpoint))[0]
+    return asyncio.run(_greedy(engine_checkpoint))[0]
 
 
 @pytest.mark.parametrize("expert_parallel", [True, False])
-def test_two_ranks_give_the_same_greedy_tokens(expert_parallel, tp_checkpoint, single_rank_tokens):
+def test_two_ranks_give_the_same_greedy_tokens(expert_parallel, engine_checkpoint, single_rank_tokens):
     torch.set_num_threads(1)
-    tokens, procs = asyncio.run(_greedy(tp_checkpoint, tensor_parallel_size=2, expert_parallel=expert_parallel))
+    tokens, procs = asyncio.run(_greedy(engine_checkpoint, tensor_parallel_size=2, expert_parallel=expert_parallel))
     assert tokens == single_rank_tokens
     assert [p.returncode for p in procs] == [0]  # the worker left cleanly at shutdown
 
 
-def test_ranks_must_divide_the_heads(tp_checkpoint):
+def test_ranks_must_divide_the_heads(engine_checkpoint):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide num_attention_heads=4"):
-        asyncio.run(_greedy(tp_checkpoint, tensor_parallel_size=3))
+        asyncio.run(_greedy(engine_checkpoint, tensor_parallel_size=3))

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from engine.conftest import write_byte_tokenizer
+from oracle import write_byte_tokenizer
 from safetensors.torch import save_file
 
 from m3sdk.model import ModelConfig
