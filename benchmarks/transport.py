@@ -1,6 +1,13 @@
 """KV transport rate on this machine vs UCX's own loopback rate, measured in the same run.
 
     .venv/bin/python benchmarks/transport.py [--total-mib 256] [--message-mib 64 16 4 1] [--repeats 5]
+    python benchmarks/transport.py --device cuda [--gpus 0,1] [--out DIR]    # two GPUs of one host
+
+On GPUs the sender (prefill side) holds its pool on the first GPU of --gpus and the receiver (decode side) on the
+second, each process with its own GPU listed first in CUDA_VISIBLE_DEVICES (ucxx's progress thread makes device
+0 current); the pool is FP8 (K, V, their scales, index keys: what a remote prefill moves), and the baseline is
+  p2p           a torch peer-to-peer copy_ of the same number of bytes, sender GPU -> receiver GPU, in one tensor
+(no perftest, no "EH" rows). The first round checks every received page byte for byte before anything is timed.
 
 Two processes on 127.0.0.1 move the same bytes each way:
   kv            UcxTransport: a prefill node's pages packed into messages (Outbox), pushed, checked and scattered
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import re
@@ -39,11 +47,40 @@ from m3sdk.disagg.transport import UcxTransport, _api, _send, _worker
 TRANSFER_ID = 4242
 
 
-def pool_spec(total_bytes: int) -> KVCacheSpec:
-    # MiniMax-M3-like page rows at TP 8 (1 KV head of 128, index keys of 128 on every other layer), 8 layers
-    probe = KVCacheSpec(num_pages=1, num_layers=8, num_kv_heads=1, head_dim=128, sparse_layers=(1, 3, 5, 7),
-                        index_head_dim=128, kv_dtype="bf16")
+def pool_spec(total_bytes: int, device: str) -> KVCacheSpec:
+    # MiniMax-M3-like page rows, 8 layers, index keys of 128 on every other layer: on a CPU as at TP 8 (1 KV head
+    # of 128, bf16), on GPUs as at TP 1 (4 KV heads of 128, FP8 with scales, FP8 index keys: the GPU default)
+    cuda = device == "cuda"
+    probe = KVCacheSpec(num_pages=1, num_layers=8, num_kv_heads=4 if cuda else 1, head_dim=128,
+                        sparse_layers=(1, 3, 5, 7), index_head_dim=128, kv_dtype="fp8" if cuda else "bf16",
+                        index_dtype="fp8" if cuda else "bf16", device="cuda:0" if cuda else "cpu")
     return KVCacheSpec(**{**probe.__dict__, "num_pages": max(1, total_bytes // probe.bytes_per_page)})
+
+
+def pattern(t: torch.Tensor, layer: int, j: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A pattern both processes can compute for pool rows `t` [pages, width]: each byte a function of (layer,
+    tensor, page, offset). Built a few pages at a time (an int64 index of the whole pool would be 8x its size)."""
+    out = torch.empty_like(t) if out is None else out
+    cols = torch.arange(t.shape[1], device=t.device, dtype=torch.int64) * 131 + layer * 17 + j * 7
+    step = max(1, (1 << 24) // t.shape[1])
+    for start in range(0, t.shape[0], step):
+        pages = torch.arange(start, min(start + step, t.shape[0]), device=t.device, dtype=torch.int64)
+        out[start:start + len(pages)] = ((pages[:, None] * 13 + cols[None, :]) % 251).to(torch.uint8)
+    return out
+
+
+def fill(rows: list[list[torch.Tensor]]) -> None:
+    for layer, tensors in enumerate(rows):
+        for j, t in enumerate(tensors):
+            pattern(t, layer, j, out=t)
+
+
+def page_tables(num_pages: int, device: torch.device) -> dict[str, torch.Tensor]:
+    # a fresh engine's page table is one run of consecutive pages; a long-running one's is scattered (the same
+    # permutations in both processes, so the receiver can check where each page landed)
+    gen = torch.Generator().manual_seed(7)
+    return {"kv": torch.arange(num_pages, device=device),
+            "kv-scattered": torch.randperm(num_pages, generator=gen).to(device)}
 
 
 def plan_for(pool: KVPool, message_bytes: int, transfer_id: int) -> wire.TransferPlan:
@@ -51,17 +88,16 @@ def plan_for(pool: KVPool, message_bytes: int, transfer_id: int) -> wire.Transfe
                                    message_bytes)
 
 
-def _sender(conn, total_bytes: int, sizes: list[int], window: int) -> None:
+def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str) -> None:
     import ucxx
 
     torch.set_num_threads(1)
-    pool = KVPool(pool_spec(total_bytes))
-    for layer in wire.page_rows(pool):
-        for t in layer:
-            t.random_(0, 256)
+    pool = KVPool(pool_spec(total_bytes, device))
     rows = wire.page_rows(pool)
-    # a fresh engine's page table is one run of consecutive pages; a long-running one's is scattered
-    srcs = {"kv": torch.arange(pool.spec.num_pages), "kv-scattered": torch.randperm(pool.spec.num_pages)}
+    fill(rows)
+    dev = rows[0][0].device
+    srcs = page_tables(pool.spec.num_pages, dev)
+    srcs["kv-scattered"] = srcs["kv-scattered"].roll(1)  # sources and destinations differ
     transport = UcxTransport(window=window)
     loop.run(transport.start(listen=False))
     conn.send("ready")
@@ -69,7 +105,8 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int) -> None:
     raw_bufs: dict[int, list] = {}  # touched once, so page faults stay out of the timing
     for size in sizes:
         plan = plan_for(pool, size, TRANSFER_ID)
-        raw_bufs[plan.messages[0].nbytes] = [torch.ones(m.nbytes, dtype=torch.uint8).numpy() for m in plan.messages]
+        raw_bufs[plan.messages[0].nbytes] = [_host_or_device(torch.ones(m.nbytes, dtype=torch.uint8, device=dev))
+                                             for m in plan.messages]
     while True:
         what, port, message_bytes, transfer_id = conn.recv()
         if what == "stop":
@@ -78,7 +115,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int) -> None:
         if what in srcs:
             async def kv(port=port, plan=plan, src=srcs[what]):
                 start = time.perf_counter()
-                outbox = transport.outbox(plan, torch.device("cpu"))
+                outbox = transport.outbox(plan, dev)
                 push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
                 for msg in plan.messages:
                     # packed just ahead of the sends (as a node packs while it computes), so the staging
@@ -97,6 +134,8 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int) -> None:
                     raw_eps[key] = (await ucxx.create_endpoint("127.0.0.1", port) if eh
                                     else _api().UCXEndpoint.create(_worker(), "127.0.0.1", port, False))
                 ep = raw_eps[key]
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
                 start = time.perf_counter()
                 bufs = raw_bufs[plan.messages[0].nbytes]
                 sends = [ep.send(b, tag=plan.tag(i), force_tag=True) if eh else _send(ep, b, plan.tag(i))
@@ -107,23 +146,39 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int) -> None:
         conn.send(start)
 
 
+def _host_or_device(t: torch.Tensor):
+    return t if t.is_cuda else t.numpy()
+
+
 async def _recv_all(plan: wire.TransferPlan, bufs: list) -> None:
     import ucxx
 
     await asyncio.gather(*(ucxx.recv(b, plan.tag(i)) for i, b in enumerate(bufs)))
 
 
-def measure(total_bytes: int, sizes: list[int], repeats: int, window: int) -> dict[tuple[str, int], list[float]]:
+def _visible(first: str, second: str) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = f"{first},{second}"
+
+
+def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, device: str,
+            gpus: tuple[str, str]) -> dict[tuple[str, int], list[float]]:
+    cuda = device == "cuda"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_sender, args=(child, total_bytes, sizes, window), daemon=True)
+    proc = ctx.Process(target=_sender, args=(child, total_bytes, sizes, window, device), daemon=True)
+    if cuda:  # each process sees its own GPU as cuda:0 and the other one as cuda:1
+        _visible(*gpus)
     proc.start()
-    pool = KVPool(pool_spec(total_bytes))
+    if cuda:
+        _visible(gpus[1], gpus[0])
+    pool = KVPool(pool_spec(total_bytes, device))
     rows = wire.page_rows(pool)
-    dsts = {"kv": torch.arange(pool.spec.num_pages), "kv-scattered": torch.randperm(pool.spec.num_pages)}
+    dev = rows[0][0].device
+    dsts = page_tables(pool.spec.num_pages, dev)
     transport = UcxTransport(window=window)
     loop.run(transport.start(listen=True))
-    eh_listener = loop.run(_eh_listener())
+    eh_listener = None if cuda else loop.run(_eh_listener())
+    kinds = ("kv", "kv-scattered", "raw") if cuda else ("kv", "kv-scattered", "raw", "raw-eh")
     rates: dict[tuple[str, int], list[float]] = {}
     transfer_id = TRANSFER_ID
     parent.recv()  # the sender is set up
@@ -131,25 +186,35 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int) -> di
         # the first round warms up (connections, staging buffers' first touch) and is not counted
         for repeat in range(repeats + 1):
             for size in sizes:
-                for what, port in (("kv", transport.port), ("kv-scattered", transport.port),
-                                   ("raw", transport.port), ("raw-eh", eh_listener.port)):
+                for what in kinds:
+                    port = eh_listener.port if what == "raw-eh" else transport.port
                     transfer_id += 1
                     plan = plan_for(pool, size, transfer_id)
                     if what in dsts:
+                        for layer in rows if not repeat else ():  # the check below sees this transfer's bytes
+                            for t in layer:
+                                t.zero_()
                         receive = loop.run(_post(transport, plan, rows, dsts[what]))
                         done = loop.submit(receive.wait())
                     else:
-                        bufs = [torch.zeros(m.nbytes, dtype=torch.uint8).numpy() for m in plan.messages]
+                        bufs = [_host_or_device(torch.zeros(m.nbytes, dtype=torch.uint8, device=dev))
+                                for m in plan.messages]
+                        if cuda:
+                            torch.cuda.synchronize(dev)
                         done = loop.submit(_recv_all(plan, bufs))
                     parent.send((what, port, size, transfer_id))
                     done.result()
                     end = time.perf_counter()
+                    if what in dsts and not repeat:
+                        check(rows, dsts[what], what)
                     # from the sender's first pack or send (perf_counter is one clock for all processes of the
                     # host): the command's trip through the pipe is not the transport's
                     rate = plan.total_bytes / (end - parent.recv()) / 1e9
                     if repeat:
                         rates.setdefault((what, size), []).append(rate)
-                if repeat:  # interleaved with the others, so each row sees the same load
+                if repeat and cuda:
+                    rates.setdefault(("p2p", size), []).append(p2p(plan.total_bytes, dev))
+                elif repeat:  # interleaved with the others, so each row sees the same load
                     for flags in ((), ("-e",)):
                         rate = perftest(size, max(8, total_bytes // size), flags)
                         rates.setdefault(("perftest" + "".join(flags), size), []).append(rate)
@@ -158,6 +223,31 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int) -> di
         proc.join(10)
         loop.run(transport.close())
     return rates
+
+
+def check(rows: list[list[torch.Tensor]], dst: torch.Tensor, what: str) -> None:
+    """Every received page byte for byte: the sender's pattern of page src[i] sits in page dst[i]."""
+    src = page_tables(len(dst), dst.device)[what]
+    if what == "kv-scattered":
+        src = src.roll(1)
+    for layer, tensors in enumerate(rows):
+        for j, t in enumerate(tensors):
+            if not torch.equal(t[dst], pattern(t, layer, j)[src]):
+                raise SystemExit(f"{what}: layer {layer} tensor {j}: received pages differ from the sent ones")
+    print(f"{what}: every byte of {len(dst)} pages arrived intact", flush=True)
+
+
+def p2p(nbytes: int, dev: torch.device) -> float:
+    """GB/s of one torch copy_ of `nbytes` from the other GPU (the sender's, cuda:1 here) to this one."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda:1")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst.copy_(src)  # peer access set up outside the timing
+    torch.cuda.synchronize(dev)
+    torch.cuda.synchronize(src.device)
+    start = time.perf_counter()
+    dst.copy_(src)
+    torch.cuda.synchronize(dev)
+    return nbytes / (time.perf_counter() - start) / 1e9
 
 
 async def _eh_listener():
@@ -206,11 +296,22 @@ def main() -> None:
     parser.add_argument("--message-mib", type=int, nargs="+", default=[64, 16, 4, 1])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--window", type=int, default=UcxTransport().window, help="UcxTransport window")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--gpus", default="0,1", help="sender GPU, receiver GPU (physical ids)")
+    parser.add_argument("--out", type=Path, help="append the rows to OUT/disagg.jsonl")
     args = parser.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     torch.set_num_threads(1)
     sizes = [m << 20 for m in args.message_mib]
-    rates = measure(args.total_mib << 20, sizes, args.repeats, args.window)
+    gpus = tuple(args.gpus.split(","))
+    rates = measure(args.total_mib << 20, sizes, args.repeats, args.window, args.device, gpus)
+    base = "p2p" if args.device == "cuda" else "perftest"
+    if args.out is not None:
+        with open(args.out / "disagg.jsonl", "a") as f:
+            for (name, size), r in sorted(rates.items()):
+                f.write(json.dumps({"bench": "transport", "device": args.device, "what": name, "total_mib":
+                                    args.total_mib, "message_mib": size >> 20, "window": args.window,
+                                    "gbps": r}) + "\n")
 
     def cell(key: tuple[str, int]) -> str:
         r = rates.get(key) or [float("nan")]
@@ -220,13 +321,13 @@ def main() -> None:
           f"load average "
           f"{os.getloadavg()[0]:.1f}; UCX settings: "
           + " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("UCX_")))
-    columns = ("kv", "kv-scattered", "raw", "raw-eh", "perftest", "perftest-e")
-    print("| message | kv transport | kv, scattered pages | ucxx raw | ucxx raw, EH | perftest | perftest -e "
-          "| kv / perftest |")
+    columns = (("kv", "kv-scattered", "raw", "p2p") if args.device == "cuda"
+               else ("kv", "kv-scattered", "raw", "raw-eh", "perftest", "perftest-e"))
+    print("| message | " + " | ".join(columns) + f" | kv / {base} |")
     print("| --- " * (len(columns) + 2) + "|")
     for size in sizes:
-        # each repeat's kv and perftest ran back to back: their ratio sees one load
-        ratios = [kv / pt for kv, pt in zip(rates[("kv", size)], rates[("perftest", size)], strict=True)]
+        # each repeat's kv and baseline ran back to back: their ratio sees one load
+        ratios = [kv / pt for kv, pt in zip(rates[("kv", size)], rates[(base, size)], strict=True)]
         print(f"| {size >> 20} MiB | " + " | ".join(cell((name, size)) for name in columns)
               + f" | {min(ratios):.0%} / {statistics.median(ratios):.0%} / {max(ratios):.0%} |")
 

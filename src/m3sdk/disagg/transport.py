@@ -52,6 +52,8 @@ class BufferPool:
     def take(self, nbytes: int, device: torch.device | str) -> torch.Tensor:
         """A uint8 buffer of exactly `nbytes` (a view of a pooled one at most twice as large, or a new one)."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # compare like with like: buffers say cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.device == device and nbytes <= b.numel() <= 2 * nbytes]
             if fits:
@@ -86,9 +88,9 @@ class Outbox:
                 buf = self._pool.take(msg.nbytes, self.device)
                 wire.pack(self.plan, msg, rows, src_pages, buf)
                 ready = None
-                if buf.is_cuda:
+                if buf.is_cuda:  # UCX reads the buffer on its own streams: the gather must be done first
                     ready = torch.cuda.Event()
-                    ready.record()
+                    ready.record(torch.cuda.current_stream(buf.device))
                 self._loop.call_soon_threadsafe(self._queue.put_nowait, (msg.index, buf, ready))
 
     def count_sent(self, send: asyncio.Future) -> None:
@@ -148,6 +150,12 @@ def _worker() -> Any:
     return ucxx.core._get_ctx().worker
 
 
+def _settle(buf: torch.Tensor) -> None:
+    """Wait for this thread's queued work on `buf`'s device (a no-op on a CPU)."""
+    if buf.is_cuda:
+        torch.cuda.current_stream(buf.device).synchronize()
+
+
 async def _send(ep: Any, buf: Any, tag: int) -> None:
     from ucxx._lib.arr import Array
     from ucxx.types import Tag
@@ -171,6 +179,7 @@ class UcxReceive:
 
         buf = self._transport.pool.take(self._plan.messages[index].nbytes, self._dst.device)
         wire.arm(buf)
+        _settle(buf)  # UCX writes on its own streams: the zeroed trailer (and the last scatter) must land first
         fut = asyncio.ensure_future(ucxx.recv(_ucx_buffer(buf), self._plan.tag(index)))
         self._posted[index] = (buf, fut)
 
@@ -193,6 +202,7 @@ class UcxReceive:
                 wire.scatter(self._plan, self._plan.messages[index], self._rows, self._dst, buf)
             except wire.WireError as e:
                 raise TransportError(str(e)) from e
+            _settle(buf)  # the pages are in place before the transfer counts as done (the engine's own stream)
             self._transport.pool.give(buf)
 
     async def wait(self) -> None:
@@ -245,6 +255,12 @@ class UcxTransport:
     async def start(self, listen: bool) -> None:
         import ucxx
 
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # UCX calls from this thread need a current CUDA context; ucxx's progress thread makes device 0's
+            # current, so a process runs on one GPU, listed first in CUDA_VISIBLE_DEVICES (as dask-cuda does)
+            from ucxx._cuda_context import ensure_cuda_context
+
+            ensure_cuda_context(0)
         with contextlib.suppress(RuntimeError):  # already initialized by another transport of this process
             ucxx.init(options=self.options)
         ucxx.continuous_ucx_progress()

@@ -1,0 +1,183 @@
+"""Time to first token of long prompts: disaggregated (a prefill node on one GPU, the decode Engine on another)
+vs colocated (the same decode Engine prefilling on its own GPU), with a greedy correctness check first.
+
+    python benchmarks/disagg_ttft.py --model CKPT [--lengths 8192 32768] [--repeats 3] [--gpus 0,1] [--out DIR]
+
+The prefill node is a process of its own (EngineBackend + PrefillNode, as `m3sdk prefill-node` runs) on the first
+GPU of --gpus, the decode Engine runs in this process on the second; each process sees its own GPU as cuda:0 and
+the other as cuda:1 (CUDA_VISIBLE_DEVICES), as ucxx expects (its progress thread makes device 0 current). Both
+engines have the same settings (FP8 KV cache and index keys, no CUDA graphs: they only shorten decode steps).
+"Colocated" is the same Engine with remote prefill switched off (its threshold raised past every prompt), so
+both modes share one model load and one GPU for decode. Prefix caching is off, so every run computes (or
+receives) its whole prompt.
+
+1. Correctness: one greedy prompt longer than the index's top-k blocks (so the index keys matter) generated
+   remotely and locally must give the same tokens (and the remote one must really have gone remote).
+2. TTFT: random prompts (distinct, so no prefix cache hits) of each length, warm-up of each mode and length,
+   then `repeats` pairs, the modes alternating. TTFT is from the call to the first streamed token.
+Prints a table; with --out appends the rows to OUT/disagg.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from m3sdk import Engine, SamplingParams  # noqa: E402
+from m3sdk.config import EngineConfig  # noqa: E402
+
+OFF = 1 << 40  # remote_prefill_min_tokens that no prompt reaches: colocated
+
+
+def engine_settings(args) -> dict:
+    cuda = args.device == "cuda"
+    return dict(model=str(args.model), device="cuda:0" if cuda else "cpu", kv_cache_dtype="fp8" if cuda else "auto",
+                cuda_graphs=False,
+                max_model_len=max(args.lengths) + 64, max_num_seqs=8, max_num_batched_tokens=args.chunk,
+                gpu_memory_fraction=0.8, enable_prefix_caching=False)  # every run computes its whole prompt
+
+
+def _node(conn, settings: dict, listen: str) -> None:
+    from m3sdk.disagg.backend import EngineBackend
+    from m3sdk.node import PrefillNode
+
+    backend = EngineBackend(EngineConfig(**settings))
+    node = PrefillNode(backend, listen).start()
+    conn.send(node.address)
+    try:
+        node.serve_until_signal(grace=2.0)
+    finally:
+        backend.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def first_token_s(engine: Engine, ids: list[int], max_tokens: int = 2) -> tuple[float, list[int]]:
+    start = time.perf_counter()
+    ttft, tokens = None, []
+    async for chunk in engine.stream(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)):
+        if chunk.token_ids and ttft is None:
+            ttft = time.perf_counter() - start
+        tokens += chunk.token_ids
+    return ttft, tokens
+
+
+async def run(args, address: str, node: mp.Process) -> list[dict]:
+    rows = []
+
+    def record(**row) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    gen = torch.Generator().manual_seed(0)
+    t = time.perf_counter()
+    async with Engine(**engine_settings(args), prefill_nodes=(address,), remote_prefill_min_tokens=1024,
+                      prefill_timeout=300.0) as engine:
+        core = engine._core
+        remote = core.remote
+        while not remote.client.has_healthy_node:  # the node may still be loading: the heartbeat retries it
+            if not node.is_alive():
+                raise SystemExit("the prefill node died while starting")
+            await asyncio.sleep(0.5)
+        record(step="start", seconds=round(time.perf_counter() - t, 1))
+        vocab = core.vocab_size
+
+        def prompt(n: int) -> list[int]:
+            return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+        def mode(name: str) -> None:
+            remote.min_tokens = 1 if name == "disaggregated" else OFF
+
+        # 1. correctness: remote prefill (KV, FP8 scales, index keys over UCX) == local prefill, greedy
+        ids = prompt(args.check_len)
+        before = remote.num_remote
+        mode("disaggregated")
+        _, disagg = await first_token_s(engine, ids, args.check_tokens)
+        went_remote = remote.num_remote == before + 1
+        mode("colocated")
+        _, local = await first_token_s(engine, ids, args.check_tokens)
+        record(step="check", prompt_tokens=len(ids), went_remote=went_remote, identical=disagg == local,
+               same_prefix=next((i for i, (a, b) in enumerate(zip(disagg, local, strict=False)) if a != b),
+                                len(local)),
+               disagg=disagg, colocated=local)
+
+        # 2. TTFT
+        for n in args.lengths:
+            for name in ("disaggregated", "colocated"):  # warm-up: JIT compiles for this length
+                mode(name)
+                await first_token_s(engine, prompt(n))
+            times: dict[str, list[float]] = {"disaggregated": [], "colocated": []}
+            for _ in range(args.repeats):
+                for name in times:
+                    mode(name)
+                    before = remote.num_remote
+                    ttft, _ = await first_token_s(engine, prompt(n))
+                    if (remote.num_remote > before) != (name == "disaggregated"):
+                        raise SystemExit(f"{name} run of {n} tokens went the wrong way (remote fallback?)")
+                    times[name].append(ttft)
+            for name, ts in times.items():
+                record(step="ttft", mode=name, prompt_tokens=n, ttft_s=ts, median_s=statistics.median(ts))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens of both engines")
+    parser.add_argument("--check-len", type=int, default=4096)
+    parser.add_argument("--check-tokens", type=int, default=16)
+    parser.add_argument("--gpus", default="0,1", help="prefill node GPU, decode GPU (physical ids)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test of the script")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    first, second = args.gpus.split(",")
+    listen = f"127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    os.environ["CUDA_VISIBLE_DEVICES"] = f"{first},{second}"
+    node = ctx.Process(target=_node, args=(child, engine_settings(args), listen), daemon=True)
+    node.start()
+    os.environ["CUDA_VISIBLE_DEVICES"] = f"{second},{first}"  # before this process touches CUDA
+    try:
+        rows = asyncio.run(run(args, listen, node))
+    finally:
+        if node.is_alive():
+            os.kill(node.pid, signal.SIGTERM)
+            node.join(20)
+        if node.is_alive():
+            node.kill()
+    if args.out is not None:
+        with open(args.out / "disagg.jsonl", "a") as f:
+            for row in rows:
+                f.write(json.dumps({"bench": "disagg_ttft", "model": str(args.model), **row}) + "\n")
+    print("| prompt tokens | TTFT disaggregated s (min / median / max) | colocated | disaggregated / colocated |")
+    print("| --- | --- | --- | --- |")
+    for n in args.lengths:
+        d, c = ([r for r in rows if r.get("step") == "ttft" and r["prompt_tokens"] == n and r["mode"] == m][0]
+                ["ttft_s"] for m in ("disaggregated", "colocated"))
+        print(f"| {n} | {min(d):.3f} / {statistics.median(d):.3f} / {max(d):.3f} | {min(c):.3f} / "
+              f"{statistics.median(c):.3f} / {max(c):.3f} | {statistics.median(d) / statistics.median(c):.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Copy the ucxx stack's wheels into a folder small enough to travel with a device run (64 MiB a call carries).
+
+    python scripts/prune_ucx_wheels.py SRC_DIR [DEST_DIR=.whlucx]
+
+SRC_DIR holds the wheels `../shared/gpu/fetch-wheels.sh --ucx` downloads (ucxx, libucxx, libucx, rmm, librmm).
+Every wheel but libucx's is copied as is. libucx's (42 MB) is repacked without what nothing at run time opens:
+the static `.a` archives, libtool `.la` files, the perftest CUDA plugin, the perftest / io_demo binaries and the
+`.so.0.0.0` copies (a wheel cannot hold symlinks, so each library is there three times). Kept: `libX.so`, which
+`libucx/load.py` opens by path (libucs, libucs_signal, libuct, libucp), `libX.so.0`, the sonames other libraries
+name as NEEDED (libucm.so.0 is opened by that name; the others are kept in case a library is loaded before
+load.py ran), the UCX modules under lib/ucx/ (libuct_cuda, libucm_cuda, libuct_cma: UCX opens `lib<name>.so`
+beside the libucs it was loaded from) and `ucx_info`. RECORD is rewritten for the files kept.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import shutil
+import sys
+import zipfile
+from pathlib import Path
+
+DROP = re.compile(r"(\.a|\.la|\.so\.\d+\.\d+\.\d+)$|libucx_perftest_cuda|/bin/(ucx_perftest|io_demo|ucx_read_profile)")
+
+
+def _record_line(name: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}"
+
+
+def repack(src: Path, dest: Path) -> None:
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
+        record_name = next(n for n in zin.namelist() if n.endswith(".dist-info/RECORD"))
+        lines = []
+        for info in zin.infolist():
+            if info.filename == record_name or DROP.search(info.filename):
+                continue
+            data = zin.read(info)
+            zout.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+            lines.append(_record_line(info.filename, data))
+        zout.writestr(record_name, "\n".join([*lines, f"{record_name},,"]) + "\n")
+
+
+def main() -> None:
+    src = Path(sys.argv[1])
+    dest = Path(sys.argv[2] if len(sys.argv) > 2 else ".whlucx")
+    dest.mkdir(exist_ok=True)
+    for wheel in sorted(src.glob("*.whl")):
+        name = wheel.name.split("-")[0]
+        if name not in ("ucxx_cu12", "libucxx_cu12", "libucx_cu12", "rmm_cu12", "librmm_cu12"):
+            continue
+        if name == "libucx_cu12":
+            repack(wheel, dest / wheel.name)
+        else:
+            shutil.copy2(wheel, dest / wheel.name)
+        print(f"{wheel.name}: {wheel.stat().st_size / 1e6:.1f} -> {(dest / wheel.name).stat().st_size / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
