@@ -1,16 +1,20 @@
 """Speculative decoding speed-up: output tokens/s of m3-tiny with its bundled EAGLE3 head (k = 3) vs without, at
-fixed concurrency, greedy, on held-out prompts of its domain (benchmarks/spec.py picks them); every output must
-equal the plain one.
+fixed concurrency, greedy, on held-out prompts of its domain (benchmarks/spec.py picks them).
 
     python benchmarks/spec_speedup.py [--device cuda] [--dtype auto] [--concurrency 1,8,32] [--max-tokens 128]
+                                      [--check-prompts 4] [--out spec.jsonl]
 
-Prints one markdown row per concurrency: tokens/s without, with, and the ratio.
+First a correctness check: at batch 1 in float32, speculative outputs must equal plain ones (the run stops if
+not). Then one markdown row per concurrency: tokens/s without, with, the ratio, whether outputs were identical,
+and the speculative run's mean accepted length; `--out` gets the same as JSON lines.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import sys
 import time
 
 from spec import held_out_prompts
@@ -19,7 +23,7 @@ from m3sdk import Engine
 
 
 async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, device: str, dtype: str,
-              speculative: str | None) -> tuple[list[list[int]], float]:
+              speculative: str | None) -> tuple[list[list[int]], float, dict]:
     async with Engine(device=device, dtype=dtype, max_num_seqs=concurrency, speculative=speculative) as engine:
         gate = asyncio.Semaphore(concurrency)
 
@@ -28,10 +32,11 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
                 done = await engine.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
                 return done.token_ids
 
-        await asyncio.gather(*[one(p) for p in prompts[:concurrency]])  # warm-up: kernels compiled, graphs built
+        # warm-up: the prefill's kernels compiled (decode and verify graphs were captured when the engine started)
+        await asyncio.gather(*[one(p) for p in prompts[:concurrency]])
         start = time.perf_counter()
         outputs = await asyncio.gather(*[one(p) for p in prompts])
-        return outputs, time.perf_counter() - start
+        return outputs, time.perf_counter() - start, engine.stats()
 
 
 def main() -> None:
@@ -41,15 +46,43 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="auto", help="float32 makes greedy outputs batch-invariant enough to compare")
+    ap.add_argument("--check-prompts", type=int, default=4, help="float32 batch-1 prompts that must match (0: skip)")
+    ap.add_argument("--out", default=None, help="append JSON lines here")
     args = ap.parse_args()
-    print("| concurrency | requests | plain tok/s | eagle3 tok/s | speed-up | identical |\n|---|---|---|---|---|---|")
+    out = open(args.out, "a") if args.out else None  # noqa: SIM115 - open for the whole run
+
+    def record(**kw) -> None:
+        if out is not None:
+            out.write(json.dumps(kw) + "\n")
+            out.flush()
+
+    if args.check_prompts:
+        prompts = held_out_prompts(args.check_prompts, args.prompt_tokens)
+        plain, _, _ = asyncio.run(run(prompts, 1, args.max_tokens, args.device, "float32", None))
+        spec, _, stats = asyncio.run(run(prompts, 1, args.max_tokens, args.device, "float32", "eagle3"))
+        same = sum(a == b for a, b in zip(plain, spec, strict=True))
+        record(check="float32 batch 1 eagle3 == plain", prompts=len(prompts), identical=same,
+               mean_accepted_length=stats["spec_mean_accepted_length"])
+        print(f"check: float32 batch 1, {same}/{len(prompts)} speculative outputs identical to plain "
+              f"(mean accepted length {stats['spec_mean_accepted_length']:.2f})", flush=True)
+        if same != len(prompts):
+            sys.exit("speculative outputs differ from plain ones at batch 1 in float32: not timing")
+
+    print("| dtype | concurrency | requests | plain tok/s | eagle3 tok/s | speed-up | identical | accepted len |\n"
+          "|---|---|---|---|---|---|---|---|")
     for c in (int(x) for x in args.concurrency.split(",")):
         prompts = held_out_prompts(max(2 * c, 8), args.prompt_tokens)
-        plain, t_plain = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, None))
-        spec, t_spec = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, "eagle3"))
+        plain, t_plain, _ = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, None))
+        spec, t_spec, stats = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, "eagle3"))
         tokens = sum(len(o) for o in plain)
-        print(f"| {c} | {len(prompts)} | {tokens / t_plain:.0f} | {tokens / t_spec:.0f} | "
-              f"{t_plain / t_spec:.2f}x | {plain == spec} |", flush=True)
+        row = dict(dtype=args.dtype, concurrency=c, requests=len(prompts), max_tokens=args.max_tokens,
+                   plain_tok_s=round(tokens / t_plain, 1), spec_tok_s=round(tokens / t_spec, 1),
+                   speedup=round(t_plain / t_spec, 3), identical=plain == spec,
+                   mean_accepted_length=round(stats["spec_mean_accepted_length"], 3),
+                   target_forwards_per_token=round(stats["spec_target_forwards_per_token"], 3))
+        record(**row)
+        print(f"| {args.dtype} | {c} | {len(prompts)} | {row['plain_tok_s']:.0f} | {row['spec_tok_s']:.0f} | "
+              f"{row['speedup']:.2f}x | {row['identical']} | {row['mean_accepted_length']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -50,11 +50,11 @@ def test_replay_matches_eager_and_padding_writes_nowhere(tmp_path):
 
     step = AttentionMetadata.build([1, 1, 1], [n + 1 for n in lengths], tables, device=dev)
     ids = torch.tensor([5, 6, 7], device=dev)
-    assert graphs.fits(step, 3)
+    assert graphs.query_len(step) == 1
     _, eager = model(ids, step, kv, torch.arange(3, device=dev))
     eager = eager.clone()
     written = [t.clone() for t in (*kv.k, *kv.v, *kv.k_scale, *kv.v_scale, kv.index_k[1])]
-    _, replay = graphs.run(ids, step)
+    replay = graphs.run(ids, step)[1]
     err = ((replay - eager).norm() / eager.norm()).item()
     assert err < 2e-2 and torch.equal(replay.argmax(-1), eager.argmax(-1))
     # the replay wrote the same K/V as the eager step at the same slots, and nothing else anywhere
@@ -67,3 +67,110 @@ def test_replay_matches_eager_and_padding_writes_nowhere(tmp_path):
         assert (a - b).norm() <= 0.05 * b.norm()
     changed = sum(int((a != b).any(dim=tuple(range(1, a.dim()))).sum()) for a, b in zip(before, after, strict=True))
     assert 0 < changed <= 3 * len(before)  # at most the 3 new tokens' pages, in each tensor
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_verify_replay_matches_eager_with_aux(tmp_path):
+    """A verify step (1 + k tokens per sequence, logits at every token, aux states) replayed from its graph gives
+    the eager forward's logits and aux states."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from make_m3_slice import make_slice
+
+    dev = torch.device("cuda")
+    path = make_slice(tmp_path / "slice", dense=1, sparse=1, device="cuda", max_position_embeddings=4096,
+                      overrides=SMALL)
+    model = load_model(path, dev, torch.float32, "triton")
+    kv = KVPool(KVCacheSpec.for_model(model.config, 64, kv_dtype="fp32", index_dtype="fp32",
+                                      model_dtype=torch.float32, device=dev))
+    lengths, q, aux_layers = [40, 300, 17], 4, (0, 1)
+    pages = torch.randperm(64).tolist()
+    tables = [[pages.pop() for _ in range(-(-(n + q) // PAGE_SIZE))] for n in lengths]
+    model(torch.randint(0, 1000, (sum(lengths),), device=dev), AttentionMetadata.build(lengths, lengths, tables,
+                                                                                      device=dev), kv)
+    graphs = DecodeGraphs(model, kv, max_num_seqs=8, max_model_len=1024, device=dev, query_lens=(1, q),
+                          aux_layers=aux_layers)
+    step = AttentionMetadata.build([q] * 3, [n + q for n in lengths], tables, device=dev)
+    ids = torch.randint(0, 1000, (3 * q,), device=dev)
+    assert graphs.query_len(step, aux_layers) == q and graphs.query_len(step) is None
+    hidden, eager, aux = (t.clone() for t in model(ids, step, kv, torch.arange(3 * q, device=dev), aux_layers))
+    g_hidden, replay, g_aux = graphs.run(ids, step)
+    for a, b in ((replay, eager), (g_aux, aux), (g_hidden, hidden)):
+        assert a.shape == b.shape and ((a - b).norm() / b.norm()).item() < 1e-4
+    assert torch.equal(replay.argmax(-1), eager.argmax(-1))
+
+    # a mixed step (a plain decode row, a verify row, a verify row with 1 draft) padded to q inside the graph
+    counts, rows = [1, q, 2], [0, 1, 2, 3, 4, 6]
+    step = AttentionMetadata.build(counts, [n + c for n, c in zip(lengths, counts, strict=True)], tables, device=dev)
+    ids = torch.randint(0, 1000, (sum(counts),), device=dev)
+    assert graphs.query_len(step, aux_layers) == q and graphs.query_len(step) is None
+    hidden, eager, aux = (t.clone() for t in model(ids, step, kv, torch.tensor(rows, device=dev), aux_layers))
+    dest = torch.tensor([0, 4, 5, 6, 7, 8, 9], device=dev)
+    g_hidden, replay, g_aux = graphs.run(ids, step, q, dest, torch.tensor(rows, device=dev))
+    for a, b in ((replay, eager), (g_aux, aux), (g_hidden, hidden)):
+        assert a.shape == b.shape and ((a - b).norm() / b.norm()).item() < 1e-4
+    assert torch.equal(replay.argmax(-1), eager.argmax(-1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_speculation_with_graphs_equals_plain_and_eager():
+    """m3-tiny + its EAGLE3 head, fp32, batch 1, greedy: with graphs (verify and draft chain) the output equals
+    plain decoding's and the eager speculative run's, and the graph drafts are accepted as often as eager ones."""
+    import asyncio
+
+    from m3sdk import Engine
+
+    async def go(**kw):
+        async with Engine(device="cuda", dtype="float32", max_num_seqs=4, **kw) as engine:
+            out = [(await engine.generate(p, max_tokens=48, temperature=0, ignore_eos=True)).token_ids
+                   for p in ([5, 6, 7, 8, 9, 10, 11, 12], list(range(100, 140)))]
+            return out, engine.stats()
+
+    plain, _ = asyncio.run(go())
+    graphs, s_graphs = asyncio.run(go(speculative="eagle3"))
+    eager, s_eager = asyncio.run(go(speculative="eagle3", cuda_graphs=False))
+    assert graphs == plain and eager == plain
+    assert abs(s_graphs["spec_mean_accepted_length"] - s_eager["spec_mean_accepted_length"]) < 0.2
+    assert s_graphs["spec_mean_accepted_length"] > 1.5
+
+
+def test_padding_a_sequence_at_its_end_keeps_its_tokens_outputs(oracle_checkpoint):
+    """What a graph does to a step whose sequences add fewer than q tokens (CPU, torch backend): each sequence
+    padded at its end to q tokens (slot -1, context grown by the padding) gives its real tokens the outputs and
+    cache writes of the unpadded step."""
+    dev = torch.device("cpu")
+    model = load_model(oracle_checkpoint, dev, torch.float32, "torch")
+    spec = KVCacheSpec.for_model(model.config, 32, kv_dtype="fp32", index_dtype="fp32", model_dtype=torch.float32,
+                                 device=dev)
+    kv, kv2 = KVPool(spec), KVPool(spec)
+    for t in (*kv.k, *kv.v, *kv2.k, *kv2.v):
+        t.zero_()  # unwritten memory compares equal
+    lengths, counts, q = [40, 19], [1, 3], 4
+    tables = [[0, 1, 2, 3], [4, 5, 6]]
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (sum(lengths),), generator=g)
+    model(prompt, AttentionMetadata.build(lengths, lengths, tables), kv)
+    ids = torch.randint(0, model.config.vocab_size, (sum(counts),), generator=g)
+    step = AttentionMetadata.build(counts, [n + c for n, c in zip(lengths, counts, strict=True)], tables)
+    hidden, logits, aux = model(ids, step, kv, torch.arange(sum(counts)), (1, 2))
+    written = [t.clone() for t in (*kv.k, *kv.v)]
+
+    model(prompt, AttentionMetadata.build(lengths, lengths, tables), kv2)
+    dest = torch.tensor([i * q + j for i, c in enumerate(counts) for j in range(c)])
+    padded_ids = torch.zeros(len(counts) * q, dtype=torch.int64)
+    padded_ids[dest] = ids
+    positions = torch.zeros(len(counts) * q, dtype=torch.int64)
+    positions[dest] = step.positions
+    slots = torch.full((len(counts) * q,), -1, dtype=torch.int64)
+    slots[dest] = step.slot_mapping
+    padded = AttentionMetadata(positions=positions, slot_mapping=slots,
+                               cu_seqlens_q=torch.arange(0, (len(counts) + 1) * q, q, dtype=torch.int32),
+                               context_lens=step.context_lens + q - step.cu_seqlens_q.diff(),
+                               page_table=step.page_table, max_seqlen_q=q, max_context_len=step.max_context_len + q)
+    p_hidden, p_logits, p_aux = model(padded_ids, padded, kv2, dest, (1, 2))
+    torch.testing.assert_close(p_logits, logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p_hidden[dest], hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p_aux[dest], aux, rtol=1e-5, atol=1e-5)
+    # the same slots written, with the same values up to the GEMMs' rounding at another batch shape
+    for a, b in zip(written, (*kv2.k, *kv2.v), strict=True):
+        assert torch.equal(a != 0, b != 0)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

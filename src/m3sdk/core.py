@@ -124,11 +124,17 @@ class EngineCore:
         if config.speculative is not None:
             drafter = build_drafter(config.speculative, TargetInfo(
                 config=mc, embed_tokens=model.embed_tokens, lm_head=model.lm_head, checkpoint=str(path),
-                device=device, dtype=dtype, model=model, kv_spec=cache.kv.spec, num_cache_pages=num_pages))
+                device=device, dtype=dtype, model=model, kv_spec=cache.kv.spec, num_cache_pages=num_pages,
+                max_num_seqs=config.max_num_seqs, max_model_len=max_model_len))
         runner = ModelRunner(model, cache, device)
-        if config.resolve_cuda_graphs(device) and tp is None and drafter is None and DecodeGraphs.supported(model):
-            # docs/serving.md says why not with tensor parallel or speculative decoding (yet)
-            runner.graphs = DecodeGraphs(model, cache.kv, config.max_num_seqs, max_model_len, device)
+        if config.resolve_cuda_graphs(device) and tp is None and DecodeGraphs.supported(model):
+            # docs/serving.md says why not with tensor parallel (yet). With a drafter: decode (1 token) and verify
+            # (1 + k tokens) steps, returning the aux states the drafter reads; the drafter's own steps too.
+            k = drafter.num_speculative_tokens if drafter is not None else 0
+            runner.graphs = DecodeGraphs(model, cache.kv, config.max_num_seqs, max_model_len, device,
+                                         query_lens=(1, 1 + k), aux_layers=drafter.aux_layers if drafter else ())
+            if hasattr(drafter, "capture_graphs"):
+                drafter.capture_graphs(config.max_num_seqs)
         core = cls(config, runner, scheduler, cache, tokenizer, max_model_len, drafter)
         if tp is not None:
             core.stop_hooks.append(tp.shutdown)

@@ -1,16 +1,21 @@
-"""CUDA/HIP graphs of decode steps: one forward per (batch bucket, context bucket), captured on first use and
-replayed after, so a decode step costs one launch instead of hundreds.
+"""CUDA/HIP graphs of decode and verify steps: one forward per (batch bucket, context bucket, query length),
+captured at start or on first use and replayed after, so a step costs one launch instead of hundreds.
 
-A decode step (every sequence adds one token and samples it) is copied into static buffers padded up to the
-batch bucket. Padding rows write nowhere (slot -1: the cache-write kernels skip negative slots) and attend to one
-key of a real page (context 1, whatever page their stale page-table row names), so they stay finite and touch
-no real sequence; their logits are dropped. The host ints that pick kernel grids (`max_seqlen_q` = 1,
-`max_context_len`) are fixed per graph: the context bucket (a power of two, at least 4096, at most
-max_model_len) bounds every sequence of the step, which is all the kernels need. Graphs share one memory pool;
-they never run concurrently, and the outputs of a replay are read (sampled) before the next one.
+A step where every sequence adds at most q tokens (q = 1: plain decode; q = 1 + k: a speculative verify step, the
+last token plus up to k drafts, or a mix of those and plain decode rows) is copied into static buffers, each
+sequence padded to q tokens (`run` says how) and the batch padded up to the batch bucket. Padding sequences write
+nowhere (slot -1: the cache-write kernels skip negative slots) and attend to their own q positions 0 .. q - 1 of a
+real page (context q, whatever page their stale page-table row names), so they stay finite and touch no real
+sequence; their rows are dropped. The host ints that pick kernel grids (`max_seqlen_q` = q, `max_context_len`) are
+fixed per graph: the context bucket (a power of two, at least 4096, at most max_model_len) bounds every sequence of
+the step, which is all the kernels need. With `aux_layers` (an EAGLE3 drafter reads them) every graph also returns
+those layers' inputs. Graphs share one memory pool; they never run concurrently, and the outputs of a replay are
+read before the next one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -28,27 +33,51 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return [*sizes, max_num_seqs]
 
 
+def capture(fn: Callable[[], object], pool: object, device: torch.device) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A graph of `fn` (which reads and writes only static buffers) and its outputs. An eager run first, on a side
+    stream: Triton compiles (and autotunes) outside the capture, on the buffers' real values."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class DecodeGraphs:
     def __init__(self, model: MiniMaxM3ForCausalLM, kv: KVPool, max_num_seqs: int, max_model_len: int,
-                 device: torch.device):
+                 device: torch.device, query_lens: Sequence[int] = (1,), aux_layers: Sequence[int] = ()):
         self.model, self.kv, self.device = model, kv, device
         self.buckets = batch_buckets(max_num_seqs)
         self.max_model_len = max_model_len
-        n, width = max_num_seqs, -(-max_model_len // PAGE_SIZE)
+        self.query_lens = tuple(sorted(set(query_lens)))
+        self.aux_layers = tuple(aux_layers)
+        n, width, qmax = max_num_seqs, -(-max_model_len // PAGE_SIZE), self.query_lens[-1]
         i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slots = torch.full((n,), -1, **i64)
-        self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(n * qmax, **i64)
+        self.positions = torch.zeros(n * qmax, **i64)
+        self.slots = torch.full((n * qmax,), -1, **i64)
+        # per query length q: the fixed cu_seqlens (every sequence has q tokens) and the padding positions 0..q-1
+        self.cu_seqlens = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
+                           for q in self.query_lens}
+        self.pad_positions = {q: torch.arange(q, **i64).repeat(n) for q in self.query_lens}
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(n, width, dtype=torch.int32, device=device)
-        self.rows = torch.arange(n, **i64)
+        self.rows = torch.arange(n * qmax, **i64)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        # every batch bucket of the smallest context bucket now (padding-only steps), so serving never stalls on
-        # a capture at common sizes; other context buckets are captured when first needed
-        for bucket in self.buckets:
-            self.graphs[(bucket, self._context_bucket(1))] = self._capture(bucket, self._context_bucket(1))
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        # every batch bucket of every query length at the smallest context bucket now (padding-only steps), so
+        # serving never stalls on a capture (or a Triton compile) at common sizes; other context buckets are
+        # captured when first needed
+        context = self._context_bucket(1)
+        for q in self.query_lens:
+            for bucket in self.buckets:
+                self._pad(0, bucket, q)
+                self.graphs[(bucket, context, q)] = capture(lambda b=bucket, q=q: self._forward(b, context, q),
+                                                            self.pool, device)
 
     @staticmethod
     def supported(model: MiniMaxM3ForCausalLM) -> bool:
@@ -59,47 +88,71 @@ class DecodeGraphs:
     def _context_bucket(self, max_context_len: int) -> int:
         return min(max(MIN_CONTEXT_BUCKET, 1 << (max_context_len - 1).bit_length()), self.max_model_len)
 
-    def fits(self, meta: AttentionMetadata, num_logits: int) -> bool:
-        """A pure decode step that samples every sequence, within the captured sizes."""
-        b = meta.context_lens.shape[0]
-        return (meta.max_seqlen_q == 1 and meta.positions.shape[0] == b == num_logits
-                and b <= self.buckets[-1] and meta.max_context_len <= self.max_model_len
-                and meta.page_table.shape[1] <= self.page_table.shape[1])
+    def query_len(self, meta: AttentionMetadata, aux_layers: Sequence[int] = ()) -> int | None:
+        """The captured query length q a step pads its sequences to (each adds 1 .. q tokens), or None when the
+        step does not fit the graphs: a longer sequence (a prefill chunk), other aux layers, too many sequences,
+        or a padded context past max_model_len."""
+        q = next((q for q in self.query_lens if q >= meta.max_seqlen_q), None)
+        if (q is None or meta.max_seqlen_q < 1 or tuple(aux_layers) != self.aux_layers
+                or meta.context_lens.shape[0] > self.buckets[-1]
+                or meta.max_context_len + q - 1 > self.max_model_len
+                or meta.page_table.shape[1] > self.page_table.shape[1]):
+            return None
+        return q
 
-    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden [B, H], logits [B, V]) of a step that `fits`; views of the graph's outputs, valid until the
-        next replay."""
-        b = input_ids.shape[0]
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, q: int | None = None,
+            dest: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(hidden [T, H], logits [N, V], aux [T, len(aux_layers) * H] or None) of a step whose `query_len` is q
+        (default: every sequence has meta.max_seqlen_q tokens and every token gets logits).
+
+        A sequence with fewer than q tokens is padded at its end: `dest` [T] names each token's row in the padded
+        layout (sequence i's rows are i * q .. i * q + q - 1) and its context grows by the padding, so its real
+        queries keep their positions (context - q + j) and causal masks; the padding tokens write nothing and
+        their rows are dropped. `logits_rows` [N]: the tokens (of the T) that get logits (None: all). With
+        neither, the outputs are views of the graph's buffers, valid until the next replay."""
+        b, t = meta.context_lens.shape[0], meta.positions.shape[0]
+        q = q or meta.max_seqlen_q
         bucket = next(s for s in self.buckets if s >= b)
-        context = self._context_bucket(meta.max_context_len)
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(meta.positions)
-        self.slots[:b].copy_(meta.slot_mapping)
-        self.slots[b:bucket].fill_(-1)
-        self.context_lens[:b].copy_(meta.context_lens)
-        self.context_lens[b:bucket].fill_(1)
+        context = self._context_bucket(meta.max_context_len + q - 1)
+        if dest is None:
+            self.input_ids[:t].copy_(input_ids)
+            self.positions[:t].copy_(meta.positions)
+            self.slots[:t].copy_(meta.slot_mapping)
+            self.context_lens[:b].copy_(meta.context_lens)
+        else:
+            # padding tokens keep stale ids and positions (finite, dropped) and write nowhere
+            self.slots[:b * q].fill_(-1)
+            self.input_ids[dest] = input_ids
+            self.positions[dest] = meta.positions
+            self.slots[dest] = meta.slot_mapping
+            self.context_lens[:b].copy_(meta.context_lens + q - meta.cu_seqlens_q.diff())
         self.page_table[:b, :meta.page_table.shape[1]].copy_(meta.page_table)
-        key = (bucket, context)
+        self._pad(b, bucket, q)
+        key = (bucket, context, q)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(bucket, context)
-        graph, hidden, logits = self.graphs[key]
+            self.graphs[key] = capture(lambda: self._forward(bucket, context, q), self.pool, self.device)
+        graph, out = self.graphs[key]
         graph.replay()
-        return hidden[:b], logits[:b]
+        hidden, logits, *aux = out
+        if dest is None:
+            rows = logits_rows
+            hidden, aux = hidden[:t], [a[:t] for a in aux]
+        else:
+            rows = dest if logits_rows is None else dest[logits_rows]
+            hidden, aux = hidden[dest], [a[dest] for a in aux]
+        logits = logits[:t] if rows is None else logits[rows]
+        return hidden, logits, aux[0] if aux else None
 
-    def _forward(self, bucket: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = AttentionMetadata(positions=self.positions[:bucket], slot_mapping=self.slots[:bucket],
-                                 cu_seqlens_q=self.cu_seqlens[:bucket + 1], context_lens=self.context_lens[:bucket],
-                                 page_table=self.page_table[:bucket], max_seqlen_q=1, max_context_len=context)
-        return self.model(self.input_ids[:bucket], meta, self.kv, self.rows[:bucket])
+    def _pad(self, b: int, bucket: int, q: int) -> None:
+        """Sequences b .. bucket - 1 are padding: no writes, q tokens at positions 0 .. q - 1, context q."""
+        self.slots[b * q:bucket * q].fill_(-1)
+        self.positions[b * q:bucket * q].copy_(self.pad_positions[q][b * q:bucket * q])
+        self.context_lens[b:bucket].fill_(q)
 
-    def _capture(self, bucket: int, context: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
-        # an eager run first: Triton compiles (and autotunes) outside the capture, on the buffers' real values
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._forward(bucket, context)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden, logits = self._forward(bucket, context)
-        return graph, hidden, logits
+    def _forward(self, bucket: int, context: int, q: int) -> tuple:
+        t = bucket * q
+        meta = AttentionMetadata(positions=self.positions[:t], slot_mapping=self.slots[:t],
+                                 cu_seqlens_q=self.cu_seqlens[q][:bucket + 1], context_lens=self.context_lens[:bucket],
+                                 page_table=self.page_table[:bucket], max_seqlen_q=q, max_context_len=context)
+        return self.model(self.input_ids[:t], meta, self.kv, self.rows[:t], self.aux_layers)

@@ -18,7 +18,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = device
-        self.graphs: DecodeGraphs | None = None  # captured decode steps (m3sdk/graphs.py), set by the core on a GPU
+        self.graphs: DecodeGraphs | None = None  # captured decode/verify steps (m3sdk/graphs.py): the core sets it
 
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """Write every scheduled token's K/V (and index keys) and return float32 logits [N, vocab], one row per
@@ -42,9 +42,15 @@ class ModelRunner:
             logits_rows.extend(range(len(ids) - m, len(ids)))
         meta = AttentionMetadata.build(counts, context_lens, tables, device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        if self.graphs is not None and not aux_layers and self.graphs.fits(meta, len(logits_rows)):
-            hidden, logits = self.graphs.run(input_ids, meta)
-            return logits, hidden, None
+        q = self.graphs.query_len(meta, aux_layers) if self.graphs is not None and logits_rows else None
+        if q is not None:
+            # sequences shorter than q are padded inside the graph: each token's row there, when any is
+            dest = None if len(ids) == len(counts) * q else torch.tensor(
+                [i * q + j for i, n in enumerate(counts) for j in range(n)], dtype=torch.int64, device=self.device)
+            rows = None if len(logits_rows) == len(ids) else torch.tensor(logits_rows, dtype=torch.int64,
+                                                                          device=self.device)
+            hidden, logits, aux = self.graphs.run(input_ids, meta, q, dest, rows)
+            return logits, hidden, aux
         indices = torch.tensor(logits_rows, dtype=torch.int64, device=self.device) if logits_rows else None
         hidden, logits, *aux = self.model(input_ids, meta, self.cache.kv, indices, aux_layers)
         return logits, hidden, aux[0] if aux else None

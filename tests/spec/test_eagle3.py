@@ -186,3 +186,31 @@ def test_vocab_maps_that_disagree_are_refused(tmp_path):
     twice[1] = vocab_ids[0] - 1  # draft ids 0 and 1 both map to vocab_ids[0]
     with pytest.raises(CheckpointError, match="d2t"):
         load_eagle3(write(tmp_path / "dup", {**no_t2d, "d2t": twice}), target_info())
+
+
+def test_fixed_shape_chain_matches_eager_chain(tmp_path):
+    """The chain as a CUDA graph runs it (every row reads the pool's whole span, padding rows on the scratch row)
+    drafts what the eager chain drafts, for requests of different lengths sharing the pool."""
+    W = published_tensors()
+    head = load_eagle3(write(tmp_path / "st", W), target_info())
+    drafter = Eagle3Drafter(head, 4, max_num_seqs=2, capacity=64)  # 3 requests: the pool grows
+    g = torch.Generator().manual_seed(2)
+    seqs, want = [], []
+    for rid, n in (("a", 9), ("b", 17), ("c", 4)):
+        tokens = torch.randint(0, VOCAB, (n + 1,), generator=g).tolist()
+        aux = torch.randn(n, 3 * HT, generator=g)
+        drafter.observe([(rid, TargetStates(0, tokens[1:], torch.zeros(n, HT), aux))])
+        seqs.append(drafter._seqs[rid])
+        want.append(reference_next_tokens(W, tokens, aux, 0, 4))
+    eager = drafter.chain(seqs, 3)
+    assert [[s.next_token] + e for s, e in zip(seqs, eager, strict=True)] == want
+    assert [s.ctx.length for s in seqs] == [9, 17, 4]  # the chain's entries are not kept
+    pad = 1
+    tok = torch.tensor([s.next_token for s in seqs] + [0] * pad)
+    pos = torch.tensor([s.ctx.end for s in seqs] + [0] * pad)
+    slot = torch.tensor([s.ctx.slot for s in seqs] + [drafter.scratch] * pad)
+    idx = torch.tensor([s.ctx.length for s in seqs] + [0] * pad)
+    out = torch.cat([torch.stack([s.hidden for s in seqs]), torch.zeros(pad, seqs[0].hidden.shape[0])])
+    with torch.inference_mode():
+        fixed = drafter._chain(tok, out, pos, slot, idx, 3, drafter.capacity).tolist()
+    assert fixed[:3] == eager

@@ -130,6 +130,8 @@ class TargetInfo:
     model: Any = None  # the target model (mtp runs its embedding, rotary, lm_head and attention backend)
     kv_spec: Any = None  # the target's KVCacheSpec (mtp sizes its own one-layer pool like it)
     num_cache_pages: int = 0
+    max_num_seqs: int = 1  # requests a step may hold (eagle3 sizes its draft cache pool and graph buckets by it)
+    max_model_len: int = 0  # 0: the draft checkpoint's max_position_embeddings bounds a request's draft cache
 
 
 Builder = Callable[[SpecConfig, TargetInfo], SpeculativeDecoder]

@@ -32,7 +32,7 @@ class DraftContext(Protocol):
 
 
 @dataclass
-class _Seq:
+class DraftSeq:
     ctx: DraftContext
     next_token: int  # the first draft, read at the last committed entry
     hidden: torch.Tensor  # that entry's output hidden [H]: the chain's next input
@@ -44,7 +44,7 @@ class ChainDrafter(ABC):
 
     def __init__(self, num_speculative_tokens: int):
         self.num_speculative_tokens = num_speculative_tokens
-        self._seqs: dict[str, _Seq] = {}
+        self._seqs: dict[str, DraftSeq] = {}
 
     # -- the network (subclass) --
 
@@ -65,6 +65,28 @@ class ChainDrafter(ABC):
     @abstractmethod
     def tokens(self, out: torch.Tensor) -> list[int]:
         """Greedy draft tokens (target vocabulary ids) from output hidden rows [M, H]."""
+
+    def has_room(self, ctx: DraftContext, n: int) -> bool:
+        """Whether the context can take n more entries (a fixed-size draft cache says no near its end)."""
+        return True
+
+    def chain(self, seqs: list[DraftSeq], steps: int) -> list[list[int]]:
+        """`steps` more draft tokens per sequence, each read at the previous one's entry (its token, its output
+        hidden); the chain's entries are dropped after. One `run` per step (a subclass may fuse the steps)."""
+        committed = [seq.ctx.length for seq in seqs]
+        hidden = torch.stack([seq.hidden for seq in seqs])
+        dev = hidden.device
+        drafted = [[seq.next_token] for seq in seqs]
+        for _ in range(steps):
+            tokens = torch.tensor([d[-1] for d in drafted], device=dev)
+            positions = torch.tensor([seq.ctx.end for seq in seqs], device=dev)
+            hidden = self.run([seq.ctx for seq in seqs], [1] * len(seqs), tokens, hidden, positions,
+                              from_target=False)
+            for d, t in zip(drafted, self.tokens(hidden), strict=True):
+                d.append(t)
+        for seq, n in zip(seqs, committed, strict=True):
+            seq.ctx.length = n
+        return [d[1:] for d in drafted]
 
     def features(self, states: TargetStates) -> torch.Tensor:
         """The target states this drafter reads: aux layers when it asked for them, else the final hidden."""
@@ -87,7 +109,10 @@ class ChainDrafter(ABC):
                 ctx = self.new_context(st.start, st.hidden.device)
                 if ctx is None:
                     continue
-                seq = self._seqs[rid] = _Seq(ctx, -1, st.hidden.new_empty(0))
+                seq = self._seqs[rid] = DraftSeq(ctx, -1, st.hidden.new_empty(0))
+            if not self.has_room(seq.ctx, n + self.num_speculative_tokens):
+                self.release(rid)  # no room left for this and a chain's entries: the request drafts no more
+                continue
             ctxs.append(seq.ctx)
             counts.append(n)
             toks.extend(st.next_tokens)
@@ -116,20 +141,11 @@ class ChainDrafter(ABC):
                 live.append((i, seq, min(r.max_drafts, self.num_speculative_tokens)))
         if not live:
             return out
-        committed = [seq.ctx.length for _, seq, _ in live]
-        hidden = torch.stack([seq.hidden for _, seq, _ in live])
-        dev = hidden.device
-        for step in range(1, max(k for _, _, k in live)):
-            # every live chain grows by one entry (chains that want fewer drafts ignore the extra token)
-            tokens = torch.tensor([out[i].tokens[-1] for i, _, _ in live], device=dev)
-            positions = torch.tensor([seq.ctx.end for _, seq, _ in live], device=dev)
-            hidden = self.run([seq.ctx for _, seq, _ in live], [1] * len(live), tokens, hidden, positions,
-                              from_target=False)
-            for (i, _, k), t in zip(live, self.tokens(hidden), strict=True):
-                if step < k:
-                    out[i].tokens.append(t)
-        for (_, seq, _), n in zip(live, committed, strict=True):
-            seq.ctx.length = n  # drop the chain's entries
+        steps = max(k for _, _, k in live) - 1
+        if steps:
+            # every live chain grows by `steps` entries (chains that want fewer drafts ignore the extra tokens)
+            for (i, _, k), toks in zip(live, self.chain([seq for _, seq, _ in live], steps), strict=True):
+                out[i].tokens.extend(toks[:k - 1])
         return out
 
     def release(self, request_id: str) -> None:

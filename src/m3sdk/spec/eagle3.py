@@ -38,7 +38,7 @@ from torch import nn
 from m3sdk.errors import CheckpointError
 from m3sdk.model.config import read_config_json
 from m3sdk.spec.base import SpecConfig, TargetInfo, register
-from m3sdk.spec.chain import ChainDrafter
+from m3sdk.spec.chain import ChainDrafter, DraftSeq
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 BUNDLED_HEAD_DIR = "m3-tiny-eagle3"  # next to the bundled target in m3sdk/assets
@@ -256,42 +256,18 @@ class Eagle3Head(nn.Module):
 
 
 class DraftKV:
-    """One request's draft KV cache: entries for positions first .. first + length - 1, grown by doubling."""
+    """One request's entries in the drafter's cache pool: row `slot`, positions first .. first + length - 1 at
+    indices 0 .. length - 1."""
 
-    def __init__(self, first: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, first: int, slot: int):
         self.first = first
+        self.slot = slot
         self.length = 0
-        self.k = torch.empty(16, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
 
     @property
     def end(self) -> int:
         """The position after the last entry."""
         return self.first + self.length
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        need = self.length + k.shape[0]
-        if need > self.k.shape[0]:
-            cap = max(need, 2 * self.k.shape[0])
-            self.k = torch.cat([self.k[: self.length], self.k.new_empty(cap - self.length, *self.k.shape[1:])])
-            self.v = torch.cat([self.v[: self.length], self.v.new_empty(cap - self.length, *self.v.shape[1:])])
-        self.k[self.length:need] = k
-        self.v[self.length:need] = v
-        self.length = need
-
-
-def attend(q: torch.Tensor, cache: DraftKV, scale: float) -> torch.Tensor:
-    """q [n, Hq, D] for the cache's last n entries (already appended), causal -> [n, Hq * D]."""
-    n, hq, d = q.shape
-    k, v = cache.k[: cache.length], cache.v[: cache.length]
-    group = hq // k.shape[1]
-    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
-    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    # query i sits at cache index length - n + i and sees indices <= that
-    idx = torch.arange(cache.length, device=q.device)
-    mask = idx[None, :] <= idx[cache.length - n:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1).reshape(n, hq * d)
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -386,20 +362,68 @@ def save_eagle3(head: Eagle3Head, path: str | Path) -> None:
 
 class Eagle3Drafter(ChainDrafter):
     """Drafts a chain of k tokens per request, greedily (the verifier treats each as a point mass). The first
-    entry of each observed position reads fc(aux states); chain entries read the head's pre-norm output."""
+    entry of each observed position reads fc(aux states); chain entries read the head's pre-norm output.
+
+    The draft KV cache is one pool [slots + 1, capacity, Hkv, D] (a row per request, the last row scratch for
+    padding), so a draft step attends for every request in one batched op, and the k - 1 chain steps of
+    `propose` are one fixed-shape function that `capture_graphs` records as a CUDA graph per batch bucket."""
 
     method = "eagle3"
 
-    def __init__(self, head: Eagle3Head, num_speculative_tokens: int):
+    def __init__(self, head: Eagle3Head, num_speculative_tokens: int, max_num_seqs: int = 1,
+                 capacity: int | None = None):
         super().__init__(num_speculative_tokens)
         self.head = head
-        self.aux_layers = head.aux_layers if head.config.use_aux_hidden_state else ()
-        self.scale = 1.0 / math.sqrt(head.config.head_dim)
+        c = head.config
+        self.aux_layers = head.aux_layers if c.use_aux_hidden_state else ()
+        self.scale = 1.0 / math.sqrt(c.head_dim)
         self.dtype = head.midlayer.self_attn.q_proj.weight.dtype
+        self.device = head.midlayer.self_attn.q_proj.weight.device
+        self.capacity = capacity or c.max_position_embeddings
+        self._free: list[int] = []
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._grow(max(max_num_seqs, 1))
+
+    def _grow(self, slots: int) -> None:
+        """(Re)size the pool to `slots` request rows + the scratch row, keeping the rows in use. Zero-filled: a
+        masked key's weight is exactly 0, but 0 * NaN is not."""
+        c = self.head.config
+        k = torch.zeros(slots + 1, self.capacity, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        used = 0
+        if hasattr(self, "k_cache"):
+            used = self.k_cache.shape[0] - 1
+            k[:used], v[:used] = self.k_cache[:used], self.v_cache[:used]
+            self._graphs = {}  # they captured the old pool's addresses
+        self.k_cache, self.v_cache = k, v
+        self._free += range(used, slots)
+        self.scratch = slots
 
     def new_context(self, first: int, device: torch.device) -> DraftKV:
-        c = self.head.config
-        return DraftKV(first, c.num_kv_heads, c.head_dim, self.dtype, device)
+        if not self._free:
+            self._grow(2 * (self.k_cache.shape[0] - 1))
+        return DraftKV(first, self._free.pop())
+
+    def drop_context(self, ctx: DraftKV) -> None:
+        self._free.append(ctx.slot)
+
+    def has_room(self, ctx: DraftKV, n: int) -> bool:
+        return ctx.length + n <= self.capacity
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, idx: torch.Tensor,
+                span: int) -> torch.Tensor:
+        """Write k, v [N, Hkv, D] at (slot, idx) and attend q [N, Hq, D] causally to indices 0 .. idx of each
+        row's slot (a fixed span of the pool is read; later indices are masked) -> [N, Hq * D]."""
+        self.k_cache[slot, idx] = k
+        self.v_cache[slot, idx] = v
+        n, hq, d = q.shape
+        hkv = k.shape[1]
+        keys = self.k_cache[slot, :span].permute(0, 2, 3, 1).float()  # [N, Hkv, D, span]
+        vals = self.v_cache[slot, :span].transpose(1, 2).float()  # [N, Hkv, span, D]
+        scores = (q.float().view(n, hkv, hq // hkv, d) @ keys) * self.scale  # [N, Hkv, G, span]
+        visible = torch.arange(span, device=q.device)[None, :] <= idx[:, None]
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        return (scores.softmax(-1) @ vals).to(q.dtype).reshape(n, hq * d)
 
     def run(self, ctxs: list[DraftKV], counts: list[int], token_ids: torch.Tensor, hidden: torch.Tensor,
             positions: torch.Tensor, from_target: bool) -> torch.Tensor:
@@ -407,16 +431,76 @@ class Eagle3Drafter(ChainDrafter):
         # outputs are [final-normed | pre-norm]: the chain feeds back the pre-norm half
         hidden = head.combine(hidden.to(self.dtype)) if from_target else hidden[:, head.config.hidden_size:]
         q, k, v, residual = head.project(head.embed(token_ids), hidden, positions)
-        outs, start = [], 0
+        slots, idx = [], []
         for ctx, n in zip(ctxs, counts, strict=True):
-            ctx.append(k[start:start + n], v[start:start + n])
-            outs.append(attend(q[start:start + n], ctx, self.scale))
-            start += n
-        return torch.cat(head.finish(torch.cat(outs), residual), dim=-1)
+            slots += [ctx.slot] * n
+            idx += range(ctx.length, ctx.length + n)
+            ctx.length += n
+        where = torch.tensor([slots, idx], dtype=torch.long).to(q.device)
+        attn = self._attend(q, k, v, where[0], where[1], max(ctx.length for ctx in ctxs))
+        return torch.cat(head.finish(attn, residual), dim=-1)
 
     def tokens(self, out: torch.Tensor) -> list[int]:
+        return self._tokens(out).tolist()
+
+    def _tokens(self, out: torch.Tensor) -> torch.Tensor:
         normed = out[:, : self.head.config.hidden_size]
-        return self.head.to_target(self.head.logits(normed).argmax(-1)).tolist()
+        return self.head.to_target(self.head.logits(normed).argmax(-1))
+
+    def _chain(self, tokens: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
+               idx: torch.Tensor, steps: int, span: int) -> torch.Tensor:
+        """`steps` chain entries per row, all on the device (no host sync, fixed shapes): token [B] at position
+        [B], the previous entry's output [B, 2H], cache (slot, idx) [B] -> draft tokens [B, steps]. The entries
+        are written past each request's length: the next `run` overwrites them."""
+        head, drafted = self.head, []
+        hidden = out[:, head.config.hidden_size:]
+        for s in range(steps):
+            q, k, v, residual = head.project(head.embed(tokens), hidden, positions + s)
+            normed, hidden = head.finish(self._attend(q, k, v, slot, idx + s, span), residual)
+            tokens = head.to_target(head.logits(normed).argmax(-1))
+            drafted.append(tokens)
+        return torch.stack(drafted, dim=1)
+
+    @torch.inference_mode()
+    def chain(self, seqs: list[DraftSeq], steps: int) -> list[list[int]]:
+        b = len(seqs)
+        host = torch.tensor([[s.next_token for s in seqs], [s.ctx.end for s in seqs], [s.ctx.slot for s in seqs],
+                             [s.ctx.length for s in seqs]], dtype=torch.long).to(self.device)
+        out = torch.stack([s.hidden for s in seqs])
+        bucket = next((g for g in self._graphs if g >= b), None)
+        if bucket is None or steps != self.num_speculative_tokens - 1:
+            span = max(s.ctx.length for s in seqs) + steps
+            return self._chain(host[0], out, host[1], host[2], host[3], steps, span).tolist()
+        tok, hid, pos, slot, idx = self._static
+        tok[:b], pos[:b], slot[:b], idx[:b] = host[0], host[1], host[2], host[3]
+        hid[:b] = out
+        # padding rows: token 0 at position 0, written to the scratch row
+        tok[b:bucket], pos[b:bucket], slot[b:bucket], idx[b:bucket] = 0, 0, self.scratch, 0
+        graph, drafted = self._graphs[bucket]
+        graph.replay()
+        return drafted[:b].tolist()
+
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        """A CUDA graph of the chain (k - 1 draft steps) per batch bucket, captured now: serving never stalls on
+        a capture."""
+        from m3sdk.graphs import batch_buckets, capture
+
+        steps = self.num_speculative_tokens - 1
+        if steps == 0 or self.device.type != "cuda":
+            return
+        if self.k_cache.shape[0] - 1 < max_num_seqs:
+            self._grow(max_num_seqs)
+        c, n = self.head.config, max_num_seqs
+        i64 = dict(dtype=torch.long, device=self.device)
+        self._static = (torch.zeros(n, **i64), torch.zeros(n, 2 * c.hidden_size, dtype=self.dtype, device=self.device),
+                        torch.zeros(n, **i64), torch.full((n,), self.scratch, **i64), torch.zeros(n, **i64))
+        tok, hid, pos, slot, idx = self._static
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for b in batch_buckets(n):
+                self._graphs[b] = capture(
+                    lambda b=b: self._chain(tok[:b], hid[:b], pos[:b], slot[:b], idx[:b], steps,
+                                            self.capacity), pool, self.device)
 
 
 def bundled_head_path(target_checkpoint: str | None) -> Path | None:
@@ -436,4 +520,5 @@ def _build(config: SpecConfig, target: TargetInfo) -> Eagle3Drafter:
     if path is None:
         raise CheckpointError("speculative eagle3 needs a draft head: pass {'model': path} (only the bundled "
                               "m3-tiny ships one)")
-    return Eagle3Drafter(load_eagle3(path, target), config.num_speculative_tokens)
+    return Eagle3Drafter(load_eagle3(path, target), config.num_speculative_tokens, target.max_num_seqs,
+                         target.max_model_len or None)

@@ -124,20 +124,27 @@ def verify(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[list[Sampled
             emitted.append(accept_sampled(p, row.drafts, row.draft_probs, _generator(row.state, x.device)))
         start += n
 
-    out: list[list[SampledToken]] = []
+    # every emitted token's logprob in one gather and one host read (not one per row)
+    pos, tok, starts = [], [], []
     start = 0
     for row, toks in zip(rows, emitted, strict=True):
-        pos = torch.arange(start, start + len(toks), device=x.device)
-        tok = torch.tensor(toks, dtype=torch.long, device=x.device)
-        lps = (x[pos, tok] - logz[pos]).tolist()
+        starts.append(len(pos))
+        pos += range(start, start + len(toks))
+        tok += toks
+        start += len(row.drafts) + 1
+    flat = torch.tensor([pos, tok], dtype=torch.long).to(x.device)
+    lps = (x[flat[0], flat[1]] - logz[flat[0]]).tolist()
+    out: list[list[SampledToken]] = []
+    for row, toks, first in zip(rows, emitted, starts, strict=True):
+        at = flat[0, first:first + len(toks)]
         k = row.state.params.logprobs
         tops: list[list[tuple[int, float]] | None] = [None] * len(toks)
         if k:
-            vals, ids = x[pos].topk(min(k, x.shape[1]), dim=1)
-            vals = (vals - logz[pos].unsqueeze(1)).tolist()
+            vals, ids = x[at].topk(min(k, x.shape[1]), dim=1)
+            vals = (vals - logz[at].unsqueeze(1)).tolist()
             tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals, strict=True)]
         elif k == 0:
             tops = [[] for _ in toks]
-        out.append([SampledToken(t, lp, tp) for t, lp, tp in zip(toks, lps, tops, strict=True)])
-        start += len(row.drafts) + 1
+        out.append([SampledToken(t, lp, tp) for t, lp, tp in
+                    zip(toks, lps[first:first + len(toks)], tops, strict=True)])
     return out
