@@ -1,6 +1,6 @@
 """FP8 W8A8 GEMM (per-token activation quantization included) at MiniMax-M3 shapes: ours vs torch vs the floor.
 
-    PYTHONPATH=src python benchmarks/kernels_gemm.py [--json PATH] [--sweep]
+    PYTHONPATH=src python benchmarks/kernels_gemm.py [--json PATH] [--jsonl PATH] [--sweep] [--ms 1,16]
 
 Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 6144, the dense MLP 6144 -> 24576
 (gate|up) and 12288 -> 6144 (down); M = 1 .. 8192 tokens. Arms, same inputs:
@@ -8,6 +8,8 @@ Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 
   RMSNorm before the projection, so `gemm only` is the model's cost)
 - torch: per-token quantization in eager torch + `torch._scaled_mm` rowwise (CUTLASS), and `_scaled_mm` alone
 - bf16 `torch.mm`: the "is FP8 worth it" bar
+- the model's path: `add_rms_norm(..., fp8_dtype)` (residual add + norm + per-token quantization, one launch) +
+  `fp8_gemm`, beside the bf16 `add_rms_norm` it replaces: their difference is what FP8 costs in front of the GEMM
 Floor: max(weight + activation bytes / read bandwidth, FLOPs / the fp8 matmul rate measured by `_scaled_mm` at
 8192^3). Decode shapes rotate 4 weight copies (> L2) so every call streams its weight from HBM.
 `--sweep` times a few tile configs per M bucket first and keeps the fastest (printed; copy into arch.py).
@@ -22,6 +24,7 @@ import torch
 from gpu_timing import bench, read_bandwidth
 
 from m3sdk_kernels.arch import TILES, current_arch
+from m3sdk_kernels.norm import add_rms_norm
 from m3sdk_kernels.quant import fp8_gemm, fp8_gemm_ref, quantize_fp8_per_token, quantize_fp8_weight
 
 DEV = "cuda"
@@ -44,6 +47,11 @@ def torch_quant(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.
     return (x.float() / s).to(fp8), s
 
 
+def torch_quant_ref(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = torch_quant(x, fp8)
+    return q, s[:, 0]
+
+
 def fp8_rate(fp8: torch.dtype) -> float:
     a = torch.randn(8192, 8192, device=DEV).to(fp8)
     b = torch.randn(8192, 8192, device=DEV).to(fp8)
@@ -63,6 +71,14 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
 
     ours = rotated(lambda w, s: fp8_gemm(*quantize_fp8_per_token(x, fp8), w, s))
     gemm = rotated(lambda w, s: fp8_gemm(xq, xs, w, s))
+    res, nw = torch.randn_like(x), torch.randn(k, device=DEV, dtype=torch.bfloat16) * 0.1
+
+    def norm_gemm(w, s):
+        y, ys, _ = add_rms_norm(x, nw, 1e-6, res, fp8)
+        return fp8_gemm(y, ys, w, s)
+
+    fused = rotated(norm_gemm)
+    norm_bf16 = bench(lambda: add_rms_norm(x, nw, 1e-6, res))
     try:  # cuBLAS/CUTLASS fp8 may refuse some shapes
         peer = rotated(lambda w, s: torch._scaled_mm(*_quant_pair(x, fp8, w), s[None, :], out_dtype=torch.bfloat16))
         peer_mm = rotated(lambda w, s: torch._scaled_mm(xq, w.T, xs[:, None], s[None, :], out_dtype=torch.bfloat16))
@@ -72,8 +88,9 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
     bf16 = bench(lambda: x @ wbf.T)
     byts = n * k + m * k * 2 + m * n * 2
     floor = max(byts / bw / 1e6, 2 * m * n * k / rate / 1e9)  # ms
-    return dict(shape=name, M=m, ours_ms=ours, gemm_ms=gemm, torch_ms=peer, scaled_mm_ms=peer_mm, bf16_ms=bf16,
-                floor_ms=floor, weight_gbps=n * k / gemm / 1e6, tflops=2 * m * n * k / ours / 1e9)
+    return dict(bench="fp8_gemm", shape=name, M=m, ours_ms=ours, gemm_ms=gemm, norm_fp8_gemm_ms=fused,
+                norm_bf16_ms=norm_bf16, torch_ms=peer, scaled_mm_ms=peer_mm, bf16_ms=bf16, floor_ms=floor,
+                weight_gbps=n * k / gemm / 1e6, tflops=2 * m * n * k / ours / 1e9)
 
 
 def _quant_pair(x: torch.Tensor, fp8: torch.dtype, w: torch.Tensor) -> tuple:
@@ -85,6 +102,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--jsonl", help="append one line per row")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M")
     args = ap.parse_args()
     arch = current_arch()
     fp8 = arch.fp8_dtype
@@ -101,7 +120,15 @@ def main() -> None:
             ref = fp8_gemm_ref(xq, xs, wq, ws)
             err = ((fp8_gemm(xq, xs, wq, ws).float() - ref.float()).norm() / ref.float().norm()).item()
             assert err < 1e-2, (name, m, err)
-    print("correctness: fp8_gemm == fp8_gemm_ref at every shape")
+        # the fused norm's fp8 output feeds the GEMM: against norm -> quantize -> GEMM in plain torch
+        x, res, nw = (torch.randn(16, k, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+        y, ys, _ = add_rms_norm(x, nw, 1e-6, res, fp8)
+        hf = x.float() + res.float()
+        ref = fp8_gemm_ref(*torch_quant_ref(hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
+                                            * (1 + nw.float()), fp8), wq, ws)
+        err = ((fp8_gemm(y, ys, wq, ws).float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 2e-2, (name, "norm+gemm", err)
+    print("correctness: fp8_gemm == fp8_gemm_ref at every shape; add_rms_norm(fp8) + fp8_gemm == torch")
 
     if args.sweep:
         for fam, configs in SWEEP.items():
@@ -126,20 +153,27 @@ def main() -> None:
     for name, (k, n) in SHAPES.items():
         weights = [quantize_fp8_weight(torch.randn(n, k, device=DEV) * 0.02, fp8) for _ in range(4)]
         wbf = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-        for m in MS:
+        for m in map(int, args.ms.split(",")):
             rows.append(measure(name, k, n, m, weights, wbf, fp8, bw, rate))
             r = rows[-1]
-            print(f"{name:28} M={m:5} ours {r['ours_ms'] * 1e3:8.1f} us (gemm {r['gemm_ms'] * 1e3:8.1f})  torch "
+            if args.jsonl:
+                with open(args.jsonl, "a") as fh:
+                    fh.write(json.dumps(dict(r, read_gbps=bw, fp8_tflops=rate)) + "\n")
+            print(f"{name:28} M={m:5} ours {r['ours_ms'] * 1e3:8.1f} us (gemm {r['gemm_ms'] * 1e3:8.1f}, norm+gemm "
+                  f"{r['norm_fp8_gemm_ms'] * 1e3:.1f} vs bf16 norm {r['norm_bf16_ms'] * 1e3:.1f})  torch "
                   f"{r['torch_ms'] * 1e3:8.1f} (_scaled_mm {r['scaled_mm_ms'] * 1e3:8.1f})  bf16 "
                   f"{r['bf16_ms'] * 1e3:8.1f}  floor {r['floor_ms'] * 1e3:7.1f}")
     print("\n| shape | M | ours quant+gemm (us) | gemm only (us) | torch quant+_scaled_mm (us) | _scaled_mm (us) "
-          "| bf16 mm (us) | floor (us) | torch/ours | floor/ours | floor/gemm |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| bf16 mm (us) | floor (us) | torch/ours | floor/ours | floor/gemm | norm(fp8)+gemm (us) | bf16 norm (us) "
+          "| floor/(norm+gemm-bf16 norm) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['M']} | {r['ours_ms'] * 1e3:.1f} | {r['gemm_ms'] * 1e3:.1f} | "
               f"{r['torch_ms'] * 1e3:.1f} | {r['scaled_mm_ms'] * 1e3:.1f} | {r['bf16_ms'] * 1e3:.1f} | "
               f"{r['floor_ms'] * 1e3:.1f} | {r['torch_ms'] / r['ours_ms']:.2f}x | {r['floor_ms'] / r['ours_ms']:.0%} | "
-              f"{r['floor_ms'] / r['gemm_ms']:.0%} |")
+              f"{r['floor_ms'] / r['gemm_ms']:.0%} | {r['norm_fp8_gemm_ms'] * 1e3:.1f} | "
+              f"{r['norm_bf16_ms'] * 1e3:.1f} | "
+              f"{r['floor_ms'] / (r['norm_fp8_gemm_ms'] - r['norm_bf16_ms']):.0%} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(read_gbps=bw, fp8_tflops=rate, tiles={k: TILES[k][arch.name] for k in SWEEP}, rows=rows),

@@ -1,8 +1,10 @@
 """Fused MoE at MiniMax-M3 shapes (128 experts top-4 + the shared expert, 6144 -> 2x3072 -> 6144) on one GPU.
 
-    PYTHONPATH=src python benchmarks/kernels_moe.py [--json PATH] [--sweep]
+    PYTHONPATH=src python benchmarks/kernels_moe.py [--json PATH] [--jsonl PATH] [--sweep] [--formats F,..]
+        [--prefill-formats F,..]
 
 Ours (`fused_moe`, shared expert stacked as expert 128, router weights x 2.0) in bf16, FP8 (W8A8), MXFP4 and MXFP8
+(`mxfp4` runs the table's path: on sm90 the fp8 tensor cores; `mxfp4:dot_scaled` forces `tl.dot_scaled`)
 vs `torch._grouped_mm` in bf16 doing the same work (sort pairs by expert, gate_up grouped GEMM, SwiGLU-OAI, down
 grouped GEMM, weight, sum), same routing (each token: 4 distinct random experts + the shared one).
 Floor, decode: the bytes of the experts actually touched (each once, in the arm's format, scales included) over
@@ -19,7 +21,7 @@ import torch
 from gpu_timing import bench, read_bandwidth
 
 from m3sdk_kernels.arch import TILES, current_arch
-from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, quantize_experts
+from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, mx_fp8, quantize_experts
 
 DEV = "cuda"
 E, H, I, TOP_K, SCALE = 128, 6144, 3072, 4, 2.0
@@ -79,9 +81,30 @@ def grouped_mm_moe(x, ids, w, w_gate_up_t, w_down_t):
     return out.view(t, k, -1).sum(1)
 
 
-def check(fmt: str, ex: Experts) -> float:
-    """GPU kernel vs reference on a 4-expert slice at full width: decode (sort-free) and sorted paths."""
-    small = Experts(fmt, ex.gate_up[:4], ex.down[:4], None if ex.gate_up_scale is None else ex.gate_up_scale[:4],
+class forced_dot_scaled:
+    """MXFP4 through tl.dot_scaled (the table's MX_FP8 off) inside the block."""
+
+    def __enter__(self):
+        self.saved = {f: TILES[f][current_arch().name].get("MX_FP8", 0) for f in ("moe_decode", "moe_small",
+                                                                                   "moe_prefill")}
+        for f in self.saved:
+            TILES[f][current_arch().name]["MX_FP8"] = 0
+
+    def __exit__(self, *exc):
+        for f, v in self.saved.items():
+            TILES[f][current_arch().name]["MX_FP8"] = v
+
+
+def run(arm: str, x, ids, w, ex: Experts) -> torch.Tensor:
+    if arm.endswith(":dot_scaled"):
+        with forced_dot_scaled():
+            return fused_moe(x, ids, w, ex, ALPHA, LIMIT)
+    return fused_moe(x, ids, w, ex, ALPHA, LIMIT)
+
+
+def check(arm: str, ex: Experts) -> float:
+    """GPU kernel vs reference on a 4-expert slice at full width: decode (sort-free) and both sorted paths."""
+    small = Experts(ex.fmt, ex.gate_up[:4], ex.down[:4], None if ex.gate_up_scale is None else ex.gate_up_scale[:4],
                     None if ex.down_scale is None else ex.down_scale[:4])
     worst = 0.0
     for t in (2, 40, 300):
@@ -89,10 +112,11 @@ def check(fmt: str, ex: Experts) -> float:
         ids = torch.rand(t, 4, generator=g, device=DEV).argsort(-1)[:, :2].to(torch.int32)
         w = torch.rand(t, 2, generator=g, device=DEV)
         x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
-        ref = fused_moe_ref(x, ids, w, small, ALPHA, LIMIT).float()
-        out = fused_moe(x, ids, w, small, ALPHA, LIMIT).float()
+        as_fp8 = mx_fp8(ex.fmt, t, current_arch()) and not arm.endswith(":dot_scaled")
+        ref = fused_moe_ref(x, ids, w, small, ALPHA, LIMIT, mx_fp8=as_fp8).float()
+        out = run(arm, x, ids, w, small).float()
         worst = max(worst, ((out - ref).norm() / ref.norm()).item())
-    assert worst < 2e-2, (fmt, worst)
+    assert worst < 2e-2, (arm, worst)
     return worst
 
 
@@ -100,7 +124,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--formats", default="bf16,fp8,mxfp4,mxfp8")
+    ap.add_argument("--jsonl", help="append one line per T")
+    ap.add_argument("--formats", default="bf16,fp8,mxfp4,mxfp4:dot_scaled,mxfp8")
+    ap.add_argument("--prefill-formats", help="the arms timed at 8K tokens (default: --formats)")
     args = ap.parse_args()
     arch = current_arch()
     bw = read_bandwidth()
@@ -112,9 +138,12 @@ def main() -> None:
     w_down = torch.randn(E + 1, H, I, device=DEV, dtype=torch.bfloat16) * 0.02
     gu_t, dn_t = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)
     formats = args.formats.split(",")
-    experts = {f: quantize_experts(w_gate_up, w_down, f) for f in formats}
+    prefill_formats = args.prefill_formats.split(",") if args.prefill_formats else formats
+    stacks = {f.split(":")[0]: None for f in formats}
+    stacks = {f: quantize_experts(w_gate_up, w_down, f) for f in stacks}
+    experts = {f: stacks[f.split(":")[0]] for f in formats}
     for f, ex in experts.items():
-        print(f"correctness {f}: rel err vs reference {check(f, ex):.2e}")
+        print(f"correctness {f}: rel err vs reference {check(f, ex):.2e}", flush=True)
 
     if args.sweep:
         for fam, configs in SWEEP.items():
@@ -146,25 +175,31 @@ def main() -> None:
         touched = ids.unique().numel()
         peer = bench(lambda x=x, ids=ids, w=w: grouped_mm_moe(x, ids, w, gu_t, dn_t))
         flops = 6 * H * I * ids.numel()
-        row = dict(T=t, experts_touched=touched, grouped_mm_ms=peer)
+        row = dict(bench="moe", T=t, experts_touched=touched, grouped_mm_ms=peer)
         for f, ex in experts.items():
-            ms = bench(lambda x=x, ids=ids, w=w, ex=ex: fused_moe(x, ids, w, ex, ALPHA, LIMIT))
+            if t == PREFILL_T and f not in prefill_formats:
+                continue
+            ms = bench(lambda x=x, ids=ids, w=w, ex=ex, f=f: run(f, x, ids, w, ex))
             byts = expert_bytes(ex, touched)
-            floor = max(byts / bw / 1e6, flops / (rate_fp8 if f == "fp8" else rate_bf16) / 1e9)
+            fp8_mma = f == "fp8" or (mx_fp8(ex.fmt, t, arch) and not f.endswith(":dot_scaled"))
+            floor = max(byts / bw / 1e6, flops / (rate_fp8 if fp8_mma else rate_bf16) / 1e9)
             row[f] = dict(ms=ms, floor_ms=floor, gbps=byts / ms / 1e6, tflops=flops / ms / 1e9,
                           vs_grouped_mm=peer / ms)
         rows.append(row)
+        if args.jsonl:
+            with open(args.jsonl, "a") as fh:
+                fh.write(json.dumps(dict(row, read_gbps=bw, bf16_tflops=rate_bf16, fp8_tflops=rate_fp8)) + "\n")
         print(f"T={t:5} experts {touched:3}  grouped_mm {peer * 1e3:9.1f} us  " + "  ".join(
             f"{f} {row[f]['ms'] * 1e3:8.1f} us ({row[f]['vs_grouped_mm']:.2f}x, floor {row[f]['floor_ms'] * 1e3:.1f})"
-            for f in experts))
+            for f in experts if f in row), flush=True)
 
     print("\n| T | experts touched | grouped_mm bf16 (us) | " + " | ".join(
         f"{f} (us) | {f} floor (us) | {f} vs grouped_mm" for f in experts) + " |")
     print("|---|---|---|" + "---|---|---|" * len(experts))
     for r in rows:
         print(f"| {r['T']} | {r['experts_touched']} | {r['grouped_mm_ms'] * 1e3:.1f} | " + " | ".join(
-            f"{r[f]['ms'] * 1e3:.1f} | {r[f]['floor_ms'] * 1e3:.1f} | {r[f]['vs_grouped_mm']:.2f}x" for f in experts)
-            + " |")
+            f"{r[f]['ms'] * 1e3:.1f} | {r[f]['floor_ms'] * 1e3:.1f} | {r[f]['vs_grouped_mm']:.2f}x" if f in r
+            else "- | - | -" for f in experts) + " |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(read_gbps=bw, bf16_tflops=rate_bf16, fp8_tflops=rate_fp8,

@@ -146,6 +146,8 @@ TILES.update({
     "fp8_quant": {a: {"BLOCK_K": 1024, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "rms_norm": {a: {"num_warps": 8} for a in ("sm90", "gfx942", "gfx950")},
     "router": {a: {"BLOCK_T": 16, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
+# MX_FP8: MXFP4 experts through the fp8 tensor cores (e4m3 from the nibbles by integer ops, fp8 activations) instead
+# of tl.dot_scaled, which upcasts to bf16 on Hopper: sm90 only (gfx950 has MX matrix cores; gfx942's fp8 is fnuz).
     "moe_align": {a: {"CHUNK": 256, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "fp8_gemm_decode": {
         "sm90": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
@@ -166,17 +168,17 @@ TILES.update({
     "moe_decode": {
         a: {"MAX_TOKENS": 2, "BLOCK_M": 16, "GU_BLOCK_N": 64, "GU_BLOCK_K": 256 if a == "sm90" else 128,
             "DN_BLOCK_N": 64, "DN_BLOCK_K": 256 if a == "sm90" else 128, "num_warps": 4,
-            "num_stages": 3 if a == "sm90" else 2}
+            "num_stages": 3 if a == "sm90" else 2, "MX_FP8": int(a == "sm90")}
         for a in ("sm90", "gfx942", "gfx950")
     },
     "moe_small": {
         a: {"MAX_TOKENS": 256, "BLOCK_M": 16, "GU_BLOCK_N": 64, "GU_BLOCK_K": 128, "DN_BLOCK_N": 64,
-            "DN_BLOCK_K": 64, "num_warps": 4, "num_stages": 4 if a == "sm90" else 2}
+            "DN_BLOCK_K": 64, "num_warps": 4, "num_stages": 4 if a == "sm90" else 2, "MX_FP8": int(a == "sm90")}
         for a in ("sm90", "gfx942", "gfx950")
     },
     "moe_prefill": {
         a: {"BLOCK_M": 128, "GU_BLOCK_N": 64, "GU_BLOCK_K": 64, "DN_BLOCK_N": 128, "DN_BLOCK_K": 64,
-            "num_warps": 8, "num_stages": 3 if a == "sm90" else 2}
+            "num_warps": 8, "num_stages": 3 if a == "sm90" else 2, "MX_FP8": int(a == "sm90")}
         for a in ("sm90", "gfx942", "gfx950")
     },
 })

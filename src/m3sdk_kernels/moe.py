@@ -24,6 +24,11 @@ Weight formats (`Experts.fmt`):
   activation stays bf16 and the GEMMs are tl.dot_scaled, which the compiler lowers to an in-register upcast on
   Hopper and gfx942 (no FP4 tensor cores) and on gfx950 too while the activation is bf16 (its MX matrix cores
   want MX activations: see docs/kernels.md).
+  Where the tile table sets MX_FP8 (sm90), MXFP4 runs through the fp8 tensor cores instead: activations fp8 as
+  for "fp8" experts, and each E2M1 nibble becomes an e4m3 byte by integer ops, with its group's scale folded in
+  as an exponent offset from a per-row reference (11 octaves below the row's largest scale; the row's power of
+  two goes to the epilogue). Exact for groups within those 11 octaves; groups further below flush to zero
+  (`mx_fp8_flush`: under 2^-12 of the row's largest block range). No bf16 upcast, no per-element scale multiply.
 """
 
 from __future__ import annotations
@@ -117,15 +122,33 @@ def empty_experts(fmt: str, num_experts: int, hidden: int, inter: int) -> Expert
                    empty(2 * inter, hidden, torch.uint8, MX_BLOCK), empty(hidden, inter, torch.uint8, MX_BLOCK))
 
 
-def dequantize_experts(experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> float32 (gate_up [E, 2I, H], down [E, H, I]): exactly the values the kernels multiply."""
+MX_FP8_OCTAVES = 11  # MXFP4 as e4m3: scale groups this far below their row's largest scale convert exactly
+
+
+def mx_fp8_flush(scales: torch.Tensor) -> torch.Tensor:
+    """bool [..., N, K / 32]: the MXFP4 scale groups the fp8 path flushes to zero, those more than
+    `MX_FP8_OCTAVES` octaves below their row's largest scale. A flushed element is at most 6 * 2^(s - 127) with
+    s <= row max - 12: under 2^-12 of the largest magnitude the row's largest block can hold."""
+    s = scales.to(torch.int32)
+    return s < s.amax(-1, keepdim=True) - MX_FP8_OCTAVES
+
+
+def dequantize_experts(experts: Experts, mx_fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> float32 (gate_up [E, 2I, H], down [E, H, I]): exactly the values the kernels multiply (MXFP4 through
+    the fp8 path with `mx_fp8`: the flushed groups zero, every other value exact)."""
     ex = experts
     if ex.fmt == "bf16":
         return ex.gate_up.float(), ex.down.float()
     if ex.fmt == "fp8":
         return ex.gate_up.float() * ex.gate_up_scale[..., None], ex.down.float() * ex.down_scale[..., None]
     dequantize = dequantize_mxfp4 if ex.fmt == "mxfp4" else dequantize_mxfp8
-    return dequantize(ex.gate_up, ex.gate_up_scale), dequantize(ex.down, ex.down_scale)
+    out = []
+    for w, s in ((ex.gate_up, ex.gate_up_scale), (ex.down, ex.down_scale)):
+        v = dequantize(w, s)
+        if mx_fp8 and ex.fmt == "mxfp4":
+            v = v.masked_fill(mx_fp8_flush(s).repeat_interleave(MX_BLOCK, -1), 0.0)
+        out.append(v)
+    return out[0], out[1]
 
 
 def swiglu_oai_ref(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -143,13 +166,16 @@ def _quantize_groups_ref(h: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tenso
 
 
 def fused_moe_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Experts,
-                  alpha: float, limit: float) -> torch.Tensor:
+                  alpha: float, limit: float, mx_fp8: bool = False) -> torch.Tensor:
     """hidden [T, H], topk_ids / topk_weights [T, k] -> [T, H] in hidden's dtype (fp32 math, the kernels'
-    quantization of activations mirrored)."""
+    quantization of activations mirrored; `mx_fp8`: MXFP4 experts as `fused_moe` runs them through the fp8 tensor
+    cores, activations fp8 like the fp8 experts')."""
     t, k = topk_ids.shape
-    w_gate_up, w_down = dequantize_experts(experts)
-    if experts.fmt == "fp8":
-        xq, xs = quantize_fp8_per_token_ref(hidden, experts.gate_up.dtype)
+    act_fp8 = experts.fmt == "fp8" or (mx_fp8 and experts.fmt == "mxfp4")
+    fp8 = experts.gate_up.dtype if experts.fmt == "fp8" else torch.float8_e4m3fn
+    w_gate_up, w_down = dequantize_experts(experts, mx_fp8)
+    if act_fp8:
+        xq, xs = quantize_fp8_per_token_ref(hidden, fp8)
         x = xq.float() * xs[:, None]
     else:
         x = hidden.float()
@@ -159,7 +185,7 @@ def fused_moe_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         pairs = (flat == e).nonzero().squeeze(1)
         tokens = pairs // k
         h = swiglu_oai_ref(x[tokens] @ w_gate_up[e].T, alpha, limit)
-        h = _quantize_groups_ref(h, experts.down.dtype) if experts.fmt == "fp8" else h.to(hidden.dtype).float()
+        h = _quantize_groups_ref(h, fp8) if act_fp8 else h.to(hidden.dtype).float()
         y = (h @ w_down[e].T) * topk_weights.reshape(-1)[pairs, None].float()
         out.index_add_(0, tokens, y)
     return out.to(hidden.dtype)
@@ -259,12 +285,65 @@ def _dot(a, w, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _dot_step(acc, a, w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT: tl.constexpr, BLOCK_K: tl.constexpr,
-              DOT_F32: tl.constexpr):
+def _mx_row_ref(s_base, rows, K, stride_sn, BLOCK_N: tl.constexpr):
+    # MXFP4 through the fp8 tensor cores: each weight row gets one reference exponent, 11 octaves below its largest
+    # E8M0 scale. A group whose scale lies within those 11 octaves (d' = scale - ref in 0..11) has every E2M1 value
+    # x 2^(d' - 5) in e4m3's normal range (0.5 * 2^-5 = 2^-6 .. 6 * 2^6 = 384), so it converts to e4m3 exactly and
+    # the row's 2^(ref - 122) goes to the epilogue, like an fp8 per-channel scale. Groups further below flush to 0.
+    ref = tl.zeros((BLOCK_N,), tl.int32)
+    for g0 in range(0, K // 32, 32):
+        gs = g0 + tl.arange(0, 32)
+        sc = tl.load(s_base + rows[:, None] * stride_sn + gs[None, :], mask=gs[None, :] < K // 32, other=0)
+        ref = tl.maximum(ref, tl.max(sc.to(tl.int32), axis=1))
+    return ref - 11
+
+
+@triton.jit
+def _mx_row_scale(ref):
+    # 2^(ref - 122) built from its bits (exact); rows whose largest scale is below 2^-121 clamp to 2^-126
+    return (tl.maximum(ref + 5, 1) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_to_e4m3(n, add):
+    # E2M1 code n (bit 3 sign, magnitude code c) -> e4m3 byte of value(c) * 2^(d' - 5), add = 8 * d' (< 0: flush).
+    # At d' = 0 the e4m3 magnitude byte is 8 * (e2m1 exponent) + 4 * mantissa + 8 for c >= 2, and 8 for c = 1 (0.5):
+    # the e2m1 exponent and mantissa bits sit 2 bits up in the e4m3 byte, the offset moves the exponent bias.
+    c = n & 7
+    mag = tl.where(c >= 2, c * 4 + 8, c * 8) + add
+    mag = tl.where(c == 0, 0, tl.maximum(mag, 0))
+    return (mag | ((n & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_fp8_dot(acc, a, w_base, s_base, rows, ref, k0, stride_wn, stride_sn, BLOCK_K: tl.constexpr,
+                   DOT_F32: tl.constexpr):
+    # acc += A[:, k0:k0+BLOCK_K] @ W^T with A fp8 and the MXFP4 weight converted to e4m3 in registers by integer ops
+    # (no float upcast, no per-element scale multiply): the even elements (low nibbles) and the odd ones (high
+    # nibbles) are two fp8 dots against A's even and odd columns.
+    G: tl.constexpr = BLOCK_K // 32
+    BLOCK_N: tl.constexpr = rows.shape[0]
+    ks = k0 // 32 + tl.arange(0, G)
+    dp = tl.load(s_base + rows[None, :] * stride_sn + ks[:, None]).to(tl.int32) - ref[None, :]
+    add = tl.where(dp >= 0, dp * 8, -128)
+    add = tl.reshape(tl.broadcast_to(add[:, None, :], (G, 16, BLOCK_N)), (BLOCK_K // 2, BLOCK_N))
+    kp = tl.arange(0, BLOCK_K // 2)
+    p = tl.load(w_base + rows[None, :] * stride_wn + (k0 // 2 + kp)[:, None]).to(tl.int32)
+    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BLOCK_K // 2, 2)))
+    acc = _dot(a_even, _e2m1_to_e4m3(p & 15, add), acc, DOT_F32)
+    return _dot(a_odd, _e2m1_to_e4m3(p >> 4, add), acc, DOT_F32)
+
+
+@triton.jit
+def _dot_step(acc, a, w_base, s_base, rows, ref, k0, stride_wn, stride_sn, W_FMT: tl.constexpr,
+              BLOCK_K: tl.constexpr, MX_FP8: tl.constexpr, DOT_F32: tl.constexpr):
     # acc += A[:, k0:k0+BLOCK_K] @ W^T[k0:k0+BLOCK_K, rows] for the weight format W_FMT (0 bf16, 1 fp8,
     # 2 mxfp4, 3 mxfp8). MX goes through tl.dot_scaled: MX matrix cores where the target has them, an in-register
-    # upcast to bf16 by the compiler elsewhere (measured 3x faster on Hopper than our own upcast, docs/perf.md).
-    if W_FMT >= 2:
+    # upcast to bf16 by the compiler elsewhere (measured 3x faster on Hopper than our own upcast, docs/perf.md);
+    # MXFP4 with MX_FP8 (fp8 activations) converts to e4m3 instead (`_mxfp4_fp8_dot`).
+    if W_FMT == 2 and MX_FP8:
+        acc = _mxfp4_fp8_dot(acc, a, w_base, s_base, rows, ref, k0, stride_wn, stride_sn, BLOCK_K, DOT_F32)
+    elif W_FMT >= 2:
         ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         sc = tl.load(s_base + rows[:, None] * stride_sn + ks[None, :])
         if W_FMT == 2:
@@ -278,6 +357,25 @@ def _dot_step(acc, a, w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT: tl.
         w = tl.load(w_base + rows[None, :] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[:, None])
         acc = _dot(a, w, acc, DOT_F32 and W_FMT == 0)
     return acc
+
+
+@triton.jit
+def _row_refs(s_base, rows, K, stride_sn, MX_FP8: tl.constexpr, BLOCK_N: tl.constexpr):
+    if MX_FP8:
+        ref = _mx_row_ref(s_base, rows, K, stride_sn, BLOCK_N)
+    else:
+        ref = rows
+    return ref
+
+
+@triton.jit
+def _channel_scale(s_base, rows, ref, MX_FP8: tl.constexpr):
+    # the per-output-channel factor of an fp8-activation GEMM: fp8 weights' scale, or MXFP4's row reference
+    if MX_FP8:
+        scale = _mx_row_scale(ref)
+    else:
+        scale = tl.load(s_base + rows)
+    return scale
 
 
 @triton.jit
@@ -299,8 +397,8 @@ def _pair_rows(pid_m, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, SORTED: t
 def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, h_ptr, h_scale_ptr, pairs_ptr, block_expert_ptr,
                         num_padded_ptr, ids_ptr, num_pairs, I, K, stride_xt, stride_we, stride_wn, stride_se,
                         stride_sn, stride_hp, stride_hsp, alpha, limit, TOP_K: tl.constexpr, SORTED: tl.constexpr,
-                        W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, DOT_F32: tl.constexpr,
+                        W_FMT: tl.constexpr, MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, DOT_F32: tl.constexpr,
                         INTERPRET: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -316,23 +414,27 @@ def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, h_ptr, h_scale_p
     rows_u = rows_g + I
     w_base = w_ptr + expert * stride_we
     s_base = w_scale_ptr + expert * stride_se
+    ref_g = _row_refs(s_base, rows_g, K, stride_sn, MX_FP8, BLOCK_N)
+    ref_u = _row_refs(s_base, rows_u, K, stride_sn, MX_FP8, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(x_ptr + tokens[:, None] * stride_xt + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
-        acc_g = _dot_step(acc_g, a, w_base, s_base, rows_g, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, DOT_F32)
-        acc_u = _dot_step(acc_u, a, w_base, s_base, rows_u, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, DOT_F32)
-    if W_FMT == 1:
+        acc_g = _dot_step(acc_g, a, w_base, s_base, rows_g, ref_g, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, MX_FP8,
+                          DOT_F32)
+        acc_u = _dot_step(acc_u, a, w_base, s_base, rows_u, ref_u, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, MX_FP8,
+                          DOT_F32)
+    if ACT_FP8:
         xs = tl.load(x_scale_ptr + tokens)
-        acc_g = acc_g * xs[:, None] * tl.load(s_base + rows_g)[None, :]
-        acc_u = acc_u * xs[:, None] * tl.load(s_base + rows_u)[None, :]
+        acc_g = acc_g * xs[:, None] * _channel_scale(s_base, rows_g, ref_g, MX_FP8)[None, :]
+        acc_u = acc_u * xs[:, None] * _channel_scale(s_base, rows_u, ref_u, MX_FP8)[None, :]
     g = tl.minimum(acc_g, limit)
     u = tl.minimum(tl.maximum(acc_u, -limit), limit)
     h = (u + 1.0) * (g * tl.sigmoid(alpha * g))
     mask = valid[:, None] & n_ok[None, :]
     out = h_ptr + pairs[:, None] * stride_hp + offs_n[None, :]
-    if W_FMT == 1:
+    if ACT_FP8:
         hg = tl.reshape(h, (BLOCK_M, BLOCK_N // 64, 64))
         scale = tl.maximum(tl.max(tl.abs(hg), axis=2), 1e-12) / FP8_MAX
         q = fp8_grid(tl.clamp(hg / scale[:, :, None], -FP8_MAX, FP8_MAX), INTERPRET)
@@ -346,22 +448,24 @@ def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, h_ptr, h_scale_p
 
 @triton.jit
 def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn,
-              W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              DOT_F32: tl.constexpr):
+              W_FMT: tl.constexpr, MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    ref = _row_refs(s_base, rows, K, stride_sn, MX_FP8, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(h_ptr + pairs[:, None] * stride_hp + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
-        if W_FMT == 1:
+        if ACT_FP8:
             # BLOCK_K <= 64 divides the activation group: one scale per row for this step
-            part = _dot_step(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a, w_base, s_base, rows, k0, stride_wn,
-                             stride_sn, W_FMT, BLOCK_K, DOT_F32)
+            part = _dot_step(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a, w_base, s_base, rows, ref, k0, stride_wn,
+                             stride_sn, W_FMT, BLOCK_K, MX_FP8, DOT_F32)
             hs = tl.load(h_scale_ptr + pairs * stride_hsp + k0 // 64, mask=valid, other=0.0)
             acc += part * hs[:, None]
         else:
-            acc = _dot_step(acc, a, w_base, s_base, rows, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, DOT_F32)
-    if W_FMT == 1:
-        acc = acc * tl.load(s_base + rows)[None, :]
+            acc = _dot_step(acc, a, w_base, s_base, rows, ref, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, MX_FP8,
+                            DOT_F32)
+    if ACT_FP8:
+        acc = acc * _channel_scale(s_base, rows, ref, MX_FP8)[None, :]
     return acc
 
 
@@ -369,7 +473,8 @@ def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, pairs, valid, rows, K, stride_
 def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr,
                      num_padded_ptr, ids_ptr, num_pairs, N, K, stride_hp, stride_hsp, stride_we, stride_wn, stride_se,
                      stride_sn, stride_om, TOP_K: tl.constexpr, SORTED: tl.constexpr, W_FMT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                     MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -381,8 +486,8 @@ def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr
             return
         pairs, valid, expert = _pair_rows(pid_m, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, True, BLOCK_M)
         acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se, pairs,
-                        valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn, W_FMT, BLOCK_M,
-                        BLOCK_N, BLOCK_K, DOT_F32)
+                        valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn, W_FMT, MX_FP8,
+                        ACT_FP8, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
         acc = acc * tl.load(topk_w_ptr + pairs, mask=valid, other=0.0)[:, None]
         tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & n_ok[None, :])
@@ -394,8 +499,8 @@ def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr
             pairs, valid, expert = _pair_rows(pair, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, False,
                                               BLOCK_M)
             acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se, pairs,
-                            valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn, W_FMT, BLOCK_M,
-                            BLOCK_N, BLOCK_K, DOT_F32)
+                            valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn, W_FMT, MX_FP8,
+                            ACT_FP8, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
             total += tl.sum(tl.where(valid[:, None], acc, 0.0), axis=0) * tl.load(topk_w_ptr + pair)
         tl.store(out_ptr + pid_m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -416,9 +521,17 @@ def _weight_args(w: torch.Tensor, s: torch.Tensor | None) -> tuple:
     return w, s, w.stride(0), w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0
 
 
+def mx_fp8(fmt: str, num_tokens: int, arch: Arch) -> bool:
+    """Whether `fused_moe` runs `fmt` experts for `num_tokens` tokens through the fp8 tensor cores (MXFP4 converted
+    to e4m3 in registers, activations fp8): the tile table's MX_FP8 (not on gfx950, whose matrix cores take MX,
+    nor on gfx942, whose fp8 is e4m3fnuz)."""
+    return fmt == "mxfp4" and bool(moe_tiles(num_tokens, arch)[0].get("MX_FP8", 0))
+
+
 def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Experts,
               alpha: float, limit: float) -> torch.Tensor:
-    """Triton version of `fused_moe_ref` (hidden [T, H] bf16, contiguous experts)."""
+    """Triton version of `fused_moe_ref` (hidden [T, H] bf16, contiguous experts), of its `mx_fp8` mode where
+    `mx_fp8(fmt, T, arch)` says so."""
     t, k = topk_ids.shape
     n_pairs = t * k
     hdim, inter, fmt = experts.hidden, experts.inter, experts.fmt
@@ -428,16 +541,21 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         return out
     arch = current_arch(dev)
     cfg, sort = moe_tiles(t, arch)
+    use_mx_fp8 = mx_fp8(fmt, t, arch)
+    act_fp8 = fmt == "fp8" or use_mx_fp8
     # K tiles: the table's, or the largest power of two dividing K when K is smaller (small models)
     gu_bk = min(cfg["GU_BLOCK_K"], hdim & -hdim)
-    dn_bk = min(cfg["DN_BLOCK_K"], inter & -inter, FP8_ACT_GROUP if fmt == "fp8" else inter)
-    if min(gu_bk, dn_bk) < (32 if fmt != "bf16" else 16) or (fmt == "fp8" and inter % FP8_ACT_GROUP):
+    dn_bk = min(cfg["DN_BLOCK_K"], inter & -inter, FP8_ACT_GROUP if act_fp8 else inter)
+    # MXFP4 as fp8: each of the two (even / odd) dots needs K >= 32
+    min_bk = 64 if use_mx_fp8 else 32 if fmt != "bf16" else 16
+    if min(gu_bk, dn_bk) < min_bk or (act_fp8 and inter % FP8_ACT_GROUP):
         raise ValueError(f"hidden {hdim} / intermediate {inter} too small or odd for {fmt} experts")
     ids = topk_ids.reshape(-1).to(torch.int32)
     weights = topk_weights.reshape(-1).to(torch.float32)
-    if fmt == "fp8":
-        x, x_scale = quantize_fp8_per_token(hidden, experts.gate_up.dtype)
-        h = torch.empty((n_pairs, inter), dtype=experts.down.dtype, device=dev)
+    if act_fp8:
+        fp8 = experts.gate_up.dtype if fmt == "fp8" else arch.fp8_dtype
+        x, x_scale = quantize_fp8_per_token(hidden, fp8)
+        h = torch.empty((n_pairs, inter), dtype=fp8, device=dev)
         h_scale = torch.empty((n_pairs, inter // FP8_ACT_GROUP), dtype=torch.float32, device=dev)
     else:
         x, x_scale = hidden, hidden
@@ -450,9 +568,9 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     else:
         pairs = block_expert = num_padded = ids
         m_blocks = n_pairs
-    common = dict(TOP_K=k, SORTED=sort, W_FMT=_FMT_CODE[fmt], BLOCK_M=block_m,
+    common = dict(TOP_K=k, SORTED=sort, W_FMT=_FMT_CODE[fmt], MX_FP8=use_mx_fp8, ACT_FP8=act_fp8, BLOCK_M=block_m,
                   DOT_F32=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    fp8_max = torch.finfo(experts.down.dtype).max if fmt == "fp8" else 0.0
+    fp8_max = torch.finfo(h.dtype).max if act_fp8 else 0.0
 
     w, s, swe, swn, sse, ssn = _weight_args(experts.gate_up, experts.gate_up_scale)
     _moe_gate_up_kernel[(m_blocks, triton.cdiv(inter, cfg["GU_BLOCK_N"]))](
@@ -487,9 +605,10 @@ def aot_variants(arch: Arch) -> list:
     for family, sort in (("moe_decode", False), ("moe_small", True), ("moe_prefill", True)):
         cfg = tiles(family, arch)
         for fmt, (wt, st) in w_types.items():
-            act = fp8 if fmt == "fp8" else "*bf16"
-            common = {"TOP_K": 5, "SORTED": sort, "W_FMT": _FMT_CODE[fmt], "BLOCK_M": cfg["BLOCK_M"],
-                      "DOT_F32": False}
+            mxf = fmt == "mxfp4" and bool(cfg.get("MX_FP8", 0))
+            act = fp8 if fmt == "fp8" or mxf else "*bf16"
+            common = {"TOP_K": 5, "SORTED": sort, "W_FMT": _FMT_CODE[fmt], "MX_FP8": mxf, "ACT_FP8": act == fp8,
+                      "BLOCK_M": cfg["BLOCK_M"], "DOT_F32": False}
             ptrs = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "ids_ptr": "*i32"}
             strides = {"stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32"}
             out.append(AotVariant(
@@ -502,7 +621,7 @@ def aot_variants(arch: Arch) -> list:
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                 aligned=("I", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_hp",
                          "stride_hsp")))
-            dn_bk = min(cfg["DN_BLOCK_K"], FP8_ACT_GROUP) if fmt == "fp8" else cfg["DN_BLOCK_K"]
+            dn_bk = min(cfg["DN_BLOCK_K"], FP8_ACT_GROUP) if act == fp8 else cfg["DN_BLOCK_K"]
             out.append(AotVariant(
                 f"{family}_down_{fmt}", _moe_down_kernel,
                 {"h_ptr": act, "h_scale_ptr": "*fp32", "w_ptr": wt, "w_scale_ptr": st, "out_ptr": "*bf16",

@@ -3,6 +3,8 @@ ragged expert loads with idle experts, the shared expert riding along; `moe_alig
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from m3sdk_kernels import moe, quant, router
 from m3sdk_kernels.arch import ARCHS, TILES
@@ -54,7 +56,7 @@ def test_fused_moe_matches_reference(weights, fmt, t):
     assert not torch.isin(ids, torch.tensor([5, 7])).any()  # idle experts exist
     x = torch.randn(t, H, generator=torch.Generator().manual_seed(7)).bfloat16()
     out = moe.fused_moe(x, ids, w, experts, ALPHA, LIMIT)
-    ref = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT)
+    ref = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT, mx_fp8=moe.mx_fp8(fmt, t, ARCHS["sm90"]))
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
     assert rel(out, ref) < 1.5e-2
     # the quantized formats against the unquantized composition: how much the format itself costs
@@ -71,7 +73,60 @@ def test_prefill_tiles(weights, fmt, monkeypatch):
     x = torch.randn(40, H, generator=torch.Generator().manual_seed(8)).bfloat16()
     assert moe.moe_tiles(40, ARCHS["sm90"])[0]["BLOCK_M"] == 128
     out = moe.fused_moe(x, ids, w, experts, ALPHA, LIMIT)
-    assert rel(out, moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT)) < 1.5e-2
+    ref = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT, mx_fp8=moe.mx_fp8(fmt, 40, ARCHS["sm90"]))
+    assert rel(out, ref) < 1.5e-2
+
+
+@pytest.mark.parametrize("t", [2, 24])
+def test_mxfp4_both_paths(weights, t, monkeypatch):
+    # sm90's table runs MXFP4 through the fp8 tensor cores; with MX_FP8 off it is tl.dot_scaled (bf16 activations).
+    # Each path against its own reference, and the two references within fp8 activation rounding of each other.
+    experts = moe.quantize_experts(*weights, "mxfp4", FP8)
+    w, ids = routing(t, seed=t + 1)
+    x = torch.randn(t, H, generator=torch.Generator().manual_seed(9)).bfloat16()
+    assert moe.mx_fp8("mxfp4", t, ARCHS["sm90"]) and not moe.mx_fp8("mxfp4", t, ARCHS["gfx950"])
+    ref8 = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT, mx_fp8=True)
+    assert rel(moe.fused_moe(x, ids, w, experts, ALPHA, LIMIT), ref8) < 8e-3
+    for fam in ("moe_decode", "moe_small"):
+        monkeypatch.setitem(TILES[fam]["sm90"], "MX_FP8", 0)
+    ref16 = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT)
+    assert rel(moe.fused_moe(x, ids, w, experts, ALPHA, LIMIT), ref16) < 8e-3
+    assert rel(ref8, ref16) < 6e-2
+
+
+@triton.jit
+def _convert_kernel(w_ptr, s_ptr, out_ptr, K: tl.constexpr, N: tl.constexpr):
+    # moe's MXFP4 -> e4m3 conversion times the row factor, as float32: what the fp8 path's dots multiply
+    rows = tl.arange(0, N)
+    ref = moe._mx_row_ref(s_ptr, rows, K, K // 32, N)
+    dp = tl.load(s_ptr + rows[None, :] * (K // 32) + tl.arange(0, K // 32)[:, None]).to(tl.int32) - ref[None, :]
+    add = tl.where(dp >= 0, dp * 8, -128)
+    add = tl.reshape(tl.broadcast_to(add[:, None, :], (K // 32, 16, N)), (K // 2, N))
+    kp = tl.arange(0, K // 2)
+    p = tl.load(w_ptr + rows[None, :] * (K // 2) + kp[:, None]).to(tl.int32)
+    scale = moe._mx_row_scale(ref)[None, :]
+    for nib in tl.static_range(2):
+        v = moe._e2m1_to_e4m3((p >> (4 * nib)) & 15, add).to(tl.float32) * scale
+        tl.store(out_ptr + rows[None, :] * K + 2 * kp[:, None] + nib, v)
+
+
+def test_mxfp4_to_e4m3_is_exact_within_range():
+    # every E2M1 code under group scales spread 0..14 octaves below the row's largest: values within 11 octaves
+    # convert exactly, those further below flush to zero (`mx_fp8_flush`), nothing else changes
+    n, k = 16, 32 * 16
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    codes[:, :16] = torch.arange(16, dtype=torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    top = torch.randint(100, 140, (n, 1), generator=g)
+    scales = (top - torch.arange(16)[None, :] % 15).to(torch.uint8)  # 0..14 octaves below the row's top
+    out = torch.empty(n, k)
+    _convert_kernel[(1,)](packed, scales, out, K=k, N=n)
+    want = quant.dequantize_mxfp4(packed, scales)
+    flush = moe.mx_fp8_flush(scales).repeat_interleave(32, -1)
+    assert flush.any() and (~flush).any()
+    assert torch.equal(out[~flush], want[~flush])
+    assert (out[flush] == 0).all()
 
 
 @pytest.mark.parametrize("block_m", [4, 16])
