@@ -205,6 +205,15 @@ def check_correctness() -> dict:
     return errs
 
 
+def error_bound(mode: str) -> float:
+    """Largest acceptable error of a `check` entry: FP8 decode on the transposed kernel also rounds q and P to
+    e4m3 (1-2 % relative L2 on random data, 4-6 % with FP8_SPLIT 0; tests/kernels/test_paged_attention.py),
+    the rest 2e-2."""
+    if "mismatch" in mode:
+        return 5e-3
+    return 0.08 if "decode_fp8" in mode and "indexer" not in mode else 2e-2
+
+
 def dense_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
     cu, lens = decode_meta(batch, ctx)
     q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
@@ -346,12 +355,20 @@ def sparse_prefill(rows: list, ctx: int, selection: str, flex: bool) -> None:
 
 
 def tiles_decode_fp8(rows: list, read_bw: float, ctx: int = 32768) -> None:
-    """FP8 SHUFFLE decode (dense and MSA) under tile variants of the current arch's table, set in-process; the
-    defaults are the rows of dense_decode_32k / sparse_decode_32k."""
+    """FP8 decode (dense and MSA, plain layout unless --layout says otherwise) under tile variants of the current
+    arch's table, set in-process; the defaults are the rows of dense_decode_32k / sparse_decode_32k. SWAP_AB 0 is
+    the row-major kernel with its previous settings (the before of the transposed kernel), FP8_SPLIT 0 drops the
+    residue dots (half the MMAs, twice the error), PV_FP8 0 keeps P.V in fp16 over upcast V."""
     name = current_arch().name
-    variants = {"attn_decode:fp8": ({"BLOCK_N": 128}, {"num_stages": 3}, {"SPLIT_PROGRAMS": 528}),
-                "sparse_decode:fp8": ({"BLOCK_N": 64}, {"SPLIT_PROGRAMS": 528}, {"num_stages": 2})}
-    ONLY.update(kv="fp8", layout="shuffle")
+    variants = {"attn_decode:fp8": ({"SWAP_AB": 0, "num_stages": 2}, {"FP8_SPLIT": 0}, {"PV_FP8": 0},
+                                    {"BLOCK_N": 128},
+                                    {"num_stages": 2}, {"num_stages": 4}, {"SPLIT_PROGRAMS": 528},
+                                    {"SPLIT_PROGRAMS": 2112}, {"BLOCK_N": 128, "num_warps": 8}),
+                "sparse_decode:fp8": ({"SWAP_AB": 0}, {"FP8_SPLIT": 0}, {"PV_FP8": 0}, {"BLOCK_N": 64},
+                                      {"num_stages": 2},
+                                      {"SPLIT_PROGRAMS": 528}, {"SPLIT_PROGRAMS": 2112}, {"num_warps": 8})}
+    ONLY.setdefault("layout", "plain")
+    ONLY.update(kv="fp8")
     for family, changes in variants.items():
         entry = arch.TILES.setdefault(family, {}).get(name, {})
         for change in changes:
@@ -457,7 +474,7 @@ def main() -> int:
         ONLY.update(zip(("kv", "layout"), filters, strict=False))
         if step == "check":
             errs = check_correctness()
-            worst = {k: v for k, v in errs.items() if v > (5e-3 if "mismatch" in k else 2e-2)}
+            worst = {k: v for k, v in errs.items() if v > error_bound(k)}
             print("correctness (rel L2 / mismatch fraction):", json.dumps(errs), flush=True)
             record = {"errors": errs}
             if worst:

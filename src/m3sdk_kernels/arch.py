@@ -92,7 +92,10 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
         "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
     },
     # FP8 KV on the H200 (docs/perf.md): two stages and twice the programs beat the bf16 settings by 18%
-    "attn_decode:fp8": {"sm90": {"num_stages": 2, "SPLIT_PROGRAMS": 1056}},
+    # SWAP_AB: the transposed FP8 kernel (keys as the MMA's M: FP8 wgmma for QK^T and, with PV_FP8, for P.V);
+    # FP8_SPLIT: q and P as e4m3 value + residue, two dots each (relative L2 vs the reference 4 % -> 1.8 %)
+    "attn_decode:fp8": {"sm90": {"SWAP_AB": 1, "PV_FP8": 1, "FP8_SPLIT": 1, "BLOCK_N": 64, "num_stages": 3,
+                                 "SPLIT_PROGRAMS": 1056}},
     # prefill / verification: BLOCK_Q query tokens x the group's heads as the MMA's M rows. On AMD a 128 x 64
     # FP8 tile spills (the fp8 -> fp16 converts and the pipeliner's register prefetch): 128 x 32, one stage.
     "attn_prefill": {
@@ -107,7 +110,8 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
         "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
     },
     # FP8 on the H200: one 128-key tile per selected block, 1056 programs (0.151 -> 0.121 ms at b64)
-    "sparse_decode:fp8": {"sm90": {"BLOCK_N": 128, "SPLIT_PROGRAMS": 1056}},
+    "sparse_decode:fp8": {"sm90": {"SWAP_AB": 1, "PV_FP8": 1, "FP8_SPLIT": 1, "BLOCK_N": 128,
+                                   "SPLIT_PROGRAMS": 1056}},
     "sparse_prefill": {
         "sm90": {"BLOCK_N": 64, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 2, "SPLIT_PROGRAMS": 264},
         "gfx942": {"BLOCK_N": 32, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 1, "SPLIT_PROGRAMS": 608},
@@ -142,12 +146,12 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
 # moe_*: one dict drives both GEMMs: BLOCK_M rows of (token, expert) pairs; GU_* the gate+up GEMM (BLOCK_N
 # intermediate columns, i.e. 2 x BLOCK_N weight rows), DN_* the down GEMM. moe_decode runs without the sort (one
 # pair per program) up to MAX_TOKENS tokens; moe_small / moe_prefill sort pairs by expert, padded to BLOCK_M.
+# MX_FP8: MXFP4 experts through the fp8 tensor cores (e4m3 from the nibbles by integer ops, fp8 activations) instead
+# of tl.dot_scaled, which upcasts to bf16 on Hopper: sm90 only (gfx950 has MX matrix cores; gfx942's fp8 is fnuz).
 TILES.update({
     "fp8_quant": {a: {"BLOCK_K": 1024, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "rms_norm": {a: {"num_warps": 8} for a in ("sm90", "gfx942", "gfx950")},
     "router": {a: {"BLOCK_T": 16, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
-# MX_FP8: MXFP4 experts through the fp8 tensor cores (e4m3 from the nibbles by integer ops, fp8 activations) instead
-# of tl.dot_scaled, which upcasts to bf16 on Hopper: sm90 only (gfx950 has MX matrix cores; gfx942's fp8 is fnuz).
     "moe_align": {a: {"CHUNK": 256, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "fp8_gemm_decode": {
         "sm90": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
