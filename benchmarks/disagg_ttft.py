@@ -15,7 +15,7 @@ receives) its whole prompt.
    remotely and locally must give the same tokens (and the remote one must really have gone remote).
 2. TTFT: random prompts (distinct, so no prefix cache hits) of each length, warm-up of each mode and length,
    then `repeats` pairs, the modes alternating. TTFT is from the call to the first streamed token.
-Prints a table; with --out appends the rows to OUT/disagg.jsonl.
+Prints a table; with --out appends each row to OUT/disagg.jsonl as it is measured.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ OFF = 1 << 40  # remote_prefill_min_tokens that no prompt reaches: colocated
 def engine_settings(args) -> dict:
     cuda = args.device == "cuda"
     return dict(model=str(args.model), device="cuda:0" if cuda else "cpu", kv_cache_dtype="fp8" if cuda else "auto",
-                cuda_graphs=False,
-                max_model_len=max(args.lengths) + 64, max_num_seqs=8, max_num_batched_tokens=args.chunk,
-                gpu_memory_fraction=0.8, enable_prefix_caching=False)  # every run computes its whole prompt
+                cuda_graphs=False, max_model_len=max(*args.lengths, args.check_len) + 64, max_num_seqs=8,
+                max_num_batched_tokens=args.chunk, gpu_memory_fraction=0.8,
+                enable_prefix_caching=False)  # every run computes (or receives) its whole prompt
 
 
 def _node(conn, settings: dict, listen: str) -> None:
@@ -86,6 +86,9 @@ async def run(args, address: str, node: mp.Process) -> list[dict]:
     def record(**row) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if args.out is not None:  # as they come: a run cut short keeps what it measured
+            with open(args.out / "disagg.jsonl", "a") as f:
+                f.write(json.dumps({"bench": "disagg_ttft", "model": str(args.model), **row}) + "\n")
 
     gen = torch.Generator().manual_seed(0)
     t = time.perf_counter()
@@ -166,10 +169,6 @@ def main() -> None:
             node.join(20)
         if node.is_alive():
             node.kill()
-    if args.out is not None:
-        with open(args.out / "disagg.jsonl", "a") as f:
-            for row in rows:
-                f.write(json.dumps({"bench": "disagg_ttft", "model": str(args.model), **row}) + "\n")
     print("| prompt tokens | TTFT disaggregated s (min / median / max) | colocated | disaggregated / colocated |")
     print("| --- | --- | --- | --- |")
     for n in args.lengths:

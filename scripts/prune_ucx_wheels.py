@@ -2,7 +2,14 @@
 
     python scripts/prune_ucx_wheels.py SRC_DIR [DEST_DIR=.whlucx]
 
-SRC_DIR holds the wheels `../shared/gpu/fetch-wheels.sh --ucx` downloads (ucxx, libucxx, libucx, rmm, librmm).
+SRC_DIR holds the wheels of ucxx, libucxx, libucx, rmm, librmm (all -cu12 or all -cu13) and rapids-logger (which
+librmm loads; fetch-wheels.sh leaves it out). The H200 image is CUDA 13 (torch +cu130, cuda-bindings 13), and
+rmm-cu12 wants cuda-bindings < 13, so the device takes the -cu13 stack:
+
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 -d SRC_DIR ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 \
+        rmm-cu13==26.10.0 librmm-cu13==26.10.0 'rapids-logger==0.3.*'
+
 Every wheel but libucx's is copied as is. libucx's (42 MB) is repacked without what nothing at run time opens:
 the static `.a` archives, libtool `.la` files, the perftest CUDA plugin, the perftest / io_demo binaries and the
 `.so.0.0.0` copies (a wheel cannot hold symlinks, so each library is there three times). Kept: `libX.so`, which
@@ -48,10 +55,10 @@ def main() -> None:
     dest = Path(sys.argv[2] if len(sys.argv) > 2 else ".whlucx")
     dest.mkdir(exist_ok=True)
     for wheel in sorted(src.glob("*.whl")):
-        name = wheel.name.split("-")[0]
-        if name not in ("ucxx_cu12", "libucxx_cu12", "libucx_cu12", "rmm_cu12", "librmm_cu12"):
+        name = re.sub(r"_cu1[23]$", "", wheel.name.split("-")[0])
+        if name not in ("ucxx", "libucxx", "libucx", "rmm", "librmm", "rapids_logger"):
             continue
-        if name == "libucx_cu12":
+        if name == "libucx":
             repack(wheel, dest / wheel.name)
         else:
             shutil.copy2(wheel, dest / wheel.name)
