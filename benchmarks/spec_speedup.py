@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
 
+import torch
 from spec import held_out_prompts
 
 from m3sdk import Engine
 
 
 async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, device: str, dtype: str,
-              speculative: str | None) -> tuple[list[list[int]], float, dict]:
+              speculative: str | None, profile: bool = False) -> tuple[list[list[int]], float, dict]:
     async with Engine(device=device, dtype=dtype, max_num_seqs=concurrency, speculative=speculative) as engine:
         gate = asyncio.Semaphore(concurrency)
 
@@ -32,11 +34,50 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
                 done = await engine.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
                 return done.token_ids
 
-        # warm-up: the prefill's kernels compiled (decode and verify graphs were captured when the engine started)
-        await asyncio.gather(*[one(p) for p in prompts[:concurrency]])
-        start = time.perf_counter()
-        outputs = await asyncio.gather(*[one(p) for p in prompts])
-        return outputs, time.perf_counter() - start, engine.stats()
+        # warm-up: two waves, so prefills joining running decodes compile their kernels here too (decode, verify
+        # and draft-chain graphs were captured when the engine started)
+        await asyncio.gather(*[one(p) for p in prompts[:2 * concurrency]])
+        with profiled(profile) as prof:
+            start = time.perf_counter()
+            outputs = await asyncio.gather(*[one(p) for p in prompts])
+            seconds = time.perf_counter() - start
+        if prof is not None:
+            record(**device_time(prof, sum(len(o) for o in outputs), seconds, speculative, concurrency))
+        return outputs, seconds, engine.stats()
+
+
+@contextlib.contextmanager
+def profiled(on: bool):
+    """torch.profiler over the timed window (CUPTI sees every kernel, whichever thread launched it)."""
+    if not on:
+        yield None
+        return
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        yield prof
+
+
+def device_time(prof, tokens: int, seconds: float, speculative: str | None, concurrency: int) -> dict:
+    """Where a generated token's time goes: wall vs device busy time (kernels), kernels launched, top kernels."""
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name[:60], []).append(e.time_range.elapsed_us())
+    busy = sum(sum(v) for v in kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:8]
+    return dict(profile=speculative or "plain", concurrency=concurrency, tokens=tokens,
+                wall_ms_per_token=round(1e3 * seconds / tokens, 3), device_ms_per_token=round(busy / 1e3 / tokens, 3),
+                kernels_per_token=round(sum(len(v) for v in kernels.values()) / tokens, 1),
+                top_kernels_us_per_token=[(k, round(sum(v) / tokens, 1)) for k, v in top])
+
+
+OUT = None  # the --out file
+
+
+def record(**kw) -> None:
+    if OUT is not None:
+        OUT.write(json.dumps(kw) + "\n")
+        OUT.flush()
 
 
 def main() -> None:
@@ -48,14 +89,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="float32 makes greedy outputs batch-invariant enough to compare")
     ap.add_argument("--check-prompts", type=int, default=4, help="float32 batch-1 prompts that must match (0: skip)")
     ap.add_argument("--out", default=None, help="append JSON lines here")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile 2 requests at batch 1 (device time and kernels per token) into --out")
     args = ap.parse_args()
-    out = open(args.out, "a") if args.out else None  # noqa: SIM115 - open for the whole run
-
-    def record(**kw) -> None:
-        if out is not None:
-            out.write(json.dumps(kw) + "\n")
-            out.flush()
-
+    global OUT
+    OUT = open(args.out, "a") if args.out else None  # noqa: SIM115 - open for the whole run
     if args.check_prompts:
         prompts = held_out_prompts(args.check_prompts, args.prompt_tokens)
         plain, _, _ = asyncio.run(run(prompts, 1, args.max_tokens, args.device, "float32", None))
@@ -83,6 +121,9 @@ def main() -> None:
         record(**row)
         print(f"| {args.dtype} | {c} | {len(prompts)} | {row['plain_tok_s']:.0f} | {row['spec_tok_s']:.0f} | "
               f"{row['speedup']:.2f}x | {row['identical']} | {row['mean_accepted_length']:.2f} |", flush=True)
+        if args.profile and c == 1:  # separate runs: the profiler's own overhead stays out of the table
+            for method in (None, "eagle3"):
+                asyncio.run(run(prompts[:2], 1, args.max_tokens, args.device, args.dtype, method, profile=True))
 
 
 if __name__ == "__main__":

@@ -467,8 +467,9 @@ class Eagle3Drafter(ChainDrafter):
         host = torch.tensor([[s.next_token for s in seqs], [s.ctx.end for s in seqs], [s.ctx.slot for s in seqs],
                              [s.ctx.length for s in seqs]], dtype=torch.long).to(self.device)
         out = torch.stack([s.hidden for s in seqs])
+        # the graphs run k - 1 steps: fewer (requests near their end) read the first `steps` columns
         bucket = next((g for g in self._graphs if g >= b), None)
-        if bucket is None or steps != self.num_speculative_tokens - 1:
+        if bucket is None:
             span = max(s.ctx.length for s in seqs) + steps
             return self._chain(host[0], out, host[1], host[2], host[3], steps, span).tolist()
         tok, hid, pos, slot, idx = self._static
@@ -478,7 +479,7 @@ class Eagle3Drafter(ChainDrafter):
         tok[b:bucket], pos[b:bucket], slot[b:bucket], idx[b:bucket] = 0, 0, self.scratch, 0
         graph, drafted = self._graphs[bucket]
         graph.replay()
-        return drafted[:b].tolist()
+        return drafted[:b, :steps].tolist()
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         """A CUDA graph of the chain (k - 1 draft steps) per batch bucket, captured now: serving never stalls on
