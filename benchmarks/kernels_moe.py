@@ -4,7 +4,8 @@
         [--prefill-formats F,..]
 
 Ours (`fused_moe`, shared expert stacked as expert 128, router weights x 2.0) in bf16, FP8 (W8A8), MXFP4 and MXFP8
-(`mxfp4` runs the table's path: on sm90 the fp8 tensor cores; `mxfp4:dot_scaled` forces `tl.dot_scaled`)
+(`mxfp4` runs the table's path; `mxfp4:fp8` forces the fp8 tensor cores (MX_FP8), `mxfp4:dot_scaled` forces
+`tl.dot_scaled`)
 vs `torch._grouped_mm` in bf16 doing the same work (sort pairs by expert, gate_up grouped GEMM, SwiGLU-OAI, down
 grouped GEMM, weight, sum), same routing (each token: 4 distinct random experts + the shared one).
 Floor, decode: the bytes of the experts actually touched (each once, in the arm's format, scales included) over
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import nullcontext
 
 import torch
 from gpu_timing import bench, read_bandwidth
@@ -81,25 +83,37 @@ def grouped_mm_moe(x, ids, w, w_gate_up_t, w_down_t):
     return out.view(t, k, -1).sum(1)
 
 
-class forced_dot_scaled:
-    """MXFP4 through tl.dot_scaled (the table's MX_FP8 off) inside the block."""
+class forced_mx_fp8:
+    """The tile tables' MX_FP8 set to `value` in every MoE family inside the block."""
+
+    def __init__(self, value: int):
+        self.value = value
 
     def __enter__(self):
         self.saved = {f: TILES[f][current_arch().name].get("MX_FP8", 0) for f in ("moe_decode", "moe_small",
                                                                                    "moe_prefill")}
         for f in self.saved:
-            TILES[f][current_arch().name]["MX_FP8"] = 0
+            TILES[f][current_arch().name]["MX_FP8"] = self.value
 
     def __exit__(self, *exc):
         for f, v in self.saved.items():
             TILES[f][current_arch().name]["MX_FP8"] = v
 
 
+FORCED = {"dot_scaled": 0, "fp8": 1}
+
+
+def arm_mx_fp8(arm: str, t: int) -> bool:
+    """Whether arm `arm` ("fmt" or "fmt:path") runs MXFP4 through the fp8 tensor cores at `t` tokens."""
+    fmt, _, path = arm.partition(":")
+    with forced_mx_fp8(FORCED[path]) if path else nullcontext():
+        return mx_fp8(fmt, t, current_arch())
+
+
 def run(arm: str, x, ids, w, ex: Experts) -> torch.Tensor:
-    if arm.endswith(":dot_scaled"):
-        with forced_dot_scaled():
-            return fused_moe(x, ids, w, ex, ALPHA, LIMIT)
-    return fused_moe(x, ids, w, ex, ALPHA, LIMIT)
+    path = arm.partition(":")[2]
+    with forced_mx_fp8(FORCED[path]) if path else nullcontext():
+        return fused_moe(x, ids, w, ex, ALPHA, LIMIT)
 
 
 def check(arm: str, ex: Experts) -> float:
@@ -112,8 +126,7 @@ def check(arm: str, ex: Experts) -> float:
         ids = torch.rand(t, 4, generator=g, device=DEV).argsort(-1)[:, :2].to(torch.int32)
         w = torch.rand(t, 2, generator=g, device=DEV)
         x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
-        as_fp8 = mx_fp8(ex.fmt, t, current_arch()) and not arm.endswith(":dot_scaled")
-        ref = fused_moe_ref(x, ids, w, small, ALPHA, LIMIT, mx_fp8=as_fp8).float()
+        ref = fused_moe_ref(x, ids, w, small, ALPHA, LIMIT, mx_fp8=arm_mx_fp8(arm, t)).float()
         out = run(arm, x, ids, w, small).float()
         worst = max(worst, ((out - ref).norm() / ref.norm()).item())
     assert worst < 2e-2, (arm, worst)
@@ -125,7 +138,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--jsonl", help="append one line per T")
-    ap.add_argument("--formats", default="bf16,fp8,mxfp4,mxfp4:dot_scaled,mxfp8")
+    ap.add_argument("--formats", default="bf16,fp8,mxfp4:dot_scaled,mxfp4:fp8,mxfp8")
     ap.add_argument("--prefill-formats", help="the arms timed at 8K tokens (default: --formats)")
     args = ap.parse_args()
     arch = current_arch()
@@ -181,7 +194,7 @@ def main() -> None:
                 continue
             ms = bench(lambda x=x, ids=ids, w=w, ex=ex, f=f: run(f, x, ids, w, ex))
             byts = expert_bytes(ex, touched)
-            fp8_mma = f == "fp8" or (mx_fp8(ex.fmt, t, arch) and not f.endswith(":dot_scaled"))
+            fp8_mma = f == "fp8" or arm_mx_fp8(f, t)
             floor = max(byts / bw / 1e6, flops / (rate_fp8 if fp8_mma else rate_bf16) / 1e9)
             row[f] = dict(ms=ms, floor_ms=floor, gbps=byts / ms / 1e6, tflops=flops / ms / 1e9,
                           vs_grouped_mm=peer / ms)

@@ -172,12 +172,12 @@ TILES.update({
     "moe_decode": {
         a: {"MAX_TOKENS": 2, "BLOCK_M": 16, "GU_BLOCK_N": 64, "GU_BLOCK_K": 256 if a == "sm90" else 128,
             "DN_BLOCK_N": 64, "DN_BLOCK_K": 256 if a == "sm90" else 128, "num_warps": 4,
-            "num_stages": 3 if a == "sm90" else 2, "MX_FP8": int(a == "sm90")}
+            "num_stages": 3 if a == "sm90" else 2, "MX_FP8": 0}
         for a in ("sm90", "gfx942", "gfx950")
     },
     "moe_small": {
         a: {"MAX_TOKENS": 256, "BLOCK_M": 16, "GU_BLOCK_N": 64, "GU_BLOCK_K": 128, "DN_BLOCK_N": 64,
-            "DN_BLOCK_K": 64, "num_warps": 4, "num_stages": 4 if a == "sm90" else 2, "MX_FP8": int(a == "sm90")}
+            "DN_BLOCK_K": 64, "num_warps": 4, "num_stages": 4 if a == "sm90" else 2, "MX_FP8": 0}
         for a in ("sm90", "gfx942", "gfx950")
     },
     "moe_prefill": {

@@ -305,14 +305,12 @@ def _mx_row_scale(ref):
 
 
 @triton.jit
-def _e2m1_to_e4m3(n, add):
-    # E2M1 code n (bit 3 sign, magnitude code c) -> e4m3 byte of value(c) * 2^(d' - 5), add = 8 * d' (< 0: flush).
-    # At d' = 0 the e4m3 magnitude byte is 8 * (e2m1 exponent) + 4 * mantissa + 8 for c >= 2, and 8 for c = 1 (0.5):
-    # the e2m1 exponent and mantissa bits sit 2 bits up in the e4m3 byte, the offset moves the exponent bias.
-    c = n & 7
-    mag = tl.where(c >= 2, c * 4 + 8, c * 8) + add
-    mag = tl.where(c == 0, 0, tl.maximum(mag, 0))
-    return (mag | ((n & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+def _e2m1_to_e4m3(c, sign, base):
+    # E2M1 magnitude code c (sign bit already at 0x80) -> e4m3 byte of value(c) * 2^(d' - 5), base = 8 + 8 * d'.
+    # The e2m1 exponent and mantissa bits sit 2 bits up in the e4m3 byte (4 * c), base moves the exponent bias;
+    # c = 1 (0.5, e2m1's subnormal) is base itself and c = 0 stays 0: c * base covers both.
+    mag = tl.where(c >= 2, c * 4 + base, c * base)
+    return (mag | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -325,13 +323,20 @@ def _mxfp4_fp8_dot(acc, a, w_base, s_base, rows, ref, k0, stride_wn, stride_sn, 
     BLOCK_N: tl.constexpr = rows.shape[0]
     ks = k0 // 32 + tl.arange(0, G)
     dp = tl.load(s_base + rows[None, :] * stride_sn + ks[:, None]).to(tl.int32) - ref[None, :]
-    add = tl.where(dp >= 0, dp * 8, -128)
-    add = tl.reshape(tl.broadcast_to(add[:, None, :], (G, 16, BLOCK_N)), (BLOCK_K // 2, BLOCK_N))
+    # per group: the exponent base, and a byte mask that zeroes a flushed group's codes
+    base = _expand_groups(8 + 8 * dp, G, BLOCK_N)
+    keep = _expand_groups(tl.where(dp >= 0, 0xFF, 0), G, BLOCK_N)
     kp = tl.arange(0, BLOCK_K // 2)
-    p = tl.load(w_base + rows[None, :] * stride_wn + (k0 // 2 + kp)[:, None]).to(tl.int32)
+    p = tl.load(w_base + rows[None, :] * stride_wn + (k0 // 2 + kp)[:, None]).to(tl.int32) & keep
     a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BLOCK_K // 2, 2)))
-    acc = _dot(a_even, _e2m1_to_e4m3(p & 15, add), acc, DOT_F32)
-    return _dot(a_odd, _e2m1_to_e4m3(p >> 4, add), acc, DOT_F32)
+    acc = _dot(a_even, _e2m1_to_e4m3(p & 7, (p << 4) & 0x80, base), acc, DOT_F32)
+    return _dot(a_odd, _e2m1_to_e4m3((p >> 4) & 7, p & 0x80, base), acc, DOT_F32)
+
+
+@triton.jit
+def _expand_groups(v, G: tl.constexpr, BLOCK_N: tl.constexpr):
+    # [G, BLOCK_N] per 32-element group -> [G * 16, BLOCK_N] per packed byte
+    return tl.reshape(tl.broadcast_to(v[:, None, :], (G, 16, BLOCK_N)), (G * 16, BLOCK_N))
 
 
 @triton.jit

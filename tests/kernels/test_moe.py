@@ -79,12 +79,14 @@ def test_prefill_tiles(weights, fmt, monkeypatch):
 
 @pytest.mark.parametrize("t", [2, 24])
 def test_mxfp4_both_paths(weights, t, monkeypatch):
-    # sm90's table runs MXFP4 through the fp8 tensor cores; with MX_FP8 off it is tl.dot_scaled (bf16 activations).
+    # MX_FP8 on: MXFP4 through the fp8 tensor cores (sm90's prefill table); off: tl.dot_scaled (bf16 activations).
     # Each path against its own reference, and the two references within fp8 activation rounding of each other.
     experts = moe.quantize_experts(*weights, "mxfp4", FP8)
     w, ids = routing(t, seed=t + 1)
     x = torch.randn(t, H, generator=torch.Generator().manual_seed(9)).bfloat16()
-    assert moe.mx_fp8("mxfp4", t, ARCHS["sm90"]) and not moe.mx_fp8("mxfp4", t, ARCHS["gfx950"])
+    assert moe.mx_fp8("mxfp4", 4096, ARCHS["sm90"]) and not moe.mx_fp8("mxfp4", 4096, ARCHS["gfx950"])
+    for fam in ("moe_decode", "moe_small"):
+        monkeypatch.setitem(TILES[fam]["sm90"], "MX_FP8", 1)
     ref8 = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT, mx_fp8=True)
     assert rel(moe.fused_moe(x, ids, w, experts, ALPHA, LIMIT), ref8) < 8e-3
     for fam in ("moe_decode", "moe_small"):
@@ -100,14 +102,15 @@ def _convert_kernel(w_ptr, s_ptr, out_ptr, K: tl.constexpr, N: tl.constexpr):
     rows = tl.arange(0, N)
     ref = moe._mx_row_ref(s_ptr, rows, K, K // 32, N)
     dp = tl.load(s_ptr + rows[None, :] * (K // 32) + tl.arange(0, K // 32)[:, None]).to(tl.int32) - ref[None, :]
-    add = tl.where(dp >= 0, dp * 8, -128)
-    add = tl.reshape(tl.broadcast_to(add[:, None, :], (K // 32, 16, N)), (K // 2, N))
+    base = moe._expand_groups(8 + 8 * dp, K // 32, N)
+    keep = moe._expand_groups(tl.where(dp >= 0, 0xFF, 0), K // 32, N)
     kp = tl.arange(0, K // 2)
-    p = tl.load(w_ptr + rows[None, :] * (K // 2) + kp[:, None]).to(tl.int32)
+    p = tl.load(w_ptr + rows[None, :] * (K // 2) + kp[:, None]).to(tl.int32) & keep
     scale = moe._mx_row_scale(ref)[None, :]
-    for nib in tl.static_range(2):
-        v = moe._e2m1_to_e4m3((p >> (4 * nib)) & 15, add).to(tl.float32) * scale
-        tl.store(out_ptr + rows[None, :] * K + 2 * kp[:, None] + nib, v)
+    even = moe._e2m1_to_e4m3(p & 7, (p << 4) & 0x80, base).to(tl.float32) * scale
+    odd = moe._e2m1_to_e4m3((p >> 4) & 7, p & 0x80, base).to(tl.float32) * scale
+    tl.store(out_ptr + rows[None, :] * K + 2 * kp[:, None], even)
+    tl.store(out_ptr + rows[None, :] * K + 2 * kp[:, None] + 1, odd)
 
 
 def test_mxfp4_to_e4m3_is_exact_within_range():
