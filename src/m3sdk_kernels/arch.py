@@ -147,7 +147,9 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
 # intermediate columns, i.e. 2 x BLOCK_N weight rows), DN_* the down GEMM. moe_decode runs without the sort (one
 # pair per program) up to MAX_TOKENS tokens; moe_small / moe_prefill sort pairs by expert, padded to BLOCK_M.
 # MX_FP8: MXFP4 experts through the fp8 tensor cores (e4m3 from the nibbles by integer ops, fp8 activations) instead
-# of tl.dot_scaled, which upcasts to bf16 on Hopper: sm90 only (gfx950 has MX matrix cores; gfx942's fp8 is fnuz).
+# of tl.dot_scaled, which upcasts to bf16 on Hopper: sm90 only (gfx950 has MX matrix cores; gfx942's fp8 is fnuz),
+# prefill only until measured at decode: there the sm90 SASS of the gate_up GEMM is 3864 instructions (mma.sync)
+# against dot_scaled's 2088 (wgmma), and decode is bound by the per-weight conversion, not the MMA.
 TILES.update({
     "fp8_quant": {a: {"BLOCK_K": 1024, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "rms_norm": {a: {"num_warps": 8} for a in ("sm90", "gfx942", "gfx950")},
