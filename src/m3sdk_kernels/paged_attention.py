@@ -285,12 +285,17 @@ def _decode_swap_tile(acc, m_i, l_i, qt, qt_lo, q_scale, start, kv_end, k_base, 
     p = tl.exp2(s - m_safe[None, :])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 0)
-    # V^T [HEAD_DIM, BLOCK_N]: key-contiguous runs in 8-bit SHUFFLE pages, a transposed load of plain pages; the
-    # mask is per page (Contract 1 keeps a last page's unwritten tail finite, and p = 0 there)
-    vo = page[None, :] * stride_cp + slot_offsets(off[None, :], d[:, None], HEAD_DIM, X, SHUFFLE, True)
+    # V^T [HEAD_DIM, BLOCK_N], key-contiguous as an FP8 MMA operand must be: 8-bit SHUFFLE pages hold it so (16-key
+    # runs, copied straight to shared memory and pipelined); plain pages are loaded row-major and transposed on
+    # the way to shared memory (byte stores; loaded as V^T, the page ids were gathered twice). The mask is per
+    # page: Contract 1 keeps a last page's unwritten tail finite, and p = 0 there.
     if SHUFFLE:
-        vo = tl.max_contiguous(tl.multiple_of(vo, [1, X]), [1, X])
-    vt = tl.load(v_base + vo, mask=in_pages[None, :], other=0.0)
+        vo = page[None, :] * stride_cp + slot_offsets(off[None, :], d[:, None], HEAD_DIM, X, SHUFFLE, True)
+        vt = tl.load(v_base + tl.max_contiguous(tl.multiple_of(vo, [1, X]), [1, X]), mask=in_pages[None, :],
+                     other=0.0)
+    else:
+        vo = page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE, True)
+        vt = tl.trans(tl.load(v_base + vo, mask=in_pages[:, None], other=0.0))
     vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
     if PV_FP8:
         v_top = tl.maximum(tl.max(vs, 0), 1e-30)
