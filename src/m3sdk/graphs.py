@@ -47,6 +47,21 @@ def capture(fn: Callable[[], object], pool: object, device: torch.device) -> tup
     return graph, out
 
 
+class Replay:
+    """A CUDA graph of `fn` (fixed shapes, static buffers) called to replay it; off CUDA, `fn` itself, run eagerly
+    on the same buffers (so the fixed-shape path is the one CPU tests check)."""
+
+    def __init__(self, fn: Callable[[], object], pool: object, device: torch.device):
+        self.fn = fn
+        self.graph, self.out = capture(fn, pool, device) if device.type == "cuda" else (None, None)
+
+    def __call__(self) -> object:
+        if self.graph is None:
+            return self.fn()
+        self.graph.replay()
+        return self.out
+
+
 class DecodeGraphs:
     def __init__(self, model: MiniMaxM3ForCausalLM, kv: KVPool, max_num_seqs: int, max_model_len: int,
                  device: torch.device, query_lens: Sequence[int] = (1,), aux_layers: Sequence[int] = ()):

@@ -214,3 +214,40 @@ def test_fixed_shape_chain_matches_eager_chain(tmp_path):
     with torch.inference_mode():
         fixed = drafter._chain(tok, out, pos, slot, idx, 3, drafter.capacity).tolist()
     assert fixed[:3] == eager
+
+
+def test_fixed_shape_steps_draft_like_eager_steps(tmp_path):
+    """`capture_graphs` (on the CPU: the same fixed-shape steps run eagerly on the static buffers, padding rows
+    on the scratch row) drafts exactly what the eager drafter drafts, over prefills (eager in both), verify-sized
+    reads of 1 .. k + 1 entries, requests joining, leaving and asking for fewer drafts."""
+    W = published_tensors()
+    head = load_eagle3(write(tmp_path / "st", W), target_info())
+    eager, fixed = Eagle3Drafter(head, 3, max_num_seqs=4, capacity=96), Eagle3Drafter(head, 3, max_num_seqs=4,
+                                                                                        capacity=96)
+    fixed.capture_graphs(4)
+    assert sorted(fixed._read_graphs) == sorted(fixed._graphs) == [1, 2, 4]
+    g = torch.Generator().manual_seed(3)
+    tokens = {rid: torch.randint(0, VOCAB, (n + 1,), generator=g).tolist() for rid, n in (("a", 12), ("b", 5))}
+    pending = {rid: (0, t[1:], torch.randn(len(t) - 1, 3 * HT, generator=g)) for rid, t in tokens.items()}
+    for step in range(6):
+        items = [(rid, TargetStates(start, nxt, torch.zeros(len(nxt), HT), aux))
+                 for rid, (start, nxt, aux) in pending.items()]
+        eager.observe(items)
+        fixed.observe(items)
+        asks = [DraftRequest(rid, tokens[rid], 3 if step % 3 else 2) for rid in tokens]
+        want = eager.propose(asks)
+        assert [p.tokens for p in fixed.propose(asks)] == [p.tokens for p in want]
+        assert all(len(p.tokens) == a.max_drafts for p, a in zip(want, asks, strict=True))
+        pending = {}
+        for r, p in zip(asks, want, strict=True):  # accept a prefix of the drafts and one more token
+            accepted = p.tokens[: step % 4] + [int(torch.randint(0, VOCAB, (1,), generator=g))]
+            start = len(tokens[r.request_id]) - 1
+            tokens[r.request_id] += accepted
+            pending[r.request_id] = (start, tokens[r.request_id][start + 1:],
+                                     torch.randn(len(accepted), 3 * HT, generator=g))
+        if step == 2:  # one leaves, one joins with a prefill
+            for d in (eager, fixed):
+                d.release("a")
+            del tokens["a"], pending["a"]
+            tokens["c"] = torch.randint(0, VOCAB, (8,), generator=g).tolist()
+            pending["c"] = (0, tokens["c"][1:], torch.randn(7, 3 * HT, generator=g))

@@ -117,17 +117,24 @@ class ChainDrafter(ABC):
             counts.append(n)
             toks.extend(st.next_tokens)
             feats.append(self.features(st))
-            pos.append(torch.arange(st.start, st.start + n))
+            pos.extend(range(st.start, st.start + n))
             rids.append(rid)
         if not ctxs:
             return
-        dev = feats[0].device
-        out = self.run(ctxs, counts, torch.tensor(toks, dtype=torch.long, device=dev), torch.cat(feats),
-                       torch.cat(pos).to(dev), from_target=True)
-        last = out[torch.tensor(counts, device=dev).cumsum(0) - 1]  # a copy: the prefill's rows are not kept
-        for rid, token, row in zip(rids, self.tokens(last), last, strict=True):
+        last, tokens = self.read(ctxs, counts, toks, torch.cat(feats), pos)
+        for rid, token, row in zip(rids, tokens, last, strict=True):
             seq = self._seqs[rid]
             seq.next_token, seq.hidden = token, row
+
+    def read(self, ctxs: list[DraftContext], counts: list[int], token_ids: list[int], features: torch.Tensor,
+             positions: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """One draft forward over committed entries (`run` from the target's features) -> each context's last
+        output row [len(ctxs), *] (a copy: the other rows are not kept) and the first draft read there."""
+        dev = features.device
+        out = self.run(ctxs, counts, torch.tensor(token_ids, dtype=torch.long, device=dev), features,
+                       torch.tensor(positions, dtype=torch.long, device=dev), from_target=True)
+        last = out[torch.tensor(counts, device=dev).cumsum(0) - 1]
+        return last, self.tokens(last)
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:

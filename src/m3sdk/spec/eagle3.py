@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from m3sdk.errors import CheckpointError
+from m3sdk.graphs import Replay, batch_buckets
 from m3sdk.model.config import read_config_json
 from m3sdk.spec.base import SpecConfig, TargetInfo, register
 from m3sdk.spec.chain import ChainDrafter, DraftSeq
@@ -381,7 +382,9 @@ class Eagle3Drafter(ChainDrafter):
         self.device = head.midlayer.self_attn.q_proj.weight.device
         self.capacity = capacity or c.max_position_embeddings
         self._free: list[int] = []
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # fixed-shape steps by batch bucket (capture_graphs): the chain's, and read's
+        self._graphs: dict[int, Replay] = {}
+        self._read_graphs: dict[int, Replay] = {}
         self._grow(max(max_num_seqs, 1))
 
     def _grow(self, slots: int) -> None:
@@ -394,7 +397,7 @@ class Eagle3Drafter(ChainDrafter):
         if hasattr(self, "k_cache"):
             used = self.k_cache.shape[0] - 1
             k[:used], v[:used] = self.k_cache[:used], self.v_cache[:used]
-            self._graphs = {}  # they captured the old pool's addresses
+            self._graphs, self._read_graphs = {}, {}  # they captured the old pool's addresses
         self.k_cache, self.v_cache = k, v
         self._free += range(used, slots)
         self.scratch = slots
@@ -447,6 +450,45 @@ class Eagle3Drafter(ChainDrafter):
         normed = out[:, : self.head.config.hidden_size]
         return self.head.to_target(self.head.logits(normed).argmax(-1))
 
+    def _read(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
+              idx: torch.Tensor, last: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`read` at fixed shapes (no host sync): entry rows [N] (token, target features, position, cache slot and
+        index) -> the output rows at `last` [B, 2H] and the first drafts read there [B]."""
+        head = self.head
+        q, k, v, residual = head.project(head.embed(tokens), head.combine(features), positions)
+        out = torch.cat(head.finish(self._attend(q, k, v, slot, idx, span), residual), dim=-1)[last]
+        return out, self._tokens(out)
+
+    @torch.inference_mode()
+    def read(self, ctxs: list[DraftKV], counts: list[int], token_ids: list[int], features: torch.Tensor,
+             positions: list[int]) -> tuple[torch.Tensor, list[int]]:
+        b, width = len(ctxs), self.num_speculative_tokens + 1
+        bucket = next((g for g in self._read_graphs if g >= b), None)
+        if bucket is None or max(counts) > width:  # a prefill, or no graphs: eager
+            return super().read(ctxs, counts, token_ids, features, positions)
+        # each context's entries padded to `width` rows; padding rows (and padding contexts) write to the
+        # scratch row and are dropped
+        rows = bucket * width
+        tok, pos, slot, idx = [0] * rows, [0] * rows, [self.scratch] * rows, [0] * rows
+        last, dest = list(range(0, rows, width)), []
+        at = 0
+        for i, (ctx, n) in enumerate(zip(ctxs, counts, strict=True)):
+            r = i * width
+            tok[r:r + n], pos[r:r + n] = token_ids[at:at + n], positions[at:at + n]
+            slot[r:r + n], idx[r:r + n] = [ctx.slot] * n, range(ctx.length, ctx.length + n)
+            last[i] = r + n - 1
+            dest += range(r, r + n)
+            ctx.length += n
+            at += n
+        host = torch.tensor(tok + pos + slot + idx + last + dest, dtype=torch.long).to(self.device)
+        s_tok, s_feat, s_pos, s_slot, s_idx, s_last = self._read_static
+        for buf, j in ((s_tok, 0), (s_pos, 1), (s_slot, 2), (s_idx, 3)):
+            buf[:rows] = host[j * rows:(j + 1) * rows]
+        s_last[:bucket] = host[4 * rows:4 * rows + bucket]
+        s_feat[host[4 * rows + bucket:]] = features.to(self.dtype)
+        out, drafts = self._read_graphs[bucket]()
+        return out[:b].clone(), drafts[:b].tolist()
+
     def _chain(self, tokens: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
                idx: torch.Tensor, steps: int, span: int) -> torch.Tensor:
         """`steps` chain entries per row, all on the device (no host sync, fixed shapes): token [B] at position
@@ -477,31 +519,37 @@ class Eagle3Drafter(ChainDrafter):
         hid[:b] = out
         # padding rows: token 0 at position 0, written to the scratch row
         tok[b:bucket], pos[b:bucket], slot[b:bucket], idx[b:bucket] = 0, 0, self.scratch, 0
-        graph, drafted = self._graphs[bucket]
-        graph.replay()
-        return drafted[:b, :steps].tolist()
+        return self._graphs[bucket]()[:b, :steps].tolist()
 
     def capture_graphs(self, max_num_seqs: int) -> None:
-        """A CUDA graph of the chain (k - 1 draft steps) per batch bucket, captured now: serving never stalls on
-        a capture."""
-        from m3sdk.graphs import batch_buckets, capture
-
-        steps = self.num_speculative_tokens - 1
-        if steps == 0 or self.device.type != "cuda":
-            return
+        """CUDA graphs per batch bucket, captured now (serving never stalls on a capture): `read` of up to k + 1
+        committed entries per request (what a verify step commits) and the chain (k - 1 draft steps). Off CUDA,
+        the same fixed-shape steps run eagerly on the same static buffers."""
         if self.k_cache.shape[0] - 1 < max_num_seqs:
             self._grow(max_num_seqs)
-        c, n = self.head.config, max_num_seqs
+        c, n, k = self.head.config, max_num_seqs, self.num_speculative_tokens
         i64 = dict(dtype=torch.long, device=self.device)
+        rows = n * (k + 1)
+        features = 3 * c.target_hidden_size if c.use_aux_hidden_state else c.hidden_size
+        self._read_static = (torch.zeros(rows, **i64), torch.zeros(rows, features, dtype=self.dtype,
+                                                                   device=self.device),
+                             torch.zeros(rows, **i64), torch.full((rows,), self.scratch, **i64),
+                             torch.zeros(rows, **i64), torch.zeros(n, **i64))
         self._static = (torch.zeros(n, **i64), torch.zeros(n, 2 * c.hidden_size, dtype=self.dtype, device=self.device),
                         torch.zeros(n, **i64), torch.full((n,), self.scratch, **i64), torch.zeros(n, **i64))
+        r_tok, r_feat, r_pos, r_slot, r_idx, r_last = self._read_static
         tok, hid, pos, slot, idx = self._static
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         with torch.inference_mode():
             for b in batch_buckets(n):
-                self._graphs[b] = capture(
-                    lambda b=b: self._chain(tok[:b], hid[:b], pos[:b], slot[:b], idx[:b], steps,
-                                            self.capacity), pool, self.device)
+                m = b * (k + 1)
+                self._read_graphs[b] = Replay(
+                    lambda b=b, m=m: self._read(r_tok[:m], r_feat[:m], r_pos[:m], r_slot[:m], r_idx[:m], r_last[:b],
+                                                self.capacity), pool, self.device)
+                if k > 1:
+                    self._graphs[b] = Replay(
+                        lambda b=b: self._chain(tok[:b], hid[:b], pos[:b], slot[:b], idx[:b], k - 1,
+                                                self.capacity), pool, self.device)
 
 
 def bundled_head_path(target_checkpoint: str | None) -> Path | None:
