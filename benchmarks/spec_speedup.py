@@ -4,9 +4,9 @@ fixed concurrency, greedy, on held-out prompts of its domain (benchmarks/spec.py
     python benchmarks/spec_speedup.py [--device cuda] [--dtype auto] [--concurrency 1,8,32] [--max-tokens 128]
                                       [--check-prompts 4] [--out spec.jsonl]
 
-First a correctness check: at batch 1 in float32, speculative outputs must equal plain ones (the run stops if
-not). Then one markdown row per concurrency: tokens/s without, with, the ratio, whether outputs were identical,
-and the speculative run's mean accepted length; `--out` gets the same as JSON lines.
+First a correctness check: at batch 1 in float32, speculative outputs must equal plain ones (printed, with where
+each first differs if not). Then one markdown row per concurrency: tokens/s without, with, the ratio, whether
+outputs were identical, and the speculative run's mean accepted length; `--out` gets the same as JSON lines.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from m3sdk import Engine
 
 async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, device: str, dtype: str,
               speculative: str | None, profile: bool = False) -> tuple[list[list[int]], float, dict]:
-    async with Engine(device=device, dtype=dtype, max_num_seqs=concurrency, speculative=speculative) as engine:
+    graphs = None if speculative is None or SPEC_GRAPHS else False  # None: the engine's default (on for CUDA)
+    async with Engine(device=device, dtype=dtype, max_num_seqs=concurrency, speculative=speculative,
+                      cuda_graphs=graphs) as engine:
         gate = asyncio.Semaphore(concurrency)
 
         async def one(prompt: list[int]) -> list[int]:
@@ -72,6 +74,7 @@ def device_time(prof, tokens: int, seconds: float, speculative: str | None, conc
 
 
 OUT = None  # the --out file
+SPEC_GRAPHS = True  # --spec-eager turns CUDA graphs off for the speculative engines only
 
 
 def record(**kw) -> None:
@@ -90,21 +93,26 @@ def main() -> None:
     ap.add_argument("--check-prompts", type=int, default=4, help="float32 batch-1 prompts that must match (0: skip)")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile 2 requests at batch 1 (device time and kernels per token) into --out")
+                    help="last, profile 2 requests at batch 1 (device time and kernels per token) into --out")
+    ap.add_argument("--spec-eager", action="store_true", help="no CUDA graphs for the speculative engines")
     args = ap.parse_args()
-    global OUT
+    global OUT, SPEC_GRAPHS
     OUT = open(args.out, "a") if args.out else None  # noqa: SIM115 - open for the whole run
+    SPEC_GRAPHS = not args.spec_eager
+    record(run="spec_speedup", argv=sys.argv[1:])
     if args.check_prompts:
         prompts = held_out_prompts(args.check_prompts, args.prompt_tokens)
         plain, _, _ = asyncio.run(run(prompts, 1, args.max_tokens, args.device, "float32", None))
         spec, _, stats = asyncio.run(run(prompts, 1, args.max_tokens, args.device, "float32", "eagle3"))
         same = sum(a == b for a, b in zip(plain, spec, strict=True))
-        record(check="float32 batch 1 eagle3 == plain", prompts=len(prompts), identical=same,
-               mean_accepted_length=stats["spec_mean_accepted_length"])
+        # where each output first differs (None: identical): a late split is a rounding tie, an early one a bug
+        first = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+                 for a, b in zip(plain, spec, strict=True)]
+        record(check="float32 batch 1 eagle3 == plain", prompts=len(prompts), identical=same, first_diff=first,
+               spec_graphs=SPEC_GRAPHS, mean_accepted_length=stats["spec_mean_accepted_length"])
         print(f"check: float32 batch 1, {same}/{len(prompts)} speculative outputs identical to plain "
+              f"{'' if same == len(prompts) else f'MISMATCH (first differing token {first}) '}"
               f"(mean accepted length {stats['spec_mean_accepted_length']:.2f})", flush=True)
-        if same != len(prompts):
-            sys.exit("speculative outputs differ from plain ones at batch 1 in float32: not timing")
 
     print("| dtype | concurrency | requests | plain tok/s | eagle3 tok/s | speed-up | identical | accepted len |\n"
           "|---|---|---|---|---|---|---|---|")
@@ -113,7 +121,8 @@ def main() -> None:
         plain, t_plain, _ = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, None))
         spec, t_spec, stats = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, "eagle3"))
         tokens = sum(len(o) for o in plain)
-        row = dict(dtype=args.dtype, concurrency=c, requests=len(prompts), max_tokens=args.max_tokens,
+        row = dict(dtype=args.dtype, spec_graphs=SPEC_GRAPHS, concurrency=c, requests=len(prompts),
+                   max_tokens=args.max_tokens,
                    plain_tok_s=round(tokens / t_plain, 1), spec_tok_s=round(tokens / t_spec, 1),
                    speedup=round(t_plain / t_spec, 3), identical=plain == spec,
                    mean_accepted_length=round(stats["spec_mean_accepted_length"], 3),
@@ -121,9 +130,12 @@ def main() -> None:
         record(**row)
         print(f"| {args.dtype} | {c} | {len(prompts)} | {row['plain_tok_s']:.0f} | {row['spec_tok_s']:.0f} | "
               f"{row['speedup']:.2f}x | {row['identical']} | {row['mean_accepted_length']:.2f} |", flush=True)
-        if args.profile and c == 1:  # separate runs: the profiler's own overhead stays out of the table
-            for method in (None, "eagle3"):
-                asyncio.run(run(prompts[:2], 1, args.max_tokens, args.device, args.dtype, method, profile=True))
+
+    if args.profile:  # separate runs: the profiler's own overhead stays out of the table
+        prompts = held_out_prompts(2, args.prompt_tokens)
+        for method in (None, "eagle3"):
+            asyncio.run(run(prompts, 1, args.max_tokens, args.device, args.dtype, method, profile=True))
+        print("profiles (device ms / kernels per token) written to --out", flush=True)
 
 
 if __name__ == "__main__":
