@@ -10,9 +10,11 @@ second, each process with its own GPU listed first in CUDA_VISIBLE_DEVICES (ucxx
 (no perftest, no "EH" rows). The first round checks every received page byte for byte before anything is timed.
 
 Two processes on 127.0.0.1 move the same bytes each way:
-  kv            UcxTransport: a prefill node's pages packed into messages (Outbox), pushed, checked and scattered
-                into the decode side's KVPool pages (what a remote prefill costs beyond compute); page tables of
-                consecutive pages on both sides (a fresh engine's), and "scattered": random page ids
+  kv            UcxTransport: a prefill node's pages packed into messages (Outbox), pushed, checked and put into
+                the decode side's KVPool pages (what a remote prefill costs beyond compute), page tables of
+                consecutive pages on both sides (a fresh engine's): direct messages, received in place (wire.py)
+  kv staged     the same pages as staged messages (received into a buffer, then scattered into the pages)
+  kv scattered  random page ids on both sides (staged: no runs to receive into)
   ucxx raw      ucxx tag send/recv of the same message sizes on endpoints like the transport's (no UCX peer error
                 handling: shared memory between the two processes); receive buffers posted and touched beforehand
   ucxx raw, EH  the same on ucxx's public create_endpoint/create_listener endpoints (peer error handling: TCP)
@@ -79,13 +81,21 @@ def page_tables(num_pages: int, device: torch.device) -> dict[str, torch.Tensor]
     # a fresh engine's page table is one run of consecutive pages; a long-running one's is scattered (the same
     # permutations in both processes, so the receiver can check where each page landed)
     gen = torch.Generator().manual_seed(7)
-    return {"kv": torch.arange(num_pages, device=device),
+    return {"kv": torch.arange(num_pages, device=device), "kv-staged": torch.arange(num_pages, device=device),
             "kv-scattered": torch.randperm(num_pages, generator=gen).to(device)}
 
 
-def plan_for(pool: KVPool, message_bytes: int, transfer_id: int) -> wire.TransferPlan:
+def plan_pages(what: str, dsts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The destination pages the plan is built with: "kv-staged" leaves them out (every message staged)."""
+    return None if what == "kv-staged" else dsts.get(what)
+
+
+def plan_for(pool: KVPool, message_bytes: int, transfer_id: int,
+             dst: torch.Tensor | None = None) -> wire.TransferPlan:
+    """The transfer's plan; with the destination pages `dst` as a remote prefill builds it (direct messages where
+    they form runs), without them as plain staged messages (the raw rows)."""
     return wire.TransferPlan.build(wire.page_rows(pool), transfer_id, pool.spec.num_pages, pool.spec.num_layers,
-                                   message_bytes)
+                                   message_bytes, None if dst is None else dst.tolist())
 
 
 def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str) -> None:
@@ -96,8 +106,8 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str) 
     rows = wire.page_rows(pool)
     fill(rows)
     dev = rows[0][0].device
-    srcs = page_tables(pool.spec.num_pages, dev)
-    srcs["kv-scattered"] = srcs["kv-scattered"].roll(1)  # sources and destinations differ
+    dsts = page_tables(pool.spec.num_pages, dev)  # the receiver's
+    srcs = dict(dsts, **{"kv-scattered": dsts["kv-scattered"].roll(1)})  # sources and destinations differ
     transport = UcxTransport(window=window)
     loop.run(transport.start(listen=False))
     conn.send("ready")
@@ -111,7 +121,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str) 
         what, port, message_bytes, transfer_id = conn.recv()
         if what == "stop":
             return
-        plan = plan_for(pool, message_bytes, transfer_id)
+        plan = plan_for(pool, message_bytes, transfer_id, plan_pages(what, dsts))
         if what in srcs:
             async def kv(port=port, plan=plan, src=srcs[what]):
                 start = time.perf_counter()
@@ -178,7 +188,7 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
     transport = UcxTransport(window=window)
     loop.run(transport.start(listen=True))
     eh_listener = None if cuda else loop.run(_eh_listener())
-    kinds = ("kv", "kv-scattered", "raw") if cuda else ("kv", "kv-scattered", "raw", "raw-eh")
+    kinds = ("kv", "kv-staged", "kv-scattered", "raw") + (() if cuda else ("raw-eh",))
     rates: dict[tuple[str, int], list[float]] = {}
     transfer_id = TRANSFER_ID
     parent.recv()  # the sender is set up
@@ -189,7 +199,7 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                 for what in kinds:
                     port = eh_listener.port if what == "raw-eh" else transport.port
                     transfer_id += 1
-                    plan = plan_for(pool, size, transfer_id)
+                    plan = plan_for(pool, size, transfer_id, plan_pages(what, dsts))
                     if what in dsts:
                         for layer in rows if not repeat else ():  # the check below sees this transfer's bytes
                             for t in layer:
@@ -321,8 +331,8 @@ def main() -> None:
           f"load average "
           f"{os.getloadavg()[0]:.1f}; UCX settings: "
           + " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("UCX_")))
-    columns = (("kv", "kv-scattered", "raw", "p2p") if args.device == "cuda"
-               else ("kv", "kv-scattered", "raw", "raw-eh", "perftest", "perftest-e"))
+    columns = ("kv", "kv-staged", "kv-scattered", "raw") + (
+        ("p2p",) if args.device == "cuda" else ("raw-eh", "perftest", "perftest-e"))
     print("| message | " + " | ".join(columns) + f" | kv / {base} |")
     print("| --- " * (len(columns) + 2) + "|")
     for size in sizes:

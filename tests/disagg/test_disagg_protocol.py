@@ -84,6 +84,15 @@ def test_pages_arrive_intact_in_their_pages(node):
             t.zero_()
         client.submit("r2", pool2_tokens, GREEDY, pages2, num_cached_pages=3, timeout_s=30).result(30)
         assert_pages(pool, pool2_tokens, pages2, 3)
+        # pages in long runs (a fresh engine's): direct messages, each (layer, tensor, run) received in place;
+        # the 64 KiB cut makes messages whose pages straddle the two runs
+        tokens3 = [(i * 13) % VOCAB for i in range(400)]
+        pages3 = list(range(30, 46)) + list(range(5, 14))
+        assert wire.TransferPlan.build(wire.page_rows(pool), 1, 25, 2, 64 << 10, pages3).direct
+        for t in (t for layer in wire.page_rows(pool) for t in layer):
+            t.zero_()
+        client.submit("r3", tokens3, GREEDY, pages3, num_cached_pages=0, timeout_s=30).result(30)
+        assert_pages(pool, tokens3, pages3, 0)
     finally:
         client.close()
 

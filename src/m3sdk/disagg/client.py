@@ -88,7 +88,8 @@ class PrefillClient:
         self._tls = tls_root_certificates
         self._nodes: list[_Node] = []
         self._jobs: dict[str, asyncio.Task] = {}
-        self._heartbeat: asyncio.Task | None = None
+        self._heartbeats: list[asyncio.Task] = []
+        self._aborts: set[asyncio.Task] = set()  # sent, not awaited: referenced until done (asyncio keeps weak ones)
 
     # -- any thread but the disagg loop ------------------------------------------------------------------
 
@@ -128,7 +129,7 @@ class PrefillClient:
                        if self._tls is not None else grpc.aio.insecure_channel(target, options=opts))
             self._nodes.append(_Node(target, pb_grpc.PrefillNodeStub(channel), channel))
         await asyncio.gather(*(self._handshake(n) for n in self._nodes))
-        self._heartbeat = asyncio.ensure_future(self._heartbeats())
+        self._heartbeats = [asyncio.ensure_future(self._heartbeat(n)) for n in self._nodes]
 
     async def _handshake(self, node: _Node) -> None:
         request = pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat=self.compat.to_proto(),
@@ -146,10 +147,11 @@ class PrefillClient:
                                    + "; ".join(diff or [f"protocol {PROTOCOL_VERSION} != {reply.protocol_version}"]))
         node.healthy, node.error = True, ""
 
-    async def _heartbeats(self) -> None:
+    async def _heartbeat(self, node: _Node) -> None:
+        # one loop per node: an unreachable node's handshake (up to connect_timeout) delays no other node's beat
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            await asyncio.gather(*(self._beat(n) for n in self._nodes))
+            await self._beat(node)
 
     async def _beat(self, node: _Node) -> None:
         try:
@@ -198,7 +200,7 @@ class PrefillClient:
         deadline = time.monotonic() + timeout_s
         send_pages = pages[num_cached_pages:]
         plan = TransferPlan.build(self.rows, _next_transfer_id(), len(send_pages), self.layers_per_group,
-                                  self.max_message_bytes)
+                                  self.max_message_bytes, send_pages)
         # the node sees several engines' requests: the transfer id makes ours unique there
         node_id = re.sub(r"[^\x21-\x7e]", "_", f"{plan.transfer_id:x}.{request_id}")[:128]
         try:  # before the receive is posted: nothing to retire when a value does not fit the wire
@@ -245,7 +247,9 @@ class PrefillClient:
                 await receive.cancel()
                 for t in waits:
                     t.cancel()
-                asyncio.ensure_future(self._abort(node, node_id))
+                abort = asyncio.ensure_future(self._abort(node, node_id))
+                self._aborts.add(abort)
+                abort.add_done_callback(self._aborts.discard)
 
     async def _abort(self, node: _Node, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -260,11 +264,12 @@ class PrefillClient:
                 await task
 
     async def _close(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+        for beat in self._heartbeats:
+            beat.cancel()
         for task in list(self._jobs.values()):
             task.cancel()
         await asyncio.gather(*self._jobs.values(), return_exceptions=True)
+        await asyncio.gather(*self._aborts, return_exceptions=True)  # each bounded by connect_timeout
         for node in self._nodes:
             await node.channel.close()
         await self.transport.close()

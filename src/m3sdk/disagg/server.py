@@ -104,6 +104,10 @@ class PrefillServicer(pb_grpc.PrefillNodeServicer):
             order = check_prefill(request, self.limits, self.compat_hash, self.backend.vocab_size,
                                   self.backend.compat.num_layers)
             host = peer_host(context.peer())
+            # the plan checks the cut too (a max_message_bytes below one page of a group): the caller's error
+            plan = wire.TransferPlan.build(self.backend.rows, order.transfer_id,
+                                           order.num_pages - order.num_cached_pages, order.layers_per_group,
+                                           order.max_message_bytes, order.dst_pages)
         except ValueError as e:  # WireError included
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if order.request_id in self._running:
@@ -111,7 +115,7 @@ class PrefillServicer(pb_grpc.PrefillNodeServicer):
         if len(self._running) >= self.limits.max_in_flight:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "node is at max_in_flight prefills")
         # The work runs as a task of its own, so Abort can cancel it while this handler reports why.
-        work = asyncio.ensure_future(asyncio.wait_for(self._serve(order, host), order.deadline - time.time()))
+        work = asyncio.ensure_future(asyncio.wait_for(self._serve(order, plan, host), order.deadline - time.time()))
         self._running[order.request_id] = (work, len(order.token_ids))
         try:
             return await asyncio.shield(work)
@@ -129,10 +133,7 @@ class PrefillServicer(pb_grpc.PrefillNodeServicer):
             work.cancel()
             self._running.pop(order.request_id, None)
 
-    async def _serve(self, order: PrefillOrder, host: str) -> pb.PrefillReply:
-        num_pages = order.num_pages - order.num_cached_pages
-        plan = wire.TransferPlan.build(self.backend.rows, order.transfer_id, num_pages, order.layers_per_group,
-                                       order.max_message_bytes)
+    async def _serve(self, order: PrefillOrder, plan: wire.TransferPlan, host: str) -> pb.PrefillReply:
         outbox = self.transport.outbox(plan, self.backend.rows[0][0].device)
         # the push starts with the compute: it sends each group of layers as the backend packs it
         push = asyncio.ensure_future(self.transport.push(host, order.transport_port, outbox))
@@ -150,7 +151,7 @@ class PrefillServicer(pb_grpc.PrefillNodeServicer):
         top = first.top_logprobs or ()
         return pb.PrefillReply(first_token=first.token_id, first_logprob=first.logprob,
                                top_logprobs=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top],
-                               num_prompt_tokens=len(order.token_ids), num_pages_sent=num_pages,
+                               num_prompt_tokens=len(order.token_ids), num_pages_sent=plan.num_pages,
                                num_messages_sent=len(plan.messages), bytes_sent=plan.total_bytes)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortReply:

@@ -164,46 +164,87 @@ async def _send(ep: Any, buf: Any, tag: int) -> None:
 
 
 class UcxReceive:
-    """One transfer's receiving side: `window` messages posted at once, each checked then scattered."""
+    """One transfer's receiving side: `window` messages posted at once, each checked then scattered (staged) or
+    received in place (direct: the header first, then the parts into the pool's pages, then the trailer)."""
 
     def __init__(self, transport: UcxTransport, plan: TransferPlan, rows: list[list[torch.Tensor]],
                  dst_pages: torch.Tensor, window: int):
         self._transport, self._plan, self._rows, self._dst = transport, plan, rows, dst_pages
         self._window = window
-        self._posted: dict[int, tuple[torch.Tensor, asyncio.Future]] = {}
+        # tag -> (buffer, its receive, the message): everything posted and not yet taken
+        self._posted: dict[int, tuple[torch.Tensor, asyncio.Future, wire.MessageSpec]] = {}
         self._cancelled = False
         self._task = asyncio.ensure_future(self._run())
 
-    def _post(self, index: int) -> None:
+    def _post(self, unit: int, buf: torch.Tensor, msg: wire.MessageSpec) -> asyncio.Future:
         import ucxx
 
-        buf = self._transport.pool.take(self._plan.messages[index].nbytes, self._dst.device)
+        tag = self._plan.tag(unit)
+        fut = asyncio.ensure_future(ucxx.recv(_ucx_buffer(buf), tag))
+        self._posted[tag] = (buf, fut, msg)
+        return fut
+
+    def _post_message(self, index: int) -> None:
+        """Post message `index`'s first UCX message: the whole message (staged) or its header (direct)."""
+        msg = self._plan.messages[index]
+        buf = self._transport.pool.take(wire.HEADER_BYTES if self._plan.direct else msg.nbytes, self._dst.device)
         wire.arm(buf)
         _settle(buf)  # UCX writes on its own streams: the zeroed trailer (and the last scatter) must land first
-        fut = asyncio.ensure_future(ucxx.recv(_ucx_buffer(buf), self._plan.tag(index)))
-        self._posted[index] = (buf, fut)
+        self._post(self._plan.first_unit[index], buf, msg)
+
+    async def _take(self, unit: int) -> torch.Tensor:
+        tag = self._plan.tag(unit)
+        buf, fut, _ = self._posted[tag]
+        try:
+            await fut
+        except Exception as e:  # truncation (a message larger than posted), endpoint errors
+            raise TransportError(f"transfer {self._plan.transfer_id} message {unit}: {e!r}") from e
+        if not self._cancelled:
+            del self._posted[tag]
+        return buf
 
     async def _run(self) -> None:
-        count = len(self._plan.messages)
+        plan = self._plan
+        count = len(plan.messages)
         for index in range(min(self._window, count)):
-            self._post(index)
-        for index in range(count):
-            buf, fut = self._posted[index]
-            try:
-                await fut
-            except Exception as e:  # truncation (a message larger than posted), endpoint errors
-                raise TransportError(f"transfer {self._plan.transfer_id} message {index}: {e!r}") from e
+            self._post_message(index)
+        for index, msg in enumerate(plan.messages):
+            first = plan.first_unit[index]
+            buf = await self._take(first)
             if self._cancelled:
                 return
-            del self._posted[index]
             if index + self._window < count:
-                self._post(index + self._window)  # before the scatter, so UCX can fill it meanwhile
+                self._post_message(index + self._window)  # before the scatter, so UCX can fill it meanwhile
             try:
-                wire.scatter(self._plan, self._plan.messages[index], self._rows, self._dst, buf)
+                if plan.direct:
+                    wire.check_header(plan, msg, buf)
+                    await self._receive_parts(msg, first)
+                else:
+                    wire.scatter(plan, msg, self._rows, self._dst, buf)
             except wire.WireError as e:
                 raise TransportError(str(e)) from e
+            if self._cancelled:
+                return
             _settle(buf)  # the pages are in place before the transfer counts as done (the engine's own stream)
             self._transport.pool.give(buf)
+
+    async def _receive_parts(self, msg: wire.MessageSpec, first: int) -> None:
+        """A direct message after its header passed: each part straight into its pages, then the trailer."""
+        parts = self._plan.parts(msg)
+        units = []
+        for unit, part in enumerate(parts, first + 1):
+            self._post(unit, self._rows[part.layer][part.tensor][part.dst_page:part.dst_page + part.page_count]
+                       .view(-1), msg)
+            units.append(unit)
+        tail = torch.empty(wire.TRAILER_BYTES, dtype=torch.uint8, device=self._dst.device)
+        wire.arm(tail)
+        _settle(tail)
+        units.append(first + 1 + len(parts))
+        self._post(units[-1], tail, msg)
+        for unit in units:
+            await self._take(unit)
+        if not self._cancelled:
+            wire.check_trailer(self._plan, msg, tail)
 
     async def wait(self) -> None:
         try:
@@ -214,16 +255,18 @@ class UcxReceive:
 
     async def cancel(self) -> None:
         self._cancelled = True
-        open_ = {i: (buf, fut) for i, (buf, fut) in self._posted.items() if not fut.done()}
-        for index in open_:
-            await self._transport.send_to_self(wire.cancel_message(self._plan, self._plan.messages[index]),
-                                               self._plan.tag(index))
-        for index, (buf, fut) in open_.items():
+        open_ = {tag: entry for tag, entry in self._posted.items() if not entry[1].done()}
+        cancels = {}
+        for tag, (buf, _, msg) in open_.items():
+            # a cancel message no longer than the posted buffer (a part may be shorter than a header)
+            cancels[tag] = wire.cancel_message(self._plan, msg)[:buf.numel()]
+            await self._transport.send_to_self(cancels[tag], tag)
+        for tag, (buf, fut, _) in open_.items():
             with contextlib.suppress(Exception):
                 await fut
-            if not wire.is_cancel(buf):
+            if bytes(buf[:len(cancels[tag])].cpu().numpy()) != cancels[tag]:
                 # real data won the race for this buffer, so our cancel message is left unmatched: take it out
-                await self._transport.drain(self._plan.tag(index), wire.HEADER_BYTES)
+                await self._transport.drain(tag, len(cancels[tag]))
         self._posted.clear()
         self._task.cancel()
         with contextlib.suppress(BaseException):
@@ -321,7 +364,7 @@ class UcxTransport:
                     raise TransportError(f"transfer {plan.transfer_id}: message {index} queued before {expected}")
                 if len(in_flight) >= self.window:
                     await self._finish(in_flight, host, port, plan)
-                send = asyncio.ensure_future(_send(ep, _ucx_buffer(buf), plan.tag(index)))
+                send = asyncio.ensure_future(self._send_message(ep, plan, index, buf))
                 send.add_done_callback(outbox.count_sent)
                 in_flight.append((send, buf))
             while in_flight:
@@ -334,6 +377,19 @@ class UcxTransport:
                 if late:
                     self._drop(host, port)
             raise
+
+    @staticmethod
+    async def _send_message(ep: Any, plan: TransferPlan, index: int, buf: torch.Tensor) -> None:
+        """Message `index` (packed in `buf`) as one UCX message (staged) or as header, parts, trailer (direct)."""
+        first = plan.first_unit[index]
+        if not plan.direct:
+            await _send(ep, _ucx_buffer(buf), plan.tag(first))
+            return
+        parts = plan.parts(plan.messages[index])
+        pieces = [buf[:wire.HEADER_BYTES], *(buf[p.offset:p.offset + p.nbytes] for p in parts),
+                  buf[-wire.TRAILER_BYTES:]]
+        await asyncio.gather(*(_send(ep, _ucx_buffer(piece), plan.tag(unit))
+                               for unit, piece in enumerate(pieces, first)))
 
     async def _finish(self, in_flight: deque[tuple[asyncio.Future, torch.Tensor]], host: str, port: int,
                       plan: TransferPlan) -> None:

@@ -9,14 +9,24 @@ keep each message under a byte cap. One message is
 
 Both sides derive the same plan from the same `KVCacheSpec` (the handshake checked they agree) and the
 parameters of the Prefill call, so the receiver knows every message's exact size and posts buffers of it.
-The header and the trailer are checked against the plan before a single page is written: a message that was
-cut short (stale trailer), belongs to another transfer, or is misplaced never reaches the cache.
+
+How a message travels depends on the destination pages (both sides know them: they are in the Prefill call):
+- **staged**: one UCX message, received into a staging buffer; the header and the trailer are checked against
+  the plan before a single page is written (a message cut short, from another transfer or misplaced never
+  reaches the cache), then the pages are scattered into the pool.
+- **direct**, when the destination pages form runs of `DIRECT_MIN_RUN` pages or more on average (a fresh
+  engine's page tables do): the header alone, then one UCX message per (layer, tensor, run of pages) received
+  straight into the pool's pages (no scatter copy), then the trailer alone. The parts are posted only once the
+  header passed its check, each into exactly its run's bytes (UCX refuses a longer message: truncation), and the
+  pages count only when every part and the trailer arrived, as for staged messages. A peer can thus write only
+  the pages of its own transfer, in place, as it could write their contents through a staged message.
+The sender packs both kinds the same way (one staging buffer per message) and sends slices of it.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +35,7 @@ from m3sdk.cache.kv_pool import KVPool
 
 MAGIC = b"M3KV"
 TRAILER_MAGIC = b"M3KE"
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 KIND_DATA = 0
 KIND_CANCEL = 1  # sent by a receiver to itself to retire a buffer it posted (ucxx cannot cancel one receive)
 _HEADER = struct.Struct("<4sHHQIIHHIIQ")  # magic ver kind transfer index count layer0 nlayers page0 npages payload
@@ -35,6 +45,7 @@ TRAILER_BYTES = _TRAILER.size
 MESSAGE_INDEX_BITS = 20  # a tag is transfer_id << 20 | message index
 MAX_TRANSFER_ID = (1 << (64 - MESSAGE_INDEX_BITS)) - 1
 MAX_MESSAGES = 1 << MESSAGE_INDEX_BITS
+DIRECT_MIN_RUN = 8  # pages per run of destination pages, on average, for direct messages
 
 
 class WireError(ValueError):
@@ -73,14 +84,30 @@ class MessageSpec:
 
 
 @dataclass(frozen=True)
+class Part:
+    """One UCX message of a direct message: a run of pages of one tensor of one layer."""
+
+    layer: int
+    tensor: int
+    dst_page: int  # the first destination page of the run
+    page_count: int
+    offset: int  # where its bytes sit in the message's staging buffer (the sender's)
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class TransferPlan:
     transfer_id: int
     num_pages: int
     messages: tuple[MessageSpec, ...]
+    widths: tuple[tuple[int, ...], ...] = ()  # bytes per page of each layer's tensors
+    runs: tuple[tuple[int, int, int], ...] | None = None  # (offset, first dst page, length): direct messages
+    first_unit: tuple[int, ...] = ()  # each message's first UCX message index (its tag)
 
     @classmethod
     def build(cls, rows: list[list[torch.Tensor]], transfer_id: int, num_pages: int, layers_per_group: int,
-              max_message_bytes: int) -> TransferPlan:
+              max_message_bytes: int, dst_pages: Sequence[int] | None = None) -> TransferPlan:
+        """`dst_pages`: the destination page ids (both sides know them); without them every message is staged."""
         if not 0 < transfer_id <= MAX_TRANSFER_ID:
             raise WireError(f"transfer_id must be in [1, {MAX_TRANSFER_ID}], got {transfer_id}")
         if not 0 < layers_per_group <= len(rows):
@@ -98,12 +125,46 @@ class TransferPlan:
             for start in range(0, num_pages, per_message):
                 count = min(per_message, num_pages - start)
                 messages.append(MessageSpec(len(messages), first, len(layers), start, count, count * page_bytes))
-        if len(messages) > MAX_MESSAGES:
-            raise WireError(f"transfer would need {len(messages)} messages, more than {MAX_MESSAGES}")
-        return cls(transfer_id, num_pages, tuple(messages))
+        widths = tuple(tuple(t.shape[1] for t in layer) for layer in rows)
+        runs = None
+        if dst_pages is not None:
+            if len(dst_pages) != num_pages:
+                raise WireError(f"{len(dst_pages)} destination pages for a transfer of {num_pages}")
+            runs = _host_runs(dst_pages)
+            # short runs make many small UCX messages: staged then (as do rows narrower than a cancel message)
+            if len(runs) * DIRECT_MIN_RUN > num_pages or min(min(w) for w in widths) < HEADER_BYTES:
+                runs = None
+        plan = cls(transfer_id, num_pages, tuple(messages), widths, runs)
+        first, units = [], 0
+        for msg in messages:
+            first.append(units)
+            units += 1 if runs is None else 2 + len(plan.parts(msg))
+        if units > MAX_MESSAGES:
+            raise WireError(f"transfer would need {units} messages, more than {MAX_MESSAGES}")
+        return cls(transfer_id, num_pages, tuple(messages), widths, runs, tuple(first))
 
-    def tag(self, index: int) -> int:
-        return (self.transfer_id << MESSAGE_INDEX_BITS) | index
+    @property
+    def direct(self) -> bool:
+        return self.runs is not None
+
+    def parts(self, msg: MessageSpec) -> list[Part]:
+        """A direct message's page runs per (layer, tensor), in payload order."""
+        parts = []
+        offset = HEADER_BYTES
+        end = msg.page_start + msg.page_count
+        for layer in msg.layers:
+            for j, width in enumerate(self.widths[layer]):
+                for at, page, length in self.runs:
+                    lo, hi = max(at, msg.page_start), min(at + length, end)
+                    if lo < hi:
+                        parts.append(Part(layer, j, page + lo - at, hi - lo, offset + (lo - msg.page_start) * width,
+                                          (hi - lo) * width))
+                offset += msg.page_count * width
+        return parts
+
+    def tag(self, unit: int) -> int:
+        """The tag of UCX message `unit` (staged: the message index; direct: see `first_unit`)."""
+        return (self.transfer_id << MESSAGE_INDEX_BITS) | unit
 
     @property
     def total_bytes(self) -> int:
@@ -118,6 +179,18 @@ def _header(plan: TransferPlan, msg: MessageSpec, kind: int) -> bytes:
 
 def _trailer(plan: TransferPlan, msg: MessageSpec) -> bytes:
     return _TRAILER.pack(TRAILER_MAGIC, msg.index, plan.transfer_id)
+
+
+def _host_runs(pages: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """(offset, first page, length) of each run of consecutive page ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, page in enumerate(pages):
+        if runs and runs[-1][1] + runs[-1][2] == page:
+            at, first, length = runs[-1]
+            runs[-1] = (at, first, length + 1)
+        else:
+            runs.append((i, page, 1))
+    return tuple(runs)
 
 
 def _runs(pages: torch.Tensor) -> list[tuple[int, int, int]] | None:
@@ -184,13 +257,13 @@ def arm(buf: torch.Tensor) -> None:
     buf[-TRAILER_BYTES:].zero_()
 
 
-def is_cancel(buf: torch.Tensor) -> bool:
-    head = bytes(buf[:_HEADER.size].cpu().numpy())
-    return _HEADER.unpack(head)[2] == KIND_CANCEL
-
-
 def check(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> None:
     """Raise WireError unless `buf` holds exactly message `msg` of `plan`."""
+    check_header(plan, msg, buf)
+    check_trailer(plan, msg, buf)
+
+
+def check_header(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> None:
     head = bytes(buf[:_HEADER.size].cpu().numpy())
     got = _HEADER.unpack(head)
     want = _HEADER.unpack(_header(plan, msg, KIND_DATA)[:_HEADER.size])
@@ -199,6 +272,9 @@ def check(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> None:
                  "page_start", "page_count", "payload_bytes")
         bad = [f"{n}={g!r} (expected {w!r})" for n, g, w in zip(names, got, want, strict=True) if g != w]
         raise WireError(f"message {msg.index} of transfer {plan.transfer_id}: bad header: {', '.join(bad)}")
+
+
+def check_trailer(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> None:
     if bytes(buf[-TRAILER_BYTES:].cpu().numpy()) != _trailer(plan, msg):
         raise WireError(f"message {msg.index} of transfer {plan.transfer_id}: bad trailer (cut short?)")
 
