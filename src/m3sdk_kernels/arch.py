@@ -124,8 +124,9 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
     },
     # indexer scan: BLOCK_Q query tokens x index heads as rows, one selection block of keys per step,
     # SPLIT_PROGRAMS programs over (token tiles x block chunks)
+    # FUSED_TOPK: decode picks the top-k inside the scan (per-chunk candidates, merged by the last chunk)
     "indexer_scan": {
-        "sm90": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 3, "SPLIT_PROGRAMS": 1056},
+        "sm90": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 3, "SPLIT_PROGRAMS": 1056, "FUSED_TOPK": 1},
         "gfx942": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 2432},
         "gfx950": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 2048},
     },
@@ -148,7 +149,7 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
 # pair per program) up to MAX_TOKENS tokens; moe_small / moe_prefill sort pairs by expert, padded to BLOCK_M.
 # MX_FP8: MXFP4 experts through the fp8 tensor cores (e4m3 from the nibbles by integer ops, fp8 activations) instead
 # of tl.dot_scaled, which upcasts to bf16 on Hopper: sm90 only (gfx950 has MX matrix cores; gfx942's fp8 is fnuz),
-# prefill only until measured at decode: there the sm90 SASS of the gate_up GEMM is 3864 instructions (mma.sync)
+# prefill only until measured at decode: there the sm90 SASS of the gate_up GEMM is 3032 instructions (mma.sync)
 # against dot_scaled's 2088 (wgmma), and decode is bound by the per-weight conversion, not the MMA.
 TILES.update({
     "fp8_quant": {a: {"BLOCK_K": 1024, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},

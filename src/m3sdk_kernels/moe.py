@@ -305,38 +305,51 @@ def _mx_row_scale(ref):
 
 
 @triton.jit
-def _e2m1_to_e4m3(c, sign, base):
-    # E2M1 magnitude code c (sign bit already at 0x80) -> e4m3 byte of value(c) * 2^(d' - 5), base = 8 + 8 * d'.
-    # The e2m1 exponent and mantissa bits sit 2 bits up in the e4m3 byte (4 * c), base moves the exponent bias;
-    # c = 1 (0.5, e2m1's subnormal) is base itself and c = 0 stays 0: c * base covers both.
-    mag = tl.where(c >= 2, c * 4 + base, c * base)
-    return (mag | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+def _e2m1x4_to_e4m3x4(c, base):
+    # Four E2M1 magnitude codes, one per byte of c -> four e4m3 magnitude bytes of value(code) * 2^(d' - 5), with
+    # base = 8 + 8 * d' (< 128). At d' = 0 a code >= 2 is 4 * code + 8 (the e2m1 exponent and mantissa bits sit 2
+    # bits up, base moves the exponent bias), code 1 (0.5, e2m1's subnormal) is 8, code 0 is 0: per byte,
+    # nz * base + 4 * (code + ge2 - nz) with nz = code >= 1, ge2 = code >= 2. No byte carries into the next.
+    nz = ((c + 0x7F7F7F7F) >> 7) & 0x01010101
+    ge2 = (((c & 0x06060606) + 0x7E7E7E7E) >> 7) & 0x01010101
+    return nz * base + ((c + ge2 - nz) << 2)
+
+
+@triton.jit
+def _bytes(x, j: tl.constexpr):
+    return (x >> (8 * j)).to(tl.uint8)
+
+
+@triton.jit
+def _mxfp4_e4m3_tile(w_base, s_base, rows, ref, k0, stride_wn, stride_sn, BLOCK_K: tl.constexpr):
+    # The MXFP4 weight tile W^T[k0:k0+BLOCK_K, rows] as e4m3 (times the row's 2^(ref - 122)), converted four
+    # bytes (eight elements) per 32-bit integer op. The 4 bytes of a word lie in one 16-byte scale group.
+    G: tl.constexpr = BLOCK_K // 32
+    NW: tl.constexpr = BLOCK_K // 8
+    BLOCK_N: tl.constexpr = rows.shape[0]
+    ks = k0 // 32 + tl.arange(0, G)
+    dp = tl.load(s_base + rows[None, :] * stride_sn + ks[:, None]).to(tl.int32) - ref[None, :]
+    base = tl.reshape(tl.broadcast_to((8 + 8 * dp)[:, None, :], (G, 4, BLOCK_N)), (NW, BLOCK_N))
+    keep = tl.reshape(tl.broadcast_to(tl.where(dp >= 0, -1, 0)[:, None, :], (G, 4, BLOCK_N)), (NW, BLOCK_N))
+    w32 = w_base.to(tl.pointer_type(tl.int32))
+    wd = tl.load(w32 + rows[None, :] * (stride_wn // 4) + (k0 // 8 + tl.arange(0, NW))[:, None])
+    wd = wd & keep  # a flushed group's codes become 0
+    sign = -2139062144  # 0x80808080
+    lo = _e2m1x4_to_e4m3x4(wd & 0x07070707, base) | ((wd << 4) & sign)  # elements 8w + 2j
+    hi = _e2m1x4_to_e4m3x4((wd >> 4) & 0x07070707, base) | (wd & sign)  # elements 8w + 2j + 1
+    # element 8w + 2j + h from byte j of (lo, hi)[h]: [NW, N, h, j bit 0, j bit 1] -> [NW, j1, j0, h, N]
+    t = tl.join(tl.join(tl.join(_bytes(lo, 0), _bytes(hi, 0)), tl.join(_bytes(lo, 1), _bytes(hi, 1))),
+                tl.join(tl.join(_bytes(lo, 2), _bytes(hi, 2)), tl.join(_bytes(lo, 3), _bytes(hi, 3))))
+    t = tl.reshape(tl.permute(t, (0, 4, 3, 2, 1)), (BLOCK_K, BLOCK_N))
+    return t.to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
 def _mxfp4_fp8_dot(acc, a, w_base, s_base, rows, ref, k0, stride_wn, stride_sn, BLOCK_K: tl.constexpr,
                    DOT_F32: tl.constexpr):
     # acc += A[:, k0:k0+BLOCK_K] @ W^T with A fp8 and the MXFP4 weight converted to e4m3 in registers by integer ops
-    # (no float upcast, no per-element scale multiply): the even elements (low nibbles) and the odd ones (high
-    # nibbles) are two fp8 dots against A's even and odd columns.
-    G: tl.constexpr = BLOCK_K // 32
-    BLOCK_N: tl.constexpr = rows.shape[0]
-    ks = k0 // 32 + tl.arange(0, G)
-    dp = tl.load(s_base + rows[None, :] * stride_sn + ks[:, None]).to(tl.int32) - ref[None, :]
-    # per group: the exponent base, and a byte mask that zeroes a flushed group's codes
-    base = _expand_groups(8 + 8 * dp, G, BLOCK_N)
-    keep = _expand_groups(tl.where(dp >= 0, 0xFF, 0), G, BLOCK_N)
-    kp = tl.arange(0, BLOCK_K // 2)
-    p = tl.load(w_base + rows[None, :] * stride_wn + (k0 // 2 + kp)[:, None]).to(tl.int32) & keep
-    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BLOCK_K // 2, 2)))
-    acc = _dot(a_even, _e2m1_to_e4m3(p & 7, (p << 4) & 0x80, base), acc, DOT_F32)
-    return _dot(a_odd, _e2m1_to_e4m3((p >> 4) & 7, p & 0x80, base), acc, DOT_F32)
-
-
-@triton.jit
-def _expand_groups(v, G: tl.constexpr, BLOCK_N: tl.constexpr):
-    # [G, BLOCK_N] per 32-element group -> [G * 16, BLOCK_N] per packed byte
-    return tl.reshape(tl.broadcast_to(v[:, None, :], (G, 16, BLOCK_N)), (G * 16, BLOCK_N))
+    # (no float upcast, no per-element scale multiply)
+    return _dot(a, _mxfp4_e4m3_tile(w_base, s_base, rows, ref, k0, stride_wn, stride_sn, BLOCK_K), acc, DOT_F32)
 
 
 @triton.jit

@@ -101,16 +101,8 @@ def _convert_kernel(w_ptr, s_ptr, out_ptr, K: tl.constexpr, N: tl.constexpr):
     # moe's MXFP4 -> e4m3 conversion times the row factor, as float32: what the fp8 path's dots multiply
     rows = tl.arange(0, N)
     ref = moe._mx_row_ref(s_ptr, rows, K, K // 32, N)
-    dp = tl.load(s_ptr + rows[None, :] * (K // 32) + tl.arange(0, K // 32)[:, None]).to(tl.int32) - ref[None, :]
-    base = moe._expand_groups(8 + 8 * dp, K // 32, N)
-    keep = moe._expand_groups(tl.where(dp >= 0, 0xFF, 0), K // 32, N)
-    kp = tl.arange(0, K // 2)
-    p = tl.load(w_ptr + rows[None, :] * (K // 2) + kp[:, None]).to(tl.int32) & keep
-    scale = moe._mx_row_scale(ref)[None, :]
-    even = moe._e2m1_to_e4m3(p & 7, (p << 4) & 0x80, base).to(tl.float32) * scale
-    odd = moe._e2m1_to_e4m3((p >> 4) & 7, p & 0x80, base).to(tl.float32) * scale
-    tl.store(out_ptr + rows[None, :] * K + 2 * kp[:, None], even)
-    tl.store(out_ptr + rows[None, :] * K + 2 * kp[:, None] + 1, odd)
+    w = moe._mxfp4_e4m3_tile(w_ptr, s_ptr, rows, ref, 0, K // 2, K // 32, K).to(tl.float32)
+    tl.store(out_ptr + rows[None, :] * K + tl.arange(0, K)[:, None], w * moe._mx_row_scale(ref)[None, :])
 
 
 def test_mxfp4_to_e4m3_is_exact_within_range():
