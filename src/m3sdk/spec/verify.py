@@ -111,7 +111,12 @@ def verify(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[list[Sampled
         apply_truncation(probs, [states[i].params for i in sampled])
         probs = probs.softmax(dim=1)
     where = {pos: j for j, pos in enumerate(sampled)}
-    argmax = x.argmax(dim=1).tolist()
+    # each position's argmax and its logprob in one host read (float64 holds any token id exactly)
+    # (argmax as the plain sampler takes it, so ties break the same way)
+    argmax_t = x.argmax(dim=1)
+    best = x.gather(1, argmax_t.unsqueeze(1)).squeeze(1)
+    argmax_f, best_lp = torch.stack([argmax_t.double(), (best - logz).double()]).tolist()
+    argmax = [int(a) for a in argmax_f]
 
     emitted: list[list[int]] = []
     start = 0
@@ -124,7 +129,8 @@ def verify(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[list[Sampled
             emitted.append(accept_sampled(p, row.drafts, row.draft_probs, _generator(row.state, x.device)))
         start += n
 
-    # every emitted token's logprob in one gather and one host read (not one per row)
+    # every emitted token's logprob: a greedy row emits the argmax at each of its positions (accepted drafts
+    # equal it), whose logprob is read already; otherwise one gather and one host read for all rows
     pos, tok, starts = [], [], []
     start = 0
     for row, toks in zip(rows, emitted, strict=True):
@@ -132,14 +138,16 @@ def verify(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[list[Sampled
         pos += range(start, start + len(toks))
         tok += toks
         start += len(row.drafts) + 1
-    flat = torch.tensor([pos, tok], dtype=torch.long).to(x.device)
-    lps = (x[flat[0], flat[1]] - logz[flat[0]]).tolist()
+    flat = None
+    if sampled or any(row.state.params.logprobs for row in rows):
+        flat = torch.tensor([pos, tok], dtype=torch.long).to(x.device)
+    lps = (x[flat[0], flat[1]] - logz[flat[0]]).tolist() if sampled else [best_lp[p] for p in pos]
     out: list[list[SampledToken]] = []
     for row, toks, first in zip(rows, emitted, starts, strict=True):
-        at = flat[0, first:first + len(toks)]
         k = row.state.params.logprobs
         tops: list[list[tuple[int, float]] | None] = [None] * len(toks)
         if k:
+            at = flat[0, first:first + len(toks)]
             vals, ids = x[at].topk(min(k, x.shape[1]), dim=1)
             vals = (vals - logz[at].unsqueeze(1)).tolist()
             tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals, strict=True)]
