@@ -105,7 +105,9 @@ class Speculation:
             sampled = self.sampler.sample(logits[plain_rows], [r.sampling for r in plain_reqs])
             emitted.update((r.request_id, [t]) for r, t in zip(plain_reqs, sampled, strict=True))
         if verify_rows:
-            for r, vr, toks in zip(verify_reqs, verify_rows, verify(logits[verify_at], verify_rows), strict=True):
+            # (a step of verify rows only reads every logits row: no gather)
+            rows = logits if len(verify_at) == logits.shape[0] else logits[verify_at]
+            for r, vr, toks in zip(verify_reqs, verify_rows, verify(rows, verify_rows), strict=True):
                 emitted[r.request_id] = toks
                 self._count(len(vr.drafts), len(toks) - 1)
 
