@@ -155,8 +155,15 @@ def main() -> None:
     stacks = {f.split(":")[0]: None for f in formats}
     stacks = {f: quantize_experts(w_gate_up, w_down, f) for f in stacks}
     experts = {f: stacks[f.split(":")[0]] for f in formats}
-    for f, ex in experts.items():
-        print(f"correctness {f}: rel err vs reference {check(f, ex):.2e}", flush=True)
+    for f, ex in list(experts.items()):
+        try:  # an arm that fails its check (or does not compile) is reported and not timed; the others still are
+            print(f"correctness {f}: rel err vs reference {check(f, ex):.2e}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"correctness {f}: FAILED, not timed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            del experts[f]
+            if args.jsonl:
+                with open(args.jsonl, "a") as fh:
+                    fh.write(json.dumps(dict(bench="moe", arm=f, error=f"{type(e).__name__}: {str(e)[:2000]}")) + "\n")
 
     if args.sweep:
         for fam, configs in SWEEP.items():
