@@ -61,6 +61,10 @@ class EngineConfig:
     expert_parallel: bool = True
     # Replay decode steps from captured CUDA graphs; None: on for a CUDA device with the triton backend.
     cuda_graphs: bool | None = None
+    # Overlap host scheduling with the device step (docs/engine.md): while step N runs, schedule and launch step
+    # N+1 from N's tokens still on the device; the host's bookkeeping of N (append, stop checks, streaming) lags
+    # one step. None: on for a CUDA device. Off with speculative decoding (its drafts need the host's tokens).
+    overlap_scheduling: bool | None = None
     # Weights quantized at load (m3sdk/model/quantize.py): "fp8" = FP8 W8A8 attention, dense MLPs and shared
     # experts; "mxfp4" = that plus MXFP4 routed experts. Experts a checkpoint stores quantized stay as stored.
     quantization: str = "none"
@@ -102,8 +106,9 @@ class EngineConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.cuda_graphs not in (None, True, False):
-            problems.append(f"cuda_graphs must be None (auto), True or False, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "overlap_scheduling"):
+            if getattr(self, name) not in (None, True, False):
+                problems.append(f"{name} must be None (auto), True or False, got {getattr(self, name)!r}")
         if not isinstance(self.scheduler, str) and not callable(self.scheduler):
             problems.append(f"scheduler must be a name or a factory, got {self.scheduler!r}")
         try:
@@ -140,6 +145,11 @@ class EngineConfig:
         if self.cuda_graphs is None:
             return device.type == "cuda" and self.resolve_attention_backend(device) == "triton"
         return self.cuda_graphs and device.type == "cuda"
+
+    def resolve_overlap(self, device: torch.device) -> bool:
+        if self.speculative is not None:
+            return False
+        return device.type == "cuda" if self.overlap_scheduling is None else self.overlap_scheduling
 
     def resolve_kv_layout(self, device: torch.device) -> str:
         """"auto": plain on the CPU and on Hopper (measured faster there), SHUFFLE on AMD Instinct."""

@@ -25,9 +25,9 @@ from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.loader import load_model
 from m3sdk.observability import get_logger
 from m3sdk.request import Chunk, FinishReason, Request
-from m3sdk.runner import ModelRunner
-from m3sdk.sampler import SampledToken, Sampler
-from m3sdk.scheduler import SCHEDULERS, Scheduler
+from m3sdk.runner import PLACEHOLDER, Carry, ModelRunner
+from m3sdk.sampler import PendingSample, SampledToken, Sampler
+from m3sdk.scheduler import SCHEDULERS, Scheduler, StepPlan
 from m3sdk.spec.base import SpeculativeDecoder, TargetInfo, build_drafter
 from m3sdk.spec.decoding import Speculation
 from m3sdk.tokenizer import Tokenizer
@@ -39,6 +39,27 @@ Emit = Callable[[list[Chunk]], None]
 OnDead = Callable[[BaseException], None]
 
 _ADD, _ABORT, _STOP, _WAKE = "add", "abort", "stop", "wake"
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """An overlapped step launched on the device whose sampled tokens the host has not read yet: `rows` sample,
+    `slots[i]` is where row i's token stands as a PLACEHOLDER in its `token_ids`."""
+
+    plan: StepPlan
+    rows: list[Request]
+    slots: list[int]
+    sample: PendingSample | None
+
+    def carry(self) -> Carry | None:
+        if self.sample is None:
+            return None
+        return Carry(self.sample.tokens, {id(r): i for i, r in enumerate(self.rows)})
+
+
+def _lag_safe(request: Request) -> bool:
+    """Its next draw does not read its own last token on the host (penalties count it, a seed counts tokens)."""
+    return request.params.seed is None and not request.params.has_penalties
 
 
 class EngineCore:
@@ -59,6 +80,9 @@ class EngineCore:
         self._pending: list[Chunk] = []  # abort notices, sent with the next step's deltas
         # The last step could run nothing until a remote prefill ends: the loop sleeps until its inbox wake.
         self._stalled = False
+        # Overlapped steps (EngineConfig.overlap_scheduling): the step on the device whose tokens are not yet read.
+        self.overlap = config.resolve_overlap(runner.device) and drafter is None
+        self._inflight: _InFlight | None = None
         # Called in the engine thread when a request finishes, before its pages are freed.
         self.finish_hooks: list[Callable[[Request, FinishReason], None]] = []
         # Called in the engine thread when its loop ends, however it ends (e.g. stopping tensor-parallel workers).
@@ -218,7 +242,7 @@ class EngineCore:
 
     def _handle_inbox(self) -> bool:
         """Apply queued adds and aborts; blocks while there is nothing to run. False once told to stop."""
-        block = self._stalled or not (self.scheduler.num_running or self.scheduler.num_waiting)
+        block = self._stalled or not (self.scheduler.num_running or self.scheduler.num_waiting or self._inflight)
         while True:
             try:
                 kind, item = self._inbox.get(block=block)
@@ -241,19 +265,18 @@ class EngineCore:
 
     def step(self) -> list[Chunk]:
         """One forward over the scheduled tokens; returns the deltas of the requests that sampled."""
+        if self.overlap:
+            return self._step_overlapped()
+        if self._inflight is not None:  # overlap was switched off while a step was in flight: read it first
+            step, self._inflight = self._inflight, None
+            return self._resolve(step)
         if self.spec is not None:
             self.spec.propose(self.scheduler.live_requests())
         plan = self.scheduler.schedule()
         if self.spec is not None:
             self.spec.scheduled(plan)
         if not plan:
-            if plan.preempted or not (self.scheduler.num_running or self.scheduler.num_waiting):
-                return []
-            if self.remote is not None and self.scheduler.remote_pending:
-                # the waiting requests need pages or max_num_seqs slots held by requests on prefill nodes
-                self._stalled = True
-                return []
-            raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
+            return self._nothing_scheduled(plan)
         self._counters["steps"] += 1
         if self.spec is not None:
             emitted = self.spec.run(plan, self.runner)
@@ -266,6 +289,59 @@ class EngineCore:
         self.scheduler.update(plan)
         return [self._accept(request, token) for request, token in zip(rows, sampled, strict=True)]
 
+    def _nothing_scheduled(self, plan: StepPlan) -> list[Chunk]:
+        if plan.preempted or not (self.scheduler.num_running or self.scheduler.num_waiting):
+            return []
+        if self.remote is not None and self.scheduler.remote_pending:
+            # the waiting requests need pages or max_num_seqs slots held by requests on prefill nodes
+            self._stalled = True
+            return []
+        raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
+
+    def _step_overlapped(self) -> list[Chunk]:
+        """Schedule and launch step N+1 while step N may still run on the device, then read N's tokens.
+
+        N's sampled tokens stand as PLACEHOLDERs in `token_ids` (so the scheduler gives each such request its
+        decode token) and reach N+1's input ids on the device (the runner's Carry). The host then waits for N's
+        tokens only (not for N+1), accepts them (detokenize, stop checks, finish), and only then runs
+        `Scheduler.update` for N+1, so the pages it commits to the prefix cache hash real tokens. A request that
+        finished at N was scheduled in N+1 too: that token is dropped (its pages are freed at once; N+1's late
+        writes into them come before any later step's on the same stream)."""
+        prev, self._inflight = self._inflight, None
+        chunks: list[Chunk] = []
+        if prev is not None and not all(_lag_safe(r) for r in prev.rows):
+            chunks, prev = self._resolve(prev), None  # their next draw reads the host's tokens: settle them first
+        plan = self.scheduler.schedule()
+        if plan:
+            self._counters["steps"] += 1
+            self._inflight = self._launch(plan, prev)
+        elif prev is None:
+            return chunks + self._nothing_scheduled(plan)
+        if prev is not None:
+            chunks += self._resolve(prev)
+        if self._inflight is not None:
+            self.scheduler.update(self._inflight.plan)
+        return chunks
+
+    def _launch(self, plan: StepPlan, prev: _InFlight | None) -> _InFlight:
+        rows = [s.request for s in plan.scheduled if s.samples]
+        logits = self.runner.run(plan, prev.carry() if prev is not None else None)
+        sample = self.sampler.launch(logits, [r.sampling for r in rows]) if rows else None
+        slots = []
+        for request in rows:
+            request.token_ids.append(PLACEHOLDER)
+            slots.append(request.num_tokens - 1)
+        return _InFlight(plan, rows, slots, sample)
+
+    def _resolve(self, step: _InFlight) -> list[Chunk]:
+        """Read an overlapped step's tokens and accept them; requests finished since it launched drop theirs."""
+        if step.sample is None:
+            return []
+        tokens = step.sample.resolve()
+        return [self._accept(request, token, at) for request, at, token in zip(step.rows, step.slots, tokens,
+                                                                                strict=True)
+                if not request.is_finished]
+
     def _accept_all(self, request: Request, tokens: list[SampledToken]) -> list[Chunk]:
         """The tokens a verify step emitted, in order, until the request finishes."""
         chunks = []
@@ -275,10 +351,16 @@ class EngineCore:
                 break
         return chunks
 
-    def _accept(self, request: Request, token: SampledToken) -> Chunk:
-        """Append a sampled token; detokenize; decide whether the request is done."""
+    def _accept(self, request: Request, token: SampledToken, at: int | None = None) -> Chunk:
+        """Append a sampled token (or put it at `at`, its PLACEHOLDER); detokenize; decide whether the request is
+        done."""
         tid = token.token_id
-        request.append_token(tid)
+        if at is None:
+            request.append_token(tid)
+        else:
+            request.token_ids[at] = tid
+            if request.sampling is not None:
+                request.sampling.output_token_ids.append(tid)
         self._counters["generation_tokens"] += 1
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
@@ -292,7 +374,7 @@ class EngineCore:
             text, stopped = request.text.push(tid)
             if stopped is not None:
                 reason = "stop"
-        if reason is None and request.num_tokens >= request.max_total_tokens:
+        if reason is None and (request.num_tokens if at is None else at + 1) >= request.max_total_tokens:
             reason = "length"
         if reason is None:
             return Chunk(request.request_id, text, [tid], None, logprobs)
@@ -300,6 +382,8 @@ class EngineCore:
 
     def _finish(self, request: Request, reason: FinishReason, text: str, token_ids: list[int],
                 logprobs: list[SampledToken] | None = None, error: Exception | None = None) -> Chunk:
+        while request.token_ids[-1] == PLACEHOLDER:  # the token of a step still in flight: dropped
+            request.token_ids.pop()
         for hook in self.finish_hooks:
             hook(request, reason)
         self.scheduler.finish(request, reason)

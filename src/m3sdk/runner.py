@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from m3sdk.attention.base import AttentionMetadata
+from m3sdk.attention.base import AttentionMetadata, to_device
 from m3sdk.cache.manager import CacheManager
 from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 from m3sdk.scheduler.base import StepPlan
+
+# Stands in `Request.token_ids` for a token sampled by the step still running on the device (overlapped steps).
+PLACEHOLDER = -1
+
+
+class Carry(NamedTuple):
+    """The previous step's sampled tokens, still on the device: `rows[id(request)]` is the request's row."""
+
+    tokens: torch.Tensor
+    rows: dict[int, int]
 
 
 class ModelRunner:
@@ -20,37 +31,44 @@ class ModelRunner:
         self.device = device
         self.graphs: DecodeGraphs | None = None  # captured decode/verify steps (m3sdk/graphs.py): the core sets it
 
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, carry: Carry | None = None) -> torch.Tensor | None:
         """Write every scheduled token's K/V (and index keys) and return float32 logits [N, vocab], one row per
-        request that samples, in plan order (None when none samples, e.g. all are mid-prefill chunks)."""
-        return self.forward(plan)[0]
+        request that samples, in plan order (None when none samples, e.g. all are mid-prefill chunks).
+        `carry`: the overlapped step's tokens still on the device (see `Carry`)."""
+        return self.forward(plan, carry=carry)[0]
 
-    def forward(self, plan: StepPlan, num_logits: Sequence[int] | None = None, aux_layers: Sequence[int] = ()
-                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    def forward(self, plan: StepPlan, num_logits: Sequence[int] | None = None, aux_layers: Sequence[int] = (),
+                carry: Carry | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """`run` with what speculative decoding needs: logits at the last `num_logits[i]` positions of entry i
         (default: 1 if it samples, else 0), and (hidden [T, H], aux [T, len(aux_layers) * H] or None) of every
         scheduled token."""
+        dst: list[int] = []
+        src: list[int] = []
         ids: list[int] = []
         counts, context_lens, tables, logits_rows = [], [], [], []
         for i, (request, n, samples) in enumerate(plan.scheduled):
             start = request.num_computed_tokens
             ids += request.token_ids[start:start + n]
+            if carry is not None and ids[-1] == PLACEHOLDER:  # sampled by the step still running: on the device
+                dst.append(len(ids) - 1)
+                src.append(carry.rows[id(request)])
             counts.append(n)
             context_lens.append(start + n)
             tables.append(self.cache.page_table(request))
             m = int(samples) if num_logits is None else num_logits[i]
             logits_rows.extend(range(len(ids) - m, len(ids)))
         meta = AttentionMetadata.build(counts, context_lens, tables, device=self.device)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        input_ids = to_device(ids, torch.int64, self.device)
+        if dst:
+            input_ids[to_device(dst, torch.int64, self.device)] = carry.tokens[to_device(src, torch.int64, self.device)]
         q = self.graphs.query_len(meta, aux_layers) if self.graphs is not None and logits_rows else None
         if q is not None:
             # sequences shorter than q are padded inside the graph: each token's row there, when any is
-            dest = None if len(ids) == len(counts) * q else torch.tensor(
-                [i * q + j for i, n in enumerate(counts) for j in range(n)], dtype=torch.int64, device=self.device)
-            rows = None if len(logits_rows) == len(ids) else torch.tensor(logits_rows, dtype=torch.int64,
-                                                                          device=self.device)
+            dest = None if len(ids) == len(counts) * q else to_device(
+                [i * q + j for i, n in enumerate(counts) for j in range(n)], torch.int64, self.device)
+            rows = None if len(logits_rows) == len(ids) else to_device(logits_rows, torch.int64, self.device)
             hidden, logits, aux = self.graphs.run(input_ids, meta, q, dest, rows)
             return logits, hidden, aux
-        indices = torch.tensor(logits_rows, dtype=torch.int64, device=self.device) if logits_rows else None
+        indices = to_device(logits_rows, torch.int64, self.device) if logits_rows else None
         hidden, logits, *aux = self.model(input_ids, meta, self.cache.kv, indices, aux_layers)
         return logits, hidden, aux[0] if aux else None

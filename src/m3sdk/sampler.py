@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from m3sdk.attention.base import to_device
 from m3sdk.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -98,7 +99,7 @@ def _rows(selected: list[int], n: int, device: torch.device) -> _Rows | None:
         return None
     if len(selected) == n:
         return slice(None)
-    return torch.tensor(selected, dtype=torch.long, device=device)
+    return to_device(selected, torch.long, device)
 
 
 def _update(x: torch.Tensor, rows: _Rows, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -106,7 +107,7 @@ def _update(x: torch.Tensor, rows: _Rows, fn: Callable[[torch.Tensor], torch.Ten
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return to_device(values, torch.float32, device).unsqueeze(1)
 
 
 def apply_penalties(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
@@ -150,7 +151,7 @@ def apply_truncation(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     sel = [i for i, p in enumerate(params) if 0 < p.top_k < vocab and not p.greedy]
     if (rows := _rows(sel, n, dev)) is not None:
         ks = [params[i].top_k for i in sel]
-        k = torch.tensor(ks, device=dev).unsqueeze(1)
+        k = to_device(ks, torch.long, dev).unsqueeze(1)
 
         def top_k(v: torch.Tensor) -> torch.Tensor:
             kth = v.topk(max(ks), dim=1).values.gather(1, k - 1)
@@ -212,8 +213,13 @@ class Sampler:
         # Exp(1) can round to 0: keep the ratio finite (a removed token has p = 0 and must stay at 0)
         return probs.div_(q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=1)
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> list[SampledToken]:
+        return self.launch(logits, states).resolve()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> PendingSample:
+        """Queue the sampling of every row on the logits' device without waiting for it: the tokens stay on the
+        device (the overlapped engine step feeds them to the next forward) and `resolve()` reads them back."""
         n = logits.shape[0]
         assert n == len(states), f"{n} logits rows for {len(states)} states"
         dev = logits.device
@@ -225,14 +231,11 @@ class Sampler:
         # top-n logprobs before truncation (the sampled token's own logprob is read after: truncation never
         # changes the logit of a token that survives it, and the sampled token did)
         want = [i for i, s in enumerate(states) if s.params.logprobs]
-        top: dict[int, list[tuple[int, float]]] = {}
+        top_vals = top_ids = None
         if (rows := _rows(want, n, dev)) is not None:
             nmax = min(max(states[i].params.logprobs for i in want), x.shape[1])
-            vals, ids = x[rows].topk(nmax, dim=1)
-            vals = (vals - logz[rows].unsqueeze(1)).tolist()
-            for j, i in enumerate(want):
-                k = states[i].params.logprobs
-                top[i] = list(zip(ids[j, :k].tolist(), vals[j][:k], strict=True))
+            top_vals, top_ids = x[rows].topk(nmax, dim=1)
+            top_vals = top_vals - logz[rows].unsqueeze(1)
 
         tokens = torch.empty(n, dtype=torch.long, device=dev)
         greedy = [i for i, s in enumerate(states) if s.params.greedy]
@@ -244,8 +247,48 @@ class Sampler:
             apply_truncation(xr, [states[i].params for i in rand])
             tokens[rows] = self._draw(xr.softmax(dim=1), [states[i].generator_seed() for i in rand])
 
-        logprobs = (x.gather(1, tokens.unsqueeze(1)).squeeze(1) - logz).tolist()
+        logprobs = x.gather(1, tokens.unsqueeze(1)).squeeze(1) - logz
+        logprob_counts = [s.params.logprobs for s in states]
+        return PendingSample(tokens, _HostCopy(tokens, logprobs, top_vals, top_ids), want, logprob_counts)
+
+
+class _HostCopy:
+    """Device tensors copied to pinned host memory without blocking the host; `get()` waits for the copy only
+    (a plain `.tolist()` would wait for everything queued on the stream, e.g. the next step's forward)."""
+
+    def __init__(self, *tensors: torch.Tensor | None):
+        if tensors[0].device.type != "cuda":
+            self.tensors, self.event = tensors, None
+            return
+        self.tensors = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                             .copy_(t, non_blocking=True) for t in tensors)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def get(self) -> tuple[torch.Tensor | None, ...]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tensors
+
+
+@dataclass
+class PendingSample:
+    """A launched sampling: `tokens` int64[N] on the device now, the SampledTokens once `resolve()` is called."""
+
+    tokens: torch.Tensor
+    _host: _HostCopy
+    _want: list[int]
+    _logprob_counts: list[int | None]
+
+    def resolve(self) -> list[SampledToken]:
+        tokens, logprobs, top_vals, top_ids = self._host.get()
+        top: dict[int, list[tuple[int, float]]] = {}
+        if top_vals is not None:
+            vals, ids = top_vals.tolist(), top_ids.tolist()
+            for j, i in enumerate(self._want):
+                k = self._logprob_counts[i]
+                top[i] = list(zip(ids[j][:k], vals[j][:k], strict=True))
         return [
-            SampledToken(tok, lp, top.get(i, [] if states[i].params.logprobs == 0 else None))
-            for i, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs, strict=True))
+            SampledToken(tok, lp, top.get(i, [] if self._logprob_counts[i] == 0 else None))
+            for i, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=True))
         ]

@@ -46,11 +46,12 @@ def load_model_config(path):
     return ModelConfig.from_pretrained(path)
 
 
-async def _greedy(path, **config) -> tuple[list[list[int]], list]:
+async def _greedy(path, **config) -> tuple[list[list[int]], list, int]:
     async with Engine(model=str(path), kv_cache_memory=8 << 20, max_model_len=256, max_num_seqs=4, **config) as e:
         outs = await asyncio.gather(*[e.generate(p, max_tokens=10, temperature=0) for p in PROMPTS])
         procs = list(e._core.stop_hooks[0].__self__.procs) if config.get("tensor_parallel_size", 1) > 1 else []
-    return [o.token_ids for o in outs], procs
+        head_rows = e._core.runner.model.lm_head.weight.shape[0]
+    return [o.token_ids for o in outs], procs, head_rows
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +60,15 @@ def single_rank_tokens(engine_checkpoint):
     return asyncio.run(_greedy(engine_checkpoint))[0]
 
 
-@pytest.mark.parametrize("expert_parallel", [True, False])
-def test_two_ranks_give_the_same_greedy_tokens(expert_parallel, engine_checkpoint, single_rank_tokens):
+@pytest.mark.parametrize(("expert_parallel", "overlap"), [(True, False), (False, False), (True, True)])
+def test_two_ranks_give_the_same_greedy_tokens(expert_parallel, overlap, engine_checkpoint, single_rank_tokens):
+    """lm_head is vocab-parallel (each rank holds half its rows; the logits are all-gathered), also when the
+    engine overlaps its steps."""
     torch.set_num_threads(1)
-    tokens, procs = asyncio.run(_greedy(engine_checkpoint, tensor_parallel_size=2, expert_parallel=expert_parallel))
+    tokens, procs, head_rows = asyncio.run(_greedy(engine_checkpoint, tensor_parallel_size=2,
+                                                   expert_parallel=expert_parallel, overlap_scheduling=overlap))
     assert tokens == single_rank_tokens
+    assert head_rows == -(-load_model_config(engine_checkpoint).vocab_size // 2)
     assert [p.returncode for p in procs] == [0]  # the worker left cleanly at shutdown
 
 

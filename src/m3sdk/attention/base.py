@@ -20,6 +20,16 @@ if TYPE_CHECKING:
 PAGE_SIZE = 16
 
 
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a tensor on `device` without blocking the host: to a GPU through pinned memory and a
+    non-blocking copy (`torch.tensor(..., device="cuda")` waits for the whole stream, which would stall the
+    overlapped engine step behind the forward still running)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # int64 [T]
@@ -48,11 +58,11 @@ class AttentionMetadata:
         # entries past a sequence's pages are unspecified by the contract: pad with 0 (a real page)
         table = [list(p) + [0] * (width - len(p)) for p in page_tables]
         return cls(
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(list(context_lens), dtype=torch.int32, device=device),
-            page_table=torch.tensor(table, dtype=torch.int32, device=device).view(len(table), width),
+            positions=to_device(positions, torch.int64, device),
+            slot_mapping=to_device(slots, torch.int64, device),
+            cu_seqlens_q=to_device(cu, torch.int32, device),
+            context_lens=to_device(list(context_lens), torch.int32, device),
+            page_table=to_device(table, torch.int32, device).view(len(table), width),
             max_seqlen_q=max(num_new_tokens, default=0),
             max_context_len=max(context_lens, default=0),
         )

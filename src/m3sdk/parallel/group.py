@@ -4,9 +4,10 @@ Design (docs/serving.md): only rank 0 schedules. A forward pre-hook on rank 0's 
 to the workers: a small header (token count, batch, page-table width, host ints, aux layers) goes over a pipe,
 then the step's integer inputs (token ids, positions, slots, cu_seqlens, context lengths, page table) go as one
 int64 tensor broadcast over the process group (NCCL between GPUs, gloo on a CPU), and every rank runs the same
-forward. All-reduces after o_proj and after each MLP/MoE make the hidden states identical on every rank, so rank 0
-alone computes the logits and samples. Workers hold their own KV pool of the same page count (its spec comes
-over the pipe before the first step) and never see requests.
+forward. All-reduces after o_proj and after each MLP/MoE make the hidden states identical on every rank; lm_head is
+split over the vocabulary (sharding.VocabParallelHead), so every rank computes its slice of the logits at the
+step's logits indices (broadcast too) and an all-gather joins them; rank 0 alone samples. Workers hold their own
+KV pool of the same page count (its spec comes over the pipe before the first step) and never see requests.
 
 Workers are started with `python -m m3sdk.parallel.worker` (not multiprocessing's spawn, which would re-run the
 application's main module), and talk to rank 0 over an inherited socket pair. One tensor-parallel engine per
@@ -67,18 +68,24 @@ def add_all_reduces(model: MiniMaxM3ForCausalLM) -> None:
         layer.mlp.register_forward_hook(all_reduce)
 
 
-def pack_step(input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def pack_step(input_ids: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor | None) -> torch.Tensor:
+    indices = [] if logits_indices is None else [logits_indices.long()]
     return torch.cat([input_ids, meta.positions, meta.slot_mapping, meta.cu_seqlens_q.long(), meta.context_lens.long(),
-                      meta.page_table.long().flatten()])
+                      meta.page_table.long().flatten(), *indices])
 
 
-def unpack_step(payload: torch.Tensor, t: int, b: int, width: int, max_seqlen_q: int, max_context_len: int
-                ) -> tuple[torch.Tensor, AttentionMetadata]:
-    ids, pos, slots, cu, ctx, table = payload.split([t, t, t, b + 1, b, b * width])
+def step_numel(t: int, b: int, width: int, n_logits: int) -> int:
+    return 3 * t + 2 * b + 1 + b * width + max(n_logits, 0)
+
+
+def unpack_step(payload: torch.Tensor, t: int, b: int, width: int, max_seqlen_q: int, max_context_len: int,
+                n_logits: int) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+    """`n_logits` -1: the step computes no logits (rank 0 passed logits_indices None)."""
+    ids, pos, slots, cu, ctx, table, indices = payload.split([t, t, t, b + 1, b, b * width, max(n_logits, 0)])
     meta = AttentionMetadata(positions=pos, slot_mapping=slots, cu_seqlens_q=cu.int(), context_lens=ctx.int(),
                              page_table=table.int().view(b, width), max_seqlen_q=max_seqlen_q,
                              max_context_len=max_context_len)
-    return ids, meta
+    return ids, meta, indices if n_logits >= 0 else None
 
 
 class TensorParallel:
@@ -139,11 +146,12 @@ class TensorParallel:
         if kv is not self._kv:
             self._send((KV, dataclasses.replace(kv.spec, device="cpu")))
             self._kv = kv
+        indices = call.get("logits_indices")
         b, width = meta.page_table.shape
         header = (input_ids.shape[0], b, width, meta.max_seqlen_q, meta.max_context_len,
-                  tuple(call.get("aux_layers") or ()))
+                  tuple(call.get("aux_layers") or ()), -1 if indices is None else indices.shape[0])
         self._send((STEP, header))
-        dist.broadcast(pack_step(input_ids, meta), src=0)
+        dist.broadcast(pack_step(input_ids, meta, indices), src=0)
 
     def _send(self, message: tuple) -> None:
         for conn in self.conns:

@@ -7,7 +7,9 @@ A rank of N holds (docs/serving.md):
 - dense MLP and shared expert: gate rows and up rows of its 1/N of the intermediate, down_proj's matching columns;
 - routed experts: whole experts [r*E/N, (r+1)*E/N) with `expert_parallel`, else 1/N of every expert's
   intermediate (like the dense MLP);
-- everything else whole: embeddings, norms, the router and its bias, lm_head.
+- lm_head: vocabulary rows [r*m, (r+1)*m), m = ceil(V/N) (VocabParallelHead: each rank computes its slice of
+  the logits, an all-gather joins them), so no rank reads the whole head (2.46 GB at M3's width);
+- everything else whole: embeddings, norms, the router and its bias.
 So the rank's attention output after o_proj and its MLP/MoE output are partial sums: one all-reduce each.
 
 The rank's model is the ordinary MiniMaxM3ForCausalLM built from `local_config` (fewer heads, narrower MLPs); with
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 
 from m3sdk.errors import CheckpointError
@@ -46,6 +49,12 @@ class Shard:
     def span(self, total: int) -> tuple[int, int]:
         """This rank's [start, end) of `total` items split evenly."""
         n = total // self.world
+        return self.rank * n, (self.rank + 1) * n
+
+    def span_ceil(self, total: int) -> tuple[int, int]:
+        """This rank's [start, end) of `total` items in blocks of ceil(total / N) (the last one may run past
+        `total`: padding)."""
+        n = -(-total // self.world)
         return self.rank * n, (self.rank + 1) * n
 
 
@@ -92,6 +101,9 @@ def _gate_up(inter: int, shard: Shard) -> list[Piece]:
 def param_pieces(name: str, config: ModelConfig, shard: Shard) -> tuple[int, list[Piece]] | None:
     """(dimension, pieces) of full-model parameter `name` that this rank holds, or None when held whole."""
     c = config
+    if name == "lm_head.weight":
+        start, _ = shard.span_ceil(c.vocab_size)
+        return 0, [(start, min(start + -(-c.vocab_size // shard.world), c.vocab_size), 0)]
     parts = name.split(".")
     if parts[0] != "layers":
         return None
@@ -184,6 +196,24 @@ class ExpertParallelMoE(SparseMoE):
         return routed * self.scaling + shared
 
 
+class VocabParallelHead(torch.nn.Module):
+    """lm_head over this rank's vocabulary rows (rows past V on the last rank are zeros): the local logits
+    [N, ceil(V/N)] of every rank are all-gathered, so every rank returns the full [N, V] (each rank reads 1/N of
+    the head; the gather moves N x V logits, 13 MB at batch 64 and M3's vocabulary)."""
+
+    def __init__(self, hidden: int, vocab: int, shard: Shard, dtype: torch.dtype):
+        super().__init__()
+        self.vocab, self.world = vocab, shard.world
+        self.weight = torch.nn.Parameter(torch.empty(-(-vocab // shard.world), hidden, dtype=dtype),
+                                         requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = torch.nn.functional.linear(x, self.weight)
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts, dim=-1)[:, :self.vocab]
+
+
 def build_local_model(config: ModelConfig, shard: Shard, dtype: torch.dtype, attn_backend: str
                       ) -> MiniMaxM3ForCausalLM:
     """The rank's model on the meta device (weights unallocated)."""
@@ -192,6 +222,7 @@ def build_local_model(config: ModelConfig, shard: Shard, dtype: torch.dtype, att
         if shard.expert_parallel:
             for i in config.moe_layers:
                 model.layers[i].mlp = ExpertParallelMoE(config, shard, dtype)
+        model.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, shard, dtype)
     model.requires_grad_(False)
     return model
 
@@ -214,8 +245,7 @@ def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype
 
     model = build_local_model(config, shard, dtype, attn_backend)
     model.to_empty(device=device)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model.lm_head.weight.zero_()  # the last rank's padding rows past the vocabulary
     params = dict(model.named_parameters())
     handles = {}
     for name, target in expected.items():
@@ -228,6 +258,10 @@ def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype
         source = handles[files[name]].get_slice(name)
         for src, local in plan:
             _copy(source, src, params[target.param][local])
+    if config.tie_word_embeddings:  # the head is this rank's rows of the embeddings
+        start, end = shard.span_ceil(config.vocab_size)
+        rows = model.embed_tokens.weight[start:min(end, config.vocab_size)]
+        model.lm_head.weight[:rows.shape[0]].copy_(rows)
     return model.eval()
 
 

@@ -15,7 +15,18 @@ import torch
 import torch.distributed as dist
 
 from m3sdk.cache.kv_pool import KVPool
-from m3sdk.parallel.group import ERROR, HELLO, KV, READY, STEP, STOP, add_all_reduces, init_distributed, unpack_step
+from m3sdk.parallel.group import (
+    ERROR,
+    HELLO,
+    KV,
+    READY,
+    STEP,
+    STOP,
+    add_all_reduces,
+    init_distributed,
+    step_numel,
+    unpack_step,
+)
 from m3sdk.parallel.sharding import Shard, load_shard
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
@@ -45,11 +56,11 @@ def serve(spec: dict, conn: Connection) -> None:
         if kind == KV:
             kv = KVPool(dataclasses.replace(body, device=device))
         elif kind == STEP:
-            t, b, width, max_seqlen_q, max_context_len, aux_layers = body
-            payload = torch.empty(3 * t + 2 * b + 1 + b * width, dtype=torch.int64, device=device)
+            t, b, width, max_seqlen_q, max_context_len, aux_layers, n_logits = body
+            payload = torch.empty(step_numel(t, b, width, n_logits), dtype=torch.int64, device=device)
             dist.broadcast(payload, src=0)
-            input_ids, meta = unpack_step(payload, t, b, width, max_seqlen_q, max_context_len)
-            model(input_ids, meta, kv, None, aux_layers)
+            input_ids, meta, indices = unpack_step(payload, t, b, width, max_seqlen_q, max_context_len, n_logits)
+            model(input_ids, meta, kv, indices, aux_layers)  # with indices: its part of lm_head's all-gather
     dist.destroy_process_group()
 
 

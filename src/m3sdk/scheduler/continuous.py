@@ -115,6 +115,8 @@ class ContinuousScheduler:
 
     def update(self, plan: StepPlan) -> None:
         for request, n, _ in plan.scheduled:
+            if request.is_finished:  # finished while an overlapped step ran (its pages are freed already)
+                continue
             request.num_computed_tokens += n
             self.cache.commit(request)
 

@@ -1,0 +1,148 @@
+"""Overlapped steps (EngineConfig.overlap_scheduling) change no output: greedy, seeded and penalized sampling,
+logprobs, stop strings, max_tokens, aborts, preemption and the prefix cache give what the synchronous loop gives,
+and every page ends free. On the CPU the overlap is only a structure (torch ops are synchronous); these tests
+prove its bookkeeping: the host lags one step, and a request that finished drops its extra token."""
+
+import asyncio
+import random
+
+from m3sdk import Engine
+from m3sdk.core import EngineCore
+from m3sdk.request import Request
+from m3sdk.runner import PLACEHOLDER
+from m3sdk.sampler import SamplingState
+
+PROMPT_LENS = (5, 30, 47, 61, 12, 38)
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def engine(checkpoint, overlap: bool, **overrides) -> Engine:
+    config = dict(model=str(checkpoint), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8,
+                  max_num_batched_tokens=32, kv_cache_memory=1 << 22, overlap_scheduling=overlap)
+    return Engine(**{**config, **overrides})
+
+
+def assert_all_pages_free(e: Engine) -> None:
+    stats = e.stats()
+    assert stats["pages_free"] == stats["pages_total"] and stats["running"] == stats["waiting"] == 0
+    assert all(n == 0 for n in e._core.cache.pool.ref_counts)
+
+
+def outcome(c) -> tuple:
+    logprobs = None if c.logprobs is None else [(t.token_id, round(t.logprob, 4), t.top_logprobs and
+                                                 [(i, round(v, 4)) for i, v in t.top_logprobs]) for t in c.logprobs]
+    return c.token_ids, c.text, c.finish_reason, c.usage.completion_tokens, logprobs
+
+
+async def mixed_run(checkpoint, overlap: bool, stop: str, **overrides) -> tuple[list[tuple], dict]:
+    ps = prompts(0)
+    kinds = [dict(temperature=0, max_tokens=14, ignore_eos=True),
+             dict(temperature=0, max_tokens=3, ignore_eos=True),  # finishes early: its next token is dropped
+             dict(temperature=0, max_tokens=20, stop=[stop], ignore_eos=True),
+             dict(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True),
+             dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=10, ignore_eos=True),
+             dict(temperature=0, max_tokens=9, logprobs=3, ignore_eos=True)]
+    async with engine(checkpoint, overlap, **overrides) as e:
+        assert e._core.overlap is overlap
+        done = await asyncio.gather(*[e.generate(p, **k) for p, k in zip(ps, kinds, strict=True)])
+        assert_all_pages_free(e)
+        stats = e.stats()
+    return [outcome(c) for c in done], stats
+
+
+async def test_overlap_gives_the_same_outputs_as_the_synchronous_loop(engine_checkpoint):
+    async with engine(engine_checkpoint, False) as e:  # a stop string that the third request's output contains
+        ref = await e.generate(prompts(0)[2], temperature=0, max_tokens=20, ignore_eos=True)
+    stop = ref.text[6:8]
+    sync, sync_stats = await mixed_run(engine_checkpoint, False, stop)
+    overlap, overlap_stats = await mixed_run(engine_checkpoint, True, stop)
+    assert overlap == sync
+    assert sync[1][2] == "length" and len(sync[1][0]) == 3
+    assert sync[2][2] == "stop" and len(sync[2][0]) < 20
+    assert overlap_stats["generation_tokens"] == sync_stats["generation_tokens"]
+    assert overlap_stats["requests_finished"] == 6
+
+
+async def test_overlap_under_preemption_keeps_outputs_and_frees_every_page(engine_checkpoint):
+    page_bytes = 4 * 2 * 2 * 16 * 16 * 4 + 2 * 16 * 16 * 4
+    ps = prompts(1)
+    runs = []
+    for overlap in (False, True):
+        async with engine(engine_checkpoint, overlap, kv_cache_memory=8 * page_bytes) as e:
+            done = await asyncio.gather(*[e.generate(p, temperature=0, max_tokens=14, ignore_eos=True) for p in ps])
+            assert e.stats()["preemptions"] > 0
+            assert_all_pages_free(e)
+        runs.append([c.token_ids for c in done])
+    assert runs[0] == runs[1]
+
+
+async def test_overlap_prefix_cache_commits_real_tokens(engine_checkpoint):
+    """Pages committed while a later step is in flight hash the real tokens, not the placeholder: a prompt that
+    repeats a finished request's prompt and output hits the cache past the prompt."""
+    p = prompts(2)[3]  # 61 tokens
+    async with engine(engine_checkpoint, True) as e:
+        first = await e.generate(p, temperature=0, max_tokens=20, ignore_eos=True)
+        again = await e.generate(p + first.token_ids, temperature=0, max_tokens=5, ignore_eos=True)
+        assert_all_pages_free(e)
+    assert again.usage.cached_prompt_tokens == 80  # 5 full pages: 61 prompt + 19 generated tokens written
+    async with engine(engine_checkpoint, False, enable_prefix_caching=False) as e:
+        ref = await e.generate(p + first.token_ids, temperature=0, max_tokens=5, ignore_eos=True)
+    assert again.token_ids == ref.token_ids
+
+
+async def test_overlap_aborts_free_every_page(engine_checkpoint):
+    ps = prompts(3) * 4
+    rng = random.Random(0)
+
+    async def consume(e: Engine, p: list[int]) -> list[int]:
+        got: list[int] = []
+        stop_after = rng.randrange(0, 6)
+        async for chunk in e.stream(p, temperature=0, max_tokens=12, ignore_eos=True):
+            got += chunk.token_ids
+            if len(got) > stop_after:
+                break
+        return got
+
+    async with engine(engine_checkpoint, False) as e:
+        full = [c.token_ids for c in await asyncio.gather(
+            *[e.generate(p, temperature=0, max_tokens=12, ignore_eos=True) for p in ps])]
+    async with engine(engine_checkpoint, True) as e:
+        partial = await asyncio.gather(*[consume(e, p) for p in ps])
+        for _ in range(100):  # the aborts reach the engine thread after the streams end
+            if e.stats()["running"] == e.stats()["waiting"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert_all_pages_free(e)
+        assert e.stats()["requests_aborted"] > 0
+    for got, ref in zip(partial, full, strict=True):
+        assert got == ref[:len(got)]
+
+
+def test_host_bookkeeping_lags_one_step(engine_checkpoint):
+    """Driven by hand: the step that computes a prompt returns no token (it is still a placeholder); the next step
+    returns it while its own token is in flight; a request that reached max_tokens drops the extra one."""
+    from m3sdk import EngineConfig, SamplingParams
+    from m3sdk.tokenizer import TextStream
+
+    core = EngineCore.build(EngineConfig(model=str(engine_checkpoint), device="cpu", dtype="float32",
+                                         max_model_len=128, kv_cache_memory=1 << 22, overlap_scheduling=True))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    prompt = prompts(4)[1]
+    request = Request("r", prompt, params, len(prompt) + 2)
+    request.sampling = SamplingState(params, prompt)
+    request.text = TextStream(core.tokenizer, params, prompt)
+    core.scheduler.add(request)
+    assert core.step() == []
+    assert request.token_ids[-1] == PLACEHOLDER and request.num_tokens == len(prompt) + 1
+    first = core.step()
+    assert [c.finish_reason for c in first] == [None] and request.token_ids[-2] != PLACEHOLDER
+    assert request.token_ids[-1] == PLACEHOLDER  # step 2's token, in flight
+    last = core.step()  # reads the second token (length), while a third step ran for it: dropped
+    assert [c.finish_reason for c in last] == ["length"] and request.num_output_tokens == 2
+    assert PLACEHOLDER not in request.token_ids
+    assert core.step() == []
+    assert core.cache.stats()["pages_free"] == core.cache.stats()["pages_total"]
