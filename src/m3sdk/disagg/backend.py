@@ -59,7 +59,8 @@ class EngineBackend:
         if config.tensor_parallel_size != 1:
             raise ValueError("a prefill node runs with tensor_parallel_size=1 (pages of other ranks are not sent)")
         factory = functools.partial(_ReportingScheduler, on_plan=self._on_plan)
-        self.core = EngineCore.build(config.replace(scheduler=factory))
+        # no overlapped steps: the step after a prompt's last chunk would run (and pack) it a second time
+        self.core = EngineCore.build(config.replace(scheduler=factory, overlap_scheduling=False))
         self.compat = CompatInfo.from_spec(self.core.cache.kv.spec, model_fingerprint(config.model_path()))
         self.vocab_size = self.core.vocab_size
         self.rows = wire.page_rows(self.core.cache.kv)
