@@ -272,7 +272,7 @@ def indexer_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> Non
         nbytes = batch * ctx * DI * cache.element_size()
         rows.append({"kernel": "indexer decode", "shape": f"b{batch} ctx {ctx // 1024}K", "kv": key, "layout": "-",
                      "ms": t, "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t / 1e9,
-                     "peer": "torch bmm+amax+topk bf16", "peer_ms": t_peer})
+                     "peer": "torch bmm+amax+topk bf16", "peer_ms": t_peer, "tiles": tiles_tag()})
 
 
 def flex_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
