@@ -11,14 +11,21 @@ OUT/serving.jsonl and prints them):
              expert the batch picked, lm_head; the FP8 KV it attends to: all of a dense layer's, the selected
              16 x 128 keys per KV group of a sparse layer, plus all index keys) over the read bandwidth measured
              in the same process. Also checks a graph replay against the eager forward (same step, same cache).
+             --quantization fp8: FP8 W8A8 attention projections, dense MLP and shared expert (m3sdk/model/quantize.py);
+             routed experts, router and lm_head stay bf16, and the roofline counts each at the bytes it is stored in
+             (the record's `weights_by_dtype` says which).
+  engine     the real engine under load (m3sdk.bench's run_load, metrics under vLLM's names) on one loaded engine per
+             --tp value: fixed concurrency --concurrency, overlap_scheduling on vs off alternately (and, on TP=1, with
+             the CUDA graphs detached: eager, as TP without graphs runs), after a greedy check that overlap on and
+             off give the same tokens and a warm-up pass that compiles the mixed prefill + decode shapes.
   hf         HF transformers generate of the same slice: decode step time at batch 1 and 16 after a 2048-token
              prompt ((t(9 new tokens) - t(1)) / 8).
-The serving curves come from the real command (`m3sdk bench`), run separately: see docs/perf.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
 import sys
@@ -142,6 +149,15 @@ def step_bytes(model, kv, batch: int, context: int, experts: dict[int, int]) -> 
             "total": weights + head + kv_bytes + index_bytes}
 
 
+def weights_by_dtype(model) -> dict[str, float]:
+    """GB of the model's weights (parameters and buffers) by dtype: what quantization actually changed."""
+    out: dict[str, float] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        key = str(t.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0.0) + t.numel() * t.element_size() / 1e9
+    return out
+
+
 def step_decode(args) -> None:
     import triton
 
@@ -157,7 +173,9 @@ def step_decode(args) -> None:
     t = time.perf_counter()
     model = load_model(args.slice, dev, torch.bfloat16, "triton", quantization=args.quantization)
     torch.cuda.synchronize()
-    record(step="load", seconds=time.perf_counter() - t, quantization=args.quantization)
+    record(step="load", seconds=time.perf_counter() - t, quantization=args.quantization,
+           weights_by_dtype=weights_by_dtype(model), lm_head_dtype=str(model.lm_head.weight.dtype),
+           qkv_dtype=str(model.layers[0].self_attn.qkv_proj.weight.dtype))
     points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
     max_b, max_ctx = max(b for b, _ in points), max(c for _, c in points)
     pages_per_seq = -(-max_ctx // 16) + 1
@@ -193,6 +211,84 @@ def step_decode(args) -> None:
                graph_vs_eager_rel_err=err, graph_vs_eager_argmax_agree=agree, tok_s=batch / t_graph * 1e3)
 
 
+async def _idle(engine) -> None:
+    """Wait until the engine thread has no request and no step in flight (knobs are switched only then)."""
+    core = engine._core
+    while core.scheduler.num_running or core.scheduler.num_waiting or core._inflight is not None:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+
+
+async def _engine_runs(args, tp: int) -> None:
+    from m3sdk import Engine, SamplingParams
+    from m3sdk.bench import compute_metrics, random_requests, run_load
+
+    config = dict(model=str(args.slice), kv_cache_dtype="fp8", max_model_len=args.input_len + args.output_len + 16,
+                  max_num_seqs=max(args.concurrency), kv_cache_memory=4 << 30, tensor_parallel_size=tp,
+                  overlap_scheduling=True)
+    t = time.perf_counter()
+    async with Engine(**config) as e:
+        core = e._core
+        graphs = core.runner.graphs
+        record(step="engine_load", tp=tp, seconds=time.perf_counter() - t, graphs=graphs is not None,
+               lm_head_rows=core.runner.model.lm_head.weight.shape[0])
+        greedy = SamplingParams(temperature=0, ignore_eos=True)
+        # correctness first: 4 equal requests finish in the same step, so both modes run identical batches
+        check = [r.prompt for r in random_requests(4, args.input_len, 1, 0.0, core.vocab_size, 99)]
+        outs = {}
+        for overlap in (False, True):
+            await _idle(e)
+            core.overlap = overlap
+            done = await asyncio.gather(*[e.generate(p, greedy, max_tokens=args.output_len) for p in check])
+            outs[overlap] = [c.token_ids for c in done]
+        record(step="engine_check", tp=tp, overlap_identical=outs[True] == outs[False], tokens=outs[True][0][:8])
+        modes = [(g, ov) for g in ([graphs, None] if graphs is not None and tp == 1 else [graphs])
+                 for ov in (True, False)]
+        seed = 0
+        for concurrency in args.concurrency:
+            requests = random_requests(2 * concurrency, args.input_len, args.output_len, 0.0, core.vocab_size, seed)
+            seed += 1
+            await _idle(e)
+            core.overlap, core.runner.graphs = True, graphs
+            await run_load(e, requests, greedy, max_concurrency=concurrency)  # warm-up: Triton compiles here
+            for g, overlap in modes:
+                if g is None and graphs is not None and concurrency != max(args.concurrency):
+                    continue  # eager only at the TP comparison point
+                await _idle(e)
+                core.overlap, core.runner.graphs = overlap, g
+                steps = core.stats()["steps"]
+                results, duration = await run_load(e, requests, greedy, max_concurrency=concurrency)
+                m = compute_metrics(results, duration)
+                record(step="engine", tp=tp, concurrency=concurrency, overlap=overlap, graphs=g is not None,
+                       input_len=args.input_len, output_len=args.output_len, requests=len(requests),
+                       steps=core.stats()["steps"] - steps, **{k: v for k, v in m.items() if not k.startswith("std")})
+        core.runner.graphs = graphs
+
+
+def step_engine(args) -> None:
+    for tp in args.tp:
+        asyncio.run(_engine_runs(args, tp))
+
+
+def step_table(args) -> None:
+    """The records of OUT/serving.jsonl as two short tables (decode vs roofline; engine runs)."""
+    rows = [json.loads(line) for line in open(OUT / "serving.jsonl")]
+    print("| quant | b x ctx | graph ms | roofline ms | ratio | BW frac | GB read | eager ms | argmax agree |")
+    for r in rows:
+        if r["step"] == "decode":
+            print(f"| {r['quantization']} | {r['batch']}x{r['context']} | {r['graph_ms']:.3f} | {r['roofline_ms']:.3f} "
+                  f"| {r['graph_over_roofline']:.2f} | {r['bandwidth_fraction']:.2f} | {r['bytes']['total'] / 1e9:.2f} "
+                  f"| {r['eager_ms']:.3f} | {r['graph_vs_eager_argmax_agree']:.2f} |")
+    print("| tp | conc | overlap | graphs | out tok/s | TPOT med/p99 ms | ITL med/p99 ms | TTFT med ms | steps |")
+    for r in rows:
+        if r["step"] == "engine":
+            print(f"| {r['tp']} | {r['concurrency']} | {r['overlap']} | {r['graphs']} | {r['output_throughput']:.0f} "
+                  f"| {r['median_tpot_ms']:.2f}/{r['p99_tpot_ms']:.2f} "
+                  f"| {r['median_itl_ms']:.2f}/{r['p99_itl_ms']:.2f} | {r['median_ttft_ms']:.1f} | {r['steps']} |")
+        elif r["step"] in ("engine_check", "load", "engine_load"):
+            print(json.dumps({k: v for k, v in r.items() if k != "step_time"}))
+
+
 def step_hf(args) -> None:
     from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM
 
@@ -221,7 +317,7 @@ def step_hf(args) -> None:
 def main() -> None:
     global OUT
     p = argparse.ArgumentParser()
-    p.add_argument("step", choices=["slice", "decode", "hf"])
+    p.add_argument("step", choices=["slice", "decode", "engine", "hf", "table"])
     p.add_argument("--slice", type=Path, default=Path("/tmp/m3-slice"))
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--dense", type=int, default=1)
@@ -231,13 +327,18 @@ def main() -> None:
     p.add_argument("--points", default="1x2048,16x2048,1x32768,64x32768", help="BATCHxCONTEXT decode points")
     p.add_argument("--quantization", default="none", help="load_model's: none | fp8 (decode step)")
     p.add_argument("--hf-batches", default="1,16")
+    p.add_argument("--tp", type=lambda v: [int(x) for x in v.split(",")], default=[1], help="engine: e.g. 1,2")
+    p.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64])
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=2048)
     args = p.parse_args()
     OUT = args.out
     OUT.mkdir(parents=True, exist_ok=True)
     if args.step == "slice" and args.slice.exists():
         shutil.rmtree(args.slice)
-    {"slice": step_slice, "decode": step_decode, "hf": step_hf}[args.step](args)
+    steps = {"slice": step_slice, "decode": step_decode, "engine": step_engine, "hf": step_hf, "table": step_table}
+    steps[args.step](args)
 
 
 if __name__ == "__main__":
