@@ -196,7 +196,8 @@ class UcxReceive:
         tag = self._plan.tag(unit)
         buf, fut, _ = self._posted[tag]
         try:
-            await fut
+            # shielded: a receive UCX still holds must stay visible to cancel(), which retires it
+            await asyncio.shield(fut)
         except Exception as e:  # truncation (a message larger than posted), endpoint errors
             raise TransportError(f"transfer {self._plan.transfer_id} message {unit}: {e!r}") from e
         if not self._cancelled:
@@ -208,25 +209,53 @@ class UcxReceive:
         count = len(plan.messages)
         for index in range(min(self._window, count)):
             self._post_message(index)
+        if plan.direct:
+            await self._run_direct()
+            return
         for index, msg in enumerate(plan.messages):
-            first = plan.first_unit[index]
-            buf = await self._take(first)
+            buf = await self._take(plan.first_unit[index])
             if self._cancelled:
                 return
             if index + self._window < count:
                 self._post_message(index + self._window)  # before the scatter, so UCX can fill it meanwhile
             try:
-                if plan.direct:
-                    wire.check_header(plan, msg, buf)
-                    await self._receive_parts(msg, first)
-                else:
-                    wire.scatter(plan, msg, self._rows, self._dst, buf)
+                wire.scatter(plan, msg, self._rows, self._dst, buf)
             except wire.WireError as e:
                 raise TransportError(str(e)) from e
-            if self._cancelled:
-                return
             _settle(buf)  # the pages are in place before the transfer counts as done (the engine's own stream)
             self._transport.pool.give(buf)
+
+    async def _run_direct(self) -> None:
+        """Direct messages, `window` at once: a message's parts are posted as soon as its header passed, while
+        the previous message's parts may still be arriving (nothing to copy afterwards: UCX is the only copy)."""
+        plan = self._plan
+        count = len(plan.messages)
+        running: deque[asyncio.Task] = deque()
+        try:
+            for index in range(count):
+                if len(running) >= self._window:
+                    await running.popleft()
+                running.append(asyncio.ensure_future(self._receive_direct(index)))
+            while running:
+                await running.popleft()
+        finally:
+            for task in running:  # a failed message: the others stop (their receives stay for cancel())
+                task.cancel()
+
+    async def _receive_direct(self, index: int) -> None:
+        plan, msg = self._plan, self._plan.messages[index]
+        first = plan.first_unit[index]
+        if index >= self._window:
+            self._post_message(index)
+        head = await self._take(first)
+        if self._cancelled:
+            return
+        try:
+            wire.check_header(plan, msg, head)
+        except wire.WireError as e:
+            raise TransportError(str(e)) from e
+        self._transport.pool.give(head)
+        await self._receive_parts(msg, first)
 
     async def _receive_parts(self, msg: wire.MessageSpec, first: int) -> None:
         """A direct message after its header passed: each part straight into its pages, then the trailer."""
@@ -243,8 +272,12 @@ class UcxReceive:
         self._post(units[-1], tail, msg)
         for unit in units:
             await self._take(unit)
-        if not self._cancelled:
+            if self._cancelled:
+                return
+        try:
             wire.check_trailer(self._plan, msg, tail)
+        except wire.WireError as e:
+            raise TransportError(str(e)) from e
 
     async def wait(self) -> None:
         try:
