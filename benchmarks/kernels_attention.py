@@ -205,15 +205,6 @@ def check_correctness(prefills: tuple[bool, ...] = (False, True), kvs: tuple[str
     return errs
 
 
-def error_bound(mode: str) -> float:
-    """Largest acceptable error of a `check` entry: FP8 decode on the transposed kernel also rounds q and P to
-    e4m3 (1-2 % relative L2 on random data, 4-6 % with FP8_SPLIT 0; tests/kernels/test_paged_attention.py),
-    the rest 2e-2."""
-    if "mismatch" in mode:
-        return 5e-3
-    return 0.05 if "decode_fp8" in mode and "indexer" not in mode else 2e-2
-
-
 def dense_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
     cu, lens = decode_meta(batch, ctx)
     q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
@@ -358,7 +349,7 @@ def tiles_decode_fp8(rows: list, read_bw: float, ctx: int = 32768) -> None:
     """FP8 decode (dense and MSA, plain layout unless --layout says otherwise) under tile variants of the current
     arch's table, set in-process; the defaults are the rows of dense_decode_32k / sparse_decode_32k. SWAP_AB 0 is
     the row-major kernel with its previous settings (the before of the transposed kernel), FP8_SPLIT 0 drops the
-    residue dots (half the MMAs, twice the error), PV_FP8 0 keeps P.V in fp16 over upcast V."""
+    residue dots (half the MMAs; ~2-4e-2 relative L2 instead of ~4e-3), PV_FP8 0 keeps P.V in fp16 over upcast V."""
     name = current_arch().name
     variants = {"attn_decode:fp8": ({"SWAP_AB": 0, "num_stages": 2}, {"FP8_SPLIT": 0}, {"PV_FP8": 0},
                                     {"BLOCK_N": 128}, {"num_stages": 2}, {"num_stages": 4}, {"SPLIT_PROGRAMS": 528},
@@ -476,7 +467,7 @@ def main() -> int:
         ONLY.update(zip(("kv", "layout"), filters, strict=False))
         if step == "check":
             errs = check_correctness()
-            worst = {k: v for k, v in errs.items() if v > error_bound(k)}
+            worst = {k: v for k, v in errs.items() if v > (5e-3 if "mismatch" in k else 2e-2)}
             print("correctness (rel L2 / mismatch fraction):", json.dumps(errs), flush=True)
             record = {"errors": errs}
             if worst:

@@ -260,6 +260,20 @@ def _attn_kernel(
 
 
 @triton.jit
+def _e4m3(x, FP8_MAX: tl.constexpr, QDOT: tl.constexpr):
+    """x (fp32) rounded to e4m3 (to nearest, saturating at FP8_MAX), as a QDOT operand. The interpreter runs the
+    dots in fp32 and its fp32 -> fp8 cast mis-rounds at binade edges (126.5 -> 64), so there the rounding is
+    done by hand: 3 mantissa bits, subnormal below 2^-6 (2^-7 for e4m3fnuz, whose max is 240)."""
+    if QDOT.primitive_bitwidth == 8:
+        y = x.to(QDOT)
+    else:
+        MIN_EXP: tl.constexpr = -6.0 if FP8_MAX > 300 else -7.0
+        step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(x), 1e-30))), MIN_EXP) - 3.0)
+        y = tl.minimum(tl.maximum(tl.floor(x / step + 0.5) * step, -FP8_MAX), FP8_MAX)
+    return y
+
+
+@triton.jit
 def _decode_swap_tile(acc, m_i, l_i, qt, qt_lo, q_scale, start, kv_end, k_base, v_base, ks_base, vs_base, pages_ptr,
                       qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                       X: tl.constexpr, SHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, QDOT: tl.constexpr,
@@ -300,10 +314,10 @@ def _decode_swap_tile(acc, m_i, l_i, qt, qt_lo, q_scale, start, kv_end, k_base, 
     if PV_FP8:
         v_top = tl.maximum(tl.max(vs, 0), 1e-30)
         pw = p * (vs * (FP8_MAX / v_top))[:, None]
-        pt = pw.to(vt.dtype)
-        pv = tl.dot(vt.to(QDOT), pt.to(QDOT))
+        pt = _e4m3(pw, FP8_MAX, QDOT)
+        pv = tl.dot(vt.to(QDOT), pt)
         if LO:
-            pv += tl.dot(vt.to(QDOT), ((pw - pt.to(tl.float32)) * 16.0).to(vt.dtype).to(QDOT)) * 0.0625
+            pv += tl.dot(vt.to(QDOT), _e4m3((pw - pt.to(tl.float32)) * 16.0, FP8_MAX, QDOT)) * 0.0625
         acc = acc * alpha[None, :] + pv * (v_top / FP8_MAX)
     else:
         pt = (p * vs[:, None]).to(tl.float16)
@@ -334,9 +348,9 @@ def _decode_swap_kernel(
                 mask=row_ok[:, None], other=0.0).to(tl.float32)
     q_scale = tl.maximum(tl.max(tl.abs(q), 1), 1e-30) / FP8_MAX  # per head; padded heads quantize to zero
     qw = q / q_scale[:, None]
-    q8 = qw.to(k_cache.dtype.element_ty)
+    q8 = _e4m3(qw, FP8_MAX, QDOT)
     qt = tl.trans(q8.to(QDOT))  # [HEAD_DIM, BLOCK_H]
-    qt_lo = tl.trans(((qw - q8.to(tl.float32)) * 16.0).to(k_cache.dtype.element_ty).to(QDOT))
+    qt_lo = tl.trans(_e4m3((qw - q8.to(tl.float32)) * 16.0, FP8_MAX, QDOT))
     k_base = k_cache + h * stride_ch
     v_base = v_cache + h * stride_ch
     ks_base = k_scale + h * stride_sh

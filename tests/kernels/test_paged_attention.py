@@ -19,21 +19,6 @@ MIXED = ([70, 33, 5, 130], [20, 33, 1, 4])
 MIXED_SPARSE = ([70, 20, 5, 130], [12, 20, 1, 4])  # smaller: the interpreter walks block unions slowly
 
 
-def assert_attention_close(got, ref, step, new):
-    """Elementwise within 2e-2, except FP8 decode on the transposed kernel, which also rounds q (per head) and P
-    (per tile) to e4m3 value + residue: 1-2 % relative L2 there on random data (the cache's own FP8 rounding is
-    ~3 %), up to 4 % over few keys, so every (token, head) row must be within 25 % (rows that nearly cancel) and
-    the whole output within 5 %; a wrong scale, mask or merge is off by far more than that."""
-    plan = attention_plan(len(new), len(new), HKV, GROUP, max(new), int(step.context_lens.max()), False, 1, 128,
-                          step.k_scale is not None)
-    if not plan["SWAP_AB"]:
-        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
-        return
-    row = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-3)
-    assert row.max() < 0.25, row.max()
-    assert (got - ref).norm() / ref.norm() < 0.05
-
-
 def run(step, q, scale, **kw):
     """Kernel into a NaN-poisoned output (every element must be written) and the reference."""
     out = poisoned(q.shape, q.dtype)
@@ -52,7 +37,7 @@ def test_dense_matches_reference(case, kv_dtype, layout):
     step = make_step(ctx, new, HKV, D, kv_dtype, layout)
     q = torch.randn(sum(new), HKV * GROUP, D).to(torch.bfloat16)
     got, ref = run(step, q, D**-0.5)
-    assert_attention_close(got, ref, step, new)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("layout", ["plain", "shuffle"])
@@ -68,7 +53,7 @@ def test_sparse_matches_reference_and_drops_blocks(case, kv_dtype, layout):
                            block, topk, 1)
     q = torch.randn(sum(new), HKV * GROUP, D).to(torch.bfloat16)
     got, ref = run(step, q, D**-0.5, block_sel=sel, block_size=block)
-    assert_attention_close(got, ref, step, new)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
     dense = paged_attention_ref(q, *step.kv, D**-0.5, step.k_scale, step.v_scale, layout).float()
     assert (ref - dense).abs().max() > 0.05  # the selection changed the result: something was dropped
 
@@ -95,7 +80,7 @@ def test_sparse_decode_splits_and_unsorted_selection(monkeypatch):
     sel = torch.tensor([[[6, 0, 3, -1], [2, 1, -1, -1]], [[1, 6, -1, -1], [0, 2, 1, -1]]], dtype=torch.int32)
     q = torch.randn(2, HKV * GROUP, D).to(torch.bfloat16)
     got, ref = run(step, q, D**-0.5, block_sel=sel, block_size=16)
-    assert_attention_close(got, ref, step, new)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
 
 def test_fp8_fnuz_cache():
@@ -110,19 +95,20 @@ def test_fp8_fnuz_cache():
 
 @pytest.mark.parametrize("layout", ["plain", "shuffle"])
 def test_fp8_decode_splits_and_gqa_padding(monkeypatch, layout):
-    """The transposed FP8 decode kernel split over many programs (some empty) with 4 heads padded to 16 columns:
-    against the reference and against the row-major kernel on the same pages."""
-    monkeypatch.setitem(arch.TILES["attn_decode:fp8"], "sm90", {**arch.TILES["attn_decode:fp8"]["sm90"],
-                                                                "BLOCK_N": 16, "SPLIT_PROGRAMS": 1 << 12})
+    """The transposed FP8 decode kernel split over many programs (some empty) with 4 heads padded to 16 columns,
+    against the reference; without FP8_SPLIT (q and P as one e4m3 operand each, no residue) the error grows to
+    a few percent (relative L2), and the row-major kernel on the same pages agrees."""
+    fp8 = arch.TILES["attn_decode:fp8"]["sm90"]
+    monkeypatch.setitem(arch.TILES["attn_decode:fp8"], "sm90", {**fp8, "BLOCK_N": 16, "SPLIT_PROGRAMS": 1 << 12})
     ctx, new = [3, 100, 47], [1, 1, 1]
     plan = attention_plan(3, 3, HKV, 4, 1, max(ctx), False, 1, 128, fp8=True)
-    assert plan["SWAP_AB"] and plan["NUM_SPLITS"] >= 2 and plan["BLOCK_H"] == 16
+    assert plan["SWAP_AB"] and plan["FP8_SPLIT"] and plan["NUM_SPLITS"] >= 2 and plan["BLOCK_H"] == 16
     step = make_step(ctx, new, HKV, D, "fp8", layout)
     q = torch.randn(3, HKV * 4, D).to(torch.bfloat16)
     got, ref = run(step, q, D**-0.5)
-    row = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
-    assert row.max() < 0.25 and (got - ref).norm() / ref.norm() < 0.05
-    monkeypatch.setitem(arch.TILES["attn_decode:fp8"], "sm90", {**arch.TILES["attn_decode:fp8"]["sm90"],
-                                                                "SWAP_AB": 0})
-    rowmajor, _ = run(step, q, D**-0.5)
-    assert (got - rowmajor).norm() / rowmajor.norm() < 0.05
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    for change, bound in (({"FP8_SPLIT": 0}, 0.06), ({"SWAP_AB": 0}, 1e-2)):
+        monkeypatch.setitem(arch.TILES["attn_decode:fp8"], "sm90", {**fp8, "BLOCK_N": 16, **change})
+        other, _ = run(step, q, D**-0.5)
+        err = float((other - ref).norm() / ref.norm())
+        assert err < bound, (change, err)
