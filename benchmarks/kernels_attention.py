@@ -260,10 +260,15 @@ def indexer_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> Non
         cache = torch.randn(num_pages, PAGE_SIZE, DI, device=DEV).to(dtype)
         t = bench(lambda: indexer_topk(iq, cache, table, cu, lens, BS, TOPK, 1,  # noqa: B023
                                        max_seqlen_q=1, max_context_len=ctx))
+        # after hundreds of launches (the fused top-k's arrival counters must have reset every time)
+        got = indexer_topk(iq, cache, table, cu, lens, BS, TOPK, 1, max_seqlen_q=1, max_context_len=ctx)
+        ref = indexer_topk_ref(iq, cache, table, cu, lens, BS, TOPK, 1)
+        mismatch = float((got.sort(-1).values != ref.sort(-1).values).float().mean())
         nbytes = batch * ctx * DI * cache.element_size()
         rows.append({"kernel": "indexer decode", "shape": f"b{batch} ctx {ctx // 1024}K", "kv": key, "layout": "-",
                      "ms": t, "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t / 1e9,
-                     "peer": "torch bmm+amax+topk bf16", "peer_ms": t_peer, "tiles": tiles_tag()})
+                     "peer": "torch bmm+amax+topk bf16", "peer_ms": t_peer, "tiles": tiles_tag(),
+                     "note": f"selection mismatch vs reference {mismatch:.4f}"})
 
 
 def flex_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
