@@ -357,11 +357,9 @@ def tiles_decode_fp8(rows: list, read_bw: float, ctx: int = 32768) -> None:
     residue dots (half the MMAs; ~2-4e-2 relative L2 instead of ~4e-3), PV_FP8 0 keeps P.V in fp16 over upcast V."""
     name = current_arch().name
     variants = {"attn_decode:fp8": ({"SWAP_AB": 0, "num_stages": 2}, {"FP8_SPLIT": 0}, {"PV_FP8": 0},
-                                    {"BLOCK_N": 128}, {"num_stages": 2}, {"num_stages": 4}, {"SPLIT_PROGRAMS": 528},
-                                    {"SPLIT_PROGRAMS": 2112}, {"BLOCK_N": 128, "num_warps": 8}),
+                                    {"BLOCK_N": 128}, {"num_stages": 2}, {"SPLIT_PROGRAMS": 528}),
                 "sparse_decode:fp8": ({"SWAP_AB": 0}, {"FP8_SPLIT": 0}, {"PV_FP8": 0}, {"BLOCK_N": 64},
-                                      {"num_stages": 2}, {"SPLIT_PROGRAMS": 528}, {"SPLIT_PROGRAMS": 2112},
-                                      {"num_warps": 8})}
+                                      {"num_stages": 2}, {"SPLIT_PROGRAMS": 528})}
     ONLY.setdefault("layout", "plain")
     ONLY.update(kv="fp8")
     for family, changes in variants.items():
