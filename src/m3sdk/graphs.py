@@ -10,7 +10,8 @@ sequence; their rows are dropped. The host ints that pick kernel grids (`max_seq
 fixed per graph: the context bucket (a power of two, at least 4096, at most max_model_len) bounds every sequence of
 the step, which is all the kernels need. With `aux_layers` (an EAGLE3 drafter reads them) every graph also returns
 those layers' inputs. Graphs share one memory pool; they never run concurrently, and the outputs of a replay are
-read before the next one.
+read before the next one. Off CUDA each step runs eagerly on the static buffers (`Replay`), so CPU tests check the
+padded path (and tensor parallel's lockstep of graph steps, parallel/graphs.py).
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.rows = torch.arange(n * qmax, **i64)
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.graphs: dict[tuple[int, int, int], Replay] = {}
         # every batch bucket of every query length at the smallest context bucket now (padding-only steps), so
         # serving never stalls on a capture (or a Triton compile) at common sizes; other context buckets are
         # captured when first needed
@@ -91,8 +92,8 @@ class DecodeGraphs:
         for q in self.query_lens:
             for bucket in self.buckets:
                 self._pad(0, bucket, q)
-                self.graphs[(bucket, context, q)] = capture(lambda b=bucket, q=q: self._forward(b, context, q),
-                                                            self.pool, device)
+                self.graphs[(bucket, context, q)] = Replay(lambda b=bucket, q=q: self._forward(b, context, q),
+                                                           self.pool, device)
 
     @staticmethod
     def supported(model: MiniMaxM3ForCausalLM) -> bool:
@@ -146,10 +147,8 @@ class DecodeGraphs:
         self._pad(b, bucket, q)
         key = (bucket, context, q)
         if key not in self.graphs:
-            self.graphs[key] = capture(lambda: self._forward(bucket, context, q), self.pool, self.device)
-        graph, out = self.graphs[key]
-        graph.replay()
-        hidden, logits, *aux = out
+            self.graphs[key] = Replay(lambda: self._forward(bucket, context, q), self.pool, self.device)
+        hidden, logits, *aux = self.graphs[key]()
         if dest is None:
             rows = logits_rows
             hidden, aux = hidden[:t], [a[:t] for a in aux]
