@@ -12,6 +12,10 @@ the step, which is all the kernels need. With `aux_layers` (an EAGLE3 drafter re
 those layers' inputs. Graphs share one memory pool; they never run concurrently, and the outputs of a replay are
 read before the next one. Off CUDA each step runs eagerly on the static buffers (`Replay`), so CPU tests check the
 padded path (and tensor parallel's lockstep of graph steps, parallel/graphs.py).
+
+A forward can be captured only if none of its ops syncs the host: the triton attention backend (its kernels take
+the step's host ints from the metadata) and MoE layers that run the fused kernels or, while a capture runs, their
+sync-free dense form (`layers.moe_experts`: float32, or widths the kernels do not tile).
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from m3sdk.attention.base import PAGE_SIZE, AttentionMetadata
+from m3sdk.attention.triton_backend import TritonAttentionBackend
 from m3sdk.cache.kv_pool import KVPool
-from m3sdk.model.layers import fused_moe_fits
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 
 MIN_CONTEXT_BUCKET = 4096
@@ -85,6 +89,7 @@ class DecodeGraphs:
         self.rows = torch.arange(n * qmax, **i64)
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.graphs: dict[tuple[int, int, int], Replay] = {}
+        self.replays = 0  # steps run through the graphs (the engine's stats report it)
         # every batch bucket of every query length at the smallest context bucket now (padding-only steps), so
         # serving never stalls on a capture (or a Triton compile) at common sizes; other context buckets are
         # captured when first needed
@@ -97,9 +102,9 @@ class DecodeGraphs:
 
     @staticmethod
     def supported(model: MiniMaxM3ForCausalLM) -> bool:
-        """Every op of the forward must run without a host sync: the MoE layers need the fused kernels."""
-        c = model.config
-        return not c.moe_layers or fused_moe_fits(c.hidden_size, c.moe_intermediate_size)
+        """Whether a step of `model` can be captured: its attention backend must not sync the host (the torch
+        backend's references read sequence lengths on the host: the engine then runs every step eagerly)."""
+        return isinstance(model.attn_backend, TritonAttentionBackend)
 
     def _context_bucket(self, max_context_len: int) -> int:
         return min(max(MIN_CONTEXT_BUCKET, 1 << (max_context_len - 1).bit_length()), self.max_model_len)
@@ -149,6 +154,7 @@ class DecodeGraphs:
         if key not in self.graphs:
             self.graphs[key] = Replay(lambda: self._forward(bucket, context, q), self.pool, self.device)
         hidden, logits, *aux = self.graphs[key]()
+        self.replays += 1
         if dest is None:
             rows = logits_rows
             hidden, aux = hidden[:t], [a[:t] for a in aux]

@@ -88,8 +88,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int)
 
 
 def fused_moe_fits(hidden: int, inter: int) -> bool:
-    """Whether m3sdk_kernels' fused MoE tiles these widths (their K steps go up to 256)."""
-    return hidden % 256 == 0 and inter % 256 == 0
+    """Whether m3sdk_kernels' fused MoE tiles these widths for bf16 experts: its K steps are the table's or the
+    largest power of two dividing K, and tl.dot needs at least 16 (m3-tiny's 256 / 64 fit)."""
+    return hidden % 16 == 0 and inter % 16 == 0
 
 
 def moe_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
@@ -102,6 +103,8 @@ def moe_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     if hidden.is_cuda and hidden.dtype == torch.bfloat16 and fused_moe_fits(hidden.shape[1], w_down.shape[2]):
         # the fused Triton kernels: two launches, no host sync, so CUDA graphs can capture the step
         return fused_moe(hidden, topk_ids, topk_weights, Experts("bf16", w_gate_up, w_down), alpha, limit)
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _moe_experts_dense(hidden, topk_ids, topk_weights, w_gate_up, w_down, alpha, limit)
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -119,6 +122,18 @@ def moe_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         out.index_add_(0, idx, y.to(out.dtype))
         start += n
     return out
+
+
+def _moe_experts_dense(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       w_gate_up: torch.Tensor, w_down: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """`moe_experts` with every expert on every token, weighted by the router (0 for the experts not picked):
+    E / k times the work, but no host sync (the per-expert loop reads token counts on the host), so a CUDA graph
+    captures it where the fused kernels do not run (float32, odd widths). Decode-sized steps only."""
+    combine = torch.zeros(hidden.shape[0], w_gate_up.shape[0], dtype=torch.float32, device=hidden.device)
+    combine.scatter_(1, topk_ids, topk_weights.float())
+    h = swiglu_oai_ref(torch.matmul(hidden, w_gate_up.transpose(1, 2)), alpha, limit)  # [E, T, I]
+    y = torch.matmul(h, w_down.transpose(1, 2))  # [E, T, H]
+    return torch.einsum("eth,te->th", y.float(), combine).to(hidden.dtype)
 
 
 class SparseMoE(nn.Module):
