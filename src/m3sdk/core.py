@@ -421,6 +421,8 @@ class EngineCore:
             "preemptions": self.scheduler.num_preemptions,
             **self.cache.stats(),
             **self._counters,
+            # steps replayed from CUDA graphs (0: every step ran eagerly, e.g. no GPU or graphs off)
+            "graph_steps": self.runner.graphs.replays if self.runner.graphs is not None else 0,
             **(self.spec.stats() if self.spec is not None else {}),
         }
 
