@@ -92,11 +92,7 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
         "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
     },
     # FP8 KV on the H200 (docs/perf.md): two stages and twice the programs beat the bf16 settings by 18%
-    # SWAP_AB: the transposed FP8 kernel (keys as the MMA's M: FP8 wgmma for QK^T and, with PV_FP8, for P.V);
-    # FP8_SPLIT: q and P as e4m3 value + residue, two dots each (relative L2 vs the reference ~2-4e-2 -> ~4e-3,
-    # the row-major kernel's; tests/kernels/test_paged_attention.py)
-    "attn_decode:fp8": {"sm90": {"SWAP_AB": 1, "PV_FP8": 1, "FP8_SPLIT": 1, "BLOCK_N": 64, "num_stages": 3,
-                                 "SPLIT_PROGRAMS": 1056}},
+    "attn_decode:fp8": {"sm90": {"num_stages": 2, "SPLIT_PROGRAMS": 1056}},
     # prefill / verification: BLOCK_Q query tokens x the group's heads as the MMA's M rows. On AMD a 128 x 64
     # FP8 tile spills (the fp8 -> fp16 converts and the pipeliner's register prefetch): 128 x 32, one stage.
     "attn_prefill": {
@@ -111,8 +107,7 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
         "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
     },
     # FP8 on the H200: one 128-key tile per selected block, 1056 programs (0.151 -> 0.121 ms at b64)
-    "sparse_decode:fp8": {"sm90": {"SWAP_AB": 1, "PV_FP8": 1, "FP8_SPLIT": 1, "BLOCK_N": 128,
-                                   "SPLIT_PROGRAMS": 1056}},
+    "sparse_decode:fp8": {"sm90": {"BLOCK_N": 128, "SPLIT_PROGRAMS": 1056}},
     "sparse_prefill": {
         "sm90": {"BLOCK_N": 64, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 2, "SPLIT_PROGRAMS": 264},
         "gfx942": {"BLOCK_N": 32, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 1, "SPLIT_PROGRAMS": 608},
@@ -125,9 +120,8 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
     },
     # indexer scan: BLOCK_Q query tokens x index heads as rows, one selection block of keys per step,
     # SPLIT_PROGRAMS programs over (token tiles x block chunks)
-    # FUSED_TOPK: decode picks the top-k inside the scan (per-chunk candidates, merged by the last chunk)
     "indexer_scan": {
-        "sm90": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 3, "SPLIT_PROGRAMS": 1056, "FUSED_TOPK": 1},
+        "sm90": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 3, "SPLIT_PROGRAMS": 1056},
         "gfx942": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 2432},
         "gfx950": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 2048},
     },

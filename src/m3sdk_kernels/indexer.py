@@ -45,22 +45,18 @@ def indexer_topk_ref(index_q: torch.Tensor, index_cache: torch.Tensor, page_tabl
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
 #
-# The scan reads the index-key cache once per query tile (the bandwidth bill past ~16K tokens): a program owns
-# BLOCK_Q query tokens x all index heads (the rows of its dots: the one shared key head is read once for every
-# head) and a contiguous chunk of selection blocks, and writes each row's block maximum, with the local blocks
-# forced to +inf. The top-k pass then ranks each (token, head) row of block scores by repeated arg-max: no
-# softmax (ranking needs none) and no sort of the whole row. Decode (FUSED) does both in one launch: a program
-# keeps its chunk's block maxima in registers and writes only its chunk's top-k (score, block) candidates; the
-# last program of a token to arrive (a per-token counter, which that program resets) merges the candidates of
-# all chunks into the token's top-k. No second launch, no full row of block scores through memory.
+# Two launches. The scan reads the index-key cache once per query tile (the bandwidth bill past ~16K tokens):
+# a program owns BLOCK_Q query tokens x all index heads (the rows of its dots: the one shared key head is read
+# once for every head) and a contiguous chunk of selection blocks, and writes each row's block maximum, with
+# the local blocks forced to +inf. The top-k pass then ranks each (token, head) row of block scores by repeated
+# arg-max: no softmax (ranking needs none) and no sort of the whole row.
 
 
 @triton.jit
-def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, cand_ptr, out_ptr, arrivals, num_seqs,
-                 num_tokens, num_blocks, stride_qt, stride_qh, stride_ip, stride_pt,
+def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_seqs, num_tokens, num_blocks,
+                 stride_qt, stride_qh, stride_ip, stride_pt,
                  NUM_HEADS: tl.constexpr, BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 SEL_BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, DOT: tl.constexpr,
-                 FUSED: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, CHUNK_PAD: tl.constexpr):
+                 SEL_BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, DOT: tl.constexpr):
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     seq, q_start, n_q, first = q_tile(cu_q, num_seqs, pid, BLOCK_Q)
@@ -81,10 +77,7 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, cand_
         q_block = pos // SEL_BLOCK
         out_row = scores_ptr + (head.to(tl.int64) * num_tokens + tok) * num_blocks
         per = tl.cdiv(num_blocks, NUM_CHUNKS)
-        lo = chunk * per
-        cols = tl.arange(0, CHUNK_PAD)
-        chunk_best = tl.full([BLOCK_M, CHUNK_PAD], float("-inf"), dtype=tl.float32)
-        for b in range(lo, tl.minimum(lo + per, tl.cdiv(kv_end, SEL_BLOCK))):
+        for b in range(chunk * per, tl.minimum(chunk * per + per, tl.cdiv(kv_end, SEL_BLOCK))):
             n = b * SEL_BLOCK + tl.arange(0, SEL_BLOCK)
             key_ok = n < kv_end
             page = tl.load(pages_ptr + n // PAGE, mask=key_ok, other=0).to(tl.int64)
@@ -95,61 +88,7 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, cand_
             best = tl.max(s, 1)
             # local blocks (pos // SEL_BLOCK - i, i < LOCAL_BLOCKS, clamped at 0) are always selected
             best = tl.where((b <= q_block) & (b > q_block - LOCAL_BLOCKS), float("inf"), best)
-            if FUSED:
-                chunk_best = tl.where(cols[None, :] == b - lo, best[:, None], chunk_best)
-            else:
-                tl.store(out_row + b, best, mask=row_ok)
-        if FUSED:
-            _fused_topk(chunk_best, lo, scores_ptr, cand_ptr, out_ptr, arrivals, head, q_start + first, chunk,
-                        row_ok, num_tokens, NUM_HEADS, NUM_CHUNKS, TOPK, TOPK_PAD, CHUNK_PAD)
-
-
-@triton.jit
-def _top_rows(s, ids, cols, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr):
-    """Per row of s [M, C]: the TOPK largest entries (descending; then -inf) and their ids[] ([M, C] int32), -1
-    where -inf, as two [M, TOPK_PAD] tensors."""
-    kk = tl.arange(0, TOPK_PAD)
-    top_s = tl.full([s.shape[0], TOPK_PAD], float("-inf"), dtype=tl.float32)
-    top_b = tl.full([s.shape[0], TOPK_PAD], -1, dtype=tl.int32)
-    for j in tl.static_range(TOPK):
-        best = tl.max(s, 1)
-        at = tl.argmax(s, 1)
-        hit = cols[None, :] == at[:, None]
-        blk = tl.sum(tl.where(hit, ids, 0), 1)
-        top_s = tl.where(kk[None, :] == j, best[:, None], top_s)
-        top_b = tl.where(kk[None, :] == j, tl.where(best > float("-inf"), blk, -1)[:, None], top_b)
-        s = tl.where(hit, float("-inf"), s)
-    return top_s, top_b
-
-
-@triton.jit
-def _fused_topk(chunk_best, lo, cand_s_ptr, cand_b_ptr, out_ptr, arrivals, head, tok, chunk, row_ok, num_tokens,
-                NUM_HEADS: tl.constexpr, NUM_CHUNKS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
-                CHUNK_PAD: tl.constexpr):
-    """Write this chunk's top-k candidates of token `tok`'s rows (one per index head); the token's last arriving
-    chunk program merges all chunks' candidates into out [Hidx, T, TOPK]."""
-    cols = tl.arange(0, CHUNK_PAD)
-    cand_s, cand_b = _top_rows(chunk_best, lo + cols[None, :], cols, TOPK, TOPK_PAD)
-    kk = tl.arange(0, TOPK_PAD)
-    row = head.to(tl.int64) * num_tokens + tok
-    if NUM_CHUNKS == 1:
-        tl.store(out_ptr + row[:, None] * TOPK + kk[None, :], cand_b, mask=row_ok[:, None] & (kk < TOPK)[None, :])
-    else:
-        slots = row[:, None] * (NUM_CHUNKS * TOPK_PAD) + chunk * TOPK_PAD + kk[None, :]
-        tl.store(cand_s_ptr + slots, cand_s, mask=row_ok[:, None])
-        tl.store(cand_b_ptr + slots, cand_b, mask=row_ok[:, None])
-        tl.debug_barrier()  # every thread's candidates are written before the (release) arrival below
-        if tl.atomic_add(arrivals + tok, 1, sem="acq_rel") == NUM_CHUNKS - 1:
-            cc = tl.arange(0, NUM_CHUNKS * TOPK_PAD)
-            for h in tl.static_range(NUM_HEADS):  # one head's row at a time: few registers beside the scan's
-                every = (h * num_tokens + tok).to(tl.int64) * (NUM_CHUNKS * TOPK_PAD) + cc[None, :]
-                # .cg: read the other programs' candidates from L2, not from a stale L1 line
-                all_s = tl.load(cand_s_ptr + every, cache_modifier=".cg")
-                all_b = tl.load(cand_b_ptr + every, cache_modifier=".cg")
-                _, top_b = _top_rows(all_s, all_b, cc, TOPK, TOPK_PAD)
-                tl.store(out_ptr + (h * num_tokens + tok).to(tl.int64) * TOPK + kk[None, :], top_b,
-                         mask=(kk < TOPK)[None, :])
-            tl.atomic_xchg(arrivals + tok, 0)  # ready for the next launch (and CUDA graph replays)
+            tl.store(out_row + b, best, mask=row_ok)
 
 
 @triton.jit
@@ -171,21 +110,8 @@ def _topk_kernel(scores_ptr, cu_q, ctx_lens, out_ptr, num_seqs, num_tokens, num_
         s = tl.where(b == idx, float("-inf"), s)
 
 
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrivals(num_tokens: int, device: torch.device) -> torch.Tensor:
-    """Zeroed per-token arrival counters of the fused decode scan, shared by every call on `device`: each launch
-    leaves them zero again. Grown outside any CUDA graph capture (the engine's warm-up runs the largest batch
-    first); a capture only reads the buffer's address."""
-    buf = _ARRIVALS.get(device)
-    if buf is None or buf.numel() < num_tokens:
-        buf = _ARRIVALS[device] = torch.zeros(max(num_tokens, 1024), dtype=torch.int32, device=device)
-    return buf
-
-
 def indexer_plan(num_tokens: int, num_seqs: int, num_heads: int, max_seqlen_q: int, num_blocks: int,
-                 arch: Arch | None = None, topk: int = 16) -> dict:
+                 arch: Arch | None = None) -> dict:
     """Tile shape and chunk count of the scan: a function of shapes and host ints only."""
     cfg = tiles("indexer_scan" if max_seqlen_q <= 1 else "indexer_prefill", arch)
     block_q = 1 if max_seqlen_q <= 1 else min(cfg["BLOCK_Q"], triton.next_power_of_2(max_seqlen_q))
@@ -193,12 +119,8 @@ def indexer_plan(num_tokens: int, num_seqs: int, num_heads: int, max_seqlen_q: i
     q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks))
     chunks = min(1 << (want.bit_length() - 1), triton.next_power_of_2(num_blocks))
-    # decode with one token per sequence fuses the top-k where the platform's table asks for it
-    fused = bool(block_q == 1 and num_tokens == num_seqs and cfg.get("FUSED_TOPK", 0))
     return {"BLOCK_Q": block_q, "BLOCK_HI": block_hi, "NUM_CHUNKS": chunks, "q_blocks": q_blocks,
-            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "FUSED": fused,
-            "TOPK_PAD": triton.next_power_of_2(topk), "CHUNK_PAD": triton.next_power_of_2(triton.cdiv(num_blocks,
-                                                                                                    chunks))}
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
 def indexer_topk(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
@@ -219,24 +141,17 @@ def indexer_topk(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: t
         max_context_len = int(context_lens.max())
     num_seqs = context_lens.shape[0]
     num_blocks = max(1, triton.cdiv(max_context_len, block_size))
-    plan = indexer_plan(t_total, num_seqs, num_heads, max_seqlen_q, num_blocks, topk=topk)
-    chunks, fused = plan["NUM_CHUNKS"], plan["FUSED"]
-    # fused: chunk candidates (scores, block ids) and per-token arrival counters; else the full block scores
-    slots = chunks * plan["TOPK_PAD"] if fused else num_blocks
-    scores = torch.empty(num_heads, t_total, slots, dtype=torch.float32, device=index_q.device)
-    cand = torch.empty(scores.shape, dtype=torch.int32, device=index_q.device) if fused else out
-    arrivals = _arrivals(t_total, index_q.device) if fused else out
-    _scan_kernel[(plan["q_blocks"], chunks)](
-        index_q, index_cache, page_table, cu_seqlens_q, context_lens, scores, cand, out, arrivals, num_seqs, t_total,
-        num_blocks, index_q.stride(0), index_q.stride(1), index_cache.stride(0), page_table.stride(0),
+    scores = torch.empty(num_heads, t_total, num_blocks, dtype=torch.float32, device=index_q.device)
+    plan = indexer_plan(t_total, num_seqs, num_heads, max_seqlen_q, num_blocks)
+    _scan_kernel[(plan["q_blocks"], plan["NUM_CHUNKS"])](
+        index_q, index_cache, page_table, cu_seqlens_q, context_lens, scores, num_seqs, t_total, num_blocks,
+        index_q.stride(0), index_q.stride(1), index_cache.stride(0), page_table.stride(0),
         NUM_HEADS=num_heads, BLOCK_HI=plan["BLOCK_HI"], INDEX_DIM=index_dim, BLOCK_Q=plan["BLOCK_Q"],
-        SEL_BLOCK=block_size, NUM_CHUNKS=chunks, LOCAL_BLOCKS=local_blocks, DOT=dot_dtype(index_cache.dtype),
-        FUSED=fused, TOPK=topk, TOPK_PAD=plan["TOPK_PAD"], CHUNK_PAD=plan["CHUNK_PAD"],
-        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
-    if not fused:
-        _topk_kernel[(t_total, num_heads)](
-            scores, cu_seqlens_q, context_lens, out, num_seqs, t_total, num_blocks, SEL_BLOCK=block_size, TOPK=topk,
-            BLOCKS_PAD=triton.next_power_of_2(num_blocks), num_warps=tiles("indexer_topk")["num_warps"])
+        SEL_BLOCK=block_size, NUM_CHUNKS=plan["NUM_CHUNKS"], LOCAL_BLOCKS=local_blocks,
+        DOT=dot_dtype(index_cache.dtype), num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+    _topk_kernel[(t_total, num_heads)](
+        scores, cu_seqlens_q, context_lens, out, num_seqs, t_total, num_blocks, SEL_BLOCK=block_size, TOPK=topk,
+        BLOCKS_PAD=triton.next_power_of_2(num_blocks), num_warps=tiles("indexer_topk")["num_warps"])
     return out
 
 
@@ -249,18 +164,15 @@ def aot_variants(arch: Arch) -> list:
     for decode, key in ((True, "fp8"), (True, "bf16"), (False, "fp8")):
         tokens, seqs = (64, 64) if decode else (8192, 1)
         num_blocks = 131072 // m["block_size"]
-        plan = indexer_plan(tokens, seqs, m["index_heads"], 1 if decode else tokens, num_blocks, arch, m["topk"])
+        plan = indexer_plan(tokens, seqs, m["index_heads"], 1 if decode else tokens, num_blocks, arch)
         types = {"iq_ptr": "*bf16", "ik_cache": f"*{arch.fp8_triton if key == 'fp8' else 'bf16'}",
-                 "page_table": "*i32", "cu_q": "*i32", "ctx_lens": "*i32", "scores_ptr": "*fp32", "cand_ptr": "*i32",
-                 "out_ptr": "*i32", "arrivals": "*i32"}
+                 "page_table": "*i32", "cu_q": "*i32", "ctx_lens": "*i32", "scores_ptr": "*fp32"}
         types |= {name: "i32" for name in _scan_kernel.arg_names if name not in types}
         variants.append(AotVariant(
             name=f"indexer.scan_{'decode' if decode else 'prefill'}_{key}", kernel=_scan_kernel, types=types,
             constexprs={"NUM_HEADS": m["index_heads"], "BLOCK_HI": plan["BLOCK_HI"], "INDEX_DIM": m["index_dim"],
                         "BLOCK_Q": plan["BLOCK_Q"], "SEL_BLOCK": m["block_size"], "NUM_CHUNKS": plan["NUM_CHUNKS"],
-                        "LOCAL_BLOCKS": m["local_blocks"], "DOT": tl.float16 if key == "fp8" else tl.bfloat16,
-                        "FUSED": plan["FUSED"], "TOPK": m["topk"], "TOPK_PAD": plan["TOPK_PAD"],
-                        "CHUNK_PAD": plan["CHUNK_PAD"]},
+                        "LOCAL_BLOCKS": m["local_blocks"], "DOT": tl.float16 if key == "fp8" else tl.bfloat16},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"],
             aligned=("stride_qt", "stride_qh", "stride_ip", "num_blocks")))
     variants.append(AotVariant(

@@ -246,149 +246,6 @@ def _attn_kernel(
             tl.store(part_lse + row, lse, mask=row_ok)
 
 
-# ------------------------------------------------------------------------------ FP8 decode, "swap AB" orientation
-#
-# One decode token x one GQA group gives the row-major kernel 16 MMA rows: too few for Hopper's wgmma, so it runs
-# mma.sync plus an e4m3 -> fp16 convert per K/V element, and is issue-bound at half the bf16 bytes (docs/perf.md).
-# Transposed, the key tile is the M dimension: S^T = K . q^T is [BLOCK_N, heads] and O^T = V^T . P^T is
-# [HEAD_DIM, heads], both with M >= 64 and every operand 8-bit and contiguous along its reduction, so both dots
-# are FP8 tensor-core MMAs with no converts. q is quantized once per program with a per-head scale (a column
-# scale of S^T); P^T is quantized per tile with V's per-token scale folded in and the tile's largest such scale
-# divided out (one max over BLOCK_N scalars, not over the tile), so every entry is <= FP8_MAX. e4m3 keeps 3
-# mantissa bits: with LO (the tile table's FP8_SPLIT) q and P also carry their rounding residue, times 16, as a
-# second e4m3 operand of a second dot (twice the MMAs, ~7 bits), for bf16-like error at FP8 bandwidth.
-
-
-@triton.jit
-def _e4m3(x, FP8_MAX: tl.constexpr, QDOT: tl.constexpr):
-    """x (fp32) rounded to e4m3 (to nearest, saturating at FP8_MAX), as a QDOT operand. The interpreter runs the
-    dots in fp32 and its fp32 -> fp8 cast mis-rounds at binade edges (126.5 -> 64), so there the rounding is
-    done by hand: 3 mantissa bits, subnormal below 2^-6 (2^-7 for e4m3fnuz, whose max is 240)."""
-    if QDOT.primitive_bitwidth == 8:
-        y = x.to(QDOT)
-    else:
-        MIN_EXP: tl.constexpr = -6.0 if FP8_MAX > 300 else -7.0
-        step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(x), 1e-30))), MIN_EXP) - 3.0)
-        y = tl.minimum(tl.maximum(tl.floor(x / step + 0.5) * step, -FP8_MAX), FP8_MAX)
-    return y
-
-
-@triton.jit
-def _decode_swap_tile(acc, m_i, l_i, qt, qt_lo, q_scale, start, kv_end, k_base, v_base, ks_base, vs_base, pages_ptr,
-                      qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                      X: tl.constexpr, SHUFFLE: tl.constexpr, FP8_MAX: tl.constexpr, QDOT: tl.constexpr,
-                      PV_FP8: tl.constexpr, LO: tl.constexpr):
-    """Online-softmax update of the transposed state (acc [HEAD_DIM, BLOCK_H], m_i / l_i [BLOCK_H]) with keys
-    start .. start + BLOCK_N - 1 (< kv_end, all visible to the decode token)."""
-    n = start + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HEAD_DIM)
-    key_ok = n < kv_end
-    in_pages = n // PAGE < tl.cdiv(kv_end, PAGE)
-    page = tl.load(pages_ptr + n // PAGE, mask=in_pages, other=0).to(tl.int64)
-    off = n % PAGE
-    k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
-                                                                   False), mask=key_ok[:, None], other=0.0)
-    s = tl.dot(k.to(QDOT), qt)  # [BLOCK_N, BLOCK_H]
-    if LO:
-        s += tl.dot(k.to(QDOT), qt_lo) * 0.0625
-    ks = tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0)
-    s *= (ks * qk_scale)[:, None] * q_scale[None, :]
-    s = tl.where(key_ok[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[None, :])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 0)
-    # V^T [HEAD_DIM, BLOCK_N], key-contiguous as an FP8 MMA operand must be: 8-bit SHUFFLE pages hold it so (16-key
-    # runs, copied straight to shared memory and pipelined); plain pages are loaded row-major and transposed on
-    # the way to shared memory (byte stores; loaded as V^T, the page ids were gathered twice). The mask is per
-    # page: Contract 1 keeps a last page's unwritten tail finite, and p = 0 there.
-    if SHUFFLE:
-        vo = page[None, :] * stride_cp + slot_offsets(off[None, :], d[:, None], HEAD_DIM, X, SHUFFLE, True)
-        vt = tl.load(v_base + tl.max_contiguous(tl.multiple_of(vo, [1, X]), [1, X]), mask=in_pages[None, :],
-                     other=0.0)
-    else:
-        vo = page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE, True)
-        vt = tl.trans(tl.load(v_base + vo, mask=in_pages[:, None], other=0.0))
-    vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
-    if PV_FP8:
-        v_top = tl.maximum(tl.max(vs, 0), 1e-30)
-        pw = p * (vs * (FP8_MAX / v_top))[:, None]
-        pt = _e4m3(pw, FP8_MAX, QDOT)
-        pv = tl.dot(vt.to(QDOT), pt)
-        if LO:
-            pv += tl.dot(vt.to(QDOT), _e4m3((pw - pt.to(tl.float32)) * 16.0, FP8_MAX, QDOT)) * 0.0625
-        acc = acc * alpha[None, :] + pv * (v_top / FP8_MAX)
-    else:
-        pt = (p * vs[:, None]).to(tl.float16)
-        acc = acc * alpha[None, :] + tl.dot(vt.to(tl.float16), pt)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _decode_swap_kernel(
-        q_ptr, k_cache, v_cache, k_scale, v_scale, page_table, ctx_lens, sel_ptr, out_ptr, part_o, part_lse,
-        qk_scale, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_cp, stride_ch,
-        stride_sp, stride_sh, stride_sel_h, stride_sel_t,
-        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr,
-        SPARSE: tl.constexpr, TOPK: tl.constexpr, SEL_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
-        QDOT: tl.constexpr, PV_FP8: tl.constexpr, LO: tl.constexpr):
-    """FP8-KV decode (one query token per sequence: token i is sequence i), dense or MSA, split like
-    `_attn_kernel` and merged by `_merge_kernel`."""
-    tok = tl.program_id(0)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
-    ctx = tl.load(ctx_lens + tok)
-    g = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, HEAD_DIM)
-    head = h * GROUP + g
-    row_ok = g < GROUP
-    q = tl.load(q_ptr + tok.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q_scale = tl.maximum(tl.max(tl.abs(q), 1), 1e-30) / FP8_MAX  # per head; padded heads quantize to zero
-    qw = q / q_scale[:, None]
-    q8 = _e4m3(qw, FP8_MAX, QDOT)
-    qt = tl.trans(q8.to(QDOT))  # [HEAD_DIM, BLOCK_H]
-    qt_lo = tl.trans(_e4m3((qw - q8.to(tl.float32)) * 16.0, FP8_MAX, QDOT))
-    k_base = k_cache + h * stride_ch
-    v_base = v_cache + h * stride_ch
-    ks_base = k_scale + h * stride_sh
-    vs_base = v_scale + h * stride_sh
-    pages_ptr = page_table + tok.to(tl.int64) * stride_pt
-    acc = tl.zeros([HEAD_DIM, BLOCK_H], dtype=tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if SPARSE:
-        TILES_PER: tl.constexpr = SEL_BLOCK // BLOCK_N
-        BLOCKS_PER: tl.constexpr = (TOPK + NUM_SPLITS - 1) // NUM_SPLITS
-        sel_row = sel_ptr + h * stride_sel_h + tok.to(tl.int64) * stride_sel_t
-        lo = split * BLOCKS_PER
-        for i in range(lo * TILES_PER, tl.minimum(lo + BLOCKS_PER, TOPK) * TILES_PER):
-            blk = tl.load(sel_row + i // TILES_PER)
-            start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
-            acc, m_i, l_i = _decode_swap_tile(acc, m_i, l_i, qt, qt_lo, q_scale, start,
-                                              tl.where(blk >= 0, ctx, 0), k_base, v_base, ks_base, vs_base,
-                                              pages_ptr, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
-                                              SHUFFLE, FP8_MAX, QDOT, PV_FP8, LO)
-    else:
-        tiles = tl.cdiv(ctx, BLOCK_N)
-        per = tl.cdiv(tiles, NUM_SPLITS)
-        for t in range(split * per, tl.minimum(split * per + per, tiles)):
-            acc, m_i, l_i = _decode_swap_tile(acc, m_i, l_i, qt, qt_lo, q_scale, t * BLOCK_N, ctx, k_base,
-                                              v_base, ks_base, vs_base, pages_ptr, qk_scale, stride_cp, stride_sp,
-                                              HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8_MAX, QDOT, PV_FP8, LO)
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + tok.to(tl.int64) * stride_ot + head[None, :] * stride_oh + d[:, None],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
-    else:
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        row = (split * num_tokens + tok.to(tl.int64)) * NUM_HEADS + head
-        tl.store(part_o + row[None, :] * HEAD_DIM + d[:, None], o, mask=row_ok[None, :])
-        tl.store(part_lse + row, lse, mask=row_ok)
-
-
 @triton.jit
 def _merge_kernel(part_o, part_lse, out_ptr, num_tokens, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
                   HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
@@ -421,9 +278,6 @@ def dot_dtype(kv_dtype: torch.dtype) -> tl.dtype:
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[kv_dtype]
 
 
-_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}
-
-
 def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: int,
                    max_context_len: int, sparse: bool, topk: int, block_size: int, fp8: bool = False,
                    arch: Arch | None = None) -> dict:
@@ -438,11 +292,8 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     max_splits = block_q * topk if sparse else max(1, triton.cdiv(max_context_len, 4 * block_n))
     want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks * num_kv_heads))
     splits = min(1 << (want.bit_length() - 1), triton.next_power_of_2(max_splits))
-    # FP8 decode with one token per sequence runs the transposed kernel where the platform's table asks for it
-    swap = bool(fp8 and block_q == 1 and num_tokens == num_seqs and cfg.get("SWAP_AB", 0))
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
-            "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "SWAP_AB": swap,
-            "PV_FP8": bool(cfg.get("PV_FP8", 1)), "FP8_SPLIT": bool(cfg.get("FP8_SPLIT", 0))}
+            "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -478,29 +329,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fp8 = k_scale is not None
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     sel = block_sel if sparse else page_table
-    if plan["SWAP_AB"]:
-        _decode_swap_kernel[(t_total, hkv, splits)](
-            q, k_cache, v_cache, k_scale, v_scale, page_table, context_lens, sel, out, part_o, part_lse,
-            scale * 1.4426950408889634, t_total, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            page_table.stride(0), k_cache.stride(0), k_cache.stride(1), k_scale.stride(0), k_scale.stride(1),
-            sel.stride(0) if sparse else 0, sel.stride(1) if sparse else 0,
-            NUM_HEADS=hq, HEAD_DIM=head_dim, GROUP=hq // hkv, BLOCK_H=plan["BLOCK_H"], BLOCK_N=plan["BLOCK_N"],
-            NUM_SPLITS=splits, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle", SPARSE=sparse,
-            TOPK=topk, SEL_BLOCK=block_size, FP8_MAX=torch.finfo(k_cache.dtype).max,
-            QDOT=tl.float32 if interpreting() else _TL_FP8[k_cache.dtype], PV_FP8=plan["PV_FP8"],
-            LO=plan["FP8_SPLIT"],
-            num_warps=plan["num_warps"], num_stages=plan["num_stages"])
-    else:
-        _attn_kernel[(plan["q_blocks"], hkv, splits)](
-            q, k_cache, v_cache, ks, vs, page_table, cu_seqlens_q, context_lens, sel, out, part_o, part_lse,
-            scale * 1.4426950408889634, num_seqs, t_total, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            page_table.stride(0), k_cache.stride(0), k_cache.stride(1), ks.stride(0), ks.stride(1),
-            sel.stride(0) if sparse else 0, sel.stride(1) if sparse else 0,
-            NUM_HEADS=hq, HEAD_DIM=head_dim, GROUP=hq // hkv, BLOCK_H=plan["BLOCK_H"], BLOCK_Q=plan["BLOCK_Q"],
-            BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle",
-            FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
-            V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
-            num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+    _attn_kernel[(plan["q_blocks"], hkv, splits)](
+        q, k_cache, v_cache, ks, vs, page_table, cu_seqlens_q, context_lens, sel, out, part_o, part_lse,
+        scale * 1.4426950408889634, num_seqs, t_total, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        page_table.stride(0), k_cache.stride(0), k_cache.stride(1), ks.stride(0), ks.stride(1),
+        sel.stride(0) if sparse else 0, sel.stride(1) if sparse else 0,
+        NUM_HEADS=hq, HEAD_DIM=head_dim, GROUP=hq // hkv, BLOCK_H=plan["BLOCK_H"], BLOCK_Q=plan["BLOCK_Q"],
+        BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle",
+        FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
+        V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if splits > 1:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                      HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
@@ -526,16 +364,13 @@ def aot_variants(arch: Arch) -> list:
         plan = attention_plan(tokens, seqs, hkv, hq // hkv, 1 if decode else tokens, 32768, sparse, m["topk"],
                               m["block_size"], kv == "fp8", arch)
         kv_type = arch.fp8_triton if kv == "fp8" else "bf16"
-        name = f"attention.{'sparse' if sparse else 'dense'}_{'decode' if decode else 'prefill'}_{kv}_{layout}"
-        if plan["SWAP_AB"]:
-            variants.append(_swap_variant(name, arch, plan, sparse, layout))
-            continue
         types = {"q_ptr": "*bf16", "k_cache": f"*{kv_type}", "v_cache": f"*{kv_type}", "k_scale": "*fp32",
                  "v_scale": "*fp32", "page_table": "*i32", "cu_q": "*i32", "ctx_lens": "*i32", "sel_ptr": "*i32",
                  "out_ptr": "*bf16", "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32"}
         types |= {name: "i32" for name in _attn_kernel.arg_names if name not in types}
         variants.append(AotVariant(
-            name=name, kernel=_attn_kernel, types=types,
+            name=f"attention.{'sparse' if sparse else 'dense'}_{'decode' if decode else 'prefill'}_{kv}_{layout}",
+            kernel=_attn_kernel, types=types,
             constexprs={"NUM_HEADS": hq, "HEAD_DIM": d, "GROUP": hq // hkv, "BLOCK_H": plan["BLOCK_H"],
                         "BLOCK_Q": plan["BLOCK_Q"], "BLOCK_N": plan["BLOCK_N"], "NUM_SPLITS": plan["NUM_SPLITS"],
                         "X": 16 if kv == "fp8" else 8, "SHUFFLE": layout == "shuffle", "FP8": kv == "fp8",
@@ -552,27 +387,3 @@ def aot_variants(arch: Arch) -> list:
         constexprs={"NUM_HEADS": hq, "HEAD_DIM": d, "NUM_SPLITS": 2, "SPLITS_PAD": 2},
         num_warps=tiles("attn_merge", arch)["num_warps"], aligned=("stride_ot", "stride_oh")))
     return variants
-
-
-def _swap_variant(name: str, arch: Arch, plan: dict, sparse: bool, layout: str):
-    """The AOT variant of `_decode_swap_kernel` for an FP8 decode mode whose plan runs it."""
-    from .aot import M3_SHAPES, AotVariant
-
-    m = M3_SHAPES
-    hq, hkv = m["num_heads"], m["num_kv_heads"]
-    fp8 = arch.fp8_triton
-    types = {"q_ptr": "*bf16", "k_cache": f"*{fp8}", "v_cache": f"*{fp8}", "k_scale": "*fp32", "v_scale": "*fp32",
-             "page_table": "*i32", "ctx_lens": "*i32", "sel_ptr": "*i32", "out_ptr": "*bf16", "part_o": "*fp32",
-             "part_lse": "*fp32", "qk_scale": "fp32"}
-    types |= {n: "i32" for n in _decode_swap_kernel.arg_names if n not in types}
-    return AotVariant(
-        name=name + "_swap", kernel=_decode_swap_kernel, types=types,
-        constexprs={"NUM_HEADS": hq, "HEAD_DIM": m["head_dim"], "GROUP": hq // hkv, "BLOCK_H": plan["BLOCK_H"],
-                    "BLOCK_N": plan["BLOCK_N"], "NUM_SPLITS": plan["NUM_SPLITS"], "X": 16,
-                    "SHUFFLE": layout == "shuffle", "SPARSE": sparse, "TOPK": m["topk"],
-                    "SEL_BLOCK": m["block_size"], "FP8_MAX": arch.fp8_max,
-                    "QDOT": tl.float8e4b8 if arch.fp8_triton == "fp8e4b8" else tl.float8e4nv,
-                    "PV_FP8": plan["PV_FP8"], "LO": plan["FP8_SPLIT"]},
-        num_warps=plan["num_warps"], num_stages=plan["num_stages"],
-        aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
-                 "stride_sh", "stride_sel_h", "stride_sel_t"))

@@ -74,25 +74,3 @@ def test_local_blocks_and_block_size_32():
     check(got, ref, index_q, step, block, local)
     last = got[:, -1]  # position 249: blocks 7 (own) and 6 are forced
     assert {6, 7} <= set(last[0].tolist()) and {6, 7} <= set(last[1].tolist())
-
-
-@pytest.mark.parametrize("programs", [5, 10], ids=["one_chunk", "two_chunks"])
-def test_fused_decode_chunks(monkeypatch, programs):
-    """Decode's fused top-k with one chunk (written directly) and with two chunks of ~7 blocks each (candidates
-    merged by the last arriving chunk), run twice: the arrival counters are back at zero after each launch."""
-    from m3sdk_kernels import arch
-    from m3sdk_kernels.indexer import _arrivals, indexer_plan
-
-    monkeypatch.setitem(arch.TILES["indexer_scan"], "sm90", {**arch.TILES["indexer_scan"]["sm90"],
-                                                             "SPLIT_PROGRAMS": programs})
-    ctx, new = [200, 37, 16, 129, 1], [1] * 5
-    block, topk, local = 16, 3, 1
-    plan = indexer_plan(5, 5, HIDX, 1, 13, topk=topk)
-    assert plan["FUSED"] and plan["NUM_CHUNKS"] == programs // 5
-    step = make_step(ctx, new, 1, 16, "bf16", "plain", index_dim=DI, index_dtype="fp8")
-    index_q = torch.randn(sum(new), HIDX, DI).to(torch.bfloat16)
-    args = (index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, block, topk, local)
-    ref = indexer_topk_ref(*args)
-    for _ in range(2):
-        check(indexer_topk(*args), ref, index_q, step, block, local)
-        assert not _arrivals(5, index_q.device).any()
