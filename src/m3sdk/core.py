@@ -9,10 +9,12 @@ core calls `on_dead(exc)` and ends: the async face turns that into EngineDeadErr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
+import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from m3sdk.cache import CACHE_MANAGERS
@@ -24,13 +26,14 @@ from m3sdk.errors import PrefillNodeError
 from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.loader import load_model
 from m3sdk.observability import get_logger
+from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, FinishReason, Request
 from m3sdk.runner import PLACEHOLDER, Carry, ModelRunner
-from m3sdk.sampler import PendingSample, SampledToken, Sampler
+from m3sdk.sampler import PendingSample, SampledToken, Sampler, SamplingState
 from m3sdk.scheduler import SCHEDULERS, Scheduler, StepPlan
 from m3sdk.spec.base import SpeculativeDecoder, TargetInfo, build_drafter
 from m3sdk.spec.decoding import Speculation
-from m3sdk.tokenizer import Tokenizer
+from m3sdk.tokenizer import TextStream, Tokenizer
 from m3sdk_kernels.arch import fp8_dtype
 
 log = get_logger("m3sdk.core")
@@ -39,6 +42,10 @@ Emit = Callable[[list[Chunk]], None]
 OnDead = Callable[[BaseException], None]
 
 _ADD, _ABORT, _STOP, _WAKE = "add", "abort", "stop", "wake"
+
+# Concurrent prompts per warm-up wave: Triton specializes integer arguments (batch, token count) on == 1 and on
+# divisibility by 16, and the attention split count follows the batch, so one, a few and sixteen differ.
+WARM_UP_BATCHES = (1, 3, 16)
 
 
 @dataclasses.dataclass
@@ -92,6 +99,7 @@ class EngineCore:
                               requests_aborted=0)
         self._stats: dict[str, int] = {}
         self._publish_stats()
+        self.warm_up_seconds = 0.0  # what warm_up() took (build runs it on a GPU)
 
     @classmethod
     def build(cls, config: EngineConfig) -> EngineCore:
@@ -101,7 +109,7 @@ class EngineCore:
         path = config.model_path()
         tp = None
         if config.tensor_parallel_size > 1:  # ranks 1.. run in worker processes that mirror every forward
-            from m3sdk.parallel import TensorParallel
+            from m3sdk.parallel import MirroredGraphs, TensorParallel
 
             if config.speculative is not None and config.speculative.method != "ngram":
                 raise ValueError("tensor_parallel_size > 1 supports speculative='ngram' only (drafters read the "
@@ -151,18 +159,62 @@ class EngineCore:
                 device=device, dtype=dtype, model=model, kv_spec=cache.kv.spec, num_cache_pages=num_pages,
                 max_num_seqs=config.max_num_seqs, max_model_len=max_model_len))
         runner = ModelRunner(model, cache, device)
-        if config.resolve_cuda_graphs(device) and tp is None and DecodeGraphs.supported(model):
-            # docs/serving.md says why not with tensor parallel (yet). With a drafter: decode (1 token) and verify
-            # (1 + k tokens) steps, returning the aux states the drafter reads; the drafter's own steps too.
+        if config.resolve_cuda_graphs(device) and DecodeGraphs.supported(model):
+            # With a drafter: decode (1 token) and verify (1 + k tokens) steps, returning the aux states the drafter
+            # reads; the drafter's own steps too. Under tensor parallel the workers capture and replay the same
+            # graphs in lockstep (parallel/graphs.py).
             k = drafter.num_speculative_tokens if drafter is not None else 0
-            runner.graphs = DecodeGraphs(model, cache.kv, config.max_num_seqs, max_model_len, device,
-                                         query_lens=(1, 1 + k), aux_layers=drafter.aux_layers if drafter else ())
+            graphs = DecodeGraphs if tp is None else functools.partial(MirroredGraphs, tp)
+            runner.graphs = graphs(model, cache.kv, config.max_num_seqs, max_model_len, device,
+                                   query_lens=(1, 1 + k), aux_layers=drafter.aux_layers if drafter else ())
             if hasattr(drafter, "capture_graphs"):
                 drafter.capture_graphs(config.max_num_seqs)
         core = cls(config, runner, scheduler, cache, tokenizer, max_model_len, drafter)
         if tp is not None:
             core.stop_hooks.append(tp.shutdown)
+        if device.type == "cuda":
+            try:
+                core.warm_up()
+            except BaseException:
+                for hook in core.stop_hooks:
+                    hook()
+                raise
         return core
+
+    def warm_up(self, prompt_len: int = 512, batches: Sequence[int] = WARM_UP_BATCHES) -> None:
+        """Serve a few synthetic requests through the real step loop before the engine thread starts, so that the
+        first users do not pay one-time costs. On a GPU, Triton compiles a kernel variant the first time a shape
+        class is launched (attention and indexer split counts and integer specializations follow the batch, the
+        query length and the context: a prompt whose prefix is cached prefills a 16-token tail at a 512 context, a
+        different variant from its first, whole prefill; the first H200 run stalled 1.7-2.6 s on exactly that),
+        cuBLAS picks algorithms per shape and the pinned host pool fills. Waves of 1, 3 and 16 concurrent prompts
+        (as max_num_seqs and the cache allow), each twice: whole prompts, then the same prompts as prefix-cache
+        hits, each decoding a few tokens in this engine's mode (overlapped or not). Triton keeps what it compiled
+        in its disk cache, so a later start on the same machine pays milliseconds here. The step counters start
+        from zero afterwards; the cache keeps the warm-up's pages as idle cached pages (free to take)."""
+        t0 = time.perf_counter()
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        length = min(prompt_len, self.max_model_len - params.max_tokens) // PAGE_SIZE * PAGE_SIZE
+        vocab = min(self.vocab_size, self.tokenizer.vocab_size)
+        rng = random.Random(0)
+        for b in sorted({min(b, self.config.max_num_seqs) for b in batches}):
+            if length < PAGE_SIZE or b * (pages_for(length + params.max_tokens) + 1) > self.cache.num_free_pages():
+                continue
+            prompts = [[rng.randrange(vocab) for _ in range(length)] for _ in range(b)]
+            for again in range(2):
+                requests = []
+                for i, prompt in enumerate(prompts):
+                    request = Request(f"m3sdk-warm-up-{b}-{again}-{i}", prompt, params, length + params.max_tokens)
+                    request.sampling = SamplingState(params, prompt)
+                    request.text = TextStream(self.tokenizer, params, prompt)
+                    self.scheduler.add(request)
+                    requests.append(request)
+                while self._inflight is not None or not all(r.is_finished for r in requests):
+                    self.step()
+        self._counters = dict.fromkeys(self._counters, 0)
+        self._publish_stats()
+        self.warm_up_seconds = time.perf_counter() - t0
+        log.info("engine warmed up", seconds=round(self.warm_up_seconds, 2), prompt_len=length)
 
     # -- any thread --------------------------------------------------------------------------------------
 

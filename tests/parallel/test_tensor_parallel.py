@@ -1,6 +1,6 @@
 """Tensor + expert parallel on the CPU (gloo, worker processes): each rank's weights are exactly its slices of the
 checkpoint, and an engine sharded over 2 ranks gives the same greedy tokens as one rank, on the oracle model
-(where MSA drops blocks past position 24)."""
+(where MSA drops blocks past position 24), eagerly and through the graph steps' lockstep protocol."""
 
 import asyncio
 
@@ -9,10 +9,11 @@ import torch
 
 from m3sdk import Engine
 from m3sdk.model.loader import load_model
-from m3sdk.parallel import Shard, load_shard
+from m3sdk.parallel import MirroredGraphs, Shard, load_shard
 from m3sdk.parallel.sharding import param_pieces
 
-PROMPTS = [list(range(3 + i, 40 + 9 * i)) for i in range(4)]  # 37..64 tokens: past the sparse threshold
+# 37..55 tokens: past the sparse threshold; the last one repeats itself, so an ngram drafter proposes at once
+PROMPTS = [list(range(3 + i, 40 + 9 * i)) for i in range(3)] + [list(range(21, 40)) * 2]
 
 
 @pytest.mark.parametrize("expert_parallel", [True, False])
@@ -46,8 +47,11 @@ def load_model_config(path):
     return ModelConfig.from_pretrained(path)
 
 
-async def _greedy(path, **config) -> tuple[list[list[int]], list, int]:
+async def _greedy(path, attach=None, **config) -> tuple[list[list[int]], list, int]:
+    """`attach(core)`: called once the engine runs, before any request."""
     async with Engine(model=str(path), kv_cache_memory=8 << 20, max_model_len=256, max_num_seqs=4, **config) as e:
+        if attach is not None:
+            attach(e._core)
         outs = await asyncio.gather(*[e.generate(p, max_tokens=10, temperature=0) for p in PROMPTS])
         procs = list(e._core.stop_hooks[0].__self__.procs) if config.get("tensor_parallel_size", 1) > 1 else []
         head_rows = e._core.runner.model.lm_head.weight.shape[0]
@@ -70,6 +74,34 @@ def test_two_ranks_give_the_same_greedy_tokens(expert_parallel, overlap, engine_
     assert tokens == single_rank_tokens
     assert head_rows == -(-load_model_config(engine_checkpoint).vocab_size // 2)
     assert [p.returncode for p in procs] == [0]  # the worker left cleanly at shutdown
+
+
+def test_graph_steps_replay_in_lockstep(engine_checkpoint, single_rank_tokens):
+    """Off CUDA a DecodeGraphs step runs eagerly on its static buffers (graphs.Replay), so the protocol that keeps the
+    worker's graphs in step with rank 0's runs here for real: the worker builds the same DecodeGraphs and replays each
+    step rank 0 replays, from the same broadcast inputs. Plain decode steps (q = 1) and ngram verify steps (q = 4,
+    shorter rows padded inside the graph) give the single rank's greedy tokens."""
+    torch.set_num_threads(1)
+    replays = []
+
+    def attach(core):
+        tp = core.stop_hooks[0].__self__
+        graphs = MirroredGraphs(tp, core.runner.model, core.cache.kv, 4, core.max_model_len, core.runner.device,
+                                query_lens=(1, 4))
+        replay = graphs.run
+
+        def run(input_ids, meta, q=None, dest=None, logits_rows=None):
+            replays.append((q, dest is not None))
+            return replay(input_ids, meta, q, dest, logits_rows)
+
+        graphs.run = run
+        core.runner.graphs = graphs
+
+    tokens, procs, _ = asyncio.run(_greedy(engine_checkpoint, attach, tensor_parallel_size=2,
+                                           speculative={"method": "ngram", "num_speculative_tokens": 3}))
+    assert tokens == single_rank_tokens
+    assert (1, False) in replays and (4, True) in replays  # decode steps, and verify steps with padded rows
+    assert [p.returncode for p in procs] == [0]
 
 
 def test_ranks_must_divide_the_heads(engine_checkpoint):

@@ -9,6 +9,10 @@ split over the vocabulary (sharding.VocabParallelHead), so every rank computes i
 step's logits indices (broadcast too) and an all-gather joins them; rank 0 alone samples. Workers hold their own
 KV pool of the same page count (its spec comes over the pipe before the first step) and never see requests.
 
+With CUDA graphs (parallel/graphs.py) every worker builds the same DecodeGraphs as rank 0, so all ranks capture the
+same graphs, with the same collectives inside, in the same order; a step rank 0 replays goes to the workers as a
+REPLAY message (the graph's query length) with the same broadcast inputs, and each worker replays its own graph.
+
 Workers are started with `python -m m3sdk.parallel.worker` (not multiprocessing's spawn, which would re-run the
 application's main module), and talk to rank 0 over an inherited socket pair. One tensor-parallel engine per
 process: torch.distributed's default group is process-wide.
@@ -16,6 +20,7 @@ process: torch.distributed's default group is process-wide.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -23,6 +28,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -38,6 +44,7 @@ from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 from m3sdk.parallel.sharding import Shard, check_divisible, load_shard
 
 HELLO, READY, ERROR, STEP, KV, STOP = "hello", "ready", "error", "step", "kv", "stop"
+GRAPHS, REPLAY = "graphs", "replay"  # build DecodeGraphs (its arguments); replay the graph of a step
 _STARTUP_TIMEOUT_S = 600.0
 
 
@@ -68,24 +75,26 @@ def add_all_reduces(model: MiniMaxM3ForCausalLM) -> None:
         layer.mlp.register_forward_hook(all_reduce)
 
 
-def pack_step(input_ids: torch.Tensor, meta: AttentionMetadata, logits_indices: torch.Tensor | None) -> torch.Tensor:
-    indices = [] if logits_indices is None else [logits_indices.long()]
+def pack_step(input_ids: torch.Tensor, meta: AttentionMetadata, tail: torch.Tensor | None) -> torch.Tensor:
+    """One int64 tensor of a step's inputs; `tail`: the logits indices of an eager step, the padded rows of a
+    replayed one (graphs.DecodeGraphs.run's `dest`)."""
+    extra = [] if tail is None else [tail.long()]
     return torch.cat([input_ids, meta.positions, meta.slot_mapping, meta.cu_seqlens_q.long(), meta.context_lens.long(),
-                      meta.page_table.long().flatten(), *indices])
+                      meta.page_table.long().flatten(), *extra])
 
 
-def step_numel(t: int, b: int, width: int, n_logits: int) -> int:
-    return 3 * t + 2 * b + 1 + b * width + max(n_logits, 0)
+def step_numel(t: int, b: int, width: int, n_tail: int) -> int:
+    return 3 * t + 2 * b + 1 + b * width + max(n_tail, 0)
 
 
 def unpack_step(payload: torch.Tensor, t: int, b: int, width: int, max_seqlen_q: int, max_context_len: int,
-                n_logits: int) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor | None]:
-    """`n_logits` -1: the step computes no logits (rank 0 passed logits_indices None)."""
-    ids, pos, slots, cu, ctx, table, indices = payload.split([t, t, t, b + 1, b, b * width, max(n_logits, 0)])
+                n_tail: int) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+    """`n_tail` -1: rank 0 packed no tail (None)."""
+    ids, pos, slots, cu, ctx, table, tail = payload.split([t, t, t, b + 1, b, b * width, max(n_tail, 0)])
     meta = AttentionMetadata(positions=pos, slot_mapping=slots, cu_seqlens_q=cu.int(), context_lens=ctx.int(),
                              page_table=table.int().view(b, width), max_seqlen_q=max_seqlen_q,
                              max_context_len=max_context_len)
-    return ids, meta, indices if n_logits >= 0 else None
+    return ids, meta, tail if n_tail >= 0 else None
 
 
 class TensorParallel:
@@ -97,6 +106,7 @@ class TensorParallel:
         self.procs = procs
         self._kv: KVPool | None = None
         self._closed = False
+        self._mirroring = True  # off while rank 0's DecodeGraphs calls the model (the workers run their own)
         model.register_forward_pre_hook(self._mirror, with_kwargs=True)
 
     @classmethod
@@ -140,22 +150,49 @@ class TensorParallel:
         return cls(model, conns, procs)
 
     def _mirror(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if not self._mirroring:
+            return
         names = ("input_ids", "meta", "kv", "logits_indices", "aux_layers")
         call = dict(zip(names, args, strict=False)) | kwargs
-        input_ids, meta, kv = call["input_ids"], call["meta"], call["kv"]
-        if kv is not self._kv:
-            self._send((KV, dataclasses.replace(kv.spec, device="cpu")))
-            self._kv = kv
+        input_ids, meta = call["input_ids"], call["meta"]
+        self.use_kv(call["kv"])
         indices = call.get("logits_indices")
         b, width = meta.page_table.shape
         header = (input_ids.shape[0], b, width, meta.max_seqlen_q, meta.max_context_len,
                   tuple(call.get("aux_layers") or ()), -1 if indices is None else indices.shape[0])
-        self._send((STEP, header))
+        self.send((STEP, header))
         dist.broadcast(pack_step(input_ids, meta, indices), src=0)
 
-    def _send(self, message: tuple) -> None:
+    def use_kv(self, kv: KVPool) -> None:
+        """The workers' KV pools follow rank 0's: a new pool's spec goes over the pipe before its first use."""
+        if kv is not self._kv:
+            self.send((KV, dataclasses.replace(kv.spec, device="cpu")))
+            self._kv = kv
+
+    def mirror_replay(self, input_ids: torch.Tensor, meta: AttentionMetadata, q: int, dest: torch.Tensor | None
+                      ) -> None:
+        """Rank 0 replays its graph of this step (DecodeGraphs.run's arguments): every worker replays its own."""
+        b, width = meta.page_table.shape
+        self.send((REPLAY, (input_ids.shape[0], b, width, meta.max_seqlen_q, meta.max_context_len, q,
+                            dest is not None)))
+        dist.broadcast(pack_step(input_ids, meta, dest), src=0)
+
+    @contextlib.contextmanager
+    def unmirrored(self) -> Iterator[None]:
+        """Rank 0's model calls inside are not mirrored (the workers make the same calls themselves)."""
+        self._mirroring = False
+        try:
+            yield
+        finally:
+            self._mirroring = True
+
+    def send(self, message: tuple) -> None:
         for conn in self.conns:
             conn.send(message)
+
+    def expect(self, kind: str) -> None:
+        """Wait until every worker has sent `kind`; a worker's error or death raises."""
+        _expect(self.conns, self.procs, kind)
 
     def shutdown(self) -> None:
         """Stop the workers and leave the process group (idempotent)."""

@@ -1,6 +1,8 @@
 """A tensor-parallel worker rank: `python -m m3sdk.parallel.worker SPEC_JSON` (started by TensorParallel.launch).
 
-It loads its shard, then mirrors rank 0's forwards until told to stop (or until rank 0's end of the pipe closes).
+It loads its shard, then mirrors rank 0's forwards until told to stop (or until rank 0's end of the pipe closes):
+eager steps through its model, replayed steps through its own DecodeGraphs (parallel/graphs.py says why they stay
+in lockstep with rank 0's).
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import torch
 import torch.distributed as dist
 
 from m3sdk.cache.kv_pool import KVPool
+from m3sdk.graphs import DecodeGraphs
 from m3sdk.parallel.group import (
     ERROR,
+    GRAPHS,
     HELLO,
     KV,
     READY,
+    REPLAY,
     STEP,
     STOP,
     add_all_reduces,
@@ -45,7 +50,7 @@ def serve(spec: dict, conn: Connection) -> None:
         conn.send((ERROR, traceback.format_exc()))
         raise
     conn.send((READY, None))
-    kv = None
+    kv = graphs = None
     while True:
         try:
             kind, body = conn.recv()
@@ -57,11 +62,27 @@ def serve(spec: dict, conn: Connection) -> None:
             kv = KVPool(dataclasses.replace(body, device=device))
         elif kind == STEP:
             t, b, width, max_seqlen_q, max_context_len, aux_layers, n_logits = body
-            payload = torch.empty(step_numel(t, b, width, n_logits), dtype=torch.int64, device=device)
-            dist.broadcast(payload, src=0)
-            input_ids, meta, indices = unpack_step(payload, t, b, width, max_seqlen_q, max_context_len, n_logits)
+            input_ids, meta, indices = _receive(device, t, b, width, max_seqlen_q, max_context_len, n_logits)
             model(input_ids, meta, kv, indices, aux_layers)  # with indices: its part of lm_head's all-gather
+        elif kind == REPLAY:
+            t, b, width, max_seqlen_q, max_context_len, q, padded = body
+            input_ids, meta, dest = _receive(device, t, b, width, max_seqlen_q, max_context_len, t if padded else -1)
+            graphs.run(input_ids, meta, q, dest)  # the graph computes every row's logits: no indices needed
+        elif kind == GRAPHS:
+            try:
+                graphs = DecodeGraphs(model, kv, device=device, **body)
+            except Exception:
+                conn.send((ERROR, traceback.format_exc()))
+                raise
+            conn.send((READY, None))
     dist.destroy_process_group()
+
+
+def _receive(device: torch.device, t: int, b: int, width: int, max_seqlen_q: int, max_context_len: int, n_tail: int):
+    """A step's inputs, broadcast by rank 0 (group.pack_step)."""
+    payload = torch.empty(step_numel(t, b, width, n_tail), dtype=torch.int64, device=device)
+    dist.broadcast(payload, src=0)
+    return unpack_step(payload, t, b, width, max_seqlen_q, max_context_len, n_tail)
 
 
 def main() -> None:

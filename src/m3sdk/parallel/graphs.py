@@ -1,0 +1,44 @@
+"""CUDA graphs under tensor parallel: rank 0's DecodeGraphs, mirrored to the workers step by step.
+
+The all-reduces and the logits all-gather inside a graph are NCCL collectives, so every rank must capture the same
+graphs and replay them in the same order. Each worker therefore builds the same DecodeGraphs (same batch buckets,
+query lengths, aux layers and max_model_len: the same captures at start, in the same order), and each step rank 0
+replays is sent to the workers first (a REPLAY message, then the step's inputs broadcast like an eager step's), so
+every worker fills its own static buffers from the same inputs and replays its graph of the same key; a key first
+seen mid-serving is captured on every rank at that same step. Rank 0's model calls inside DecodeGraphs (its captures,
+or the eager steps off CUDA) are not mirrored as eager steps: the workers make them themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from m3sdk.attention.base import AttentionMetadata
+from m3sdk.cache.kv_pool import KVPool
+from m3sdk.graphs import DecodeGraphs
+from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
+from m3sdk.parallel.group import GRAPHS, READY, TensorParallel
+
+
+class MirroredGraphs(DecodeGraphs):
+    """Rank 0's DecodeGraphs under tensor parallel (same arguments, after the TensorParallel handle)."""
+
+    def __init__(self, tp: TensorParallel, model: MiniMaxM3ForCausalLM, kv: KVPool, max_num_seqs: int,
+                 max_model_len: int, device: torch.device, query_lens: Sequence[int] = (1,),
+                 aux_layers: Sequence[int] = ()):
+        self.tp = tp
+        tp.use_kv(kv)
+        tp.send((GRAPHS, dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, query_lens=tuple(query_lens),
+                              aux_layers=tuple(aux_layers))))
+        with tp.unmirrored():
+            super().__init__(model, kv, max_num_seqs, max_model_len, device, query_lens, aux_layers)
+        tp.expect(READY)  # the workers captured the same graphs
+
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, q: int | None = None,
+            dest: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        self.tp.mirror_replay(input_ids, meta, q or meta.max_seqlen_q, dest)
+        with self.tp.unmirrored():
+            return super().run(input_ids, meta, q, dest, logits_rows)
