@@ -18,6 +18,11 @@ SMALL = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head
              bos_token_id=1000, eos_token_id=1001)
 
 
+def since(before: dict, after: dict) -> dict:
+    """`after` with the step counters counted from `before`."""
+    return {**after, **{k: after[k] - before[k] for k in ("steps", "graph_steps")}}
+
+
 def test_batch_buckets():
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert batch_buckets(5) == [1, 2, 4, 5]
@@ -121,16 +126,41 @@ def test_speculation_with_graphs_equals_plain_and_eager():
 
     async def go(**kw):
         async with Engine(device="cuda", dtype="float32", max_num_seqs=4, **kw) as engine:
+            before = engine.stats()  # after the engine's warm-up
             out = [(await engine.generate(p, max_tokens=48, temperature=0, ignore_eos=True)).token_ids
                    for p in ([5, 6, 7, 8, 9, 10, 11, 12], list(range(100, 140)))]
-            return out, engine.stats()
+            return out, since(before, engine.stats())
 
-    plain, _ = asyncio.run(go())
+    plain, s_plain = asyncio.run(go())
     graphs, s_graphs = asyncio.run(go(speculative="eagle3"))
     eager, s_eager = asyncio.run(go(speculative="eagle3", cuda_graphs=False))
     assert graphs == plain and eager == plain
+    # float32 captures too (the MoE's dense form while capturing): every step after a prompt's was replayed
+    assert s_plain["graph_steps"] == s_plain["steps"] - 2 and s_graphs["graph_steps"] == s_graphs["steps"] - 2
+    assert s_eager["graph_steps"] == 0
     assert abs(s_graphs["spec_mean_accepted_length"] - s_eager["spec_mean_accepted_length"]) < 0.2
     assert s_graphs["spec_mean_accepted_length"] > 1.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("speculative", [None, "eagle3"])
+def test_default_gpu_engine_replays_graphs(speculative):
+    """What a GPU user gets (m3-tiny, bf16, triton backend, graphs and overlap by default): the graphs are captured
+    and every step after a prompt's replays one (w1 found m3-tiny running eagerly)."""
+    import asyncio
+
+    from m3sdk import Engine
+
+    async def go():
+        async with Engine(speculative=speculative, max_num_seqs=4) as engine:
+            before = engine.stats()  # after the engine's warm-up
+            for p in ([5, 6, 7, 8, 9, 10, 11, 12], list(range(100, 140))):
+                done = await engine.generate(p, max_tokens=32, temperature=0, ignore_eos=True)
+                assert len(done.token_ids) == 32
+            return since(before, engine.stats())
+
+    stats = asyncio.run(go())
+    assert stats["graph_steps"] == stats["steps"] - 2
 
 
 def test_padding_a_sequence_at_its_end_keeps_its_tokens_outputs(oracle_checkpoint):
@@ -174,3 +204,43 @@ def test_padding_a_sequence_at_its_end_keeps_its_tokens_outputs(oracle_checkpoin
     for a, b in zip(written, (*kv2.k, *kv2.v), strict=True):
         assert torch.equal(a != 0, b != 0)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_engine_takes_the_graphs_for_every_decode_and_verify_step(monkeypatch, concurrency):
+    """The benchmark's engines (m3-tiny, max_num_seqs = concurrency, plain and EAGLE3) with the graph wiring the
+    core does on a GPU, on the CPU (each graph step runs eagerly on the static buffers): every step after the
+    prompts' prefills is a graph step (none falls back to eager on a context bucket, max_model_len or aux
+    condition), the drafter's read and chain run their fixed-shape steps, and outputs equal the eager engine's."""
+    import asyncio
+
+    from m3sdk import Engine
+    from m3sdk.config import EngineConfig
+
+    prompts = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(2 * concurrency)]
+
+    async def go(**kw):
+        async with Engine(device="cpu", dtype="float32", max_num_seqs=concurrency, **kw) as engine:
+            gate = asyncio.Semaphore(concurrency)
+
+            async def one(p):
+                async with gate:
+                    return (await engine.generate(p, max_tokens=12, temperature=0, ignore_eos=True)).token_ids
+
+            out = await asyncio.gather(*[one(p) for p in prompts])
+            return out, engine.stats(), engine._core.spec.drafter if kw.get("speculative") else None
+
+    plain, _, _ = asyncio.run(go())
+    spec_eager, _, _ = asyncio.run(go(speculative="eagle3"))
+    monkeypatch.setattr(EngineConfig, "resolve_cuda_graphs", lambda self, device: True)
+    monkeypatch.setattr(DecodeGraphs, "supported", staticmethod(lambda model: True))
+    for kw, eager in (({}, plain), ({"speculative": "eagle3"}, spec_eager)):
+        out, stats, drafter = asyncio.run(go(**kw))
+        assert out == eager == plain
+        # a step holding a prompt runs eagerly; with one request at a time that is one step per prompt
+        assert stats["graph_steps"] > 0.5 * stats["steps"]
+        if concurrency == 1:
+            assert stats["graph_steps"] == stats["steps"] - len(prompts)
+        if drafter is not None:
+            assert sum(r.calls for r in drafter._read_graphs.values()) > 0
+            assert sum(r.calls for r in drafter._graphs.values()) > 0

@@ -59,8 +59,10 @@ class Replay:
     def __init__(self, fn: Callable[[], object], pool: object, device: torch.device):
         self.fn = fn
         self.graph, self.out = capture(fn, pool, device) if device.type == "cuda" else (None, None)
+        self.calls = 0
 
     def __call__(self) -> object:
+        self.calls += 1
         if self.graph is None:
             return self.fn()
         self.graph.replay()
