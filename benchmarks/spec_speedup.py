@@ -5,8 +5,11 @@ fixed concurrency, greedy, on held-out prompts of its domain (benchmarks/spec.py
                                       [--check-prompts 4] [--out spec.jsonl]
 
 First a correctness check: at batch 1 in float32, speculative outputs must equal plain ones (printed, with where
-each first differs if not). Then one markdown row per concurrency: tokens/s without, with, the ratio, whether
-outputs were identical, and the speculative run's mean accepted length; `--out` gets the same as JSON lines.
+each first differs if not). Then one markdown row per concurrency: tokens/s without (with the engine's default
+overlapped scheduling, and with it off: speculation never overlaps, so the second is the like-for-like baseline),
+with, both ratios, whether outputs were identical, the speculative run's mean accepted length, and the share of
+the timed steps each run replayed from CUDA graphs (the engines' `graph_steps` stat, not the flag asked for);
+`--out` gets the same as JSON lines. `--profile` adds device time and kernels per token at batch 1 for the three.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from m3sdk import Engine
 
 
 async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, device: str, dtype: str,
-              speculative: str | None, profile: bool = False) -> tuple[list[list[int]], float, dict]:
+              speculative: str | None, profile: bool = False, overlap: bool | None = None
+              ) -> tuple[list[list[int]], float, dict]:
+    """(outputs, seconds, stats) of the timed window; stats' `graph_share` is the share of its steps replayed from
+    CUDA graphs. `overlap` None: the engine's default (on for CUDA without speculation)."""
     graphs = None if speculative is None or SPEC_GRAPHS else False  # None: the engine's default (on for CUDA)
     async with Engine(device=device, dtype=dtype, max_num_seqs=concurrency, speculative=speculative,
-                      cuda_graphs=graphs) as engine:
+                      cuda_graphs=graphs, overlap_scheduling=overlap) as engine:
         gate = asyncio.Semaphore(concurrency)
 
         async def one(prompt: list[int]) -> list[int]:
@@ -39,13 +45,19 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
         # warm-up: two waves, so prefills joining running decodes compile their kernels here too (decode, verify
         # and draft-chain graphs were captured when the engine started)
         await asyncio.gather(*[one(p) for p in prompts[:2 * concurrency]])
+        before = engine.stats()
         with profiled(profile) as prof:
             start = time.perf_counter()
             outputs = await asyncio.gather(*[one(p) for p in prompts])
             seconds = time.perf_counter() - start
+        stats = engine.stats()
+        stats["graph_share"] = round((stats["graph_steps"] - before["graph_steps"])
+                                     / max(stats["steps"] - before["steps"], 1), 3)
         if prof is not None:
-            record(**device_time(prof, sum(len(o) for o in outputs), seconds, speculative, concurrency))
-        return outputs, seconds, engine.stats()
+            name = speculative or ("plain" if overlap is None else "plain-no-overlap")
+            record(**device_time(prof, sum(len(o) for o in outputs), seconds, name, concurrency),
+                   graph_share=stats["graph_share"], steps=stats["steps"] - before["steps"])
+        return outputs, seconds, stats
 
 
 @contextlib.contextmanager
@@ -59,7 +71,7 @@ def profiled(on: bool):
         yield prof
 
 
-def device_time(prof, tokens: int, seconds: float, speculative: str | None, concurrency: int) -> dict:
+def device_time(prof, tokens: int, seconds: float, name: str, concurrency: int) -> dict:
     """Where a generated token's time goes: wall vs device busy time (kernels), kernels launched, top kernels."""
     kernels: dict[str, list[float]] = {}
     for e in prof.events():
@@ -67,7 +79,7 @@ def device_time(prof, tokens: int, seconds: float, speculative: str | None, conc
             kernels.setdefault(e.name[:60], []).append(e.time_range.elapsed_us())
     busy = sum(sum(v) for v in kernels.values())
     top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:8]
-    return dict(profile=speculative or "plain", concurrency=concurrency, tokens=tokens,
+    return dict(profile=name, concurrency=concurrency, tokens=tokens,
                 wall_ms_per_token=round(1e3 * seconds / tokens, 3), device_ms_per_token=round(busy / 1e3 / tokens, 3),
                 kernels_per_token=round(sum(len(v) for v in kernels.values()) / tokens, 1),
                 top_kernels_us_per_token=[(k, round(sum(v) / tokens, 1)) for k, v in top])
@@ -102,39 +114,51 @@ def main() -> None:
     record(run="spec_speedup", argv=sys.argv[1:])
     if args.check_prompts:
         prompts = held_out_prompts(args.check_prompts, args.prompt_tokens)
-        plain, _, _ = asyncio.run(run(prompts, 1, args.max_tokens, args.device, "float32", None))
+        plain, _, p_stats = asyncio.run(run(prompts, 1, args.max_tokens, args.device, "float32", None))
         spec, _, stats = asyncio.run(run(prompts, 1, args.max_tokens, args.device, "float32", "eagle3"))
         same = sum(a == b for a, b in zip(plain, spec, strict=True))
         # where each output first differs (None: identical): a late split is a rounding tie, an early one a bug
         first = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
                  for a, b in zip(plain, spec, strict=True)]
         record(check="float32 batch 1 eagle3 == plain", prompts=len(prompts), identical=same, first_diff=first,
-               spec_graphs=SPEC_GRAPHS, mean_accepted_length=stats["spec_mean_accepted_length"])
+               graph_share_plain=p_stats["graph_share"], graph_share_spec=stats["graph_share"],
+               mean_accepted_length=stats["spec_mean_accepted_length"])
         print(f"check: float32 batch 1, {same}/{len(prompts)} speculative outputs identical to plain "
               f"{'' if same == len(prompts) else f'MISMATCH (first differing token {first}) '}"
-              f"(mean accepted length {stats['spec_mean_accepted_length']:.2f})", flush=True)
+              f"(mean accepted length {stats['spec_mean_accepted_length']:.2f}; graph steps plain "
+              f"{p_stats['graph_share']:.0%}, eagle3 {stats['graph_share']:.0%})", flush=True)
 
-    print("| dtype | concurrency | requests | plain tok/s | eagle3 tok/s | speed-up | identical | accepted len |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("| dtype | conc | requests | plain tok/s (overlap) | plain tok/s (no overlap) | eagle3 tok/s | speed-up "
+          "vs overlap | vs no overlap | identical | accepted len | graph steps plain / no-ov / eagle3 |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
     for c in (int(x) for x in args.concurrency.split(",")):
         prompts = held_out_prompts(max(2 * c, 8), args.prompt_tokens)
-        plain, t_plain, _ = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, None))
+        plain, t_plain, p_stats = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, None))
+        _, t_sync, s_stats = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, None,
+                                             overlap=False))
         spec, t_spec, stats = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, "eagle3"))
         tokens = sum(len(o) for o in plain)
         row = dict(dtype=args.dtype, spec_graphs=SPEC_GRAPHS, concurrency=c, requests=len(prompts),
                    max_tokens=args.max_tokens,
-                   plain_tok_s=round(tokens / t_plain, 1), spec_tok_s=round(tokens / t_spec, 1),
-                   speedup=round(t_plain / t_spec, 3), identical=plain == spec,
+                   plain_tok_s=round(tokens / t_plain, 1), plain_no_overlap_tok_s=round(tokens / t_sync, 1),
+                   spec_tok_s=round(tokens / t_spec, 1),
+                   speedup=round(t_plain / t_spec, 3), speedup_vs_no_overlap=round(t_sync / t_spec, 3),
+                   identical=plain == spec,
                    mean_accepted_length=round(stats["spec_mean_accepted_length"], 3),
-                   target_forwards_per_token=round(stats["spec_target_forwards_per_token"], 3))
+                   target_forwards_per_token=round(stats["spec_target_forwards_per_token"], 3),
+                   graph_share_plain=p_stats["graph_share"], graph_share_no_overlap=s_stats["graph_share"],
+                   graph_share_spec=stats["graph_share"])
         record(**row)
-        print(f"| {args.dtype} | {c} | {len(prompts)} | {row['plain_tok_s']:.0f} | {row['spec_tok_s']:.0f} | "
-              f"{row['speedup']:.2f}x | {row['identical']} | {row['mean_accepted_length']:.2f} |", flush=True)
+        print(f"| {args.dtype} | {c} | {len(prompts)} | {row['plain_tok_s']:.0f} | "
+              f"{row['plain_no_overlap_tok_s']:.0f} | {row['spec_tok_s']:.0f} | {row['speedup']:.2f}x | "
+              f"{row['speedup_vs_no_overlap']:.2f}x | {row['identical']} | {row['mean_accepted_length']:.2f} | "
+              f"{p_stats['graph_share']:.0%} / {s_stats['graph_share']:.0%} / {stats['graph_share']:.0%} |",
+              flush=True)
 
     if args.profile:  # separate runs: the profiler's own overhead stays out of the table
         prompts = held_out_prompts(2, args.prompt_tokens)
-        for method in (None, "eagle3"):
-            asyncio.run(run(prompts, 1, args.max_tokens, args.device, args.dtype, method, profile=True))
+        for method, overlap in ((None, None), (None, False), ("eagle3", None)):
+            asyncio.run(run(prompts, 1, args.max_tokens, args.device, args.dtype, method, True, overlap))
         print("profiles (device ms / kernels per token) written to --out", flush=True)
 
 
