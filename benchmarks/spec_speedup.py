@@ -24,6 +24,7 @@ import time
 import torch
 from spec import held_out_prompts
 
+import m3sdk.spec.decoding as spec_decoding
 from m3sdk import Engine
 
 
@@ -46,29 +47,70 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
         # and draft-chain graphs were captured when the engine started)
         await asyncio.gather(*[one(p) for p in prompts[:2 * concurrency]])
         before = engine.stats()
-        with profiled(profile) as prof:
+        with profiled(profile) as prof, host_phases(engine, profile) as phases:
             start = time.perf_counter()
             outputs = await asyncio.gather(*[one(p) for p in prompts])
             seconds = time.perf_counter() - start
         stats = engine.stats()
-        stats["graph_share"] = round((stats["graph_steps"] - before["graph_steps"])
-                                     / max(stats["steps"] - before["steps"], 1), 3)
+        steps = stats["steps"] - before["steps"]
+        stats["graph_share"] = round((stats["graph_steps"] - before["graph_steps"]) / max(steps, 1), 3)
         if prof is not None:
             name = speculative or ("plain" if overlap is None else "plain-no-overlap")
             record(**device_time(prof, sum(len(o) for o in outputs), seconds, name, concurrency),
-                   graph_share=stats["graph_share"], steps=stats["steps"] - before["steps"])
+                   graph_share=stats["graph_share"], steps=steps,
+                   host_ms_per_step={k: round(1e3 * v / max(steps, 1), 3) for k, v in phases.items()})
         return outputs, seconds, stats
 
 
 @contextlib.contextmanager
 def profiled(on: bool):
-    """torch.profiler over the timed window (CUPTI sees every kernel, whichever thread launched it)."""
+    """torch.profiler over the timed window (CUPTI sees every kernel, whichever thread launched it, graph replays'
+    kernels included)."""
     if not on:
         yield None
         return
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
         yield prof
+
+
+@contextlib.contextmanager
+def host_phases(engine: Engine, on: bool):
+    """Seconds the engine thread spent in each phase of its steps (wall time of the calls, nested ones counted in
+    both; a call that reads the device's results includes waiting for them): where a step's host time goes.
+    Reaches into the engine's core (benchmark instrumentation, restored after)."""
+    totals: dict[str, float] = {}
+    if not on:
+        yield totals
+        return
+    core = engine._core
+    targets = [(core, "step"), (core.scheduler, "schedule"), (core.runner, "forward"), (core.sampler, "sample"),
+               (core.sampler, "launch"), (core, "_resolve")]
+    if core.spec is not None:
+        targets += [(core.spec.drafter, "propose"), (core.spec.drafter, "observe"), (spec_decoding, "verify")]
+
+    def timed(name: str, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
+        return call
+
+    saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr in targets]
+    for obj, attr in targets:
+        setattr(obj, attr, timed(attr.lstrip("_"), getattr(obj, attr)))
+    try:
+        yield totals
+    finally:
+        for obj, attr, old in saved:
+            if old is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
 
 
 def device_time(prof, tokens: int, seconds: float, name: str, concurrency: int) -> dict:
