@@ -312,12 +312,12 @@ def step_engine(args) -> None:
         asyncio.run(_engine_runs(args, tp))
 
 
-async def _tiny_tokens(tp: int, overlap: bool, prompts: list[list[int]], max_tokens: list[int]
+async def _tiny_tokens(tp: int, overlap: bool, prompts: list[list[int]], max_tokens: list[int], device: str
                        ) -> tuple[list[list[int]], bool]:
     from m3sdk import Engine, SamplingParams
 
     greedy = SamplingParams(temperature=0, ignore_eos=True)
-    async with Engine(model="m3-tiny", device="cuda", dtype="float32", max_model_len=512, max_num_seqs=16,
+    async with Engine(model="m3-tiny", device=device, dtype="float32", max_model_len=512, max_num_seqs=16,
                       kv_cache_memory=1 << 30, tensor_parallel_size=tp, overlap_scheduling=overlap) as e:
         done = await asyncio.gather(*[e.generate(p, greedy, max_tokens=m)
                                       for p, m in zip(prompts, max_tokens, strict=True)])
@@ -337,8 +337,8 @@ def step_check(args) -> None:
     max_tokens = [rng.randrange(4, 96) for _ in prompts]
     for tp in args.tp:
         try:
-            off, graphs = asyncio.run(_tiny_tokens(tp, False, prompts, max_tokens))
-            on, _ = asyncio.run(_tiny_tokens(tp, True, prompts, max_tokens))
+            off, graphs = asyncio.run(_tiny_tokens(tp, False, prompts, max_tokens, args.device))
+            on, _ = asyncio.run(_tiny_tokens(tp, True, prompts, max_tokens, args.device))
         except Exception as exc:  # noqa: BLE001 - one failed TP size must not hide the other's record
             record(step="check", model="m3-tiny", tp=tp, error=repr(exc)[:400])
             continue
@@ -356,13 +356,14 @@ def step_table(args) -> None:
             print(f"| {r['quantization']} | {r['batch']}x{r['context']} | {r['graph_ms']:.3f} | {r['roofline_ms']:.3f} "
                   f"| {r['graph_over_roofline']:.2f} | {r['bandwidth_fraction']:.2f} | {r['bytes']['total'] / 1e9:.2f} "
                   f"| {r['eager_ms']:.3f} | {r['graph_vs_eager_argmax_agree']:.2f} |")
-    print("| tp | conc | overlap | graphs | out tok/s | TPOT med/p99 ms | ITL med/p99 ms | TTFT med ms | steps |")
+    print("| tp | conc | overlap | graphs | out tok/s | TPOT med/p99 ms | ITL med/p99 ms | TTFT med/p99 ms | steps |")
     for r in rows:
         if r["step"] == "engine":
             print(f"| {r['tp']} | {r['concurrency']} | {r['overlap']} | {r['graphs']} | {r['output_throughput']:.0f} "
                   f"| {r['median_tpot_ms']:.2f}/{r['p99_tpot_ms']:.2f} "
-                  f"| {r['median_itl_ms']:.2f}/{r['p99_itl_ms']:.2f} | {r['median_ttft_ms']:.1f} | {r['steps']} |")
-        elif r["step"] in ("engine_check", "load", "engine_load"):
+                  f"| {r['median_itl_ms']:.2f}/{r['p99_itl_ms']:.2f} "
+                  f"| {r['median_ttft_ms']:.1f}/{r['p99_ttft_ms']:.1f} | {r['steps']} |")
+        elif r["step"] in ("check", "engine_check", "engine_first", "load", "engine_load"):
             print(json.dumps({k: v for k, v in r.items() if k != "step_time"}))
 
 
@@ -398,6 +399,7 @@ def main() -> None:
     p.add_argument("--slice", type=Path, default=Path("/tmp/m3-slice"))
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--jsonl", default=JSONL, help="records file under --out")
+    p.add_argument("--device", default="cuda", help="check: where m3-tiny runs (cpu: a smoke run of the step)")
     p.add_argument("--dense", type=int, default=1)
     p.add_argument("--sparse", type=int, default=1)
     p.add_argument("--max-position-embeddings", type=int, default=524288)
