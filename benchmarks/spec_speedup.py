@@ -56,9 +56,14 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
         stats["graph_share"] = round((stats["graph_steps"] - before["graph_steps"]) / max(steps, 1), 3)
         if prof is not None:
             name = speculative or ("plain" if overlap is None else "plain-no-overlap")
-            record(**device_time(prof, sum(len(o) for o in outputs), seconds, name, concurrency),
-                   graph_share=stats["graph_share"], steps=steps,
-                   host_ms_per_step={k: round(1e3 * v / max(steps, 1), 3) for k, v in phases.items()})
+            row = dict(**device_time(prof, sum(len(o) for o in outputs), seconds, name, concurrency),
+                       graph_share=stats["graph_share"], steps=steps,
+                       host_ms_per_step={k: round(1e3 * v / max(steps, 1), 3) for k, v in phases.items()})
+            record(**row)
+            print(f"profile {name}: {row['wall_ms_per_token']} ms wall / {row['device_ms_per_token']} ms device / "
+                  f"{row['kernels_per_token']} kernels per token, {row['tokens'] / max(steps, 1):.2f} tokens per "
+                  f"step, graph steps {row['graph_share']:.0%}; host ms per step {row['host_ms_per_step']}",
+                  flush=True)
         return outputs, seconds, stats
 
 
@@ -201,7 +206,6 @@ def main() -> None:
         prompts = held_out_prompts(2, args.prompt_tokens)
         for method, overlap in ((None, None), (None, False), ("eagle3", None)):
             asyncio.run(run(prompts, 1, args.max_tokens, args.device, args.dtype, method, True, overlap))
-        print("profiles (device ms / kernels per token) written to --out", flush=True)
 
 
 if __name__ == "__main__":
