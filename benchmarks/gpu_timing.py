@@ -4,12 +4,13 @@ import torch
 import triton
 
 
-def bench(fn) -> float:
-    """Median ms of `fn`, replayed from a CUDA graph when it can be captured (no launch gaps), else by events."""
+def bench(fn, rep: int = 100) -> float:
+    """Median ms of `fn`, replayed from a CUDA graph when it can be captured (no launch gaps), else by events.
+    `rep`: ms of replays per sample (do_bench_cudagraph takes 10 samples: a smaller rep fits more rows in a window)."""
     try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
     except Exception:
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
 def read_bandwidth(device: str = "cuda") -> float:

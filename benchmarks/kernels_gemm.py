@@ -1,6 +1,7 @@
 """FP8 W8A8 GEMM (per-token activation quantization included) at MiniMax-M3 shapes: ours vs torch vs the floor.
 
-    PYTHONPATH=src python benchmarks/kernels_gemm.py [--json PATH] [--jsonl PATH] [--sweep] [--ms 1,16]
+    PYTHONPATH=src python benchmarks/kernels_gemm.py [--json PATH] [--jsonl PATH] [--sweep [FAMILY,..]] [--ms 1,16]
+        [--arms ours,gemm,norm,torch,bf16] [--rep MS]
 
 Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 6144, the dense MLP 6144 -> 24576
 (gate|up) and 12288 -> 6144 (down); M = 1 .. 8192 tokens. Arms, same inputs:
@@ -12,7 +13,9 @@ Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 
   `fp8_gemm`, beside the bf16 `add_rms_norm` it replaces: their difference is what FP8 costs in front of the GEMM
 Floor: max(weight + activation bytes / read bandwidth, FLOPs / the fp8 matmul rate measured by `_scaled_mm` at
 8192^3). Decode shapes rotate 4 weight copies (> L2) so every call streams its weight from HBM.
-`--sweep` times a few tile configs per M bucket first and keeps the fastest (printed; copy into arch.py).
+`--sweep` times a few tile configs per M bucket first and keeps the fastest (printed; copy into arch.py); the decode
+family is timed GEMM-only at M = 1 and 16 on every shape and kept by the sum. `--arms` picks the timed columns
+(others print nan), `--rep` the ms of graph replays per timing sample (10 samples each).
 """
 
 from __future__ import annotations
@@ -31,9 +34,16 @@ DEV = "cuda"
 SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144),
           "dense gate_up 6144->24576": (6144, 24576), "dense down 12288->6144": (12288, 6144)}
 MS = (1, 16, 256, 1024, 8192)
+ARMS = ("ours", "gemm", "norm", "torch", "bf16")
+# decode configs set every key they vary: the first is window 1's (mma.sync on 16 padded rows, no split); then
+# swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K to about the resident CTAs, with/without the split
+_DECODE = dict(BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1)
 SWEEP = {
-    "fp8_gemm_decode": [dict(BLOCK_N=64, BLOCK_K=256, num_stages=4), dict(BLOCK_N=32, BLOCK_K=256, num_stages=4),
-                        dict(BLOCK_N=32, BLOCK_K=512, num_stages=3), dict(BLOCK_N=128, BLOCK_K=128, num_stages=5)],
+    "fp8_gemm_decode": [dict(_DECODE, BLOCK_N=32, num_stages=4, SPLIT_PROGRAMS=0, STAGGER=0, SWAP_AB=0),
+                        dict(_DECODE, BLOCK_N=64, SPLIT_PROGRAMS=396),
+                        dict(_DECODE, BLOCK_N=64, BLOCK_K=128, num_stages=4, SPLIT_PROGRAMS=660),
+                        dict(_DECODE, BLOCK_N=128, SPLIT_PROGRAMS=264),
+                        dict(_DECODE, BLOCK_N=64, SPLIT_PROGRAMS=0)],
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
                      dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)],
     "fp8_gemm_prefill": [dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
@@ -61,36 +71,71 @@ def fp8_rate(fp8: torch.dtype) -> float:
 
 
 def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor, fp8: torch.dtype, bw: float,
-            rate: float) -> dict:
+            rate: float, arms: set[str], rep: int) -> dict:
     """One (shape, M) row; each arm runs over the rotated weight copies and is divided by their count."""
+    nan = float("nan")
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     xq, xs = quantize_fp8_per_token(x, fp8)
 
     def rotated(one) -> float:
-        return bench(lambda: [one(w, s) for w, s in weights]) / len(weights)
+        return bench(lambda: [one(w, s) for w, s in weights], rep) / len(weights)
 
-    ours = rotated(lambda w, s: fp8_gemm(*quantize_fp8_per_token(x, fp8), w, s))
-    gemm = rotated(lambda w, s: fp8_gemm(xq, xs, w, s))
+    ours = rotated(lambda w, s: fp8_gemm(*quantize_fp8_per_token(x, fp8), w, s)) if "ours" in arms else nan
+    gemm = rotated(lambda w, s: fp8_gemm(xq, xs, w, s)) if "gemm" in arms else nan
     res, nw = torch.randn_like(x), torch.randn(k, device=DEV, dtype=torch.bfloat16) * 0.1
 
     def norm_gemm(w, s):
         y, ys, _ = add_rms_norm(x, nw, 1e-6, res, fp8)
         return fp8_gemm(y, ys, w, s)
 
-    fused = rotated(norm_gemm)
-    norm_bf16 = bench(lambda: add_rms_norm(x, nw, 1e-6, res))
+    fused = rotated(norm_gemm) if "norm" in arms else nan
+    norm_bf16 = bench(lambda: add_rms_norm(x, nw, 1e-6, res), rep) if "norm" in arms else nan
+    peer = peer_mm = nan
     try:  # cuBLAS/CUTLASS fp8 may refuse some shapes
-        peer = rotated(lambda w, s: torch._scaled_mm(*_quant_pair(x, fp8, w), s[None, :], out_dtype=torch.bfloat16))
-        peer_mm = rotated(lambda w, s: torch._scaled_mm(xq, w.T, xs[:, None], s[None, :], out_dtype=torch.bfloat16))
+        if "torch" in arms:
+            peer = rotated(lambda w, s: torch._scaled_mm(*_quant_pair(x, fp8, w), s[None, :],
+                                                         out_dtype=torch.bfloat16))
+            peer_mm = rotated(lambda w, s: torch._scaled_mm(xq, w.T, xs[:, None], s[None, :],
+                                                            out_dtype=torch.bfloat16))
     except RuntimeError as e:
         print(f"torch arm failed at M={m}: {str(e).splitlines()[0][:120]}")
-        peer = peer_mm = float("nan")
-    bf16 = bench(lambda: x @ wbf.T)
+    bf16 = bench(lambda: x @ wbf.T, rep) if "bf16" in arms else nan
     byts = n * k + m * k * 2 + m * n * 2
     floor = max(byts / bw / 1e6, 2 * m * n * k / rate / 1e9)  # ms
     return dict(bench="fp8_gemm", shape=name, M=m, ours_ms=ours, gemm_ms=gemm, norm_fp8_gemm_ms=fused,
                 norm_bf16_ms=norm_bf16, torch_ms=peer, scaled_mm_ms=peer_mm, bf16_ms=bf16, floor_ms=floor,
                 weight_gbps=n * k / gemm / 1e6, tflops=2 * m * n * k / ours / 1e9)
+
+
+def sweep(fam: str, arch, fp8: torch.dtype, rep: int) -> None:
+    """Time SWEEP[fam] and keep the fastest in TILES (GEMM only; decode: M = 1 and 16 on every shape, by the sum)."""
+    cases = ([(shape, m) for shape in SHAPES for m in (1, 16)] if fam == "fp8_gemm_decode" else
+             [("qkv_index 6144->9856", {"fp8_gemm_mid": 256, "fp8_gemm_prefill": 8192}[fam])])
+    data = {}
+    for shape, m in cases:
+        k, n = SHAPES[shape]
+        if shape not in data:
+            data[shape] = [quantize_fp8_weight(torch.randn(n, k, device=DEV) * 0.02, fp8) for _ in range(4)]
+        data[shape, m] = quantize_fp8_per_token(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), fp8)
+    base = dict(TILES[fam][arch.name])
+    best = None
+    for cfg in SWEEP[fam]:
+        TILES[fam][arch.name].update(cfg)
+        times = []
+        for shape, m in cases:
+            (xq, xs), ws_ = data[shape, m], data[shape]
+            ref = fp8_gemm_ref(xq, xs, *ws_[0])  # each config checked before it is timed
+            err = ((fp8_gemm(xq, xs, *ws_[0]).float() - ref.float()).norm() / ref.float().norm()).item()
+            assert err < 1e-2, (fam, cfg, shape, m, err)
+            times.append(bench(lambda xq=xq, xs=xs, ws_=ws_: [fp8_gemm(xq, xs, w, s) for w, s in ws_], rep) / 4)
+        print(f"sweep {fam} {cfg}: " + " ".join(f"{s.split()[0]}/M{m} {t * 1e3:.1f}" for (s, m), t in
+                                                 zip(cases, times, strict=True)) + f" | sum {sum(times) * 1e3:.1f} us")
+        if best is None or sum(times) < best[0]:
+            best = (sum(times), dict(TILES[fam][arch.name]))
+        TILES[fam][arch.name].clear()
+        TILES[fam][arch.name].update(base)
+    TILES[fam][arch.name].update(best[1])
+    print(f"sweep {fam}: keep {best[1]}")
 
 
 def _quant_pair(x: torch.Tensor, fp8: torch.dtype, w: torch.Tensor) -> tuple:
@@ -101,20 +146,24 @@ def _quant_pair(x: torch.Tensor, fp8: torch.dtype, w: torch.Tensor) -> tuple:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", nargs="?", const=",".join(SWEEP), default="",
+                    help="tile families to sweep first (default with no value: all)")
     ap.add_argument("--jsonl", help="append one line per row")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M")
+    ap.add_argument("--arms", default=",".join(ARMS), help="timed columns")
+    ap.add_argument("--rep", type=int, default=100, help="ms of graph replays per timing sample")
     args = ap.parse_args()
     arch = current_arch()
     fp8 = arch.fp8_dtype
     bw = read_bandwidth()
     rate = fp8_rate(fp8)
+    arms = set(args.arms.split(","))
     print(f"read bandwidth {bw:.0f} GB/s, fp8 _scaled_mm 8192^3 {rate:.0f} TFLOP/s")
 
     # correctness at real shapes first (GPU dots, not the interpreter's)
     for name, (k, n) in SHAPES.items():
         wq, ws = quantize_fp8_weight(torch.randn(n, k, device=DEV) * 0.02, fp8)
-        for m in (3, 300):
+        for m in (1, 3, 300):
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             xq, xs = quantize_fp8_per_token(x, fp8)
             ref = fp8_gemm_ref(xq, xs, wq, ws)
@@ -131,31 +180,15 @@ def main() -> None:
         assert err < 2e-2, (name, "norm+gemm", err)
     print("correctness: fp8_gemm == fp8_gemm_ref at every shape; add_rms_norm(fp8) + fp8_gemm == torch")
 
-    if args.sweep:
-        for fam, configs in SWEEP.items():
-            m = {"fp8_gemm_decode": 16, "fp8_gemm_mid": 256, "fp8_gemm_prefill": 8192}[fam]
-            k, n = SHAPES["qkv_index 6144->9856"]
-            ws_ = [quantize_fp8_weight(torch.randn(n, k, device=DEV) * 0.02, fp8) for _ in range(4)]
-            xq, xs = quantize_fp8_per_token(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), fp8)
-            base = dict(TILES[fam][arch.name])
-            best = None
-            for cfg in configs:
-                TILES[fam][arch.name].update(cfg)
-                t = bench(lambda xq=xq, xs=xs, ws_=ws_: [fp8_gemm(xq, xs, w, s) for w, s in ws_]) / 4
-                print(f"sweep {fam} M={m}: {cfg} {t * 1e3:.1f} us")
-                if best is None or t < best[0]:
-                    best = (t, dict(TILES[fam][arch.name]))
-                TILES[fam][arch.name].clear()
-                TILES[fam][arch.name].update(base)
-            TILES[fam][arch.name].update(best[1])
-            print(f"sweep {fam}: keep {best[1]}")
+    for fam in filter(None, args.sweep.split(",")):
+        sweep(fam, arch, fp8, args.rep)
 
     rows = []
     for name, (k, n) in SHAPES.items():
         weights = [quantize_fp8_weight(torch.randn(n, k, device=DEV) * 0.02, fp8) for _ in range(4)]
         wbf = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
         for m in map(int, args.ms.split(",")):
-            rows.append(measure(name, k, n, m, weights, wbf, fp8, bw, rate))
+            rows.append(measure(name, k, n, m, weights, wbf, fp8, bw, rate, arms, args.rep))
             r = rows[-1]
             if args.jsonl:
                 with open(args.jsonl, "a") as fh:

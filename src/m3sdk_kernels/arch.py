@@ -147,14 +147,21 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
 # prefill only until measured at decode: there the sm90 SASS of the gate_up GEMM is 3032 instructions (mma.sync)
 # against dot_scaled's 2088 (wgmma), and decode is bound by the per-weight conversion, not the MMA.
 TILES.update({
-    "fp8_quant": {a: {"BLOCK_K": 1024, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
+    # BLOCK_K: the widest row tile (a row up to this wide is read in one step)
+    "fp8_quant": {a: {"BLOCK_K": 16384, "num_warps": 16} for a in ("sm90", "gfx942", "gfx950")},
     "rms_norm": {a: {"num_warps": 8} for a in ("sm90", "gfx942", "gfx950")},
     "router": {a: {"BLOCK_T": 16, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "moe_align": {a: {"CHUNK": 256, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
+    # decode: split K until SPLIT_PROGRAMS programs stream the weight (about the resident CTAs: split_k in quant.py),
+    # STAGGER the K order per column block (spreads the shared activation reads over L2); SWAP_AB (sm90): weight
+    # rows as the MMA's M, so 64 x 16 fp8 wgmma straight from shared memory (no f16 upcast, no mma.sync)
     "fp8_gemm_decode": {
-        "sm90": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
-        "gfx942": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
-        "gfx950": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2},
+        "sm90": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
+                 "SPLIT_PROGRAMS": 396, "STAGGER": 1, "SWAP_AB": 1},
+        "gfx942": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
+                   "SPLIT_PROGRAMS": 1216, "STAGGER": 1},
+        "gfx950": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
+                   "SPLIT_PROGRAMS": 1024, "STAGGER": 1},
     },
     "fp8_gemm_mid": {
         "sm90": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},

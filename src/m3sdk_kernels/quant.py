@@ -168,56 +168,129 @@ def quantize_fp8_per_token(x: torch.Tensor, fp8_dtype: torch.dtype | None = None
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
         t = tiles("fp8_quant", current_arch(x.device))
+        # the whole row in one tile where it fits: both passes are then one round trip each (a row of M3's 6144
+        # in 1024-wide steps was 12 dependent loads, most of the 4-8 us the launch cost at decode)
+        block = min(triton.next_power_of_2(k), t["BLOCK_K"])
         _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
-                                 BLOCK_K=t["BLOCK_K"], INTERPRET=INTERPRET, num_warps=t["num_warps"])
+                                 BLOCK_K=block, INTERPRET=INTERPRET, num_warps=t["num_warps"])
     return q, s
 
 
-@triton.jit(do_not_specialize=["M"])  # M == 1 specialized ran 1.6x slower than M == 16 on the H200
-def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+@triton.jit(do_not_specialize=["M"])  # one binary for every decode M (M == 1 is not special)
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, stride_am,
+                     stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr, SWAP_AB: tl.constexpr,
                      EVEN_K: tl.constexpr):
-    # grouped program order: GROUP_M row blocks walk the same weight columns while those are in L2
+    # program -> (output tile, K split): the SPLIT_K programs of one tile are neighbours
     pid = tl.program_id(0)
+    pid_k = pid % SPLIT_K
+    tile = pid // SPLIT_K
+    # grouped tile order: GROUP_M row blocks walk the same weight columns while those are in L2
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
+    first_m = (tile // group) * GROUP_M
     size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
+    pid_m = first_m + (tile % group) % size_m
+    pid_n = (tile % group) // size_m
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # rows past the end read row 0 again instead of masking: the loads stay unmasked, full-width vectors
-    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    row_ok = offs_m < M
+    # Rows past M are masked (zero-filled, no memory traffic): at M = 1 a decode tile's 15 padding rows used to
+    # re-read row 0, so every program hit the same two activation lines at every K step (M = 1 ran 1.6x slower
+    # than M = 16 on the H200). The row mask is constant along K, so the loads stay full-width vectors.
+    # Weight columns past N re-read column 0 instead (unmasked; never stored).
+    rows = tl.where(row_ok, offs_m, 0).to(tl.int64)
     cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + cols[None, :] * stride_wn + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
+    # this split's K tiles; STAGGER (decode) walks them from a per-column-block offset, wrapping, so the programs
+    # that run together read different activation lines rather than all the same one
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    first = pid_k * per_split
+    count = tl.minimum(per_split, k_tiles - first)
+    if SWAP_AB:  # weight rows as the MMA's M (Hopper: wgmma, fp8 operands straight from shared memory)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:  # tokens as the MMA's M (a 16-row tile: mma.sync on Hopper, the fp8 upcast to f16 first)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for i in range(0, count):
+        j = i
+        if STAGGER:
+            j = (i + pid_n) % count
+        ks = (first + j) * BLOCK_K + offs_k
+        if SWAP_AB:
+            a_ptrs = a_ptr + rows[None, :] * stride_am + ks[:, None]
+            w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
+                w = tl.load(w_ptrs, mask=ks[None, :] < K, other=0.0)
+            acc = tl.dot(w, a, acc)
         else:
-            a = tl.load(a_ptrs, mask=k0 + offs_k[None, :] < K, other=0.0)
-            w = tl.load(w_ptrs, mask=k0 + offs_k[:, None] < K, other=0.0)
-        acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    a_scale = tl.load(a_scale_ptr + rows)
-    w_scale = tl.load(w_scale_ptr + cols)
-    acc = acc * a_scale[:, None] * w_scale[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=mask)
+            a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
+            w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+                w = tl.load(w_ptrs, mask=ks[:, None] < K, other=0.0)
+            acc = tl.dot(a, w, acc)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+
+    out_mask = row_ok[:, None] & (offs_n[None, :] < N)
+    done = True
+    if SPLIT_K > 1:
+        # split-K in one launch: every split leaves its fp32 partial in the workspace; the last of the tile's
+        # splits to arrive (a counter per tile, reset by that program for the next launch) sums them
+        part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        ws_tile = ws_ptr + tile.to(tl.int64) * SPLIT_K * BLOCK_M * BLOCK_N
+        tl.store(ws_tile + pid_k * BLOCK_M * BLOCK_N + part, acc, mask=row_ok[:, None])
+        tl.debug_barrier()  # every thread's partial is written before the (single-thread) release below
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+        if done:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in range(0, SPLIT_K):  # .cg: read the other SMs' partials from L2, never a stale L1 line
+                acc += tl.load(ws_tile + s * BLOCK_M * BLOCK_N + part, mask=row_ok[:, None], other=0.0,
+                               cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0)
+    if done:
+        a_scale = tl.load(a_scale_ptr + rows)
+        w_scale = tl.load(w_scale_ptr + cols)
+        acc = acc * a_scale[:, None] * w_scale[None, :]
+        tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :],
+                 acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+
+
+# Split-K arrival counters, one int32 per output tile, zero between launches (the last split of a tile resets
+# its own). One buffer per (device, stream): launches on one stream run in order, so they never share a count.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_MAX_TILES = 1 << 16
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def _gemm_tiles(m: int, arch: Arch) -> dict[str, int]:
     # decode (the job is streaming the weight once), mid, prefill (the job is tensor-core rate)
     family = "fp8_gemm_decode" if m <= 16 else "fp8_gemm_mid" if m <= 256 else "fp8_gemm_prefill"
     return tiles(family, arch)
+
+
+def split_k(tiles_mn: int, k: int, t: dict[str, int]) -> int:
+    """K splits per output tile: enough programs for SPLIT_PROGRAMS (several per SM, so the weight stream has
+    enough loads in flight and no SM ends a wave alone), in equal runs of K tiles (no empty split)."""
+    k_tiles = triton.cdiv(k, t["BLOCK_K"])
+    split = max(1, min(k_tiles, t.get("SPLIT_PROGRAMS", 0) // tiles_mn))
+    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))
 
 
 def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -229,10 +302,19 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
     if m == 0:
         return out
     t = _gemm_tiles(m, current_arch(x_q.device))
-    grid = (triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"]),)
-    _fp8_gemm_kernel[grid](x_q, x_scale, w_q, w_scale, out, m, n, k, x_q.stride(0), w_q.stride(0), out.stride(0),
-                           BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"],
-                           EVEN_K=k % t["BLOCK_K"] == 0, num_warps=t["num_warps"], num_stages=t["num_stages"])
+    tiles_mn = triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"])
+    split = split_k(tiles_mn, k, t)
+    counters = _counters(x_q.device)
+    if split > 1 and tiles_mn > counters.numel():
+        raise ValueError(f"fp8_gemm: {tiles_mn} output tiles, the split-K counters hold {counters.numel()}")
+    # fp32 partials of every split (unused without a split: any fp32 pointer will do)
+    ws = torch.empty(tiles_mn * split * t["BLOCK_M"] * t["BLOCK_N"] if split > 1 else 1, dtype=torch.float32,
+                     device=x_q.device)
+    _fp8_gemm_kernel[(tiles_mn * split,)](
+        x_q, x_scale, w_q, w_scale, out, ws, counters, m, n, k, x_q.stride(0), w_q.stride(0), out.stride(0),
+        BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"], SPLIT_K=split,
+        STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0), EVEN_K=k % t["BLOCK_K"] == 0,
+        num_warps=t["num_warps"], num_stages=t["num_stages"])
     return out
 
 
@@ -260,11 +342,14 @@ def aot_variants(arch: Arch) -> list:
                       aligned=("K", "stride_x", "stride_q"))]
     for family in ("fp8_gemm_decode", "fp8_gemm_mid", "fp8_gemm_prefill"):
         t = tiles(family, arch)
+        # the split the dispatch picks at o_proj (8192 -> 6144), the smallest N of the model's FP8 GEMMs
+        split = split_k(triton.cdiv(6144, t["BLOCK_N"]), 8192, t)
         out.append(AotVariant(
-            family, _fp8_gemm_kernel,
+            f"{family} split {split}", _fp8_gemm_kernel,
             {"a_ptr": fp8, "a_scale_ptr": "*fp32", "w_ptr": fp8, "w_scale_ptr": "*fp32", "c_ptr": "*bf16",
-             "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32"},
+             "ws_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
+             "stride_wn": "i32", "stride_cm": "i32"},
             {"BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"], "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"],
-             "EVEN_K": True},
+             "SPLIT_K": split, "STAGGER": t.get("STAGGER", 0), "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True},
             num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=("K", "stride_am", "stride_wn", "stride_cm")))
     return out

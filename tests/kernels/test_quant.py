@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from m3sdk_kernels import quant
-from m3sdk_kernels.arch import ARCHS
+from m3sdk_kernels.arch import ARCHS, TILES
 
 FP8 = ARCHS["sm90"].fp8_dtype
 
@@ -55,7 +55,10 @@ def test_mxfp8_reads_e8m0_scales_like_the_published_checkpoint():
     assert torch.equal(quant.dequantize_mxfp8(q, scale_inv), want)
 
 
-def test_quantize_fp8_per_token_matches_reference():
+@pytest.mark.parametrize("block_k", [None, 512])  # the row in one tile (the table's), and in steps of 512
+def test_quantize_fp8_per_token_matches_reference(block_k, monkeypatch):
+    if block_k:
+        monkeypatch.setitem(TILES["fp8_quant"], "sm90", TILES["fp8_quant"]["sm90"] | {"BLOCK_K": block_k})
     torch.manual_seed(1)
     x = torch.randn(7, 1300).bfloat16() * torch.logspace(-2, 2, 7)[:, None].bfloat16()
     x[3] = 0
@@ -82,6 +85,25 @@ def test_fp8_linear_matches_reference(m):
     # a pre-quantized activation (from the fused norm) gives the same
     xq, xs = quant.quantize_fp8_per_token(x, FP8)
     assert torch.equal(quant.fp8_linear(xq, wq, ws, xs), out)
+
+
+@pytest.mark.parametrize("swap_ab", [0, 1])
+@pytest.mark.parametrize("m,k", [(1, 1536), (16, 1536), (5, 1400)])  # K 1400: the masked-K path split too
+def test_fp8_gemm_decode_split_k(m, k, swap_ab, monkeypatch):
+    """Decode tiles with K split over programs (the last split of a tile sums the partials) and the staggered K
+    order: same result as the reference, bit-identical on a second launch (fixed summation order), and the
+    arrival counters are back to zero for the next launch."""
+    t = TILES["fp8_gemm_decode"]["sm90"] | {"SWAP_AB": swap_ab, "SPLIT_PROGRAMS": 12, "STAGGER": 1}
+    monkeypatch.setitem(TILES["fp8_gemm_decode"], "sm90", t)
+    n = 3 * t["BLOCK_N"] - 5  # a partial column block
+    assert quant.split_k(3, k, t) == 3
+    torch.manual_seed(m + k)
+    wq, ws = quant.quantize_fp8_weight(torch.randn(n, k) * 0.05, FP8)
+    xq, xs = quant.quantize_fp8_per_token(torch.randn(m, k).bfloat16(), FP8)
+    out = quant.fp8_gemm(xq, xs, wq, ws)
+    assert rel(out, quant.fp8_gemm_ref(xq, xs, wq, ws)) < 1e-2
+    assert not quant._counters(out.device).any()
+    assert torch.equal(quant.fp8_gemm(xq, xs, wq, ws), out)
 
 
 # ---------------------------------------------------------------------------------------------------------
