@@ -59,13 +59,14 @@ class EngineBackend:
         if config.tensor_parallel_size != 1:
             raise ValueError("a prefill node runs with tensor_parallel_size=1 (pages of other ranks are not sent)")
         factory = functools.partial(_ReportingScheduler, on_plan=self._on_plan)
+        # before the core: its warm-up (EngineCore.build on a GPU) already reports plans, of no job
+        self._jobs: dict[str, _Job] = {}
+        self._step: list[_Job] = []  # engine thread: jobs whose prompt completes in the running step
         # no overlapped steps: the step after a prompt's last chunk would run (and pack) it a second time
         self.core = EngineCore.build(config.replace(scheduler=factory, overlap_scheduling=False))
         self.compat = CompatInfo.from_spec(self.core.cache.kv.spec, model_fingerprint(config.model_path()))
         self.vocab_size = self.core.vocab_size
         self.rows = wire.page_rows(self.core.cache.kv)
-        self._jobs: dict[str, _Job] = {}
-        self._step: list[_Job] = []  # engine thread: jobs whose prompt completes in the running step
         for i, layer in enumerate(self.core.runner.model.layers):
             layer.register_forward_hook(functools.partial(self._after_layer, i))
         self.core.start(self._emit, self._on_dead)
