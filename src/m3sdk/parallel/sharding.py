@@ -34,6 +34,8 @@ from m3sdk.model.loader import _check, _detect_layout, _read_headers, _tensor_fi
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 
 _CHUNK_BYTES = 64 << 20
+# one collective into one tensor: torch 2.13's name (the device's torch 2.11 has only all_gather_into_tensor)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # A piece of a sharded parameter: rows/columns [full_start, full_end) of the full parameter along the shard
 # dimension land at [local_start, ...) of the rank's parameter.
@@ -209,9 +211,11 @@ class VocabParallelHead(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = torch.nn.functional.linear(x, self.weight)
-        parts = [torch.empty_like(local) for _ in range(self.world)]
-        dist.all_gather(parts, local)
-        return torch.cat(parts, dim=-1)[:, :self.vocab]
+        n, m = local.shape
+        # one collective into one buffer (rank-major), then one copy into [N, ranks * m]
+        gathered = local.new_empty(self.world * n, m)
+        _all_gather_single(gathered, local)
+        return gathered.view(self.world, n, m).transpose(0, 1).reshape(n, self.world * m)[:, :self.vocab]
 
 
 def build_local_model(config: ModelConfig, shard: Shard, dtype: torch.dtype, attn_backend: str
