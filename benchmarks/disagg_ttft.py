@@ -16,6 +16,9 @@ receives) its whole prompt.
 2. TTFT: random prompts (distinct, so no prefix cache hits) of each length, warm-up of each mode and length,
    then `repeats` pairs, the modes alternating. TTFT is from the call to the first streamed token.
 Prints a table; with --out appends each row to OUT/disagg.jsonl as it is measured.
+Every wait has a deadline: the node's start (--start-timeout), each generation (--step-timeout), each remote
+prefill (--prefill-timeout, the engine's own deadline, with prefill_fallback="error" so a failed remote prefill
+ends the run rather than being timed as a local one); a prefill node that dies ends the run at once.
 """
 
 from __future__ import annotations
@@ -80,6 +83,21 @@ async def first_token_s(engine: Engine, ids: list[int], max_tokens: int = 2) -> 
     return ttft, tokens
 
 
+async def bounded(engine: Engine, ids: list[int], node: mp.Process, timeout: float,
+                  max_tokens: int = 2) -> tuple[float, list[int]]:
+    """first_token_s within `timeout` s; a dead prefill node ends the wait at once."""
+    task = asyncio.ensure_future(first_token_s(engine, ids, max_tokens))
+    deadline = time.monotonic() + timeout
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and (not node.is_alive() or time.monotonic() > deadline):
+            task.cancel()
+            why = (f"the prefill node died (exit code {node.exitcode}; -11 is SIGSEGV)" if not node.is_alive()
+                   else f"no answer in {timeout:.0f} s")
+            raise SystemExit(f"a {len(ids)}-token prompt: {why}")
+    return task.result()
+
+
 async def run(args, address: str, node: mp.Process) -> list[dict]:
     rows = []
 
@@ -93,12 +111,15 @@ async def run(args, address: str, node: mp.Process) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     t = time.perf_counter()
     async with Engine(**engine_settings(args), prefill_nodes=(address,), remote_prefill_min_tokens=1024,
-                      prefill_timeout=300.0) as engine:
+                      prefill_timeout=args.prefill_timeout, prefill_fallback="error") as engine:
         core = engine._core
         remote = core.remote
         while not remote.client.has_healthy_node:  # the node may still be loading: the heartbeat retries it
             if not node.is_alive():
-                raise SystemExit("the prefill node died while starting")
+                raise SystemExit(f"the prefill node died while starting (exit code {node.exitcode})")
+            if time.perf_counter() - t > args.start_timeout:
+                raise SystemExit(f"the prefill node was not healthy within {args.start_timeout:.0f} s: "
+                                 f"{remote.client.node_states()}")
             await asyncio.sleep(0.5)
         record(step="start", seconds=round(time.perf_counter() - t, 1))
         vocab = core.vocab_size
@@ -113,10 +134,10 @@ async def run(args, address: str, node: mp.Process) -> list[dict]:
         ids = prompt(args.check_len)
         before = remote.num_remote
         mode("disaggregated")
-        _, disagg = await first_token_s(engine, ids, args.check_tokens)
+        _, disagg = await bounded(engine, ids, node, args.step_timeout, args.check_tokens)
         went_remote = remote.num_remote == before + 1
         mode("colocated")
-        _, local = await first_token_s(engine, ids, args.check_tokens)
+        _, local = await bounded(engine, ids, node, args.step_timeout, args.check_tokens)
         record(step="check", prompt_tokens=len(ids), went_remote=went_remote, identical=disagg == local,
                same_prefix=next((i for i, (a, b) in enumerate(zip(disagg, local, strict=False)) if a != b),
                                 len(local)),
@@ -126,13 +147,13 @@ async def run(args, address: str, node: mp.Process) -> list[dict]:
         for n in args.lengths:
             for name in ("disaggregated", "colocated"):  # warm-up: JIT compiles for this length
                 mode(name)
-                await first_token_s(engine, prompt(n))
+                await bounded(engine, prompt(n), node, args.step_timeout)
             times: dict[str, list[float]] = {"disaggregated": [], "colocated": []}
             for _ in range(args.repeats):
                 for name in times:
                     mode(name)
                     before = remote.num_remote
-                    ttft, _ = await first_token_s(engine, prompt(n))
+                    ttft, _ = await bounded(engine, prompt(n), node, args.step_timeout)
                     if (remote.num_remote > before) != (name == "disaggregated"):
                         raise SystemExit(f"{name} run of {n} tokens went the wrong way (remote fallback?)")
                     times[name].append(ttft)
@@ -152,6 +173,9 @@ def main() -> None:
     parser.add_argument("--gpus", default="0,1", help="prefill node GPU, decode GPU (physical ids)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test of the script")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--start-timeout", type=float, default=120.0, help="s for the node to load and answer")
+    parser.add_argument("--step-timeout", type=float, default=90.0, help="s for one generation (JIT included)")
+    parser.add_argument("--prefill-timeout", type=float, default=60.0, help="the engine's deadline per remote prefill")
     args = parser.parse_args()
     first, second = args.gpus.split(",")
     listen = f"127.0.0.1:{free_port()}"

@@ -23,12 +23,16 @@ Two processes on 127.0.0.1 move the same bytes each way:
 Rates are GB/s (1e9 bytes/s), from the sender's first pack or send to the receiver's last scatter or receive;
 each cell gives min / median / max over the repeats (the machine is shared), after one warm-up round.
 The transports each side actually uses are printed by UCX_LOG_LEVEL=info (e.g. "tag(sysv/memory cma/memory)").
+Every wait has a deadline (--step-timeout): a transfer that does not finish, or a sender process that dies (a
+CUDA buffer UCX took for host memory kills it with SIGSEGV), ends the run with a message instead of a hang.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import glob
 import json
 import multiprocessing as mp
 import os
@@ -98,7 +102,7 @@ def plan_for(pool: KVPool, message_bytes: int, transfer_id: int,
                                    message_bytes, None if dst is None else dst.tolist())
 
 
-def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str) -> None:
+def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, step_timeout: float) -> None:
     import ucxx
 
     torch.set_num_threads(1)
@@ -109,7 +113,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str) 
     dsts = page_tables(pool.spec.num_pages, dev)  # the receiver's
     srcs = dict(dsts, **{"kv-scattered": dsts["kv-scattered"].roll(1)})  # sources and destinations differ
     transport = UcxTransport(window=window)
-    loop.run(transport.start(listen=False))
+    loop.run(transport.start(listen=False), step_timeout)
     conn.send("ready")
     raw_eps: dict[tuple[bool, int], object] = {}
     raw_bufs: dict[int, list] = {}  # touched once, so page faults stay out of the timing
@@ -136,7 +140,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str) 
                     await asyncio.sleep(0)
                 await push
                 return start
-            start = loop.run(kv())
+            start = loop.run(kv(), step_timeout)
         elif what in ("raw", "raw-eh"):
             async def raw(port=port, plan=plan, eh=what == "raw-eh"):
                 key = (eh, port)
@@ -152,7 +156,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str) 
                          for i, b in enumerate(bufs)]
                 await asyncio.gather(*sends)
                 return start
-            start = loop.run(raw())
+            start = loop.run(raw(), step_timeout)
         conn.send(start)
 
 
@@ -170,12 +174,43 @@ def _visible(first: str, second: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = f"{first},{second}"
 
 
+def _alive(proc: mp.Process, what: str) -> None:
+    if not proc.is_alive():
+        raise SystemExit(f"{what}: the sender process died (exit code {proc.exitcode}; -11 is SIGSEGV, as when UCX "
+                         "copies a CUDA buffer it took for host memory)")
+
+
+def _reply(conn, proc: mp.Process, what: str, timeout: float):
+    """The sender's next message, within `timeout` s, or a clear exit."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.5):
+        _alive(proc, what)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what}: no word from the sender in {timeout:.0f} s")
+    return conn.recv()
+
+
+def _result(done, proc: mp.Process, what: str, timeout: float):
+    """The receiving side's outcome, within `timeout` s; a dead sender ends the wait at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return done.result(0.5)
+        except TimeoutError:
+            _alive(proc, what)
+            if time.monotonic() > deadline:
+                done.cancel()
+                raise SystemExit(f"{what}: not received in {timeout:.0f} s (sender alive)") from None
+
+
 def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, device: str,
-            gpus: tuple[str, str]) -> dict[tuple[str, int], list[float]]:
+            gpus: tuple[str, str], step_timeout: float = 60.0) -> dict[tuple[str, int], list[float]]:
+    import ucxx
+
     cuda = device == "cuda"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_sender, args=(child, total_bytes, sizes, window, device), daemon=True)
+    proc = ctx.Process(target=_sender, args=(child, total_bytes, sizes, window, device, step_timeout), daemon=True)
     if cuda:  # each process sees its own GPU as cuda:0 and the other one as cuda:1
         _visible(*gpus)
     proc.start()
@@ -186,12 +221,13 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
     dev = rows[0][0].device
     dsts = page_tables(pool.spec.num_pages, dev)
     transport = UcxTransport(window=window)
-    loop.run(transport.start(listen=True))
-    eh_listener = None if cuda else loop.run(_eh_listener())
+    loop.run(transport.start(listen=True), step_timeout)
+    print("UCX transports:", " ".join(sorted(ucxx.get_active_transports())), flush=True)
+    eh_listener = None if cuda else loop.run(_eh_listener(), step_timeout)
     kinds = ("kv", "kv-staged", "kv-scattered", "raw") + (() if cuda else ("raw-eh",))
     rates: dict[tuple[str, int], list[float]] = {}
     transfer_id = TRANSFER_ID
-    parent.recv()  # the sender is set up
+    _reply(parent, proc, "sender start", 2 * step_timeout)  # the sender is set up (CUDA, UCX)
     try:
         # the first round warms up (connections, staging buffers' first touch) and is not counted
         for repeat in range(repeats + 1):
@@ -204,7 +240,7 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                         for layer in rows if not repeat else ():  # the check below sees this transfer's bytes
                             for t in layer:
                                 t.zero_()
-                        receive = loop.run(_post(transport, plan, rows, dsts[what]))
+                        receive = loop.run(_post(transport, plan, rows, dsts[what]), step_timeout)
                         done = loop.submit(receive.wait())
                     else:
                         bufs = [_host_or_device(torch.zeros(m.nbytes, dtype=torch.uint8, device=dev))
@@ -213,13 +249,14 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                             torch.cuda.synchronize(dev)
                         done = loop.submit(_recv_all(plan, bufs))
                     parent.send((what, port, size, transfer_id))
-                    done.result()
+                    step = f"{what} {size >> 20} MiB round {repeat}"
+                    _result(done, proc, step, step_timeout)
                     end = time.perf_counter()
                     if what in dsts and not repeat:
                         check(rows, dsts[what], what)
                     # from the sender's first pack or send (perf_counter is one clock for all processes of the
                     # host): the command's trip through the pipe is not the transport's
-                    rate = plan.total_bytes / (end - parent.recv()) / 1e9
+                    rate = plan.total_bytes / (end - _reply(parent, proc, step, step_timeout)) / 1e9
                     if repeat:
                         rates.setdefault((what, size), []).append(rate)
                 if repeat and cuda:
@@ -229,9 +266,12 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                         rate = perftest(size, max(8, total_bytes // size), flags)
                         rates.setdefault(("perftest" + "".join(flags), size), []).append(rate)
     finally:
-        parent.send(("stop", 0, 0, 0))
+        with contextlib.suppress(OSError):
+            parent.send(("stop", 0, 0, 0))
         proc.join(10)
-        loop.run(transport.close())
+        if proc.is_alive():
+            proc.kill()
+        loop.run(transport.close(), step_timeout)
     return rates
 
 
@@ -280,7 +320,8 @@ def perftest(message_bytes: int, iterations: int, flags: tuple[str, ...]) -> flo
 
     root = Path(libucx.__file__).parent
     binary = root / "bin" / "ucx_perftest"
-    env = {**os.environ, "LD_LIBRARY_PATH": f"{root / 'lib'}:{root.parent / 'libucx_cu12.libs'}",
+    libs = ":".join(glob.glob(str(root.parent / "libucx_cu1*.libs")))  # what auditwheel vendored (libcudart)
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{root / 'lib'}:{libs}",
            "UCX_WARN_UNUSED_ENV_VARS": "n"}
     with socket.socket() as s:  # a free port for perftest's setup connection
         s.bind(("127.0.0.1", 0))
@@ -309,12 +350,13 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--gpus", default="0,1", help="sender GPU, receiver GPU (physical ids)")
     parser.add_argument("--out", type=Path, help="append the rows to OUT/disagg.jsonl")
+    parser.add_argument("--step-timeout", type=float, default=60.0, help="seconds any one wait may take")
     args = parser.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     torch.set_num_threads(1)
     sizes = [m << 20 for m in args.message_mib]
     gpus = tuple(args.gpus.split(","))
-    rates = measure(args.total_mib << 20, sizes, args.repeats, args.window, args.device, gpus)
+    rates = measure(args.total_mib << 20, sizes, args.repeats, args.window, args.device, gpus, args.step_timeout)
     base = "p2p" if args.device == "cuda" else "perftest"
     if args.out is not None:
         with open(args.out / "disagg.jsonl", "a") as f:

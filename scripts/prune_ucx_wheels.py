@@ -29,7 +29,11 @@ import sys
 import zipfile
 from pathlib import Path
 
-DROP = re.compile(r"(\.a|\.la|\.so\.\d+\.\d+\.\d+)$|libucx_perftest_cuda|/bin/(ucx_perftest|io_demo|ucx_read_profile)")
+# Only libucx/lib/ holds the triplicated UCX libraries. The libraries auditwheel vendored into libucx_cu1N.libs/
+# also end in .so.X.Y.Z (libcudart-<hash>.so.13.0.96) and must stay: libucm_cuda.so needs that libcudart, and
+# without it UCX loads no CUDA memory hooks, its memory type cache then calls every CUDA buffer host memory and
+# CUDA tag messages go through shared-memory copies that never complete (the window-1 hang).
+DROP = re.compile(r"^libucx/(lib/.*\.(a|la|so\.\d+\.\d+\.\d+)$|lib/ucx/libucx_perftest_cuda|bin/(ucx_perftest|io_demo|ucx_read_profile))")
 
 
 def _record_line(name: str, data: bytes) -> str:

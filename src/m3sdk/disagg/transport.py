@@ -19,6 +19,14 @@ UCXXConnectionResetError: measured), and what UCX cannot see (a peer that dies w
 deadlines and gRPC heartbeats of client.py and server.py catch. ucxx's create_listener/create_endpoint always
 enable error handling, so the binding layer (`ucxx._lib.libucxx`) is used directly here.
 
+CUDA buffers: UCX must see them as CUDA memory (then cuda_ipc / cuda_copy move them). Its memory type cache,
+filled by CUDA allocation hooks (libucm_cuda), answers "host" for any allocation it saw no hook for; a CUDA
+buffer taken for host memory is copied by the CPU: the sender dies of SIGSEGV and the receiver waits forever
+(window 1: the pruned libucx wheel had lost the libcudart that libucm_cuda loads). ucxx turns the cache off
+(UCX_MEMTYPE_CACHE=n), but only after its import loaded libucs, which reads its global options when it loads:
+too late. So this module sets it before anything imports ucxx, and UCX asks the CUDA driver about each buffer
+(about a microsecond a message); `start` refuses to run on a GPU when UCX has no CUDA transport.
+
 Every coroutine here runs on the disagg loop (loop.py).
 """
 
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections import deque
 from typing import Any, Protocol
@@ -34,6 +43,12 @@ import torch
 
 from m3sdk.disagg import wire
 from m3sdk.disagg.wire import MessageSpec, TransferPlan
+from m3sdk.observability import get_logger
+
+log = get_logger("m3sdk.disagg.transport")
+
+# before libucs loads (module docstring): a UCX global option, read once when the library is loaded
+os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
 
 
 class TransportError(RuntimeError):
@@ -109,7 +124,9 @@ class Receive(Protocol):
         """Return once every message arrived, was checked and scattered; raise TransportError otherwise."""
 
     async def cancel(self) -> None:
-        """Retire the posted buffers; once this returns no page of the transfer is written any more."""
+        """Retire the posted buffers; once this returns no page of the transfer is written any more. Returns
+        within the transport's drain_timeout: a receive UCX still holds then (its peer died mid-message, so no
+        bytes are coming) is logged and left to UCX."""
 
 
 class KVTransport(Protocol):
@@ -294,12 +311,20 @@ class UcxReceive:
             # a cancel message no longer than the posted buffer (a part may be shorter than a header)
             cancels[tag] = wire.cancel_message(self._plan, msg)[:buf.numel()]
             await self._transport.send_to_self(cancels[tag], tag)
+        # bounded: without peer error handling UCX never fails a receive whose sender died mid-message
+        _, stuck = await asyncio.wait([fut for _, fut, _ in open_.values()], timeout=self._transport.drain_timeout) \
+            if open_ else (set(), set())
         for tag, (buf, fut, _) in open_.items():
-            with contextlib.suppress(Exception):
-                await fut
+            if fut in stuck:
+                continue
+            if not fut.cancelled():
+                fut.exception()  # retrieved: a failed receive is what cancel() expects
             if bytes(buf[:len(cancels[tag])].cpu().numpy()) != cancels[tag]:
                 # real data won the race for this buffer, so our cancel message is left unmatched: take it out
                 await self._transport.drain(tag, len(cancels[tag]))
+        if stuck:
+            log.warning("receives still held by UCX after cancel", transfer_id=self._plan.transfer_id,
+                        messages=len(stuck), waited_s=self._transport.drain_timeout)
         self._posted.clear()
         self._task.cancel()
         with contextlib.suppress(BaseException):
@@ -340,6 +365,10 @@ class UcxTransport:
         with contextlib.suppress(RuntimeError):  # already initialized by another transport of this process
             ucxx.init(options=self.options)
         ucxx.continuous_ucx_progress()
+        if torch.cuda.is_available() and torch.cuda.is_initialized() and "cuda_copy" not in (
+                tls := ucxx.get_active_transports()):
+            raise TransportError("UCX has no CUDA transport (its CUDA module did not load, or UCX_TLS leaves it "
+                                 f"out): CUDA buffers would be taken for host memory; transports: {sorted(tls)}")
         if listen and self._listener is None:
             self._listener = _api().UCXListener.create(_worker(), 0, self._accept, (), deliver_endpoint=False)
 
