@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import time
 
@@ -161,8 +162,12 @@ def main() -> None:
     record(run="spec_speedup", argv=sys.argv[1:])
     if args.check_prompts:
         prompts = held_out_prompts(args.check_prompts, args.prompt_tokens)
+        # IEEE fp32 Triton dots for the check only (tl.dot on fp32 defaults to TF32: bf16-like rounding, which
+        # differs between batch shapes); kernels compiled under it are cached apart from the timed runs'
+        os.environ["TRITON_F32_DEFAULT"] = "ieee"
         plain, _, p_stats = asyncio.run(run(prompts, 1, args.max_tokens, args.device, "float32", None))
         spec, _, stats = asyncio.run(run(prompts, 1, args.max_tokens, args.device, "float32", "eagle3"))
+        del os.environ["TRITON_F32_DEFAULT"]
         same = sum(a == b for a, b in zip(plain, spec, strict=True))
         # where each output first differs (None: identical): a late split is a rounding tie, an early one a bug
         first = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)

@@ -75,9 +75,10 @@ def test_replay_matches_eager_and_padding_writes_nowhere(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_verify_replay_matches_eager_with_aux(tmp_path):
+def test_verify_replay_matches_eager_with_aux(tmp_path, monkeypatch):
     """A verify step (1 + k tokens per sequence, logits at every token, aux states) replayed from its graph gives
     the eager forward's logits and aux states."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")  # fp32 tl.dot is TF32 by default: bf16-like rounding
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from make_m3_slice import make_slice
 
@@ -117,12 +118,14 @@ def test_verify_replay_matches_eager_with_aux(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_speculation_with_graphs_equals_plain_and_eager():
+def test_speculation_with_graphs_equals_plain_and_eager(monkeypatch):
     """m3-tiny + its EAGLE3 head, fp32, batch 1, greedy: with graphs (verify and draft chain) the output equals
     plain decoding's and the eager speculative run's, and the graph drafts are accepted as often as eager ones."""
     import asyncio
 
     from m3sdk import Engine
+
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")  # fp32 tl.dot is TF32 by default: bf16-like rounding
 
     async def go(**kw):
         async with Engine(device="cuda", dtype="float32", max_num_seqs=4, **kw) as engine:
