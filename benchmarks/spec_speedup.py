@@ -164,10 +164,14 @@ def main() -> None:
         prompts = held_out_prompts(args.check_prompts, args.prompt_tokens)
         # IEEE fp32 Triton dots for the check only (tl.dot on fp32 defaults to TF32: bf16-like rounding, which
         # differs between batch shapes); kernels compiled under it are cached apart from the timed runs'
+        previous = os.environ.get("TRITON_F32_DEFAULT")
         os.environ["TRITON_F32_DEFAULT"] = "ieee"
         plain, _, p_stats = asyncio.run(run(prompts, 1, args.max_tokens, args.device, "float32", None))
         spec, _, stats = asyncio.run(run(prompts, 1, args.max_tokens, args.device, "float32", "eagle3"))
-        del os.environ["TRITON_F32_DEFAULT"]
+        if previous is None:
+            del os.environ["TRITON_F32_DEFAULT"]
+        else:
+            os.environ["TRITON_F32_DEFAULT"] = previous
         same = sum(a == b for a, b in zip(plain, spec, strict=True))
         # where each output first differs (None: identical): a late split is a rounding tie, an early one a bug
         first = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
