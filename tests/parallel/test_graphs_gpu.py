@@ -15,7 +15,8 @@ PROMPTS = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(4)]
 
 async def _greedy(**config) -> tuple[list[list[int]], int, int]:
     """The bundled m3-tiny in float32 (near-tied logits would make bf16 rounding a coin flip)."""
-    async with Engine(device="cuda", dtype="float32", max_num_seqs=4, tensor_parallel_size=2, **config) as e:
+    async with Engine(device="cuda", dtype="float32", max_num_seqs=4, max_model_len=512, kv_cache_memory=1 << 30,
+                      tensor_parallel_size=2, **config) as e:
         before = e.stats()
         outs = await asyncio.gather(*[e.generate(p, max_tokens=32, temperature=0, ignore_eos=True) for p in PROMPTS])
         after = e.stats()
