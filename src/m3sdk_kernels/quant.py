@@ -267,16 +267,18 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, ws_ptr, coun
 
 
 # Split-K arrival counters, one int32 per output tile, zero between launches (the last split of a tile resets
-# its own). One buffer per (device, stream): launches on one stream run in order, so they never share a count.
-_COUNTERS: dict[tuple, torch.Tensor] = {}
+# its own). One buffer per device, so launches that use it must run one at a time (one stream: the engine's).
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_TILES = 1 << 16
 
 
 def _counters(device: torch.device) -> torch.Tensor:
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
+    if device not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a buffer made during capture would be zeroed only when that graph replays
+            raise RuntimeError("fp8_gemm: run it once on this device before capturing a CUDA graph")
+        _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def _gemm_tiles(m: int, arch: Arch) -> dict[str, int]:
