@@ -30,6 +30,7 @@ import json
 import shutil
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -299,10 +300,15 @@ async def _engine_runs(args, tp: int) -> None:
                 results, duration = await run_load(e, requests, greedy, max_concurrency=concurrency)
                 m = compute_metrics(results, duration)
                 after = core.stats()
+                # stalls: inter-token gaps over 100 ms, by the output position they end at (a compile shows once per
+                # run, something per-wave or per-finish at the same position in many requests)
+                slow = Counter(i + 1 for r in results for i, g in enumerate(r.itl) if g > 0.1)
                 record(step="engine", tp=tp, concurrency=concurrency, overlap=overlap, graphs=g is not None,
                        input_len=args.input_len, output_len=args.output_len, requests=len(requests),
                        steps=after["steps"] - before["steps"], graph_steps=after["graph_steps"] - before["graph_steps"],
                        prefix_cache_hits=after["prefix_cache_hits"] - before["prefix_cache_hits"],
+                       max_itl_ms=max((g for r in results for g in r.itl), default=0.0) * 1e3,
+                       stalls=sum(slow.values()), stall_positions=slow.most_common(6),
                        **{k: v for k, v in m.items() if not k.startswith("std")})
         core.runner.graphs = graphs
 
