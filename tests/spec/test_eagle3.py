@@ -216,16 +216,19 @@ def test_fixed_shape_chain_matches_eager_chain(tmp_path):
     assert fixed[:3] == eager
 
 
-def test_fixed_shape_steps_draft_like_eager_steps(tmp_path):
+@pytest.mark.parametrize("k", [1, 3])
+def test_fixed_shape_steps_draft_like_eager_steps(tmp_path, k):
     """`capture_graphs` (on the CPU: the same fixed-shape steps run eagerly on the static buffers, padding rows
     on the scratch row) drafts exactly what the eager drafter drafts, over prefills (eager in both), verify-sized
-    reads of 1 .. k + 1 entries, requests joining, leaving and asking for fewer drafts."""
+    reads of 1 .. k + 1 entries (read and chain drafted ahead at observe), requests joining, leaving and asking
+    for fewer drafts."""
     W = published_tensors()
     head = load_eagle3(write(tmp_path / "st", W), target_info())
-    eager, fixed = Eagle3Drafter(head, 3, max_num_seqs=4, capacity=96), Eagle3Drafter(head, 3, max_num_seqs=4,
+    eager, fixed = Eagle3Drafter(head, k, max_num_seqs=4, capacity=96), Eagle3Drafter(head, k, max_num_seqs=4,
                                                                                         capacity=96)
     fixed.capture_graphs(4)
-    assert sorted(fixed._read_graphs) == sorted(fixed._graphs) == [1, 2, 4]
+    assert sorted(fixed._read_graphs) == [1, 2, 4] and sorted(fixed._graphs) == ([1, 2, 4] if k > 1 else [])
+    drafted_ahead = 0
     g = torch.Generator().manual_seed(3)
     tokens = {rid: torch.randint(0, VOCAB, (n + 1,), generator=g).tolist() for rid, n in (("a", 12), ("b", 5))}
     pending = {rid: (0, t[1:], torch.randn(len(t) - 1, 3 * HT, generator=g)) for rid, t in tokens.items()}
@@ -234,7 +237,8 @@ def test_fixed_shape_steps_draft_like_eager_steps(tmp_path):
                  for rid, (start, nxt, aux) in pending.items()]
         eager.observe(items)
         fixed.observe(items)
-        asks = [DraftRequest(rid, tokens[rid], 3 if step % 3 else 2) for rid in tokens]
+        drafted_ahead += sum(s.ahead is not None for s in fixed._seqs.values())
+        asks = [DraftRequest(rid, tokens[rid], k if step % 3 else max(k - 1, 1)) for rid in tokens]
         want = eager.propose(asks)
         assert [p.tokens for p in fixed.propose(asks)] == [p.tokens for p in want]
         assert all(len(p.tokens) == a.max_drafts for p, a in zip(want, asks, strict=True))
@@ -251,3 +255,4 @@ def test_fixed_shape_steps_draft_like_eager_steps(tmp_path):
             del tokens["a"], pending["a"]
             tokens["c"] = torch.randint(0, VOCAB, (8,), generator=g).tolist()
             pending["c"] = (0, tokens["c"][1:], torch.randn(7, 3 * HT, generator=g))
+    assert drafted_ahead >= 8  # every observe after the prefills (steps 1..5, two requests each but one)

@@ -36,6 +36,8 @@ class DraftSeq:
     ctx: DraftContext
     next_token: int  # the first draft, read at the last committed entry
     hidden: torch.Tensor  # that entry's output hidden [H]: the chain's next input
+    # or, when the drafter drafted ahead (`read_ahead`), all k drafts on the device (next_token / hidden unused)
+    ahead: torch.Tensor | None = None
 
 
 class ChainDrafter(ABC):
@@ -121,10 +123,22 @@ class ChainDrafter(ABC):
             rids.append(rid)
         if not ctxs:
             return
+        ahead = self.read_ahead(ctxs, counts, toks, torch.cat(feats), pos)
+        if ahead is not None:
+            for rid, drafts in zip(rids, ahead, strict=True):
+                self._seqs[rid].ahead = drafts
+            return
         last, tokens = self.read(ctxs, counts, toks, torch.cat(feats), pos)
         for rid, token, row in zip(rids, tokens, last, strict=True):
             seq = self._seqs[rid]
-            seq.next_token, seq.hidden = token, row
+            seq.next_token, seq.hidden, seq.ahead = token, row, None
+
+    def read_ahead(self, ctxs: list[DraftContext], counts: list[int], token_ids: list[int], features: torch.Tensor,
+                   positions: list[int]) -> torch.Tensor | None:
+        """`read` and the whole chain after it, launched on the device without waiting for it: [len(ctxs), k]
+        drafts, read on the host by the next `propose` (so the engine's bookkeeping of the step runs while the
+        device drafts). None: not supported here, `read` then runs (the default)."""
+        return None
 
     def read(self, ctxs: list[DraftContext], counts: list[int], token_ids: list[int], features: torch.Tensor,
              positions: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -139,13 +153,21 @@ class ChainDrafter(ABC):
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         out = [Proposal() for _ in requests]
-        live = []
+        live, ahead = [], []
         for i, r in enumerate(requests):
             seq = self._seqs.get(r.request_id)
             # drafts start once the draft has read every committed position, the one before the last token
             if seq is not None and r.max_drafts > 0 and seq.ctx.end == len(r.token_ids) - 1:
-                out[i].tokens.append(seq.next_token)
-                live.append((i, seq, min(r.max_drafts, self.num_speculative_tokens)))
+                k = min(r.max_drafts, self.num_speculative_tokens)
+                if seq.ahead is not None:
+                    ahead.append((i, seq, k))
+                else:
+                    out[i].tokens.append(seq.next_token)
+                    live.append((i, seq, k))
+        if ahead:  # drafted at the last observe: one host read for all
+            rows = torch.stack([seq.ahead for _, seq, _ in ahead]).tolist()
+            for (i, _, k), toks in zip(ahead, rows, strict=True):
+                out[i].tokens.extend(toks[:k])
         if not live:
             return out
         steps = max(k for _, _, k in live) - 1

@@ -460,12 +460,30 @@ class Eagle3Drafter(ChainDrafter):
         return out, self._tokens(out)
 
     @torch.inference_mode()
-    def read(self, ctxs: list[DraftKV], counts: list[int], token_ids: list[int], features: torch.Tensor,
-             positions: list[int]) -> tuple[torch.Tensor, list[int]]:
-        b, width = len(ctxs), self.num_speculative_tokens + 1
+    def read_ahead(self, ctxs: list[DraftKV], counts: list[int], token_ids: list[int], features: torch.Tensor,
+                   positions: list[int]) -> torch.Tensor | None:
+        """The read graph, then the chain graph from its outputs on the device (no host read between them)."""
+        b, k = len(ctxs), self.num_speculative_tokens
         bucket = next((g for g in self._read_graphs if g >= b), None)
-        if bucket is None or max(counts) > width:  # a prefill, or no graphs: eager
-            return super().read(ctxs, counts, token_ids, features, positions)
+        if bucket is None or max(counts) > k + 1:  # a prefill, or no graphs: `read` runs eagerly
+            return None
+        out, drafts = self._read_fixed(bucket, ctxs, counts, token_ids, features, positions)
+        if k == 1:
+            return drafts[:b, None].clone()
+        tok, hid, pos, slot, idx = self._static
+        tok[:bucket], hid[:bucket] = drafts, out
+        # the chain's entries follow the read's; padding rows write to the scratch row
+        pad = bucket - b
+        host = torch.tensor([[c.end for c in ctxs] + [0] * pad, [c.slot for c in ctxs] + [self.scratch] * pad,
+                             [c.length for c in ctxs] + [0] * pad], dtype=torch.long).to(self.device)
+        pos[:bucket], slot[:bucket], idx[:bucket] = host[0], host[1], host[2]
+        return torch.cat([drafts[:b, None], self._graphs[bucket]()[:b]], dim=1)
+
+    def _read_fixed(self, bucket: int, ctxs: list[DraftKV], counts: list[int], token_ids: list[int],
+                    features: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The read graph of `bucket` over these entries -> its outputs (views of its static buffers, [bucket]):
+        each context's last output row [bucket, 2H] and the first draft read there [bucket]."""
+        width = self.num_speculative_tokens + 1
         # each context's entries padded to `width` rows; padding rows (and padding contexts) write to the
         # scratch row and are dropped
         rows = bucket * width
@@ -486,8 +504,7 @@ class Eagle3Drafter(ChainDrafter):
             buf[:rows] = host[j * rows:(j + 1) * rows]
         s_last[:bucket] = host[4 * rows:4 * rows + bucket]
         s_feat[host[4 * rows + bucket:]] = features.to(self.dtype)
-        out, drafts = self._read_graphs[bucket]()
-        return out[:b].clone(), drafts[:b].tolist()
+        return self._read_graphs[bucket]()
 
     def _chain(self, tokens: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
                idx: torch.Tensor, steps: int, span: int) -> torch.Tensor:
