@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from m3sdk.attention.base import to_device
 from m3sdk.errors import CheckpointError
 from m3sdk.graphs import Replay, batch_buckets
 from m3sdk.model.config import read_config_json
@@ -474,8 +475,8 @@ class Eagle3Drafter(ChainDrafter):
         tok[:bucket], hid[:bucket] = drafts, out
         # the chain's entries follow the read's; padding rows write to the scratch row
         pad = bucket - b
-        host = torch.tensor([[c.end for c in ctxs] + [0] * pad, [c.slot for c in ctxs] + [self.scratch] * pad,
-                             [c.length for c in ctxs] + [0] * pad], dtype=torch.long).to(self.device)
+        host = to_device([[c.end for c in ctxs] + [0] * pad, [c.slot for c in ctxs] + [self.scratch] * pad,
+                          [c.length for c in ctxs] + [0] * pad], torch.long, self.device)
         pos[:bucket], slot[:bucket], idx[:bucket] = host[0], host[1], host[2]
         return torch.cat([drafts[:b, None], self._graphs[bucket]()[:b]], dim=1)
 
@@ -498,7 +499,8 @@ class Eagle3Drafter(ChainDrafter):
             dest += range(r, r + n)
             ctx.length += n
             at += n
-        host = torch.tensor(tok + pos + slot + idx + last + dest, dtype=torch.long).to(self.device)
+        # (pinned and non-blocking: a plain host tensor's copy would wait for the whole stream, the verify step)
+        host = to_device(tok + pos + slot + idx + last + dest, torch.long, self.device)
         s_tok, s_feat, s_pos, s_slot, s_idx, s_last = self._read_static
         for buf, j in ((s_tok, 0), (s_pos, 1), (s_slot, 2), (s_idx, 3)):
             buf[:rows] = host[j * rows:(j + 1) * rows]
@@ -523,8 +525,8 @@ class Eagle3Drafter(ChainDrafter):
     @torch.inference_mode()
     def chain(self, seqs: list[DraftSeq], steps: int) -> list[list[int]]:
         b = len(seqs)
-        host = torch.tensor([[s.next_token for s in seqs], [s.ctx.end for s in seqs], [s.ctx.slot for s in seqs],
-                             [s.ctx.length for s in seqs]], dtype=torch.long).to(self.device)
+        host = to_device([[s.next_token for s in seqs], [s.ctx.end for s in seqs], [s.ctx.slot for s in seqs],
+                          [s.ctx.length for s in seqs]], torch.long, self.device)
         out = torch.stack([s.hidden for s in seqs])
         # the graphs run k - 1 steps: fewer (requests near their end) read the first `steps` columns
         bucket = next((g for g in self._graphs if g >= b), None)
