@@ -191,9 +191,9 @@ class EngineCore:
         cuBLAS picks algorithms per shape and the pinned host pool fills. Waves of 1, 3 and 16 concurrent prompts
         (as max_num_seqs and the cache allow), each twice: whole prompts, then the same prompts as prefix-cache
         hits, each decoding a few tokens in this engine's mode (overlapped or not). Triton keeps what it compiled
-        in its disk cache, so a later start on the same machine pays milliseconds here. The step counters (and
-        graph_steps) start from zero afterwards; the cache keeps the warm-up's pages as idle cached pages (free to
-        take)."""
+        in its disk cache, so a later start on the same machine pays milliseconds here. The step, graph and
+        speculation counters start from zero afterwards; the cache keeps the warm-up's pages as idle cached pages
+        (free to take)."""
         t0 = time.perf_counter()
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         length = min(prompt_len, self.max_model_len - params.max_tokens) // PAGE_SIZE * PAGE_SIZE
@@ -216,6 +216,8 @@ class EngineCore:
         self._counters = dict.fromkeys(self._counters, 0)
         if self.runner.graphs is not None:
             self.runner.graphs.replays = 0  # stats()["graph_steps"] counts from zero with "steps"
+        if self.spec is not None:  # its acceptance counters too (random prompts draft badly); no draft is held now
+            self.spec = Speculation(self.spec.drafter, self.cache, self.sampler)
         self._publish_stats()
         self.warm_up_seconds = time.perf_counter() - t0
         log.info("engine warmed up", seconds=round(self.warm_up_seconds, 2), prompt_len=length)
