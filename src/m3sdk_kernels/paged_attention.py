@@ -106,7 +106,14 @@ def q_tile(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, pages_ptr,
+def _tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr):
+    """Page ids of keys start .. start + BLOCK_N - 1: the sequence's pages (the last one's tail included), 0 past."""
+    n = start + tl.arange(0, BLOCK_N)
+    return tl.load(pages_ptr + n // PAGE, mask=n // PAGE < tl.cdiv(kv_end, PAGE), other=0)
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
                  SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end)."""
@@ -114,7 +121,7 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     d = tl.arange(0, HEAD_DIM)
     key_ok = n < kv_end
     in_pages = n // PAGE < tl.cdiv(kv_end, PAGE)  # the keys of the sequence's pages, tails of the last included
-    page = tl.load(pages_ptr + n // PAGE, mask=in_pages, other=0).to(tl.int64)
+    page = page.to(tl.int64)
     off = n % PAGE
     k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
                                                                    False), mask=key_ok[:, None], other=0.0)
@@ -201,9 +208,11 @@ def _attn_kernel(
             for i in range(lo * TILES_PER, tl.minimum(lo + BLOCKS_PER, TOPK) * TILES_PER):
                 blk = tl.load(sel_row + i // TILES_PER)
                 start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
-                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, tl.where(blk >= 0, kv_end, 0), pos, row_sel,
-                                             k_base, v_base, ks_base, vs_base, pages_ptr, qk_scale, stride_cp,
-                                             stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT)
+                end = tl.where(blk >= 0, kv_end, 0)
+                page = _tile_pages(pages_ptr, start, end, BLOCK_N)
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
+                                             vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
+                                             SHUFFLE, FP8, V_MUL, DOT)
         elif SPARSE:
             # prefill / verification: walk the sorted union of the tile's tokens' blocks, each loaded once
             qq = first + tl.arange(0, BLOCK_Q)
@@ -222,8 +231,9 @@ def _attn_kernel(
                     for sub in range(0, SEL_BLOCK, BLOCK_N):
                         start = cur * SEL_BLOCK + sub
                         if start < kv_end:
+                            page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
                             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
-                                                         v_base, ks_base, vs_base, pages_ptr, qk_scale, stride_cp,
+                                                         v_base, ks_base, vs_base, page, qk_scale, stride_cp,
                                                          stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
@@ -231,10 +241,16 @@ def _attn_kernel(
             tiles = tl.cdiv(kv_end, BLOCK_N)
             per = tl.cdiv(tiles, NUM_SPLITS)
             row_sel = r >= 0
+            # page ids one tile ahead, carried by the loop: K/V loads whose addresses come from a load of their own
+            # iteration get one shared-memory buffer at any num_stages (sm90 TTGIR), so a tile's copies were issued
+            # after the previous tile's dots and waited for at once; now num_stages - 1 tiles are in flight
+            page = _tile_pages(pages_ptr, split * per * BLOCK_N, kv_end, BLOCK_N)
             for t in range(split * per, tl.minimum(split * per + per, tiles)):
+                nxt = _tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
-                                             ks_base, vs_base, pages_ptr, qk_scale, stride_cp, stride_sp,
+                                             ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
                                              HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT)
+                page = nxt
         o = acc / (tl.where(l_i > 0, l_i, 1.0) * V_MUL)[:, None]
         if NUM_SPLITS == 1:
             tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
