@@ -28,5 +28,5 @@ def test_two_ranks_with_graphs_give_the_eager_greedy_tokens():
     graphs, graph_steps, steps = asyncio.run(_greedy())
     eager, eager_graph_steps, _ = asyncio.run(_greedy(cuda_graphs=False))
     assert graphs == eager
-    # every step replayed but the prefills (two, when a prompt arrives a step after the first)
-    assert graph_steps >= steps - 2 and eager_graph_steps == 0
+    # every step replayed but the prefill steps (up to one per prompt, when the prompts reach the engine apart)
+    assert graph_steps >= max(20, steps - len(PROMPTS)) and eager_graph_steps == 0
