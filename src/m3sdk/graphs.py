@@ -102,6 +102,11 @@ class DecodeGraphs:
                 self.graphs[(bucket, context, q)] = Replay(lambda b=bucket, q=q: self._forward(b, context, q),
                                                            self.pool, device)
 
+    def release(self) -> None:
+        """Drop every captured graph. Under tensor parallel this comes before the process group is destroyed: NCCL
+        does not destroy a communicator while graphs that captured its collectives live."""
+        self.graphs.clear()
+
     @staticmethod
     def supported(model: MiniMaxM3ForCausalLM) -> bool:
         """Whether a step of `model` can be captured: its attention backend must not sync the host (the torch
