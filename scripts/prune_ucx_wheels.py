@@ -12,11 +12,12 @@ rmm-cu12 wants cuda-bindings < 13, so the device takes the -cu13 stack:
 
 Every wheel but libucx's is copied as is. libucx's (42 MB) is repacked without what nothing at run time opens:
 the static `.a` archives, libtool `.la` files, the perftest CUDA plugin, the perftest / io_demo binaries and the
-`.so.0.0.0` copies (a wheel cannot hold symlinks, so each library is there three times). Kept: `libX.so`, which
-`libucx/load.py` opens by path (libucs, libucs_signal, libuct, libucp), `libX.so.0`, the sonames other libraries
-name as NEEDED (libucm.so.0 is opened by that name; the others are kept in case a library is loaded before
-load.py ran), the UCX modules under lib/ucx/ (libuct_cuda, libucm_cuda, libuct_cma: UCX opens `lib<name>.so`
-beside the libucs it was loaded from) and `ucx_info`. RECORD is rewritten for the files kept.
+`.so.0.0.0` copies in libucx/lib/ (a wheel cannot hold symlinks, so each library is there three times).
+Kept: `libX.so`, which `libucx/load.py` opens by path (libucs, libucs_signal, libuct, libucp); `libX.so.0`, the
+sonames other libraries name as NEEDED (libucm.so.0 is opened by that name; the others are kept in case a
+library is loaded before load.py ran); the UCX modules under lib/ucx/ (libuct_cuda, libucm_cuda, libuct_cma: UCX
+opens `lib<name>.so` beside the libucs it was loaded from); `ucx_info`; and libucx_cu1N.libs/, what auditwheel
+vendored (libucm_cuda.so needs its libcudart). RECORD is rewritten for the files kept.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ import zipfile
 from pathlib import Path
 
 # Only libucx/lib/ holds the triplicated UCX libraries. The libraries auditwheel vendored into libucx_cu1N.libs/
-# also end in .so.X.Y.Z (libcudart-<hash>.so.13.0.96) and must stay: libucm_cuda.so needs that libcudart, and
-# without it UCX loads no CUDA memory hooks, its memory type cache then calls every CUDA buffer host memory and
-# CUDA tag messages go through shared-memory copies that never complete (the window-1 hang).
-DROP = re.compile(r"^libucx/(lib/.*\.(a|la|so\.\d+\.\d+\.\d+)$|lib/ucx/libucx_perftest_cuda|bin/(ucx_perftest|io_demo|ucx_read_profile))")
+# also end in .so.X.Y.Z (libcudart-<hash>.so.13.0.96) and must stay: libucm_cuda.so needs that libcudart; without
+# it UCX loads no CUDA memory hooks, its memory type cache calls every CUDA buffer host memory, and a CUDA tag
+# message is copied by the CPU: SIGSEGV on the sender, a receiver waiting forever (the window-1 hang).
+DROP = re.compile(r"^libucx/(lib/.*\.(a|la|so\.\d+\.\d+\.\d+)$|lib/ucx/libucx_perftest_cuda"
+                  r"|bin/(ucx_perftest|io_demo|ucx_read_profile))")
 
 
 def _record_line(name: str, data: bytes) -> str:
