@@ -29,6 +29,7 @@ class MirroredGraphs(DecodeGraphs):
                  max_model_len: int, device: torch.device, query_lens: Sequence[int] = (1,),
                  aux_layers: Sequence[int] = ()):
         self.tp = tp
+        tp.graphs = self  # released at shutdown, before the process group goes
         tp.use_kv(kv)
         tp.send((GRAPHS, dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, query_lens=tuple(query_lens),
                               aux_layers=tuple(aux_layers))))

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from m3sdk.attention.base import AttentionMetadata
 from m3sdk.cache.kv_pool import KVPool
+from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 from m3sdk.parallel.sharding import Shard, check_divisible, load_shard
@@ -97,6 +98,14 @@ def unpack_step(payload: torch.Tensor, t: int, b: int, width: int, max_seqlen_q:
     return ids, meta, tail if n_tail >= 0 else None
 
 
+def release_graphs(graphs: DecodeGraphs) -> None:
+    """Destroy a rank's captured graphs once the device is done with them: NCCL destroys no communicator (not even
+    on abort) while a graph that captured its collectives lives, so leaving the process group would hang."""
+    if graphs.device.type == "cuda":
+        torch.cuda.synchronize(graphs.device)
+    graphs.release()
+
+
 class TensorParallel:
     """Rank 0's side: the worker processes, their pipes, and the hook that mirrors each forward to them."""
 
@@ -107,6 +116,7 @@ class TensorParallel:
         self._kv: KVPool | None = None
         self._closed = False
         self._mirroring = True  # off while rank 0's DecodeGraphs calls the model (the workers run their own)
+        self.graphs: DecodeGraphs | None = None  # rank 0's MirroredGraphs, released before the group is destroyed
         model.register_forward_pre_hook(self._mirror, with_kwargs=True)
 
     @classmethod
@@ -199,6 +209,8 @@ class TensorParallel:
         if self._closed:
             return
         self._closed = True
+        if self.graphs is not None:
+            release_graphs(self.graphs)
         _stop(self.conns, self.procs)
         if dist.is_initialized():
             dist.destroy_process_group()

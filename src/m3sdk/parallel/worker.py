@@ -29,6 +29,7 @@ from m3sdk.parallel.group import (
     STOP,
     add_all_reduces,
     init_distributed,
+    release_graphs,
     step_numel,
     unpack_step,
 )
@@ -75,6 +76,8 @@ def serve(spec: dict, conn: Connection) -> None:
                 conn.send((ERROR, traceback.format_exc()))
                 raise
             conn.send((READY, None))
+    if graphs is not None:
+        release_graphs(graphs)
     dist.destroy_process_group()
 
 
