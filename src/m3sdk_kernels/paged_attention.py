@@ -113,6 +113,12 @@ def _tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _sel_start(blk, i, SEL_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """First key of MSA decode tile i, a tile of selected block `blk` (-1: none, a fully masked tile)."""
+    return tl.maximum(blk, 0) * SEL_BLOCK + (i % (SEL_BLOCK // BLOCK_N)) * BLOCK_N
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
                  SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr):
@@ -205,14 +211,22 @@ def _attn_kernel(
             sel_row = sel_ptr + h * stride_sel_h + (q_start + first).to(tl.int64) * stride_sel_t
             row_sel = r >= 0
             lo = split * BLOCKS_PER
-            for i in range(lo * TILES_PER, tl.minimum(lo + BLOCKS_PER, TOPK) * TILES_PER):
-                blk = tl.load(sel_row + i // TILES_PER)
-                start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
-                end = tl.where(blk >= 0, kv_end, 0)
-                page = _tile_pages(pages_ptr, start, end, BLOCK_N)
-                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
+            i0 = lo * TILES_PER
+            i1 = tl.minimum(lo + BLOCKS_PER, TOPK) * TILES_PER
+            # block ids and page ids one tile ahead, carried by the loop (as in the dense loop below)
+            blk = tl.load(sel_row + i0 // TILES_PER, mask=i0 < i1, other=-1)
+            page = _tile_pages(pages_ptr, _sel_start(blk, i0, SEL_BLOCK, BLOCK_N), tl.where(blk >= 0, kv_end, 0),
+                               BLOCK_N)
+            for i in range(i0, i1):
+                nxt_blk = tl.load(sel_row + (i + 1) // TILES_PER, mask=i + 1 < i1, other=-1)
+                nxt = _tile_pages(pages_ptr, _sel_start(nxt_blk, i + 1, SEL_BLOCK, BLOCK_N),
+                                  tl.where(nxt_blk >= 0, kv_end, 0), BLOCK_N)
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, _sel_start(blk, i, SEL_BLOCK, BLOCK_N),
+                                             tl.where(blk >= 0, kv_end, 0), pos, row_sel, k_base, v_base, ks_base,
                                              vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
                                              SHUFFLE, FP8, V_MUL, DOT)
+                blk = nxt_blk
+                page = nxt
         elif SPARSE:
             # prefill / verification: walk the sorted union of the tile's tokens' blocks, each loaded once
             qq = first + tl.arange(0, BLOCK_Q)

@@ -71,10 +71,13 @@ def test_splits_and_gqa_padding(monkeypatch):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_sparse_decode_splits_and_unsorted_selection(monkeypatch):
-    """Selections in any order (valid entries first, -1 padded) split over programs."""
-    monkeypatch.setitem(arch.TILES["sparse_decode"], "sm90", {**arch.TILES["sparse_decode"]["sm90"],
-                                                              "SPLIT_PROGRAMS": 1 << 12})
+@pytest.mark.parametrize("programs", [1 << 12, 8], ids=["4-splits", "2-splits"])
+def test_sparse_decode_splits_and_unsorted_selection(monkeypatch, programs):
+    """Selections in any order (valid entries first, -1 padded) split over programs, two 8-key tiles per block
+    (the loop carries the next tile's block and page ids across blocks and splits)."""
+    fp8 = arch.TILES["sparse_decode:fp8"]["sm90"]  # the FP8 entry overrides the family's
+    monkeypatch.setitem(arch.TILES["sparse_decode:fp8"], "sm90", {**fp8, "BLOCK_N": 8, "SPLIT_PROGRAMS": programs})
+    assert attention_plan(2, 2, HKV, GROUP, 1, 100, True, 4, 16, fp8=True)["NUM_SPLITS"] == (4 if programs > 8 else 2)
     ctx, new = [100, 40], [1, 1]
     step = make_step(ctx, new, HKV, D, "fp8", "shuffle")
     sel = torch.tensor([[[6, 0, 3, -1], [2, 1, -1, -1]], [[1, 6, -1, -1], [0, 2, 1, -1]]], dtype=torch.int32)
