@@ -12,8 +12,10 @@ second, each process with its own GPU listed first in CUDA_VISIBLE_DEVICES (ucxx
 Two processes on 127.0.0.1 move the same bytes each way:
   kv            UcxTransport: a prefill node's pages packed into messages (Outbox), pushed, checked and put into
                 the decode side's KVPool pages (what a remote prefill costs beyond compute), page tables of
-                consecutive pages on both sides (a fresh engine's): direct messages, received in place (wire.py)
-  kv staged     the same pages as staged messages (received into a buffer, then scattered into the pages)
+                consecutive pages on both sides (a fresh engine's): on CPUs direct messages, received in place;
+                on GPUs staged messages whose runs of pages move as one copy kernel per message (wire.py)
+  kv staged     the same pages as staged messages, the plan built without the destination pages (the decode
+                side scatters with one index kernel per tensor)
   kv scattered  random page ids on both sides (staged: no runs to receive into)
   ucxx raw      ucxx tag send/recv of the same message sizes on endpoints like the transport's (no UCX peer error
                 handling: shared memory between the two processes); receive buffers posted and touched beforehand
@@ -111,7 +113,8 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
     fill(rows)
     dev = rows[0][0].device
     dsts = page_tables(pool.spec.num_pages, dev)  # the receiver's
-    srcs = dict(dsts, **{"kv-scattered": dsts["kv-scattered"].roll(1)})  # sources and destinations differ
+    # sources and destinations differ; source ids on the host, as a node holds them (pack finds their runs there)
+    srcs = {k: v.cpu() for k, v in dict(dsts, **{"kv-scattered": dsts["kv-scattered"].roll(1)}).items()}
     transport = UcxTransport(window=window)
     loop.run(transport.start(listen=False), step_timeout)
     conn.send("ready")

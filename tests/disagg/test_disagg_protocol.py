@@ -97,6 +97,47 @@ def test_pages_arrive_intact_in_their_pages(node):
         client.close()
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_pack_and_scatter_put_each_page_where_the_plan_says(kv_dtype):
+    """wire alone, every way pages move: runs of pages (one _foreach_copy_ per message) or by index, on each side,
+    with messages cut inside a run; pages outside the transfer stay untouched."""
+    src_pool, dst_pool = KVPool(spec(kv_dtype)), KVPool(spec(kv_dtype))
+    src_rows, dst_rows = wire.page_rows(src_pool), wire.page_rows(dst_pool)
+    gen = torch.Generator().manual_seed(3)
+    for t in (t for layer in src_rows for t in layer):
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=gen))
+    runs = list(range(30, 46)) + list(range(5, 14))
+    scattered = torch.randperm(64, generator=gen)[:25].tolist()
+    for src, dst in ((runs, runs), (scattered, runs), (runs, scattered), (scattered, scattered)):
+        for t in (t for layer in dst_rows for t in layer):
+            t.zero_()
+        plan = wire.TransferPlan.build(dst_rows, 7, 25, 2, 64 << 10, dst)
+        assert (plan.runs is not None) == (dst is runs) and len(plan.messages) == 4
+        for msg in plan.messages:
+            buf = torch.empty(msg.nbytes, dtype=torch.uint8)
+            wire.pack(plan, msg, src_rows, torch.tensor(src), buf)
+            wire.scatter(plan, msg, dst_rows, torch.tensor(dst), buf)
+        untouched = sorted(set(range(64)) - set(dst))
+        for src_layer, dst_layer in zip(src_rows, dst_rows, strict=True):
+            for a, b in zip(src_layer, dst_layer, strict=True):
+                assert torch.equal(b[dst], a[src]) and not b[untouched].any()
+
+
+def test_device_pools_stage_every_message_and_keep_their_runs():
+    """The one rule for direct messages: host memory only. Rows on another device (meta stands in for a GPU here)
+    give staged messages (one UCX message each) whose scatter still moves runs."""
+    def rows(device: str) -> list[list[torch.Tensor]]:
+        return [[torch.empty(64, w, dtype=torch.uint8, device=device) for w in widths]
+                for widths in ((4096, 4096, 128), (4096, 4096, 128, 1024))]
+
+    pages = list(range(8, 40))
+    host = wire.TransferPlan.build(rows("cpu"), 9, 32, 2, 64 << 10, pages)
+    device = wire.TransferPlan.build(rows("meta"), 9, 32, 2, 64 << 10, pages)
+    assert host.direct and not device.direct
+    assert device.runs == host.runs == ((0, 8, 32),)
+    assert device.first_unit == tuple(range(len(device.messages))) != host.first_unit
+
+
 def test_fp8_shuffle_pages_and_scales_travel():
     proc, address = spawn_node("fp8", "shuffle")
     try:

@@ -107,7 +107,8 @@ class EngineBackend:
             if job is not None and samples:
                 table = self.core.cache.page_table(request)
                 pages = table[job.order.num_cached_pages:job.order.num_pages]
-                job.src = torch.tensor(pages, dtype=torch.int64, device=self.rows[0][0].device)
+                # on the host: pack finds their runs there without a device sync (wire._move)
+                job.src = torch.tensor(pages, dtype=torch.int64)
                 self._step.append(job)
 
     def _after_layer(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> None:

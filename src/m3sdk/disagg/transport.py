@@ -114,8 +114,10 @@ class Outbox:
 
     async def get(self) -> tuple[int, torch.Tensor]:
         index, buf, ready = await self._queue.get()
-        while ready is not None and not ready.query():  # the gather still runs on the device
-            await asyncio.sleep(1e-4)
+        if ready is not None and not ready.query():
+            # the gather still runs on the device: waited for in a thread (a poll with asyncio.sleep(1e-4) sleeps
+            # a whole millisecond on an idle loop, whose epoll timeout counts in milliseconds)
+            await asyncio.to_thread(ready.synchronize)
         return index, buf
 
 
@@ -336,12 +338,14 @@ class UcxTransport:
     cuda_ipc between GPUs of one host.
 
     `options` are UCX settings without the `UCX_` prefix (e.g. {"TLS": "tcp,self,sm"}); they apply when this
-    is the first UCX user of the process. `window`: messages a receive keeps posted and a push keeps in flight.
+    is the first UCX user of the process. `window`: messages a receive keeps posted and a push keeps in flight
+    (4: a message's completion round trip, through UCX's progress thread and asyncio, overlaps three transfers;
+    the decode side holds window x max_message_bytes of staging per transfer on its GPU).
     """
 
     name = "ucx"
 
-    def __init__(self, options: dict[str, str] | None = None, window: int = 2, drain_timeout: float = 5.0,
+    def __init__(self, options: dict[str, str] | None = None, window: int = 4, drain_timeout: float = 5.0,
                  pool_bytes: int = 512 << 20):
         # ucxx pins UCX_MAX_RNDV_RAILS to 1; 2 lets a TCP rendezvous use both loopback and eth0 lanes
         self.options = {"MAX_RNDV_RAILS": "2", **(options or {})}

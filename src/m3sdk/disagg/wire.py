@@ -14,13 +14,23 @@ How a message travels depends on the destination pages (both sides know them: th
 - **staged**: one UCX message, received into a staging buffer; the header and the trailer are checked against
   the plan before a single page is written (a message cut short, from another transfer or misplaced never
   reaches the cache), then the pages are scattered into the pool.
-- **direct**, when the destination pages form runs of `DIRECT_MIN_RUN` pages or more on average (a fresh
-  engine's page tables do): the header alone, then one UCX message per (layer, tensor, run of pages) received
-  straight into the pool's pages (no scatter copy), then the trailer alone. The parts are posted only once the
-  header passed its check, each into exactly its run's bytes (UCX refuses a longer message: truncation), and the
-  pages count only when every part and the trailer arrived, as for staged messages. A peer can thus write only
-  the pages of its own transfer, in place, as it could write their contents through a staged message.
+- **direct**, when the pools live in host memory and the destination pages form runs of `DIRECT_MIN_RUN` pages
+  or more on average (a fresh engine's page tables do): the header alone, then one UCX message per (layer,
+  tensor, run of pages) received straight into the pool's pages (no scatter copy), then the trailer alone. The
+  parts are posted only once the header passed its check, each into exactly its run's bytes (UCX refuses a
+  longer message: truncation), and the pages count only when every part and the trailer arrived, as for staged
+  messages. A peer can thus write only the pages of its own transfer, in place, as it could write their
+  contents through a staged message.
 The sender packs both kinds the same way (one staging buffer per message) and sends slices of it.
+
+On GPUs every message is staged (`TransferPlan.build` holds the rule, so both sides agree; a deployment's two
+sides are both GPUs or both CPUs, and a mismatch fails at the first message's size, never in the cache): a direct
+message is 2 + layers x tensors x runs UCX messages (38 for one 64 MiB message of the GPU benchmark's pool), and
+on GPUs each costs a cuda_ipc rendezvous and a completion round trip through ucxx and asyncio, which the few
+hundred microseconds a 64 MiB message takes on NVLink cannot hide (measured on two H200s: direct 17.7 GB/s, staged
+32.7, raw ucxx 232). A staged message is one UCX message; its scatter (and the sender's gather) is one copy
+kernel launch for all its runs where the pages form runs (`torch._foreach_copy_`), one index kernel per tensor
+otherwise, and no host sync but the header and trailer check (one copy to the host).
 """
 
 from __future__ import annotations
@@ -101,8 +111,9 @@ class TransferPlan:
     num_pages: int
     messages: tuple[MessageSpec, ...]
     widths: tuple[tuple[int, ...], ...] = ()  # bytes per page of each layer's tensors
-    runs: tuple[tuple[int, int, int], ...] | None = None  # (offset, first dst page, length): direct messages
+    runs: tuple[tuple[int, int, int], ...] | None = None  # (offset, first dst page, length), when long enough
     first_unit: tuple[int, ...] = ()  # each message's first UCX message index (its tag)
+    direct: bool = False  # messages travel as header, parts, trailer (module docstring)
 
     @classmethod
     def build(cls, rows: list[list[torch.Tensor]], transfer_id: int, num_pages: int, layers_per_group: int,
@@ -131,24 +142,22 @@ class TransferPlan:
             if len(dst_pages) != num_pages:
                 raise WireError(f"{len(dst_pages)} destination pages for a transfer of {num_pages}")
             runs = _host_runs(dst_pages)
-            # short runs make many small UCX messages: staged then (as do rows narrower than a cancel message)
-            if len(runs) * DIRECT_MIN_RUN > num_pages or min(min(w) for w in widths) < HEADER_BYTES:
+            if len(runs) * DIRECT_MIN_RUN > num_pages:  # short runs: index kernels, many small UCX messages
                 runs = None
-        plan = cls(transfer_id, num_pages, tuple(messages), widths, runs)
+        # the one rule for direct messages (module docstring): host memory only, runs long enough, and rows no
+        # narrower than a cancel message
+        direct = runs is not None and rows[0][0].device.type == "cpu" and min(min(w) for w in widths) >= HEADER_BYTES
+        plan = cls(transfer_id, num_pages, tuple(messages), widths, runs, (), direct)
         first, units = [], 0
         for msg in messages:
             first.append(units)
-            units += 1 if runs is None else 2 + len(plan.parts(msg))
+            units += 2 + len(plan.parts(msg)) if direct else 1
         if units > MAX_MESSAGES:
             raise WireError(f"transfer would need {units} messages, more than {MAX_MESSAGES}")
-        return cls(transfer_id, num_pages, tuple(messages), widths, runs, tuple(first))
-
-    @property
-    def direct(self) -> bool:
-        return self.runs is not None
+        return cls(transfer_id, num_pages, tuple(messages), widths, runs, tuple(first), direct)
 
     def parts(self, msg: MessageSpec) -> list[Part]:
-        """A direct message's page runs per (layer, tensor), in payload order."""
+        """The message's runs of destination pages per (layer, tensor), in payload order (plans with `runs`)."""
         parts = []
         offset = HEADER_BYTES
         end = msg.page_start + msg.page_count
@@ -195,27 +204,70 @@ def _host_runs(pages: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
 
 def _runs(pages: torch.Tensor) -> list[tuple[int, int, int]] | None:
     """(offset, first page, length) of each run of consecutive page ids, when the pages form runs of 8 pages on
-    average or longer (a fresh engine's page tables do) and live on a CPU; None otherwise. A run moves as one
-    slice copy: about 27 GB/s here, against 5-13 GB/s for index_copy_ on the same rows (reading the ids of a
-    device tensor would cost a sync, so device pages always take the index path)."""
+    average or longer (a fresh engine's page tables do) and live on a CPU; None otherwise (reading the ids of a
+    device tensor would cost a sync, so device page ids always take the index path)."""
     if pages.device.type != "cpu":
         return None
     breaks = ((pages[1:] - pages[:-1]) != 1).nonzero().flatten() + 1
-    if (len(breaks) + 1) * 8 > len(pages):
+    if (len(breaks) + 1) * DIRECT_MIN_RUN > len(pages):
         return None
     starts = [0, *breaks.tolist()]
     ends = [*starts[1:], len(pages)]
     return [(a, page, b - a) for a, b, page in zip(starts, ends, pages[starts].tolist(), strict=True)]
 
 
-def _words(rows: torch.Tensor) -> torch.Tensor:
-    """Byte rows viewed as 8-byte words where the width allows: gathers and scatters of uint8 rows run a byte at a
-    time on CPUs (index_copy_ about 0.8 GB/s measured here, 4-12 GB/s on the same rows as int64)."""
-    return rows.view(torch.int64) if rows.shape[1] % 8 == 0 and rows.data_ptr() % 8 == 0 else rows
+def _message_runs(runs: tuple[tuple[int, int, int], ...], msg: MessageSpec) -> list[tuple[int, int, int]]:
+    """A plan's runs (offsets into the transfer) cut to message `msg` (offsets into the message)."""
+    end = msg.page_start + msg.page_count
+    cut = []
+    for at, page, length in runs:
+        lo, hi = max(at, msg.page_start), min(at + length, end)
+        if lo < hi:
+            cut.append((lo - msg.page_start, page + lo - at, hi - lo))
+    return cut
 
 
-def _put(out: torch.Tensor, offset: int, data: bytes) -> None:
-    out[offset:offset + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+def _words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two byte-row tensors of one width, both viewed as 8-byte words where the width and both addresses allow:
+    gathers and scatters of uint8 rows run a byte at a time on CPUs (index_copy_ about 0.8 GB/s measured here,
+    4-12 GB/s on the same rows as int64)."""
+    if a.shape[1] % 8 == 0 and a.data_ptr() % 8 == 0 and b.data_ptr() % 8 == 0:
+        return a.view(torch.int64), b.view(torch.int64)
+    return a, b
+
+
+def _on(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if idx.device == device:
+        return idx
+    # from pinned memory the copy is queued, not waited for (a pageable one would hold the host)
+    return idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx.to(device)
+
+
+def _move(msg: MessageSpec, rows: list[list[torch.Tensor]], buf: torch.Tensor, idx: torch.Tensor,
+          runs: list[tuple[int, int, int]] | None, into_pool: bool) -> None:
+    """Copy message `msg`'s pages between the pool `rows` (pages `idx`, or the message-relative `runs` of them)
+    and the payload of `buf`: into the pool (scatter) or out of it (gather). Runs move as one `_foreach_copy_`
+    (one kernel launch on a GPU for all layers, tensors and runs of the message; slice copies on a CPU, about 27
+    GB/s here against 5-13 GB/s for index_copy_ on the same rows); other pages as one index kernel per tensor."""
+    if runs is None:
+        idx = _on(idx, buf.device)
+        for t, block in _blocks(msg, rows, buf):
+            t, block = _words(t, block)
+            if into_pool:
+                t.index_copy_(0, idx, block)
+            else:
+                torch.index_select(t, 0, idx, out=block)
+        return
+    pool, payload = [], []
+    for t, block in _blocks(msg, rows, buf):
+        for at, page, length in runs:
+            a, b = _words(t[page:page + length], block[at:at + length])
+            pool.append(a)
+            payload.append(b)
+    if into_pool:
+        torch._foreach_copy_(pool, payload)
+    else:
+        torch._foreach_copy_(payload, pool)
 
 
 def _blocks(msg: MessageSpec, rows: list[list[torch.Tensor]],
@@ -232,19 +284,17 @@ def _blocks(msg: MessageSpec, rows: list[list[torch.Tensor]],
 
 def pack(plan: TransferPlan, msg: MessageSpec, rows: list[list[torch.Tensor]], src_pages: torch.Tensor,
          out: torch.Tensor) -> None:
-    """Gather message `msg`'s pages (`src_pages`: int64, the transfer's source page ids) into `out`."""
+    """Gather message `msg`'s pages (`src_pages`: int64, the transfer's source page ids; on a CPU their runs are
+    found, on a device they are indexed) into `out`. Queued on the current stream, never waited for."""
     if out.dtype != torch.uint8 or out.numel() != msg.nbytes:
         raise ValueError(f"message {msg.index} needs a uint8 buffer of {msg.nbytes} bytes")
     idx = src_pages[msg.page_start:msg.page_start + msg.page_count]
-    runs = _runs(idx)
-    _put(out, 0, _header(plan, msg, KIND_DATA))
-    for t, block in _blocks(msg, rows, out):
-        if runs is None:
-            torch.index_select(_words(t), 0, idx, out=_words(block))
-        else:
-            for at, page, length in runs:
-                block[at:at + length].copy_(t[page:page + length])
-    _put(out, msg.nbytes - TRAILER_BYTES, _trailer(plan, msg))
+    frame = torch.frombuffer(bytearray(_header(plan, msg, KIND_DATA) + _trailer(plan, msg)), dtype=torch.uint8)
+    if out.is_cuda:
+        frame = frame.pin_memory()  # queued copies; torch keeps the pinned block until they ran
+    out[:HEADER_BYTES].copy_(frame[:HEADER_BYTES], non_blocking=True)
+    out[-TRAILER_BYTES:].copy_(frame[HEADER_BYTES:], non_blocking=True)
+    _move(msg, rows, out, idx, _runs(idx), into_pool=False)
 
 
 def cancel_message(plan: TransferPlan, msg: MessageSpec) -> bytes:
@@ -257,14 +307,26 @@ def arm(buf: torch.Tensor) -> None:
     buf[-TRAILER_BYTES:].zero_()
 
 
+def _host(t: torch.Tensor) -> bytes:
+    return bytes(t.cpu().numpy())
+
+
 def check(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> None:
-    """Raise WireError unless `buf` holds exactly message `msg` of `plan`."""
-    check_header(plan, msg, buf)
-    check_trailer(plan, msg, buf)
+    """Raise WireError unless `buf` holds exactly message `msg` of `plan` (one copy to the host for both ends)."""
+    ends = _host(torch.cat([buf[:_HEADER.size], buf[-TRAILER_BYTES:]]))
+    _check_header(plan, msg, ends[:_HEADER.size])
+    _check_trailer(plan, msg, ends[_HEADER.size:])
 
 
 def check_header(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> None:
-    head = bytes(buf[:_HEADER.size].cpu().numpy())
+    _check_header(plan, msg, _host(buf[:_HEADER.size]))
+
+
+def check_trailer(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> None:
+    _check_trailer(plan, msg, _host(buf[-TRAILER_BYTES:]))
+
+
+def _check_header(plan: TransferPlan, msg: MessageSpec, head: bytes) -> None:
     got = _HEADER.unpack(head)
     want = _HEADER.unpack(_header(plan, msg, KIND_DATA)[:_HEADER.size])
     if got != want:
@@ -274,20 +336,15 @@ def check_header(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> Non
         raise WireError(f"message {msg.index} of transfer {plan.transfer_id}: bad header: {', '.join(bad)}")
 
 
-def check_trailer(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> None:
-    if bytes(buf[-TRAILER_BYTES:].cpu().numpy()) != _trailer(plan, msg):
+def _check_trailer(plan: TransferPlan, msg: MessageSpec, tail: bytes) -> None:
+    if tail != _trailer(plan, msg):
         raise WireError(f"message {msg.index} of transfer {plan.transfer_id}: bad trailer (cut short?)")
 
 
 def scatter(plan: TransferPlan, msg: MessageSpec, rows: list[list[torch.Tensor]], dst_pages: torch.Tensor,
             buf: torch.Tensor) -> None:
-    """Check `buf` against the plan, then write its pages into the pool (`dst_pages`: int64, the transfer's)."""
+    """Check `buf` against the plan, then write its pages into the pool (`dst_pages`: int64, the transfer's; the
+    plan's runs of them, known on the host, spare a device plan the index kernels)."""
     check(plan, msg, buf)
     idx = dst_pages[msg.page_start:msg.page_start + msg.page_count]
-    runs = _runs(idx)
-    for t, block in _blocks(msg, rows, buf):
-        if runs is None:
-            _words(t).index_copy_(0, idx, _words(block))
-        else:
-            for at, page, length in runs:
-                t[page:page + length].copy_(block[at:at + length])
+    _move(msg, rows, buf, idx, _runs(idx) if plan.runs is None else _message_runs(plan.runs, msg), into_pool=True)
