@@ -45,7 +45,7 @@ from m3sdk.cache.kv_pool import KVPool
 
 MAGIC = b"M3KV"
 TRAILER_MAGIC = b"M3KE"
-WIRE_VERSION = 2
+WIRE_VERSION = 3  # 3: GPU pools stage every message (2 sent them direct), so a 2 peer fails at the header
 KIND_DATA = 0
 KIND_CANCEL = 1  # sent by a receiver to itself to retire a buffer it posted (ucxx cannot cancel one receive)
 _HEADER = struct.Struct("<4sHHQIIHHIIQ")  # magic ver kind transfer index count layer0 nlayers page0 npages payload
