@@ -258,16 +258,25 @@ def _move(msg: MessageSpec, rows: list[list[torch.Tensor]], buf: torch.Tensor, i
             else:
                 torch.index_select(t, 0, idx, out=block)
         return
-    pool, payload = [], []
-    for t, block in _blocks(msg, rows, buf):
-        for at, page, length in runs:
-            a, b = _words(t[page:page + length], block[at:at + length])
-            pool.append(a)
-            payload.append(b)
+    # built with few Python calls per piece (a few microseconds each, 36 pieces per message of an 8-layer pool):
+    # the payload cut by one split, each pool piece one slice of its tensor's flat view; 8-byte words throughout
+    # where every width and the buffer allow. Runs cover the message's pages in order, so a tensor's block is its
+    # runs back to back
+    tensors = [t for layer in msg.layers for t in rows[layer]]
+    unit = 8 if buf.data_ptr() % 8 == 0 and all(t.shape[1] % 8 == 0 and t.data_ptr() % 8 == 0
+                                               for t in tensors) else 1
+    payload = buf[HEADER_BYTES:msg.nbytes - TRAILER_BYTES]
+    pool, sizes = [], []
+    for t in tensors:
+        flat, width = (t.view(torch.int64) if unit == 8 else t).view(-1), t.shape[1] // unit
+        for _, page, length in runs:
+            pool.append(flat[page * width:(page + length) * width])
+            sizes.append(length * width)
+    pieces = list((payload.view(torch.int64) if unit == 8 else payload).split(sizes))
     if into_pool:
-        torch._foreach_copy_(pool, payload)
+        torch._foreach_copy_(pool, pieces)
     else:
-        torch._foreach_copy_(payload, pool)
+        torch._foreach_copy_(pieces, pool)
 
 
 def _blocks(msg: MessageSpec, rows: list[list[torch.Tensor]],
