@@ -91,10 +91,9 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
         "gfx942": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1216},
         "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
     },
-    # FP8 KV on the H200 (docs/perf.md): two stages and twice the programs beat the bf16 settings by 18%. Since the
-    # decode loops carry the next tile's page ids, num_stages - 1 K/V tiles are in flight per program (before: one
-    # at any count); the benchmark's tiles_decode_fp8 times 3 and 4 stages against these defaults
-    "attn_decode:fp8": {"sm90": {"num_stages": 2, "SPLIT_PROGRAMS": 1056}},
+    # FP8 KV on the H200 (docs/perf.md, session 11 window 2): page ids carried one tile ahead (PAGE_AHEAD) so
+    # two 128-key K/V tiles are in flight at 3 stages: 0.755 ms at b64 32K against 1.09 for the previous settings
+    "attn_decode:fp8": {"sm90": {"BLOCK_N": 128, "num_stages": 3, "SPLIT_PROGRAMS": 1056, "PAGE_AHEAD": 1}},
     # prefill / verification: BLOCK_Q query tokens x the group's heads as the MMA's M rows. On AMD a 128 x 64
     # FP8 tile spills (the fp8 -> fp16 converts and the pipeliner's register prefetch): 128 x 32, one stage.
     "attn_prefill": {

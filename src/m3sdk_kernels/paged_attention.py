@@ -113,12 +113,6 @@ def _tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _sel_start(blk, i, SEL_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """First key of MSA decode tile i, a tile of selected block `blk` (-1: none, a fully masked tile)."""
-    return tl.maximum(blk, 0) * SEL_BLOCK + (i % (SEL_BLOCK // BLOCK_N)) * BLOCK_N
-
-
-@triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
                  SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr):
@@ -177,7 +171,8 @@ def _attn_kernel(
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
-        TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr):
+        TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
+        PAGE_AHEAD: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -211,22 +206,14 @@ def _attn_kernel(
             sel_row = sel_ptr + h * stride_sel_h + (q_start + first).to(tl.int64) * stride_sel_t
             row_sel = r >= 0
             lo = split * BLOCKS_PER
-            i0 = lo * TILES_PER
-            i1 = tl.minimum(lo + BLOCKS_PER, TOPK) * TILES_PER
-            # block ids and page ids one tile ahead, carried by the loop (as in the dense loop below)
-            blk = tl.load(sel_row + i0 // TILES_PER, mask=i0 < i1, other=-1)
-            page = _tile_pages(pages_ptr, _sel_start(blk, i0, SEL_BLOCK, BLOCK_N), tl.where(blk >= 0, kv_end, 0),
-                               BLOCK_N)
-            for i in range(i0, i1):
-                nxt_blk = tl.load(sel_row + (i + 1) // TILES_PER, mask=i + 1 < i1, other=-1)
-                nxt = _tile_pages(pages_ptr, _sel_start(nxt_blk, i + 1, SEL_BLOCK, BLOCK_N),
-                                  tl.where(nxt_blk >= 0, kv_end, 0), BLOCK_N)
-                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, _sel_start(blk, i, SEL_BLOCK, BLOCK_N),
-                                             tl.where(blk >= 0, kv_end, 0), pos, row_sel, k_base, v_base, ks_base,
+            for i in range(lo * TILES_PER, tl.minimum(lo + BLOCKS_PER, TOPK) * TILES_PER):
+                blk = tl.load(sel_row + i // TILES_PER)
+                start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
+                end = tl.where(blk >= 0, kv_end, 0)
+                page = _tile_pages(pages_ptr, start, end, BLOCK_N)
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
                                              vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
                                              SHUFFLE, FP8, V_MUL, DOT)
-                blk = nxt_blk
-                page = nxt
         elif SPARSE:
             # prefill / verification: walk the sorted union of the tile's tokens' blocks, each loaded once
             qq = first + tl.arange(0, BLOCK_Q)
@@ -255,12 +242,17 @@ def _attn_kernel(
             tiles = tl.cdiv(kv_end, BLOCK_N)
             per = tl.cdiv(tiles, NUM_SPLITS)
             row_sel = r >= 0
-            # page ids one tile ahead, carried by the loop: K/V loads whose addresses come from a load of their own
-            # iteration get one shared-memory buffer at any num_stages (sm90 TTGIR), so a tile's copies were issued
-            # after the previous tile's dots and waited for at once; now num_stages - 1 tiles are in flight
+            # PAGE_AHEAD: page ids one tile ahead, carried by the loop. K/V loads whose addresses come from a load of
+            # their own iteration get one shared-memory buffer at any num_stages (sm90 TTGIR): each tile's copies
+            # are issued after the previous tile's dots and waited for at once. Carried, num_stages - 1 tiles are in
+            # flight, which FP8 pages need (half the bytes per tile); bf16 measured faster without (docs/perf.md)
             page = _tile_pages(pages_ptr, split * per * BLOCK_N, kv_end, BLOCK_N)
             for t in range(split * per, tl.minimum(split * per + per, tiles)):
-                nxt = _tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
+                if PAGE_AHEAD:
+                    nxt = _tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
+                else:
+                    page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
+                    nxt = page
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
                                              ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
                                              HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT)
@@ -323,7 +315,8 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks * num_kv_heads))
     splits = min(1 << (want.bit_length() - 1), triton.next_power_of_2(max_splits))
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
-            "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+            "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+            "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0)}
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -368,7 +361,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle",
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
-        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+        PAGE_AHEAD=plan["PAGE_AHEAD"], num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if splits > 1:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                      HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
@@ -406,7 +399,7 @@ def aot_variants(arch: Arch) -> list:
                         "X": 16 if kv == "fp8" else 8, "SHUFFLE": layout == "shuffle", "FP8": kv == "fp8",
                         "SPARSE": sparse, "TOPK": m["topk"], "TOPK_PAD": m["topk"], "SEL_BLOCK": m["block_size"],
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
-                        "DOT": tl.float16 if kv == "fp8" else tl.bfloat16},
+                        "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))
