@@ -29,15 +29,20 @@ def test_batch_buckets():
     assert batch_buckets(1) == [1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_replay_matches_eager_and_padding_writes_nowhere(tmp_path):
+def _small_slice(tmp_path: Path, dtype: torch.dtype):
+    """A narrow 1 dense + 1 sparse slice (scripts/make_m3_slice.py) loaded on the GPU with the triton backend."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from make_m3_slice import make_slice
 
-    dev = torch.device("cuda")
     path = make_slice(tmp_path / "slice", dense=1, sparse=1, device="cuda", max_position_embeddings=4096,
                       overrides=SMALL)
-    model = load_model(path, dev, torch.bfloat16, "triton")
+    return load_model(path, torch.device("cuda"), dtype, "triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_replay_matches_eager_and_padding_writes_nowhere(tmp_path):
+    dev = torch.device("cuda")
+    model = _small_slice(tmp_path, torch.bfloat16)
     kv = KVPool(KVCacheSpec.for_model(model.config, 64, kv_dtype="fp8", index_dtype="fp8",
                                       fp8_dtype=torch.float8_e4m3fn, model_dtype=torch.bfloat16, device=dev))
     lengths = [40, 300, 17]
@@ -79,13 +84,8 @@ def test_verify_replay_matches_eager_with_aux(tmp_path, monkeypatch):
     """A verify step (1 + k tokens per sequence, logits at every token, aux states) replayed from its graph gives
     the eager forward's logits and aux states."""
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")  # fp32 tl.dot is TF32 by default: bf16-like rounding
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from make_m3_slice import make_slice
-
     dev = torch.device("cuda")
-    path = make_slice(tmp_path / "slice", dense=1, sparse=1, device="cuda", max_position_embeddings=4096,
-                      overrides=SMALL)
-    model = load_model(path, dev, torch.float32, "triton")
+    model = _small_slice(tmp_path, torch.float32)
     kv = KVPool(KVCacheSpec.for_model(model.config, 64, kv_dtype="fp32", index_dtype="fp32",
                                       model_dtype=torch.float32, device=dev))
     lengths, q, aux_layers = [40, 300, 17], 4, (0, 1)
