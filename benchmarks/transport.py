@@ -12,11 +12,11 @@ second, each process with its own GPU listed first in CUDA_VISIBLE_DEVICES (ucxx
 Two processes on 127.0.0.1 move the same bytes each way:
   kv            UcxTransport: a prefill node's pages packed into messages (Outbox), pushed, checked and put into
                 the decode side's KVPool pages (what a remote prefill costs beyond compute), page tables of
-                consecutive pages on both sides (a fresh engine's): on CPUs direct messages, received in place;
-                on GPUs staged messages whose runs of pages move as one copy kernel per message (wire.py)
-  kv staged     the same pages as staged messages, the plan built without the destination pages (the decode
-                side scatters with one index kernel per tensor)
-  kv scattered  random page ids on both sides (staged: no runs to receive into)
+                consecutive pages on both sides (a fresh engine's): each message's runs of pages move as one
+                _foreach_copy_ on each side (wire.py)
+  kv staged     the same pages, the plan built without the destination pages (the decode side scatters with
+                one index kernel per tensor)
+  kv scattered  random page ids on both sides (index kernels on both sides)
   ucxx raw      ucxx tag send/recv of the same message sizes on endpoints like the transport's (no UCX peer error
                 handling: shared memory between the two processes); receive buffers posted and touched beforehand
   ucxx raw, EH  the same on ucxx's public create_endpoint/create_listener endpoints (peer error handling: TCP)
@@ -92,14 +92,14 @@ def page_tables(num_pages: int, device: torch.device) -> dict[str, torch.Tensor]
 
 
 def plan_pages(what: str, dsts: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The destination pages the plan is built with: "kv-staged" leaves them out (every message staged)."""
+    """The destination pages the plan is built with: "kv-staged" leaves them out (scattered by index)."""
     return None if what == "kv-staged" else dsts.get(what)
 
 
 def plan_for(pool: KVPool, message_bytes: int, transfer_id: int,
              dst: torch.Tensor | None = None) -> wire.TransferPlan:
-    """The transfer's plan; with the destination pages `dst` as a remote prefill builds it (direct messages where
-    they form runs), without them as plain staged messages (the raw rows)."""
+    """The transfer's plan; with the destination pages `dst` as a remote prefill builds it (their runs scattered
+    as runs), without them as plain messages (the raw rows, and "kv-staged")."""
     return wire.TransferPlan.build(wire.page_rows(pool), transfer_id, pool.spec.num_pages, pool.spec.num_layers,
                                    message_bytes, None if dst is None else dst.tolist())
 

@@ -84,11 +84,11 @@ def test_pages_arrive_intact_in_their_pages(node):
             t.zero_()
         client.submit("r2", pool2_tokens, GREEDY, pages2, num_cached_pages=3, timeout_s=30).result(30)
         assert_pages(pool, pool2_tokens, pages2, 3)
-        # pages in long runs (a fresh engine's): direct messages, each (layer, tensor, run) received in place;
-        # the 64 KiB cut makes messages whose pages straddle the two runs
+        # pages in long runs (a fresh engine's): each message scattered as runs (one _foreach_copy_); the 64 KiB
+        # cut makes messages whose pages straddle the two runs
         tokens3 = [(i * 13) % VOCAB for i in range(400)]
         pages3 = list(range(30, 46)) + list(range(5, 14))
-        assert wire.TransferPlan.build(wire.page_rows(pool), 1, 25, 2, 64 << 10, pages3).direct
+        assert wire.TransferPlan.build(wire.page_rows(pool), 1, 25, 2, 64 << 10, pages3).runs is not None
         for t in (t for layer in wire.page_rows(pool) for t in layer):
             t.zero_()
         client.submit("r3", tokens3, GREEDY, pages3, num_cached_pages=0, timeout_s=30).result(30)
@@ -123,19 +123,24 @@ def test_pack_and_scatter_put_each_page_where_the_plan_says(kv_dtype):
                 assert torch.equal(b[dst], a[src]) and not b[untouched].any()
 
 
-def test_device_pools_stage_every_message_and_keep_their_runs():
-    """The one rule for direct messages: host memory only. Rows on another device (meta stands in for a GPU here)
-    give staged messages (one UCX message each) whose scatter still moves runs."""
+def test_host_and_device_pools_share_one_plan_and_an_older_wire_version_is_refused():
+    """One path on CPUs and GPUs (meta rows stand in for a GPU pool): the same messages and runs, one UCX message
+    each. A wire-3 peer (it sent host-memory messages as header, parts, trailer) fails at the header check."""
     def rows(device: str) -> list[list[torch.Tensor]]:
-        return [[torch.empty(64, w, dtype=torch.uint8, device=device) for w in widths]
+        return [[torch.zeros(64, w, dtype=torch.uint8, device=device) for w in widths]
                 for widths in ((4096, 4096, 128), (4096, 4096, 128, 1024))]
 
     pages = list(range(8, 40))
     host = wire.TransferPlan.build(rows("cpu"), 9, 32, 2, 64 << 10, pages)
-    device = wire.TransferPlan.build(rows("meta"), 9, 32, 2, 64 << 10, pages)
-    assert host.direct and not device.direct
-    assert device.runs == host.runs == ((0, 8, 32),)
-    assert device.first_unit == tuple(range(len(device.messages))) != host.first_unit
+    assert host == wire.TransferPlan.build(rows("meta"), 9, 32, 2, 64 << 10, pages)
+    assert host.runs == ((0, 8, 32),) and len(host.messages) == 11  # 3 pages of both layers per 64 KiB
+    msg = host.messages[1]
+    buf = torch.empty(msg.nbytes, dtype=torch.uint8)
+    wire.pack(host, msg, rows("cpu"), torch.tensor(pages), buf)
+    wire.check(host, msg, buf)
+    buf[4:6] = torch.tensor([3, 0], dtype=torch.uint8)  # the version field, little-endian
+    with pytest.raises(wire.WireError, match=r"version=3 \(expected 4\)"):
+        wire.check(host, msg, buf)
 
 
 def test_fp8_shuffle_pages_and_scales_travel():

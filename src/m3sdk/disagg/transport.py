@@ -183,42 +183,35 @@ async def _send(ep: Any, buf: Any, tag: int) -> None:
 
 
 class UcxReceive:
-    """One transfer's receiving side: `window` messages posted at once, each checked then scattered (staged) or
-    received in place (direct: the header first, then the parts into the pool's pages, then the trailer)."""
+    """One transfer's receiving side: `window` messages posted at once, each checked then scattered."""
 
     def __init__(self, transport: UcxTransport, plan: TransferPlan, rows: list[list[torch.Tensor]],
                  dst_pages: torch.Tensor, window: int):
         self._transport, self._plan, self._rows, self._dst = transport, plan, rows, dst_pages
         self._window = window
         # tag -> (buffer, its receive, the message): everything posted and not yet taken
-        self._posted: dict[int, tuple[torch.Tensor, asyncio.Future, wire.MessageSpec]] = {}
+        self._posted: dict[int, tuple[torch.Tensor, asyncio.Future, MessageSpec]] = {}
         self._cancelled = False
         self._task = asyncio.ensure_future(self._run())
 
-    def _post(self, unit: int, buf: torch.Tensor, msg: wire.MessageSpec) -> asyncio.Future:
+    def _post(self, index: int) -> None:
         import ucxx
 
-        tag = self._plan.tag(unit)
-        fut = asyncio.ensure_future(ucxx.recv(_ucx_buffer(buf), tag))
-        self._posted[tag] = (buf, fut, msg)
-        return fut
-
-    def _post_message(self, index: int) -> None:
-        """Post message `index`'s first UCX message: the whole message (staged) or its header (direct)."""
         msg = self._plan.messages[index]
-        buf = self._transport.pool.take(wire.HEADER_BYTES if self._plan.direct else msg.nbytes, self._dst.device)
+        buf = self._transport.pool.take(msg.nbytes, self._dst.device)
         wire.arm(buf)
         _settle(buf)  # UCX writes on its own streams: the zeroed trailer (and the last scatter) must land first
-        self._post(self._plan.first_unit[index], buf, msg)
+        tag = self._plan.tag(index)
+        self._posted[tag] = (buf, asyncio.ensure_future(ucxx.recv(_ucx_buffer(buf), tag)), msg)
 
-    async def _take(self, unit: int) -> torch.Tensor:
-        tag = self._plan.tag(unit)
+    async def _take(self, index: int) -> torch.Tensor:
+        tag = self._plan.tag(index)
         buf, fut, _ = self._posted[tag]
         try:
             # shielded: a receive UCX still holds must stay visible to cancel(), which retires it
             await asyncio.shield(fut)
         except Exception as e:  # truncation (a message larger than posted), endpoint errors
-            raise TransportError(f"transfer {self._plan.transfer_id} message {unit}: {e!r}") from e
+            raise TransportError(f"transfer {self._plan.transfer_id} message {index}: {e!r}") from e
         if not self._cancelled:
             del self._posted[tag]
         return buf
@@ -227,76 +220,19 @@ class UcxReceive:
         plan = self._plan
         count = len(plan.messages)
         for index in range(min(self._window, count)):
-            self._post_message(index)
-        if plan.direct:
-            await self._run_direct()
-            return
+            self._post(index)
         for index, msg in enumerate(plan.messages):
-            buf = await self._take(plan.first_unit[index])
+            buf = await self._take(index)
             if self._cancelled:
                 return
             if index + self._window < count:
-                self._post_message(index + self._window)  # before the scatter, so UCX can fill it meanwhile
+                self._post(index + self._window)  # before the scatter, so UCX can fill it meanwhile
             try:
                 wire.scatter(plan, msg, self._rows, self._dst, buf)
             except wire.WireError as e:
                 raise TransportError(str(e)) from e
             _settle(buf)  # the pages are in place before the transfer counts as done (the engine's own stream)
             self._transport.pool.give(buf)
-
-    async def _run_direct(self) -> None:
-        """Direct messages, `window` at once: a message's parts are posted as soon as its header passed, while
-        the previous message's parts may still be arriving (nothing to copy afterwards: UCX is the only copy)."""
-        plan = self._plan
-        count = len(plan.messages)
-        running: deque[asyncio.Task] = deque()
-        try:
-            for index in range(count):
-                if len(running) >= self._window:
-                    await running.popleft()
-                running.append(asyncio.ensure_future(self._receive_direct(index)))
-            while running:
-                await running.popleft()
-        finally:
-            for task in running:  # a failed message: the others stop (their receives stay for cancel())
-                task.cancel()
-
-    async def _receive_direct(self, index: int) -> None:
-        plan, msg = self._plan, self._plan.messages[index]
-        first = plan.first_unit[index]
-        if index >= self._window:
-            self._post_message(index)
-        head = await self._take(first)
-        if self._cancelled:
-            return
-        try:
-            wire.check_header(plan, msg, head)
-        except wire.WireError as e:
-            raise TransportError(str(e)) from e
-        self._transport.pool.give(head)
-        await self._receive_parts(msg, first)
-
-    async def _receive_parts(self, msg: wire.MessageSpec, first: int) -> None:
-        """A direct message after its header passed: each part straight into its pages, then the trailer."""
-        parts = self._plan.parts(msg)
-        units = []
-        for unit, part in enumerate(parts, first + 1):
-            self._post(unit, self._rows[part.layer][part.tensor][part.dst_page:part.dst_page + part.page_count]
-                       .view(-1), msg)
-            units.append(unit)
-        tail = torch.empty(wire.TRAILER_BYTES, dtype=torch.uint8, device=self._dst.device)
-        wire.arm(tail)
-        _settle(tail)
-        units.append(first + 1 + len(parts))
-        self._post(units[-1], tail, msg)
-        for unit in units:
-            await self._take(unit)
-            if self._cancelled:
-                return
-        try:
-            wire.check_trailer(self._plan, msg, tail)
-        except wire.WireError as e:
-            raise TransportError(str(e)) from e
 
     async def wait(self) -> None:
         try:
@@ -309,9 +245,8 @@ class UcxReceive:
         self._cancelled = True
         open_ = {tag: entry for tag, entry in self._posted.items() if not entry[1].done()}
         cancels = {}
-        for tag, (buf, _, msg) in open_.items():
-            # a cancel message no longer than the posted buffer (a part may be shorter than a header)
-            cancels[tag] = wire.cancel_message(self._plan, msg)[:buf.numel()]
+        for tag, (_, _, msg) in open_.items():
+            cancels[tag] = wire.cancel_message(self._plan, msg)
             await self._transport.send_to_self(cancels[tag], tag)
         # bounded: without peer error handling UCX never fails a receive whose sender died mid-message
         _, stuck = await asyncio.wait([fut for _, fut, _ in open_.values()], timeout=self._transport.drain_timeout) \
@@ -430,7 +365,7 @@ class UcxTransport:
                     raise TransportError(f"transfer {plan.transfer_id}: message {index} queued before {expected}")
                 if len(in_flight) >= self.window:
                     await self._finish(in_flight, host, port, plan)
-                send = asyncio.ensure_future(self._send_message(ep, plan, index, buf))
+                send = asyncio.ensure_future(_send(ep, _ucx_buffer(buf), plan.tag(index)))
                 send.add_done_callback(outbox.count_sent)
                 in_flight.append((send, buf))
             while in_flight:
@@ -443,19 +378,6 @@ class UcxTransport:
                 if late:
                     self._drop(host, port)
             raise
-
-    @staticmethod
-    async def _send_message(ep: Any, plan: TransferPlan, index: int, buf: torch.Tensor) -> None:
-        """Message `index` (packed in `buf`) as one UCX message (staged) or as header, parts, trailer (direct)."""
-        first = plan.first_unit[index]
-        if not plan.direct:
-            await _send(ep, _ucx_buffer(buf), plan.tag(first))
-            return
-        parts = plan.parts(plan.messages[index])
-        pieces = [buf[:wire.HEADER_BYTES], *(buf[p.offset:p.offset + p.nbytes] for p in parts),
-                  buf[-wire.TRAILER_BYTES:]]
-        await asyncio.gather(*(_send(ep, _ucx_buffer(piece), plan.tag(unit))
-                               for unit, piece in enumerate(pieces, first)))
 
     async def _finish(self, in_flight: deque[tuple[asyncio.Future, torch.Tensor]], host: str, port: int,
                       plan: TransferPlan) -> None:

@@ -10,27 +10,18 @@ keep each message under a byte cap. One message is
 Both sides derive the same plan from the same `KVCacheSpec` (the handshake checked they agree) and the
 parameters of the Prefill call, so the receiver knows every message's exact size and posts buffers of it.
 
-How a message travels depends on the destination pages (both sides know them: they are in the Prefill call):
-- **staged**: one UCX message, received into a staging buffer; the header and the trailer are checked against
-  the plan before a single page is written (a message cut short, from another transfer or misplaced never
-  reaches the cache), then the pages are scattered into the pool.
-- **direct**, when the pools live in host memory and the destination pages form runs of `DIRECT_MIN_RUN` pages
-  or more on average (a fresh engine's page tables do): the header alone, then one UCX message per (layer,
-  tensor, run of pages) received straight into the pool's pages (no scatter copy), then the trailer alone. The
-  parts are posted only once the header passed its check, each into exactly its run's bytes (UCX refuses a
-  longer message: truncation), and the pages count only when every part and the trailer arrived, as for staged
-  messages. A peer can thus write only the pages of its own transfer, in place, as it could write their
-  contents through a staged message.
-The sender packs both kinds the same way (one staging buffer per message) and sends slices of it.
+Every message travels as one UCX message, received into a staging buffer; its header and trailer are checked
+against the plan before a single page is written (a message cut short, from another transfer or misplaced never
+reaches the cache), then its pages are scattered into the pool. Where the destination pages form runs of
+`MIN_RUN` pages or more on average (a fresh engine's page tables do), the plan carries them and the scatter (like
+the node's gather, whose source runs it finds itself) is one `torch._foreach_copy_` for all layers, tensors and
+runs of the message: one copy kernel launch on a GPU, slice copies on a CPU; otherwise one index kernel per
+tensor. No host sync but the header and trailer check (one copy to the host).
 
-On GPUs every message is staged (`TransferPlan.build` holds the rule, so both sides agree; a deployment's two
-sides are both GPUs or both CPUs, and a mismatch fails at the first message's size, never in the cache): a direct
-message is 2 + layers x tensors x runs UCX messages (38 for one 64 MiB message of the GPU benchmark's pool), and
-on GPUs each costs a cuda_ipc rendezvous and a completion round trip through ucxx and asyncio, which the few
-hundred microseconds a 64 MiB message takes on NVLink cannot hide (measured on two H200s: direct 17.7 GB/s, staged
-32.7, raw ucxx 232). A staged message is one UCX message; its scatter (and the sender's gather) is one copy
-kernel launch for all its runs where the pages form runs (`torch._foreach_copy_`), one index kernel per tensor
-otherwise, and no host sync but the header and trailer check (one copy to the host).
+Receiving each (layer, tensor, run) straight into the pool's pages ("direct" messages, wire versions 2 and 3 on
+CPUs) was measured and dropped: it takes out the decode side's copy, but each part is a UCX message of its own
+(38 per 64 MiB message of an 8-layer pool), and on two H200s it ran at 17.7 GB/s against 32.7 staged, on the
+2-core CPU machine within the noise of staged at 64 MiB and below it at 16 and 4 MiB (docs/disaggregation.md).
 """
 
 from __future__ import annotations
@@ -45,7 +36,8 @@ from m3sdk.cache.kv_pool import KVPool
 
 MAGIC = b"M3KV"
 TRAILER_MAGIC = b"M3KE"
-WIRE_VERSION = 3  # 3: GPU pools stage every message (2 sent them direct), so a 2 peer fails at the header
+WIRE_VERSION = 4  # 4: every message staged (2 and 3 sent host-memory messages direct): an older peer fails at the
+# header (its direct message's header alone arrives in our full-size buffer) or by truncation (ours into its header)
 KIND_DATA = 0
 KIND_CANCEL = 1  # sent by a receiver to itself to retire a buffer it posted (ucxx cannot cancel one receive)
 _HEADER = struct.Struct("<4sHHQIIHHIIQ")  # magic ver kind transfer index count layer0 nlayers page0 npages payload
@@ -55,7 +47,7 @@ TRAILER_BYTES = _TRAILER.size
 MESSAGE_INDEX_BITS = 20  # a tag is transfer_id << 20 | message index
 MAX_TRANSFER_ID = (1 << (64 - MESSAGE_INDEX_BITS)) - 1
 MAX_MESSAGES = 1 << MESSAGE_INDEX_BITS
-DIRECT_MIN_RUN = 8  # pages per run of destination pages, on average, for direct messages
+MIN_RUN = 8  # pages per run, on average, for runs to be copied as runs (shorter: index kernels)
 
 
 class WireError(ValueError):
@@ -94,31 +86,18 @@ class MessageSpec:
 
 
 @dataclass(frozen=True)
-class Part:
-    """One UCX message of a direct message: a run of pages of one tensor of one layer."""
-
-    layer: int
-    tensor: int
-    dst_page: int  # the first destination page of the run
-    page_count: int
-    offset: int  # where its bytes sit in the message's staging buffer (the sender's)
-    nbytes: int
-
-
-@dataclass(frozen=True)
 class TransferPlan:
     transfer_id: int
     num_pages: int
     messages: tuple[MessageSpec, ...]
     widths: tuple[tuple[int, ...], ...] = ()  # bytes per page of each layer's tensors
     runs: tuple[tuple[int, int, int], ...] | None = None  # (offset, first dst page, length), when long enough
-    first_unit: tuple[int, ...] = ()  # each message's first UCX message index (its tag)
-    direct: bool = False  # messages travel as header, parts, trailer (module docstring)
 
     @classmethod
     def build(cls, rows: list[list[torch.Tensor]], transfer_id: int, num_pages: int, layers_per_group: int,
               max_message_bytes: int, dst_pages: Sequence[int] | None = None) -> TransferPlan:
-        """`dst_pages`: the destination page ids (both sides know them); without them every message is staged."""
+        """`dst_pages`: the destination page ids (both sides know them): their runs, when long enough, let the
+        decode side scatter without reading ids; without them it scatters by index."""
         if not 0 < transfer_id <= MAX_TRANSFER_ID:
             raise WireError(f"transfer_id must be in [1, {MAX_TRANSFER_ID}], got {transfer_id}")
         if not 0 < layers_per_group <= len(rows):
@@ -142,38 +121,15 @@ class TransferPlan:
             if len(dst_pages) != num_pages:
                 raise WireError(f"{len(dst_pages)} destination pages for a transfer of {num_pages}")
             runs = _host_runs(dst_pages)
-            if len(runs) * DIRECT_MIN_RUN > num_pages:  # short runs: index kernels, many small UCX messages
+            if len(runs) * MIN_RUN > num_pages:  # short runs: index kernels
                 runs = None
-        # the one rule for direct messages (module docstring): host memory only, runs long enough, and rows no
-        # narrower than a cancel message
-        direct = runs is not None and rows[0][0].device.type == "cpu" and min(min(w) for w in widths) >= HEADER_BYTES
-        plan = cls(transfer_id, num_pages, tuple(messages), widths, runs, (), direct)
-        first, units = [], 0
-        for msg in messages:
-            first.append(units)
-            units += 2 + len(plan.parts(msg)) if direct else 1
-        if units > MAX_MESSAGES:
-            raise WireError(f"transfer would need {units} messages, more than {MAX_MESSAGES}")
-        return cls(transfer_id, num_pages, tuple(messages), widths, runs, tuple(first), direct)
+        if len(messages) > MAX_MESSAGES:
+            raise WireError(f"transfer would need {len(messages)} messages, more than {MAX_MESSAGES}")
+        return cls(transfer_id, num_pages, tuple(messages), widths, runs)
 
-    def parts(self, msg: MessageSpec) -> list[Part]:
-        """The message's runs of destination pages per (layer, tensor), in payload order (plans with `runs`)."""
-        parts = []
-        offset = HEADER_BYTES
-        end = msg.page_start + msg.page_count
-        for layer in msg.layers:
-            for j, width in enumerate(self.widths[layer]):
-                for at, page, length in self.runs:
-                    lo, hi = max(at, msg.page_start), min(at + length, end)
-                    if lo < hi:
-                        parts.append(Part(layer, j, page + lo - at, hi - lo, offset + (lo - msg.page_start) * width,
-                                          (hi - lo) * width))
-                offset += msg.page_count * width
-        return parts
-
-    def tag(self, unit: int) -> int:
-        """The tag of UCX message `unit` (staged: the message index; direct: see `first_unit`)."""
-        return (self.transfer_id << MESSAGE_INDEX_BITS) | unit
+    def tag(self, index: int) -> int:
+        """The UCX tag of message `index`."""
+        return (self.transfer_id << MESSAGE_INDEX_BITS) | index
 
     @property
     def total_bytes(self) -> int:
@@ -209,7 +165,7 @@ def _runs(pages: torch.Tensor) -> list[tuple[int, int, int]] | None:
     if pages.device.type != "cpu":
         return None
     breaks = ((pages[1:] - pages[:-1]) != 1).nonzero().flatten() + 1
-    if (len(breaks) + 1) * DIRECT_MIN_RUN > len(pages):
+    if (len(breaks) + 1) * MIN_RUN > len(pages):
         return None
     starts = [0, *breaks.tolist()]
     ends = [*starts[1:], len(pages)]
@@ -325,14 +281,6 @@ def check(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> None:
     ends = _host(torch.cat([buf[:_HEADER.size], buf[-TRAILER_BYTES:]]))
     _check_header(plan, msg, ends[:_HEADER.size])
     _check_trailer(plan, msg, ends[_HEADER.size:])
-
-
-def check_header(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> None:
-    _check_header(plan, msg, _host(buf[:_HEADER.size]))
-
-
-def check_trailer(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> None:
-    _check_trailer(plan, msg, _host(buf[-TRAILER_BYTES:]))
 
 
 def _check_header(plan: TransferPlan, msg: MessageSpec, head: bytes) -> None:
