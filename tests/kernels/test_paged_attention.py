@@ -71,10 +71,27 @@ def test_splits_and_gqa_padding(monkeypatch):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("page_ahead", [0, 1])
+@pytest.mark.parametrize("programs", [8, 24], ids=["1-split", "2-splits"])
+def test_dense_fp8_decode_many_tiles_per_split(monkeypatch, programs, page_ahead):
+    """Dense FP8 decode with several 16-key tiles per split across page edges: page ids loaded in the tile's own
+    iteration, or carried one tile ahead (PAGE_AHEAD, sm90's FP8 default) from tile to tile."""
+    fp8 = arch.TILES["attn_decode:fp8"]["sm90"]
+    monkeypatch.setitem(arch.TILES["attn_decode:fp8"], "sm90",
+                        {**fp8, "BLOCK_N": 16, "SPLIT_PROGRAMS": programs, "PAGE_AHEAD": page_ahead})
+    ctx, new = DECODE
+    plan = attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128, fp8=True)
+    assert plan["NUM_SPLITS"] == (1 if programs == 8 else 2) and plan["PAGE_AHEAD"] == page_ahead
+    step = make_step(ctx, new, HKV, D, "fp8", "shuffle")
+    q = torch.randn(sum(new), HKV * GROUP, D).to(torch.bfloat16)
+    got, ref = run(step, q, D**-0.5)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("programs", [1 << 12, 8], ids=["4-splits", "2-splits"])
 def test_sparse_decode_splits_and_unsorted_selection(monkeypatch, programs):
     """Selections in any order (valid entries first, -1 padded) split over programs, two 8-key tiles per block
-    (the loop carries the next tile's block and page ids across blocks and splits)."""
+    (the loop loads each tile's block and page ids in that tile's iteration, across blocks and splits)."""
     fp8 = arch.TILES["sparse_decode:fp8"]["sm90"]  # the FP8 entry overrides the family's
     monkeypatch.setitem(arch.TILES["sparse_decode:fp8"], "sm90", {**fp8, "BLOCK_N": 8, "SPLIT_PROGRAMS": programs})
     assert attention_plan(2, 2, HKV, GROUP, 1, 100, True, 4, 16, fp8=True)["NUM_SPLITS"] == (4 if programs > 8 else 2)
