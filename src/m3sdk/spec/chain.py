@@ -113,7 +113,9 @@ class ChainDrafter(ABC):
                     continue
                 seq = self._seqs[rid] = DraftSeq(ctx, -1, st.hidden.new_empty(0))
             if not self.has_room(seq.ctx, n + self.num_speculative_tokens):
-                self.release(rid)  # no room left for this and a chain's entries: the request drafts no more
+                # no room left for this and a chain's entries: the context is dropped, and the request's next
+                # observe starts a new one there (weaker drafts, never wrong)
+                self.release(rid)
                 continue
             ctxs.append(seq.ctx)
             counts.append(n)
