@@ -354,12 +354,11 @@ def sparse_prefill(rows: list, ctx: int, selection: str, flex: bool) -> None:
 def tiles_decode_fp8(rows: list, read_bw: float, ctx: int = 32768) -> None:
     """FP8 decode (dense and MSA, plain layout unless --layout says otherwise) under tile variants of the current
     arch's table, set in-process, each checked against the reference first; the defaults are the rows of
-    dense_decode_32k / sparse_decode_32k. num_stages - 1 is the number of K/V tiles a program keeps in flight
-    (the decode loops carry the next tile's page ids; before, one tile at any stage count, which left FP8 at
-    bf16's time per tile with half its bytes): dense runs 2 stages by default (one tile, as measured before),
-    MSA 3; BLOCK_N 128 doubles the bytes per dense tile."""
+    dense_decode_32k / sparse_decode_32k. Dense FP8 decode carries the next tile's page ids (PAGE_AHEAD), so a
+    program keeps num_stages - 1 K/V tiles in flight (without, one tile at any stage count); its default is
+    BLOCK_N 128 at 3 stages; MSA decode loads each tile's ids in its own iteration."""
     name = current_arch().name
-    variants = {"attn_decode:fp8": ({"num_stages": 3}, {"num_stages": 4}, {"BLOCK_N": 128, "num_stages": 3}),
+    variants = {"attn_decode:fp8": ({"BLOCK_N": 64}, {"num_stages": 4}, {"PAGE_AHEAD": 0}),
                 "sparse_decode:fp8": ({"num_stages": 2}, {"num_stages": 4}, {"BLOCK_N": 64})}
     ONLY.setdefault("layout", "plain")
     ONLY.update(kv="fp8")
