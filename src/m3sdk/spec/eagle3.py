@@ -518,7 +518,7 @@ class Eagle3Drafter(ChainDrafter):
         for s in range(steps):
             q, k, v, residual = head.project(head.embed(tokens), hidden, positions + s)
             normed, hidden = head.finish(self._attend(q, k, v, slot, idx + s, span), residual)
-            tokens = head.to_target(head.logits(normed).argmax(-1))
+            tokens = self._tokens(normed)
             drafted.append(tokens)
         return torch.stack(drafted, dim=1)
 
