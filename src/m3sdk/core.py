@@ -15,7 +15,10 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from m3sdk.cache import CACHE_MANAGERS
 from m3sdk.cache.kv_pool import KVCacheSpec
@@ -25,6 +28,7 @@ from m3sdk.config import EngineConfig
 from m3sdk.errors import PrefillNodeError
 from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.loader import load_model
+from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 from m3sdk.observability import get_logger
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, FinishReason, Request
@@ -35,6 +39,9 @@ from m3sdk.spec.base import SpeculativeDecoder, TargetInfo, build_drafter
 from m3sdk.spec.decoding import Speculation
 from m3sdk.tokenizer import TextStream, Tokenizer
 from m3sdk_kernels.arch import fp8_dtype
+
+if TYPE_CHECKING:
+    from m3sdk.parallel import TensorParallel
 
 log = get_logger("m3sdk.core")
 
@@ -110,7 +117,7 @@ class EngineCore:
         path = config.model_path()
         tp = None
         if config.tensor_parallel_size > 1:  # ranks 1.. run in worker processes that mirror every forward
-            from m3sdk.parallel import MirroredGraphs, TensorParallel
+            from m3sdk.parallel import TensorParallel
 
             if config.speculative is not None and config.speculative.method != "ngram":
                 raise ValueError("tensor_parallel_size > 1 supports speculative='ngram' only (drafters read the "
@@ -124,6 +131,17 @@ class EngineCore:
         else:
             model = load_model(path, device, dtype, config.resolve_attention_backend(device),
                                quantization=config.quantization, progress=config.show_progress)
+        try:
+            return cls._assemble(config, device, dtype, path, model, tp)
+        except BaseException:
+            if tp is not None:  # else the workers outlive the error and the process group blocks the next engine
+                tp.shutdown()
+            raise
+
+    @classmethod
+    def _assemble(cls, config: EngineConfig, device: torch.device, dtype: torch.dtype, path: Path,
+                  model: MiniMaxM3ForCausalLM, tp: TensorParallel | None) -> EngineCore:
+        """`build` once the model is loaded: cache, scheduler, drafter, graphs, the core and its warm-up."""
         tokenizer = Tokenizer.from_pretrained(path)
         mc = model.config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
@@ -165,7 +183,12 @@ class EngineCore:
             # reads; the drafter's own steps too. Under tensor parallel the workers capture and replay the same
             # graphs in lockstep (parallel/graphs.py).
             k = drafter.num_speculative_tokens if drafter is not None else 0
-            graphs = DecodeGraphs if tp is None else functools.partial(MirroredGraphs, tp)
+            if tp is None:
+                graphs = DecodeGraphs
+            else:
+                from m3sdk.parallel import MirroredGraphs
+
+                graphs = functools.partial(MirroredGraphs, tp)
             runner.graphs = graphs(model, cache.kv, config.max_num_seqs, max_model_len, device,
                                    query_lens=(1, 1 + k), aux_layers=drafter.aux_layers if drafter else ())
             if hasattr(drafter, "capture_graphs"):
@@ -174,12 +197,7 @@ class EngineCore:
         if tp is not None:
             core.stop_hooks.append(tp.shutdown)
         if device.type == "cuda":
-            try:
-                core.warm_up()
-            except BaseException:
-                for hook in core.stop_hooks:
-                    hook()
-                raise
+            core.warm_up()
         return core
 
     def warm_up(self, prompt_len: int = 512, batches: Sequence[int] = WARM_UP_BATCHES) -> None:

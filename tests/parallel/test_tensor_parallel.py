@@ -107,3 +107,27 @@ def test_graph_steps_replay_in_lockstep(engine_checkpoint, single_rank_tokens):
 def test_ranks_must_divide_the_heads(engine_checkpoint):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide num_attention_heads=4"):
         asyncio.run(_greedy(engine_checkpoint, tensor_parallel_size=3))
+
+
+def test_a_build_that_fails_after_the_launch_stops_the_workers(engine_checkpoint, monkeypatch):
+    """Whatever fails after the workers started (here max_model_len past the model's, found once the model is
+    loaded) stops them and leaves the process group: else they outlive the error and no later engine can start."""
+    import torch.distributed as dist
+
+    from m3sdk.config import EngineConfig
+    from m3sdk.core import EngineCore
+    from m3sdk.parallel import TensorParallel
+
+    launched = []
+    launch = TensorParallel.launch
+
+    def record(*args, **kwargs):
+        launched.append(launch(*args, **kwargs))
+        return launched[-1]
+
+    monkeypatch.setattr(TensorParallel, "launch", record)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        EngineCore.build(EngineConfig(model=str(engine_checkpoint), tensor_parallel_size=2, max_model_len=1 << 30,
+                                      kv_cache_memory=8 << 20))
+    assert [p.returncode for p in launched[0].procs] == [0]
+    assert not dist.is_initialized()
