@@ -104,8 +104,8 @@ def param_pieces(name: str, config: ModelConfig, shard: Shard) -> tuple[int, lis
     """(dimension, pieces) of full-model parameter `name` that this rank holds, or None when held whole."""
     c = config
     if name == "lm_head.weight":
-        start, _ = shard.span_ceil(c.vocab_size)
-        return 0, [(start, min(start + -(-c.vocab_size // shard.world), c.vocab_size), 0)]
+        start, end = shard.span_ceil(c.vocab_size)
+        return 0, [(start, min(end, c.vocab_size), 0)]
     parts = name.split(".")
     if parts[0] != "layers":
         return None
