@@ -415,19 +415,21 @@ class Eagle3Drafter(ChainDrafter):
         return ctx.length + n <= self.capacity
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, idx: torch.Tensor,
-                span: int) -> torch.Tensor:
-        """Write k, v [N, Hkv, D] at (slot, idx) and attend q [N, Hq, D] causally to indices 0 .. idx of each
-        row's slot (a fixed span of the pool is read; later indices are masked) -> [N, Hq * D]."""
+                width: int, span: int) -> torch.Tensor:
+        """Write k, v [N, Hkv, D] at (slot, idx) [N] and attend q [N, Hq, D] causally to indices 0 .. idx of the
+        row's context -> [N, Hq * D]. Rows come in runs of `width` per context (N = B * width), the run's first
+        row real (its slot is the context's); a fixed span of the pool is read, later indices masked. The keys are
+        gathered once per context, not per row: per row, a prefill chunk of n tokens read n copies of its context."""
         self.k_cache[slot, idx] = k
         self.v_cache[slot, idx] = v
         n, hq, d = q.shape
-        hkv = k.shape[1]
-        keys = self.k_cache[slot, :span].permute(0, 2, 3, 1).float()  # [N, Hkv, D, span]
-        vals = self.v_cache[slot, :span].transpose(1, 2).float()  # [N, Hkv, span, D]
-        scores = (q.float().view(n, hkv, hq // hkv, d) @ keys) * self.scale  # [N, Hkv, G, span]
-        visible = torch.arange(span, device=q.device)[None, :] <= idx[:, None]
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-        return (scores.softmax(-1) @ vals).to(q.dtype).reshape(n, hq * d)
+        ctx_slot = slot.view(-1, width)[:, 0]
+        keys = self.k_cache[ctx_slot, :span].transpose(1, 2).float()  # [B, Hkv, span, D]
+        vals = self.v_cache[ctx_slot, :span].transpose(1, 2).float()
+        visible = torch.arange(span, device=q.device)[None, None, :] <= idx.view(-1, width)[:, :, None]
+        out = F.scaled_dot_product_attention(q.float().view(-1, width, hq, d).transpose(1, 2), keys, vals,
+                                             attn_mask=visible[:, None], scale=self.scale, enable_gqa=True)
+        return out.transpose(1, 2).to(q.dtype).reshape(n, hq * d)
 
     def run(self, ctxs: list[DraftKV], counts: list[int], token_ids: torch.Tensor, hidden: torch.Tensor,
             positions: torch.Tensor, from_target: bool) -> torch.Tensor:
@@ -435,14 +437,23 @@ class Eagle3Drafter(ChainDrafter):
         # outputs are [final-normed | pre-norm]: the chain feeds back the pre-norm half
         hidden = head.combine(hidden.to(self.dtype)) if from_target else hidden[:, head.config.hidden_size:]
         q, k, v, residual = head.project(head.embed(token_ids), hidden, positions)
-        slots, idx = [], []
-        for ctx, n in zip(ctxs, counts, strict=True):
-            slots += [ctx.slot] * n
-            idx += range(ctx.length, ctx.length + n)
+        # each context's rows padded to the longest run (padding rows: index 0 of the scratch row, dropped)
+        width = max(counts)
+        slots, idx, dest = [self.scratch] * (len(ctxs) * width), [0] * (len(ctxs) * width), []
+        for i, (ctx, n) in enumerate(zip(ctxs, counts, strict=True)):
+            r = i * width
+            slots[r:r + n], idx[r:r + n] = [ctx.slot] * n, range(ctx.length, ctx.length + n)
+            dest += range(r, r + n)
             ctx.length += n
-        where = torch.tensor([slots, idx], dtype=torch.long).to(q.device)
-        attn = self._attend(q, k, v, where[0], where[1], max(ctx.length for ctx in ctxs))
-        return torch.cat(head.finish(attn, residual), dim=-1)
+        where = torch.tensor(slots + idx + dest, dtype=torch.long).to(q.device)
+        rows, at = len(slots), where[2 * len(slots):]
+
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            return x if rows == x.shape[0] else x.new_zeros(rows, *x.shape[1:]).index_copy_(0, at, x)
+
+        attn = self._attend(padded(q), padded(k), padded(v), where[:rows], where[rows:2 * rows], width,
+                            max(ctx.length for ctx in ctxs))
+        return torch.cat(head.finish(attn if rows == q.shape[0] else attn[at], residual), dim=-1)
 
     def tokens(self, out: torch.Tensor) -> list[int]:
         return self._tokens(out).tolist()
@@ -457,7 +468,8 @@ class Eagle3Drafter(ChainDrafter):
         index) -> the output rows at `last` [B, 2H] and the first drafts read there [B]."""
         head = self.head
         q, k, v, residual = head.project(head.embed(tokens), head.combine(features), positions)
-        out = torch.cat(head.finish(self._attend(q, k, v, slot, idx, span), residual), dim=-1)[last]
+        width = self.num_speculative_tokens + 1  # rows per context (`_read_fixed`'s layout)
+        out = torch.cat(head.finish(self._attend(q, k, v, slot, idx, width, span), residual), dim=-1)[last]
         return out, self._tokens(out)
 
     @torch.inference_mode()
@@ -517,7 +529,7 @@ class Eagle3Drafter(ChainDrafter):
         hidden = out[:, head.config.hidden_size:]
         for s in range(steps):
             q, k, v, residual = head.project(head.embed(tokens), hidden, positions + s)
-            normed, hidden = head.finish(self._attend(q, k, v, slot, idx + s, span), residual)
+            normed, hidden = head.finish(self._attend(q, k, v, slot, idx + s, 1, span), residual)
             tokens = self._tokens(normed)
             drafted.append(tokens)
         return torch.stack(drafted, dim=1)
