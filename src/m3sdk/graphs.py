@@ -73,6 +73,9 @@ class DecodeGraphs:
     def __init__(self, model: MiniMaxM3ForCausalLM, kv: KVPool, max_num_seqs: int, max_model_len: int,
                  device: torch.device, query_lens: Sequence[int] = (1,), aux_layers: Sequence[int] = ()):
         self.model, self.kv, self.device = model, kv, device
+        # first: `release` must work on an instance whose construction failed (tensor parallel releases it)
+        self.graphs: dict[tuple[int, int, int], Replay] = {}
+        self.replays = 0  # steps run through the graphs (the engine's stats report it)
         self.buckets = batch_buckets(max_num_seqs)
         self.max_model_len = max_model_len
         self.query_lens = tuple(sorted(set(query_lens)))
@@ -90,8 +93,6 @@ class DecodeGraphs:
         self.page_table = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.rows = torch.arange(n * qmax, **i64)
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.graphs: dict[tuple[int, int, int], Replay] = {}
-        self.replays = 0  # steps run through the graphs (the engine's stats report it)
         # every batch bucket of every query length at the smallest context bucket now (padding-only steps), so
         # serving never stalls on a capture (or a Triton compile) at common sizes; other context buckets are
         # captured when first needed

@@ -131,3 +131,23 @@ def test_a_build_that_fails_after_the_launch_stops_the_workers(engine_checkpoint
                                       kv_cache_memory=8 << 20))
     assert [p.returncode for p in launched[0].procs] == [0]
     assert not dist.is_initialized()
+
+
+def test_graphs_that_fail_before_any_capture_still_let_the_engine_shut_down(engine_checkpoint):
+    """Rank 0's MirroredGraphs registers for release at shutdown before it builds anything (a capture that fails
+    midway must still be released): a failure before its graph table existed (here no query length; on a GPU an
+    out-of-memory static buffer) must not stop the shutdown from stopping the workers and the process group."""
+    import torch.distributed as dist
+
+    from m3sdk.config import EngineConfig
+    from m3sdk.core import EngineCore
+
+    torch.set_num_threads(1)
+    core = EngineCore.build(EngineConfig(model=str(engine_checkpoint), tensor_parallel_size=2, max_model_len=256,
+                                         kv_cache_memory=8 << 20))
+    tp = core.stop_hooks[0].__self__
+    with pytest.raises(IndexError):
+        MirroredGraphs(tp, core.runner.model, core.cache.kv, 4, core.max_model_len, core.runner.device, query_lens=())
+    tp.shutdown()
+    assert all(p.returncode is not None for p in tp.procs)
+    assert not dist.is_initialized()
