@@ -340,7 +340,8 @@ class EngineCore:
                 return False
 
     def step(self) -> list[Chunk]:
-        """One forward over the scheduled tokens; returns the deltas of the requests that sampled."""
+        """One forward over the scheduled tokens; returns the deltas of the requests that sampled (with overlapped
+        steps, those of the step before, whose tokens the host reads now)."""
         if self.overlap:
             return self._step_overlapped()
         if self._inflight is not None:  # overlap was switched off while a step was in flight: read it first
