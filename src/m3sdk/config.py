@@ -59,7 +59,7 @@ class EngineConfig:
     # expert_parallel: whole experts per rank (needs num_experts % ranks == 0), else every expert's width is split.
     tensor_parallel_size: int = 1
     expert_parallel: bool = True
-    # Replay decode steps from captured CUDA graphs; None: on for a CUDA device with the triton backend.
+    # Replay decode and verify steps from captured CUDA graphs; None: on for a CUDA device with the triton backend.
     cuda_graphs: bool | None = None
     # Overlap host scheduling with the device step (docs/engine.md): while step N runs, schedule and launch step
     # N+1 from N's tokens still on the device; the host's bookkeeping of N (append, stop checks, streaming) lags
