@@ -147,7 +147,7 @@ class EngineConfig:
         return self.cuda_graphs and device.type == "cuda"
 
     def resolve_overlap(self, device: torch.device) -> bool:
-        if self.speculative is not None:
+        if self.speculative is not None:  # a drafter proposes from the host's tokens of the step before
             return False
         return device.type == "cuda" if self.overlap_scheduling is None else self.overlap_scheduling
 

@@ -96,7 +96,7 @@ class EngineCore:
         # The last step could run nothing until a remote prefill ends: the loop sleeps until its inbox wake.
         self._stalled = False
         # Overlapped steps (EngineConfig.overlap_scheduling): the step on the device whose tokens are not yet read.
-        self.overlap = config.resolve_overlap(runner.device) and drafter is None
+        self.overlap = config.resolve_overlap(runner.device)
         self._inflight: _InFlight | None = None
         # Called in the engine thread when a request finishes, before its pages are freed.
         self.finish_hooks: list[Callable[[Request, FinishReason], None]] = []
