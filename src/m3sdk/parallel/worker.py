@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -91,6 +92,12 @@ def _receive(device: torch.device, t: int, b: int, width: int, max_seqlen_q: int
 def main() -> None:
     spec = json.loads(sys.argv[1])
     serve(spec, Connection(spec["fd"]))
+    # Like multiprocessing's children, skip the interpreter's teardown once the rank has left its process group:
+    # destroying torch.distributed's background threads there can abort (std::terminate, exit -6) a worker that
+    # finished cleanly; seen under load in the 2-rank CPU test.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
