@@ -200,6 +200,14 @@ class EngineCore:
             core.warm_up()
         return core
 
+    def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_total_tokens: int,
+                    priority: int = 0) -> Request:
+        """A request with its seeded sampling state and incremental detokenizer attached."""
+        request = Request(request_id, prompt_ids, params, max_total_tokens, priority)
+        request.sampling = SamplingState(params, prompt_ids)
+        request.text = TextStream(self.tokenizer, params, prompt_ids)
+        return request
+
     def warm_up(self, prompt_len: int = 512, batches: Sequence[int] = WARM_UP_BATCHES) -> None:
         """Serve a few synthetic requests through the real step loop before the engine thread starts, so that the
         first users do not pay one-time costs. On a GPU, Triton compiles a kernel variant the first time a shape
@@ -224,9 +232,8 @@ class EngineCore:
             for again in range(2):
                 requests = []
                 for i, prompt in enumerate(prompts):
-                    request = Request(f"m3sdk-warm-up-{b}-{again}-{i}", prompt, params, length + params.max_tokens)
-                    request.sampling = SamplingState(params, prompt)
-                    request.text = TextStream(self.tokenizer, params, prompt)
+                    request = self.new_request(f"m3sdk-warm-up-{b}-{again}-{i}", prompt, params,
+                                               length + params.max_tokens)
                     self.scheduler.add(request)
                     requests.append(request)
                 while self._inflight is not None or not all(r.is_finished for r in requests):

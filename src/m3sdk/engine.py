@@ -24,8 +24,6 @@ from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestE
 from m3sdk.metrics import EngineMetrics
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, Completion, Request
-from m3sdk.sampler import SamplingState
-from m3sdk.tokenizer import TextStream
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
@@ -163,10 +161,7 @@ class Engine:
         if len(ids) + params.max_tokens > limit:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                       f"max_model_len {limit}")
-        request = Request(request_id, ids, params, len(ids) + params.max_tokens, priority)
-        request.sampling = SamplingState(params, ids)
-        request.text = TextStream(core.tokenizer, params, ids)
-        return request
+        return core.new_request(request_id, ids, params, len(ids) + params.max_tokens, priority)
 
     @staticmethod
     def _prompt_ids(core: EngineCore, prompt: Prompt) -> list[int]:

@@ -24,11 +24,9 @@ from m3sdk.disagg.compat import CompatInfo, model_fingerprint
 from m3sdk.disagg.messages import PrefillOrder
 from m3sdk.disagg.server import FirstToken
 from m3sdk.disagg.transport import Outbox
-from m3sdk.request import Chunk, Request
-from m3sdk.sampler import SamplingState
+from m3sdk.request import Chunk
 from m3sdk.scheduler.base import StepPlan
 from m3sdk.scheduler.continuous import ContinuousScheduler
-from m3sdk.tokenizer import TextStream
 
 
 class _ReportingScheduler(ContinuousScheduler):
@@ -73,9 +71,7 @@ class EngineBackend:
 
     async def prefill(self, order: PrefillOrder, outbox: Outbox) -> FirstToken:
         ids = order.token_ids
-        request = Request(order.request_id, ids, order.params, len(ids) + 1)
-        request.sampling = SamplingState(order.params, ids)
-        request.text = TextStream(self.core.tokenizer, order.params, ids)
+        request = self.core.new_request(order.request_id, ids, order.params, len(ids) + 1)
         groups: dict[int, list[wire.MessageSpec]] = {}
         for msg in outbox.plan.messages:
             groups.setdefault(msg.layers[-1], []).append(msg)
