@@ -49,8 +49,9 @@ def test_write_kv_is_bit_exact(kv_dtype, layout):
 
 @pytest.mark.parametrize("index_dtype", ["bf16", "fp8", "fp8nuz"])
 def test_write_index_key_rounds_like_torch(index_dtype):
-    """Magnitudes from fp8 subnormals to near the max: the kernel's own fp8 / bf16 rounding equals torch's cast."""
-    ik = torch.randn(len(SLOTS), D) * torch.logspace(-4, 2, D)
+    """Magnitudes from fp8 subnormals to near the max: the kernel's own fp8 / bf16 rounding equals torch's cast.
+    Index keys are RMS-normalized, so the cast never sees values past the type's max (e4m3fnuz: 240): kept so."""
+    ik = (torch.randn(len(SLOTS), D) * torch.logspace(-4, 2, D)).clamp(-230, 230)
     got, ref = (caches("bf16", "plain", index_dtype)["index_cache"] for _ in range(2))
     cw.write_index_key(ik, got, SLOTS)
     cw.write_index_key_ref(ik, ref, SLOTS)
