@@ -439,12 +439,7 @@ class EngineCore:
         """Append a sampled token (or put it at `at`, its PLACEHOLDER); detokenize; decide whether the request is
         done."""
         tid = token.token_id
-        if at is None:
-            request.append_token(tid)
-        else:
-            request.token_ids[at] = tid
-            if request.sampling is not None:
-                request.sampling.output_token_ids.append(tid)
+        request.append_token(tid, at)
         self._counters["generation_tokens"] += 1
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()

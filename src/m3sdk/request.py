@@ -84,8 +84,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+    def append_token(self, token_id: int, at: int | None = None) -> None:
+        """Add a sampled token at the end, or at `at`: the slot an overlapped step's PLACEHOLDER held for it."""
+        if at is None:
+            self.token_ids.append(token_id)
+        else:
+            self.token_ids[at] = token_id
         if self.sampling is not None:
             self.sampling.output_token_ids.append(token_id)
 
