@@ -60,7 +60,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(counts, context_lens, tables, device=self.device)
         input_ids = to_device(ids, torch.int64, self.device)
         if dst:
-            input_ids[to_device(dst, torch.int64, self.device)] = carry.tokens[to_device(src, torch.int64, self.device)]
+            dst_src = to_device([dst, src], torch.int64, self.device)  # one upload for both index lists
+            input_ids[dst_src[0]] = carry.tokens[dst_src[1]]
         q = self.graphs.query_len(meta, aux_layers) if self.graphs is not None and logits_rows else None
         if q is not None:
             # sequences shorter than q are padded inside the graph: each token's row there, when any is
