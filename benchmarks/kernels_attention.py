@@ -5,8 +5,8 @@
 Each step appends its numbers to DIR/attention.jsonl (so steps can run in separate processes: a fault in one
 does not take the others down); `report` prints the table of everything recorded. A decode step may carry its own
 filters, `STEP:KV[:LAYOUT]` (e.g. `dense_decode_128k:fp8:shuffle`; `check:fp8` checks only those modes).
-`tiles_decode_fp8` times FP8 decode under a few tile variants set in-process; `graphs` captures the decode
-kernels in CUDA graphs and replays them.
+`tiles_decode_fp8` / `tiles_indexer` time FP8 decode / indexer decode under a few tile variants set in-process;
+`graphs` captures the decode kernels in CUDA graphs and replays them.
 
 Floors: the bytes a kernel must read (each selected K/V element and its scale once; the index keys once) over
 the read bandwidth measured here by a large reduction. Peers: SDPA (flash / cuDNN, contiguous bf16 KV; for MSA
@@ -31,7 +31,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from m3sdk_kernels import arch
 from m3sdk_kernels.arch import current_arch
-from m3sdk_kernels.indexer import indexer_topk, indexer_topk_ref
+from m3sdk_kernels.indexer import block_topk, indexer_block_scores, indexer_topk, indexer_topk_ref
 from m3sdk_kernels.layout import PAGE_SIZE, cache_shape
 from m3sdk_kernels.paged_attention import paged_attention, paged_attention_ref
 
@@ -244,32 +244,64 @@ def sparse_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None
                      "tiles": tiles_tag()})
 
 
-def indexer_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
+def indexer_decode(rows: list, read_bw: float, ctx: int, batch: int = 64, peer: bool = True) -> None:
+    """Indexer decode at b`batch`: the selection of the timed inputs is checked against the reference first
+    (row note), then the whole op, the scan alone and the top-k alone are timed."""
     cu, lens = decode_meta(batch, ctx)
     iq = torch.randn(batch, HIDX, DI, device=DEV, dtype=torch.bfloat16)
-    keys = torch.randn(batch, ctx, DI, device=DEV, dtype=torch.bfloat16)
+    t_peer = float("nan")
+    if peer:
+        keys = torch.randn(batch, ctx, DI, device=DEV, dtype=torch.bfloat16)
 
-    def torch_indexer():
-        s = torch.bmm(iq, keys.transpose(1, 2))
-        return s.view(batch, HIDX, ctx // BS, BS).amax(-1).topk(TOPK, dim=-1).indices
+        def torch_indexer():
+            s = torch.bmm(iq, keys.transpose(1, 2))
+            return s.view(batch, HIDX, ctx // BS, BS).amax(-1).topk(TOPK, dim=-1).indices
 
-    t_peer = bench(torch_indexer)
+        t_peer = bench(torch_indexer)
+        del keys
     num_pages = batch * ctx // PAGE_SIZE
     table = torch.randperm(num_pages, device=DEV, dtype=torch.int32).view(batch, -1)
     for key in ("fp8", "bf16"):
+        if ONLY.get("kv", key) != key:
+            continue
         dtype = current_arch().fp8_dtype if key == "fp8" else torch.bfloat16
         cache = torch.randn(num_pages, PAGE_SIZE, DI, device=DEV).to(dtype)
-        t = bench(lambda: indexer_topk(iq, cache, table, cu, lens, BS, TOPK, 1,  # noqa: B023
-                                       max_seqlen_q=1, max_context_len=ctx))
-        # the selection of the timed inputs, against the reference
-        got = indexer_topk(iq, cache, table, cu, lens, BS, TOPK, 1, max_seqlen_q=1, max_context_len=ctx)
-        ref = indexer_topk_ref(iq, cache, table, cu, lens, BS, TOPK, 1)
+        args = (iq, cache, table, cu, lens, BS)
+        got = indexer_topk(*args, TOPK, 1, max_seqlen_q=1, max_context_len=ctx)
+        ref = indexer_topk_ref(*args, TOPK, 1)
         mismatch = float((got.sort(-1).values != ref.sort(-1).values).float().mean())
+        t = bench(lambda: indexer_topk(*args, TOPK, 1, max_seqlen_q=1, max_context_len=ctx))  # noqa: B023
+        scores = indexer_block_scores(*args, 1, 1, ctx)
+        t_scan = bench(lambda: indexer_block_scores(*args, 1, 1, ctx))  # noqa: B023
+        t_topk = bench(lambda: block_topk(scores, cu, lens, BS, TOPK, got))  # noqa: B023
         nbytes = batch * ctx * DI * cache.element_size()
         rows.append({"kernel": "indexer decode", "shape": f"b{batch} ctx {ctx // 1024}K", "kv": key, "layout": "-",
-                     "ms": t, "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t / 1e9,
-                     "peer": "torch bmm+amax+topk bf16", "peer_ms": t_peer, "tiles": tiles_tag(),
-                     "note": f"selection mismatch vs reference {mismatch:.4f}"})
+                     "ms": t, "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t / 1e9, "scan_ms": t_scan,
+                     "topk_ms": t_topk, "peer": "torch bmm+amax+topk bf16", "peer_ms": t_peer, "tiles": tiles_tag(),
+                     "note": f"selection mismatch vs reference {mismatch:.4f}; scan {t_scan:.4f} topk {t_topk:.4f}"})
+
+
+def tiles_indexer(rows: list, read_bw: float) -> None:
+    """Indexer decode (FP8 keys, b64, 128K and 32K) under tile variants of the current arch's table set
+    in-process (the first: the table as it is); each checked against the reference before it is timed."""
+    name = current_arch().name
+    variants = ({}, {"indexer_topk": {"num_warps": 1}}, {"indexer_topk": {"num_warps": 2}},
+                {"indexer_scan": {"PAGE_AHEAD": 1}}, {"indexer_scan": {"PAGE_AHEAD": 1, "num_stages": 4}},
+                {"indexer_scan": {"SPLIT_PROGRAMS": 2112}}, {"indexer_scan": {"SPLIT_PROGRAMS": 528}},
+                {"indexer_scan": {"num_warps": 8}})
+    ONLY.update(kv="fp8")
+    for i, change in enumerate(variants):
+        saved = {family: arch.TILES[family][name] for family in change}
+        try:
+            for family, entry in change.items():
+                arch.TILES[family][name] = saved[family] | entry
+            TAG["tiles"] = json.dumps(change)
+            for ctx in (131072, 32768):
+                indexer_decode(rows, read_bw, ctx, peer=i == 0)
+        finally:
+            for family, entry in saved.items():
+                arch.TILES[family][name] = entry
+            TAG.clear()
 
 
 def flex_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
@@ -435,6 +467,7 @@ STEPS = {
     "flex_decode_32k": lambda rows, bw: flex_decode(rows, bw, 32768),
     "flex_decode_128k": lambda rows, bw: flex_decode(rows, bw, 131072),
     "tiles_decode_fp8": tiles_decode_fp8,
+    "tiles_indexer": tiles_indexer,
 }
 
 

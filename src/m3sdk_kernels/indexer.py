@@ -6,7 +6,7 @@ import triton.language as tl
 
 from .arch import Arch, tiles
 from .layout import PAGE, gather_index_keys_ref
-from .paged_attention import dot_dtype, q_tile, seq_of_block
+from .paged_attention import _tile_pages, dot_dtype, q_tile, seq_of_block
 
 
 def indexer_topk_ref(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
@@ -49,14 +49,16 @@ def indexer_topk_ref(index_q: torch.Tensor, index_cache: torch.Tensor, page_tabl
 # a program owns BLOCK_Q query tokens x all index heads (the rows of its dots: the one shared key head is read
 # once for every head) and a contiguous chunk of selection blocks, and writes each row's block maximum, with
 # the local blocks forced to +inf. The top-k pass then ranks each (token, head) row of block scores by repeated
-# arg-max: no softmax (ranking needs none) and no sort of the whole row.
+# arg-max: no softmax (ranking needs none) and no sort of the whole row. One warp per row keeps every arg-max
+# inside the warp (shuffles, no shared-memory round trip and barrier per step, which dominated at 4 warps).
 
 
 @triton.jit
 def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_seqs, num_tokens, num_blocks,
                  stride_qt, stride_qh, stride_ip, stride_pt,
                  NUM_HEADS: tl.constexpr, BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 SEL_BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, DOT: tl.constexpr):
+                 SEL_BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, DOT: tl.constexpr,
+                 PAGE_AHEAD: tl.constexpr):
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     seq, q_start, n_q, first = q_tile(cu_q, num_seqs, pid, BLOCK_Q)
@@ -77,23 +79,31 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_s
         q_block = pos // SEL_BLOCK
         out_row = scores_ptr + (head.to(tl.int64) * num_tokens + tok) * num_blocks
         per = tl.cdiv(num_blocks, NUM_CHUNKS)
+        # PAGE_AHEAD: the next block's page ids loaded one iteration early (as in paged_attention), so the key
+        # copies do not wait on a page-id load of their own iteration and num_stages - 1 blocks can be in flight
+        page = _tile_pages(pages_ptr, chunk * per * SEL_BLOCK, kv_end, SEL_BLOCK)
         for b in range(chunk * per, tl.minimum(chunk * per + per, tl.cdiv(kv_end, SEL_BLOCK))):
+            if PAGE_AHEAD:
+                nxt = _tile_pages(pages_ptr, (b + 1) * SEL_BLOCK, kv_end, SEL_BLOCK)
+            else:
+                page = _tile_pages(pages_ptr, b * SEL_BLOCK, kv_end, SEL_BLOCK)
+                nxt = page
             n = b * SEL_BLOCK + tl.arange(0, SEL_BLOCK)
             key_ok = n < kv_end
-            page = tl.load(pages_ptr + n // PAGE, mask=key_ok, other=0).to(tl.int64)
-            k = tl.load(ik_cache + page[:, None] * stride_ip + (n % PAGE)[:, None] * INDEX_DIM + d[None, :],
-                        mask=key_ok[:, None], other=0.0)
+            k = tl.load(ik_cache + page.to(tl.int64)[:, None] * stride_ip + (n % PAGE)[:, None] * INDEX_DIM
+                        + d[None, :], mask=key_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k.to(DOT)))
             s = tl.where(key_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
             best = tl.max(s, 1)
             # local blocks (pos // SEL_BLOCK - i, i < LOCAL_BLOCKS, clamped at 0) are always selected
             best = tl.where((b <= q_block) & (b > q_block - LOCAL_BLOCKS), float("inf"), best)
             tl.store(out_row + b, best, mask=row_ok)
+            page = nxt
 
 
 @triton.jit
 def _topk_kernel(scores_ptr, cu_q, ctx_lens, out_ptr, num_seqs, num_tokens, num_blocks,
-                 SEL_BLOCK: tl.constexpr, TOPK: tl.constexpr, BLOCKS_PAD: tl.constexpr):
+                 SEL_BLOCK: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr):
     t = tl.program_id(0)
     head = tl.program_id(1)
     seq = seq_of_block(cu_q, num_seqs, t, 1)
@@ -101,13 +111,15 @@ def _topk_kernel(scores_ptr, cu_q, ctx_lens, out_ptr, num_seqs, num_tokens, num_
     n_q = tl.load(cu_q + seq + 1) - q_start
     pos = tl.load(ctx_lens + seq) - n_q + (t - q_start)
     b = tl.arange(0, BLOCKS_PAD)
+    j = tl.arange(0, TOPK_PAD)
     row = head.to(tl.int64) * num_tokens + t
     s = tl.load(scores_ptr + row * num_blocks + b, mask=b <= pos // SEL_BLOCK, other=float("-inf"))
-    for j in tl.static_range(TOPK):
-        best = tl.max(s, 0)
-        idx = tl.argmax(s, 0)
-        tl.store(out_ptr + row * TOPK + j, tl.where(best > float("-inf"), idx, -1).to(tl.int32))
+    picked = tl.full([TOPK_PAD], -1, tl.int32)
+    for i in tl.static_range(TOPK):
+        best, idx = tl.max(s, 0, return_indices=True)
+        picked = tl.where(j == i, tl.where(best > float("-inf"), idx, -1), picked)
         s = tl.where(b == idx, float("-inf"), s)
+    tl.store(out_ptr + row * TOPK + j, picked, mask=j < TOPK)
 
 
 def indexer_plan(num_tokens: int, num_seqs: int, num_heads: int, max_seqlen_q: int, num_blocks: int,
@@ -120,25 +132,15 @@ def indexer_plan(num_tokens: int, num_seqs: int, num_heads: int, max_seqlen_q: i
     want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks))
     chunks = min(1 << (want.bit_length() - 1), triton.next_power_of_2(num_blocks))
     return {"BLOCK_Q": block_q, "BLOCK_HI": block_hi, "NUM_CHUNKS": chunks, "q_blocks": q_blocks,
-            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0)}
 
 
-def indexer_topk(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
-                 cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int, topk: int,
-                 local_blocks: int, *, max_seqlen_q: int | None = None,
-                 max_context_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton `indexer_topk_ref`: int32 [Hidx, T, topk], valid entries first (highest score first), -1 padded.
-    The host ints only pick tile shapes and the block-score buffer's width; they must bound the real values.
-    `out` receives the result when given."""
+def indexer_block_scores(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int, local_blocks: int,
+                         max_seqlen_q: int, max_context_len: int) -> torch.Tensor:
+    """The scan: fp32 [Hidx, T, cdiv(max_context_len, block_size)] block maxima, +inf on each token's local blocks,
+    -inf on blocks wholly past it; entries past the token's own block are unspecified (`block_topk` masks them)."""
     t_total, num_heads, index_dim = index_q.shape
-    if out is None:
-        out = torch.empty(num_heads, t_total, topk, dtype=torch.int32, device=index_q.device)
-    if t_total == 0:
-        return out
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    if max_context_len is None:
-        max_context_len = int(context_lens.max())
     num_seqs = context_lens.shape[0]
     num_blocks = max(1, triton.cdiv(max_context_len, block_size))
     scores = torch.empty(num_heads, t_total, num_blocks, dtype=torch.float32, device=index_q.device)
@@ -148,11 +150,41 @@ def indexer_topk(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: t
         index_q.stride(0), index_q.stride(1), index_cache.stride(0), page_table.stride(0),
         NUM_HEADS=num_heads, BLOCK_HI=plan["BLOCK_HI"], INDEX_DIM=index_dim, BLOCK_Q=plan["BLOCK_Q"],
         SEL_BLOCK=block_size, NUM_CHUNKS=plan["NUM_CHUNKS"], LOCAL_BLOCKS=local_blocks,
-        DOT=dot_dtype(index_cache.dtype), num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+        DOT=dot_dtype(index_cache.dtype), PAGE_AHEAD=plan["PAGE_AHEAD"], num_warps=plan["num_warps"],
+        num_stages=plan["num_stages"])
+    return scores
+
+
+def block_topk(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+               topk: int, out: torch.Tensor) -> torch.Tensor:
+    """The top-`topk` blocks of each (head, token) row of `indexer_block_scores` into `out` [Hidx, T, topk]."""
+    num_heads, t_total, num_blocks = scores.shape
     _topk_kernel[(t_total, num_heads)](
-        scores, cu_seqlens_q, context_lens, out, num_seqs, t_total, num_blocks, SEL_BLOCK=block_size, TOPK=topk,
-        BLOCKS_PAD=triton.next_power_of_2(num_blocks), num_warps=tiles("indexer_topk")["num_warps"])
+        scores, cu_seqlens_q, context_lens, out, context_lens.shape[0], t_total, num_blocks, SEL_BLOCK=block_size,
+        TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCKS_PAD=triton.next_power_of_2(num_blocks),
+        num_warps=tiles("indexer_topk")["num_warps"])
     return out
+
+
+def indexer_topk(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int, topk: int,
+                 local_blocks: int, *, max_seqlen_q: int | None = None,
+                 max_context_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton `indexer_topk_ref`: int32 [Hidx, T, topk], valid entries first (highest score first), -1 padded.
+    The host ints only pick tile shapes and the block-score buffer's width; they must bound the real values.
+    `out` receives the result when given."""
+    t_total, num_heads, _ = index_q.shape
+    if out is None:
+        out = torch.empty(num_heads, t_total, topk, dtype=torch.int32, device=index_q.device)
+    if t_total == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    scores = indexer_block_scores(index_q, index_cache, page_table, cu_seqlens_q, context_lens, block_size,
+                                  local_blocks, max_seqlen_q, max_context_len)
+    return block_topk(scores, cu_seqlens_q, context_lens, block_size, topk, out)
 
 
 def aot_variants(arch: Arch) -> list:
@@ -172,13 +204,14 @@ def aot_variants(arch: Arch) -> list:
             name=f"indexer.scan_{'decode' if decode else 'prefill'}_{key}", kernel=_scan_kernel, types=types,
             constexprs={"NUM_HEADS": m["index_heads"], "BLOCK_HI": plan["BLOCK_HI"], "INDEX_DIM": m["index_dim"],
                         "BLOCK_Q": plan["BLOCK_Q"], "SEL_BLOCK": m["block_size"], "NUM_CHUNKS": plan["NUM_CHUNKS"],
-                        "LOCAL_BLOCKS": m["local_blocks"], "DOT": tl.float16 if key == "fp8" else tl.bfloat16},
+                        "LOCAL_BLOCKS": m["local_blocks"], "DOT": tl.float16 if key == "fp8" else tl.bfloat16,
+                        "PAGE_AHEAD": plan["PAGE_AHEAD"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"],
             aligned=("stride_qt", "stride_qh", "stride_ip", "num_blocks")))
     variants.append(AotVariant(
         name="indexer.topk", kernel=_topk_kernel,
         types={"scores_ptr": "*fp32", "cu_q": "*i32", "ctx_lens": "*i32", "out_ptr": "*i32", "num_seqs": "i32",
                "num_tokens": "i32", "num_blocks": "i32"},
-        constexprs={"SEL_BLOCK": m["block_size"], "TOPK": m["topk"], "BLOCKS_PAD": 1024},
+        constexprs={"SEL_BLOCK": m["block_size"], "TOPK": m["topk"], "TOPK_PAD": m["topk"], "BLOCKS_PAD": 1024},
         num_warps=tiles("indexer_topk", arch)["num_warps"], aligned=("num_blocks",)))
     return variants
