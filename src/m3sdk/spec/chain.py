@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from m3sdk.sampler import _HostCopy
 from m3sdk.spec.base import DraftRequest, Proposal, TargetStates
 
 
@@ -31,13 +32,27 @@ class DraftContext(Protocol):
     def end(self) -> int: ...
 
 
+class Ahead:
+    """Drafts [B, k] launched on the device by `read_ahead`, copied to pinned host memory without waiting;
+    `rows()` waits for that copy only (not for whatever the stream queued after it) and reads them once."""
+
+    def __init__(self, drafts: torch.Tensor):
+        self._copy = _HostCopy(drafts)
+        self._rows: list[list[int]] | None = None
+
+    def rows(self) -> list[list[int]]:
+        if self._rows is None:
+            self._rows = self._copy.get()[0].tolist()
+        return self._rows
+
+
 @dataclass
 class DraftSeq:
     ctx: DraftContext
     next_token: int  # the first draft, read at the last committed entry
     hidden: torch.Tensor  # that entry's output hidden [H]: the chain's next input
-    # or, when the drafter drafted ahead (`read_ahead`), all k drafts on the device (next_token / hidden unused)
-    ahead: torch.Tensor | None = None
+    # or, when the drafter drafted ahead (`read_ahead`), its k drafts: row i of an Ahead (next_token / hidden unused)
+    ahead: tuple[Ahead, int] | None = None
 
 
 class ChainDrafter(ABC):
@@ -125,21 +140,22 @@ class ChainDrafter(ABC):
             rids.append(rid)
         if not ctxs:
             return
-        ahead = self.read_ahead(ctxs, counts, toks, torch.cat(feats), pos)
+        ahead = self.read_ahead(ctxs, counts, toks, feats, pos)
         if ahead is not None:
-            for rid, drafts in zip(rids, ahead, strict=True):
-                self._seqs[rid].ahead = drafts
+            for i, rid in enumerate(rids):
+                self._seqs[rid].ahead = (ahead, i)
             return
         last, tokens = self.read(ctxs, counts, toks, torch.cat(feats), pos)
         for rid, token, row in zip(rids, tokens, last, strict=True):
             seq = self._seqs[rid]
             seq.next_token, seq.hidden, seq.ahead = token, row, None
 
-    def read_ahead(self, ctxs: list[DraftContext], counts: list[int], token_ids: list[int], features: torch.Tensor,
-                   positions: list[int]) -> torch.Tensor | None:
-        """`read` and the whole chain after it, launched on the device without waiting for it: [len(ctxs), k]
-        drafts, read on the host by the next `propose` (so the engine's bookkeeping of the step runs while the
-        device drafts). None: not supported here, `read` then runs (the default)."""
+    def read_ahead(self, ctxs: list[DraftContext], counts: list[int], token_ids: list[int],
+                   features: list[torch.Tensor], positions: list[int]) -> Ahead | None:
+        """`read` and the whole chain after it, launched on the device without waiting for it: k drafts per
+        context, read on the host by the next `propose` (so the engine's bookkeeping of the step runs while the
+        device drafts). `features`: each context's rows. None: not supported here, `read` then runs (the
+        default)."""
         return None
 
     def read(self, ctxs: list[DraftContext], counts: list[int], token_ids: list[int], features: torch.Tensor,
@@ -166,10 +182,9 @@ class ChainDrafter(ABC):
                 else:
                     out[i].tokens.append(seq.next_token)
                     live.append((i, seq, k))
-        if ahead:  # drafted at the last observe: one host read for all
-            rows = torch.stack([seq.ahead for _, seq, _ in ahead]).tolist()
-            for (i, _, k), toks in zip(ahead, rows, strict=True):
-                out[i].tokens.extend(toks[:k])
+        for i, seq, k in ahead:  # drafted at an observe: one host read per observe for all its requests
+            drafts, row = seq.ahead
+            out[i].tokens.extend(drafts.rows()[row][:k])
         if not live:
             return out
         steps = max(k for _, _, k in live) - 1

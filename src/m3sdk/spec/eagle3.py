@@ -40,7 +40,7 @@ from m3sdk.errors import CheckpointError
 from m3sdk.graphs import Replay, batch_buckets
 from m3sdk.model.config import read_config_json
 from m3sdk.spec.base import SpecConfig, TargetInfo, register
-from m3sdk.spec.chain import ChainDrafter, DraftSeq
+from m3sdk.spec.chain import Ahead, ChainDrafter, DraftSeq
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 BUNDLED_HEAD_DIR = "m3-tiny-eagle3"  # next to the bundled target in m3sdk/assets
@@ -468,57 +468,54 @@ class Eagle3Drafter(ChainDrafter):
         index) -> the output rows at `last` [B, 2H] and the first drafts read there [B]."""
         head = self.head
         q, k, v, residual = head.project(head.embed(tokens), head.combine(features), positions)
-        width = self.num_speculative_tokens + 1  # rows per context (`_read_fixed`'s layout)
+        width = self.num_speculative_tokens + 1  # rows per context (`read_ahead`'s layout)
         out = torch.cat(head.finish(self._attend(q, k, v, slot, idx, width, span), residual), dim=-1)[last]
         return out, self._tokens(out)
 
-    @torch.inference_mode()
-    def read_ahead(self, ctxs: list[DraftKV], counts: list[int], token_ids: list[int], features: torch.Tensor,
-                   positions: list[int]) -> torch.Tensor | None:
-        """The read graph, then the chain graph from its outputs on the device (no host read between them)."""
-        b, k = len(ctxs), self.num_speculative_tokens
-        bucket = next((g for g in self._read_graphs if g >= b), None)
-        if bucket is None or max(counts) > k + 1:  # a prefill, or no graphs: `read` runs eagerly
-            return None
-        out, drafts = self._read_fixed(bucket, ctxs, counts, token_ids, features, positions)
-        if k == 1:
-            return drafts[:b, None].clone()
-        tok, hid, pos, slot, idx = self._static
-        tok[:bucket], hid[:bucket] = drafts, out
-        # the chain's entries follow the read's; padding rows write to the scratch row
-        pad = bucket - b
-        host = to_device([[c.end for c in ctxs] + [0] * pad, [c.slot for c in ctxs] + [self.scratch] * pad,
-                          [c.length for c in ctxs] + [0] * pad], torch.long, self.device)
-        pos[:bucket], slot[:bucket], idx[:bucket] = host[0], host[1], host[2]
-        return torch.cat([drafts[:b, None], self._graphs[bucket]()[:b]], dim=1)
+    def _draft_ahead(self, ints: torch.Tensor, bucket: int) -> torch.Tensor:
+        """The read graph's body: `_read` over `bucket` contexts of k + 1 rows, then the chain from each context's
+        last entry, all on the device -> drafts [bucket, k]. `ints` packs each row's token, position, cache slot,
+        index and feature row (in `_features`, which holds the step's features unpadded) ([5, rows]) and each
+        context's last row [bucket]: one upload and one copy of the features feed the whole step."""
+        rows = bucket * (self.num_speculative_tokens + 1)
+        tok, pos, slot, idx, src = ints[:5 * rows].view(5, rows)
+        last = ints[5 * rows:]
+        out, first = self._read(tok, self._features[src], pos, slot, idx, last, self.capacity)
+        if self.num_speculative_tokens == 1:
+            return first[:, None]
+        # the chain's entries follow each context's last read entry (padding contexts: on the scratch row)
+        rest = self._chain(first, out, pos[last] + 1, slot[last], idx[last] + 1, self.num_speculative_tokens - 1,
+                           self.capacity)
+        return torch.cat([first[:, None], rest], dim=1)
 
-    def _read_fixed(self, bucket: int, ctxs: list[DraftKV], counts: list[int], token_ids: list[int],
-                    features: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The read graph of `bucket` over these entries -> its outputs (views of its static buffers, [bucket]):
-        each context's last output row [bucket, 2H] and the first draft read there [bucket]."""
-        width = self.num_speculative_tokens + 1
+    @torch.inference_mode()
+    def read_ahead(self, ctxs: list[DraftKV], counts: list[int], token_ids: list[int],
+                   features: list[torch.Tensor], positions: list[int]) -> Ahead | None:
+        """The read graph, whose chain runs on the device from the read's outputs: one upload, one copy of the
+        features, one replay, and a copy of the drafts to pinned host memory that the next `propose` waits for
+        (nothing waits here)."""
+        b, width = len(ctxs), self.num_speculative_tokens + 1
+        bucket = next((g for g in self._read_graphs if g >= b), None)
+        if bucket is None or max(counts) > width:  # a prefill, or no graphs: `read` runs eagerly
+            return None
         # each context's entries padded to `width` rows; padding rows (and padding contexts) write to the
         # scratch row and are dropped
         rows = bucket * width
-        tok, pos, slot, idx = [0] * rows, [0] * rows, [self.scratch] * rows, [0] * rows
-        last, dest = list(range(0, rows, width)), []
+        tok, pos, slot, idx, src = [0] * rows, [0] * rows, [self.scratch] * rows, [0] * rows, [0] * rows
+        last = list(range(0, rows, width))
         at = 0
         for i, (ctx, n) in enumerate(zip(ctxs, counts, strict=True)):
             r = i * width
             tok[r:r + n], pos[r:r + n] = token_ids[at:at + n], positions[at:at + n]
             slot[r:r + n], idx[r:r + n] = [ctx.slot] * n, range(ctx.length, ctx.length + n)
+            src[r:r + n] = range(at, at + n)
             last[i] = r + n - 1
-            dest += range(r, r + n)
             ctx.length += n
             at += n
         # (pinned and non-blocking: a plain host tensor's copy would wait for the whole stream, the verify step)
-        host = to_device(tok + pos + slot + idx + last + dest, torch.long, self.device)
-        s_tok, s_feat, s_pos, s_slot, s_idx, s_last = self._read_static
-        for buf, j in ((s_tok, 0), (s_pos, 1), (s_slot, 2), (s_idx, 3)):
-            buf[:rows] = host[j * rows:(j + 1) * rows]
-        s_last[:bucket] = host[4 * rows:4 * rows + bucket]
-        s_feat[host[4 * rows + bucket:]] = features.to(self.dtype)
-        return self._read_graphs[bucket]()
+        self._read_static[bucket].copy_(_pinned(tok + pos + slot + idx + src + last), non_blocking=True)
+        torch.cat(features, out=self._features[:at])
+        return Ahead(self._read_graphs[bucket]()[:b])
 
     def _chain(self, tokens: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
                idx: torch.Tensor, steps: int, span: int) -> torch.Tensor:
@@ -537,50 +534,62 @@ class Eagle3Drafter(ChainDrafter):
     @torch.inference_mode()
     def chain(self, seqs: list[DraftSeq], steps: int) -> list[list[int]]:
         b = len(seqs)
-        host = to_device([[s.next_token for s in seqs], [s.ctx.end for s in seqs], [s.ctx.slot for s in seqs],
-                          [s.ctx.length for s in seqs]], torch.long, self.device)
-        out = torch.stack([s.hidden for s in seqs])
         # the graphs run k - 1 steps: fewer (requests near their end) read the first `steps` columns
         bucket = next((g for g in self._graphs if g >= b), None)
         if bucket is None:
+            host = to_device([[s.next_token for s in seqs], [s.ctx.end for s in seqs], [s.ctx.slot for s in seqs],
+                              [s.ctx.length for s in seqs]], torch.long, self.device)
             span = max(s.ctx.length for s in seqs) + steps
-            return self._chain(host[0], out, host[1], host[2], host[3], steps, span).tolist()
-        tok, hid, pos, slot, idx = self._static
-        tok[:b], pos[:b], slot[:b], idx[:b] = host[0], host[1], host[2], host[3]
-        hid[:b] = out
+            return self._chain(host[0], torch.stack([s.hidden for s in seqs]), host[1], host[2], host[3], steps,
+                               span).tolist()
+        ints, hid = self._static[bucket], self._chain_hidden
         # padding rows: token 0 at position 0, written to the scratch row
-        tok[b:bucket], pos[b:bucket], slot[b:bucket], idx[b:bucket] = 0, 0, self.scratch, 0
+        pad = bucket - b
+        ints.copy_(_pinned([s.next_token for s in seqs] + [0] * pad + [s.ctx.end for s in seqs] + [0] * pad
+                           + [s.ctx.slot for s in seqs] + [self.scratch] * pad
+                           + [s.ctx.length for s in seqs] + [0] * pad), non_blocking=True)
+        torch.stack([s.hidden for s in seqs], out=hid[:b])
         return self._graphs[bucket]()[:b, :steps].tolist()
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         """CUDA graphs per batch bucket, captured now (serving never stalls on a capture): `read` of up to k + 1
-        committed entries per request (what a verify step commits) and the chain (k - 1 draft steps). Off CUDA,
-        the same fixed-shape steps run eagerly on the same static buffers."""
+        committed entries per request (what a verify step commits) followed by the chain on its outputs
+        (`_draft_ahead`), and the chain alone (k - 1 draft steps, after a read that ran eagerly). Each bucket reads
+        one packed static int buffer, filled by one upload. Off CUDA, the same fixed-shape steps run eagerly on
+        the same static buffers."""
         if self.k_cache.shape[0] - 1 < max_num_seqs:
             self._grow(max_num_seqs)
         c, n, k = self.head.config, max_num_seqs, self.num_speculative_tokens
         i64 = dict(dtype=torch.long, device=self.device)
-        rows = n * (k + 1)
         features = 3 * c.target_hidden_size if c.use_aux_hidden_state else c.hidden_size
-        self._read_static = (torch.zeros(rows, **i64), torch.zeros(rows, features, dtype=self.dtype,
-                                                                   device=self.device),
-                             torch.zeros(rows, **i64), torch.full((rows,), self.scratch, **i64),
-                             torch.zeros(rows, **i64), torch.zeros(n, **i64))
-        self._static = (torch.zeros(n, **i64), torch.zeros(n, 2 * c.hidden_size, dtype=self.dtype, device=self.device),
-                        torch.zeros(n, **i64), torch.full((n,), self.scratch, **i64), torch.zeros(n, **i64))
-        r_tok, r_feat, r_pos, r_slot, r_idx, r_last = self._read_static
-        tok, hid, pos, slot, idx = self._static
+        self._features = torch.zeros(n * (k + 1), features, dtype=self.dtype, device=self.device)
+        self._chain_hidden = torch.zeros(n, 2 * c.hidden_size, dtype=self.dtype, device=self.device)
+        self._read_static, self._static = {}, {}
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         with torch.inference_mode():
             for b in batch_buckets(n):
                 m = b * (k + 1)
-                self._read_graphs[b] = Replay(
-                    lambda b=b, m=m: self._read(r_tok[:m], r_feat[:m], r_pos[:m], r_slot[:m], r_idx[:m], r_last[:b],
-                                                self.capacity), pool, self.device)
+                # padding: token 0 at position 0 on the scratch row (its values never reach a real request)
+                ints = self._read_static[b] = torch.zeros(5 * m + b, **i64)
+                ints[2 * m:3 * m] = self.scratch
+                self._read_graphs[b] = Replay(lambda b=b, ints=ints: self._draft_ahead(ints, b), pool, self.device)
                 if k > 1:
-                    self._graphs[b] = Replay(
-                        lambda b=b: self._chain(tok[:b], hid[:b], pos[:b], slot[:b], idx[:b], k - 1,
-                                                self.capacity), pool, self.device)
+                    ints = self._static[b] = torch.zeros(4 * b, **i64)
+                    ints[2 * b:3 * b] = self.scratch
+                    self._graphs[b] = Replay(lambda b=b, ints=ints: self._chain_fixed(ints, b), pool, self.device)
+
+    def _chain_fixed(self, ints: torch.Tensor, bucket: int) -> torch.Tensor:
+        """The chain graph's body: `ints` packs each row's token, position, cache slot and index ([4, bucket]), the
+        entry outputs are in `_chain_hidden`."""
+        tok, pos, slot, idx = ints.view(4, bucket)
+        return self._chain(tok, self._chain_hidden[:bucket], pos, slot, idx, self.num_speculative_tokens - 1,
+                           self.capacity)
+
+
+def _pinned(values: list[int]) -> torch.Tensor:
+    """A host int64 tensor a non-blocking copy can read from (pinned when CUDA is there to pin for)."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 def bundled_head_path(target_checkpoint: str | None) -> Path | None:

@@ -97,7 +97,9 @@ def verify(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[list[Sampled
     len(drafts) + 1), with the logprobs the sampler would report for them."""
     states = [st for row in rows for st in _position_states(row)]
     assert logits.shape[0] == len(states), f"{logits.shape[0]} logits rows for {len(states)} verify positions"
-    x = logits.to(torch.float32, copy=True)
+    # penalties and temperature work in place: a copy only when one applies (greedy rows without penalties
+    # read the logits as they are)
+    x = logits.to(torch.float32, copy=any(st.params.has_penalties or not st.params.greedy for st in states))
     apply_penalties(x, states)
     apply_temperature(x, states)
     logz = x.logsumexp(dim=1)
@@ -111,10 +113,9 @@ def verify(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[list[Sampled
         apply_truncation(probs, [states[i].params for i in sampled])
         probs = probs.softmax(dim=1)
     where = {pos: j for j, pos in enumerate(sampled)}
-    # each position's argmax and its logprob in one host read (float64 holds any token id exactly)
-    # (argmax as the plain sampler takes it, so ties break the same way)
-    argmax_t = x.argmax(dim=1)
-    best = x.gather(1, argmax_t.unsqueeze(1)).squeeze(1)
+    # each position's argmax and its logprob in one host read (float64 holds any token id exactly); max's index
+    # is the first maximal one, as the plain sampler's argmax, so ties break the same way
+    best, argmax_t = x.max(dim=1)
     argmax_f, best_lp = torch.stack([argmax_t.double(), (best - logz).double()]).tolist()
     argmax = [int(a) for a in argmax_f]
 
