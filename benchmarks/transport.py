@@ -44,13 +44,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
 
 from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
 from m3sdk.disagg import loop, wire
-from m3sdk.disagg.transport import UcxTransport, _api, _send, _worker
+from m3sdk.disagg.transport import TransportError, UcxReceive, UcxTransport, _api, _send, _worker
 
 TRANSFER_ID = 4242
 
@@ -87,8 +88,74 @@ def page_tables(num_pages: int, device: torch.device) -> dict[str, torch.Tensor]
     # a fresh engine's page table is one run of consecutive pages; a long-running one's is scattered (the same
     # permutations in both processes, so the receiver can check where each page landed)
     gen = torch.Generator().manual_seed(7)
-    return {"kv": torch.arange(num_pages, device=device), "kv-staged": torch.arange(num_pages, device=device),
+    runs = torch.arange(num_pages, device=device)
+    return {**{k: runs for k in ("kv", "kv-staged", "kv-ahead", "kv-ahead-w2", "kv-ahead-w8", "kv-ahead-p",
+                                  "raw-runs")},
             "kv-scattered": torch.randperm(num_pages, generator=gen).to(device)}
+
+
+def window_of(what: str, default: int) -> int:
+    """The transport window a kind runs with ("-w8": 8)."""
+    found = re.search(r"-w(\d+)$", what)
+    return int(found.group(1)) if found else default
+
+
+def pool_runs(rows: list[list[torch.Tensor]]) -> list:
+    """Every pool tensor as one flat run (the pages of a fresh engine: one run per (layer, tensor))."""
+    return [_host_or_device(t.view(-1)) for layer in rows for t in layer]
+
+
+class Trace:
+    """Per-message host timestamps (perf_counter: one clock for the processes of a host) of one transfer, taken
+    by wrapping the transport's steps: node side pack (launch), gather ready (Outbox.get), send start / end;
+    decode side receive posted / completed, scatter start / end (end after a stream sync, as _settle does
+    right after it). Only with --trace, for the last repeat of each kv kind."""
+
+    events: list[tuple[str, int, float]] | None = None
+
+    @classmethod
+    def install(cls) -> None:
+        import ucxx
+
+        from m3sdk.disagg import transport as tr
+
+        mask = (1 << wire.MESSAGE_INDEX_BITS) - 1
+
+        def note(event: str, index: int) -> None:
+            if cls.events is not None:
+                cls.events.append((event, index, time.perf_counter()))
+
+        pack, scatter, send, recv, get = wire.pack, wire.scatter, tr._send, ucxx.recv, tr.Outbox.get
+
+        def traced_pack(plan, msg, *args):
+            note("pack", msg.index)
+            pack(plan, msg, *args)
+
+        def traced_scatter(plan, msg, rows, dst, buf):
+            note("scatter0", msg.index)
+            scatter(plan, msg, rows, dst, buf)
+            if buf.is_cuda:
+                torch.cuda.current_stream(buf.device).synchronize()
+            note("scatter1", msg.index)
+
+        async def traced_send(ep, buf, tag):
+            note("send0", tag & mask)
+            await send(ep, buf, tag)
+            note("send1", tag & mask)
+
+        async def traced_recv(buf, tag):
+            note("recv0", tag & mask)
+            out = await recv(buf, tag)
+            note("recv1", tag & mask)
+            return out
+
+        async def traced_get(self):
+            index, buf = await get(self)
+            note("ready", index)
+            return index, buf
+
+        wire.pack, wire.scatter, tr._send, ucxx.recv, tr.Outbox.get = (traced_pack, traced_scatter, traced_send,
+                                                                       traced_recv, traced_get)
 
 
 def plan_pages(what: str, dsts: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -104,10 +171,13 @@ def plan_for(pool: KVPool, message_bytes: int, transfer_id: int,
                                    message_bytes, None if dst is None else dst.tolist())
 
 
-def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, step_timeout: float) -> None:
+def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, step_timeout: float,
+            trace: bool) -> None:
     import ucxx
 
     torch.set_num_threads(1)
+    if trace:
+        Trace.install()
     pool = KVPool(pool_spec(total_bytes, device))
     rows = wire.page_rows(pool)
     fill(rows)
@@ -125,18 +195,30 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
         raw_bufs[plan.messages[0].nbytes] = [_host_or_device(torch.ones(m.nbytes, dtype=torch.uint8, device=dev))
                                              for m in plan.messages]
     while True:
-        what, port, message_bytes, transfer_id = conn.recv()
+        what, port, message_bytes, transfer_id, traced = conn.recv()
         if what == "stop":
             return
         plan = plan_for(pool, message_bytes, transfer_id, plan_pages(what, dsts))
-        if what in srcs:
+        transport.window = window_of(what, window)
+        Trace.events = [] if traced else None
+        if what.startswith("kv-ahead"):
+            async def ahead(port=port, plan=plan, src=srcs[what]):
+                # as a node does: its engine thread packs each message as soon as its layers ran, without
+                # waiting for the sends (the staging of the whole transfer is taken at once)
+                start = time.perf_counter()
+                outbox = transport.outbox(plan, dev)
+                push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
+                await asyncio.to_thread(outbox.pack, list(plan.messages), rows, src)
+                await push
+                return start
+            start = loop.run(ahead(), step_timeout)
+        elif what in srcs and what != "raw-runs":
             async def kv(port=port, plan=plan, src=srcs[what]):
                 start = time.perf_counter()
                 outbox = transport.outbox(plan, dev)
                 push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
                 for msg in plan.messages:
-                    # packed just ahead of the sends (as a node packs while it computes), so the staging
-                    # buffers stay within the pool and stay warm
+                    # packed just ahead of the sends, so the staging buffers stay within the pool and stay warm
                     while msg.index > outbox.sent + transport.window:
                         await asyncio.sleep(2e-4)
                     outbox.pack([msg], rows, src)
@@ -144,8 +226,9 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
                 await push
                 return start
             start = loop.run(kv(), step_timeout)
-        elif what in ("raw", "raw-eh"):
-            async def raw(port=port, plan=plan, eh=what == "raw-eh"):
+        elif what.startswith("raw"):
+            async def raw(port=port, plan=plan, what=what):
+                eh = what == "raw-eh"
                 key = (eh, port)
                 if key not in raw_eps:
                     raw_eps[key] = (await ucxx.create_endpoint("127.0.0.1", port) if eh
@@ -154,23 +237,36 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 start = time.perf_counter()
-                bufs = raw_bufs[plan.messages[0].nbytes]
-                sends = [ep.send(b, tag=plan.tag(i), force_tag=True) if eh else _send(ep, b, plan.tag(i))
-                         for i, b in enumerate(bufs)]
-                await asyncio.gather(*sends)
+                bufs = pool_runs(rows) if what == "raw-runs" else raw_bufs[plan.messages[0].nbytes]
+                if what == "raw-w4":  # at most 4 sends in flight, as the transport's window
+                    await _windowed([lambda i=i, b=b: _send(ep, b, plan.tag(i)) for i, b in enumerate(bufs)], 4)
+                else:
+                    await asyncio.gather(*(ep.send(b, tag=plan.tag(i), force_tag=True) if eh
+                                           else _send(ep, b, plan.tag(i)) for i, b in enumerate(bufs)))
                 return start
             start = loop.run(raw(), step_timeout)
-        conn.send(start)
+        conn.send((start, Trace.events))
+        Trace.events = None
+
+
+async def _windowed(ops: list, window: int) -> None:
+    """Run the coroutine factories `ops` in order, at most `window` at once."""
+    pending: deque = deque()
+    for op in ops:
+        if len(pending) >= window:
+            await pending.popleft()
+        pending.append(asyncio.ensure_future(op()))
+    await asyncio.gather(*pending)
 
 
 def _host_or_device(t: torch.Tensor):
     return t if t.is_cuda else t.numpy()
 
 
-async def _recv_all(plan: wire.TransferPlan, bufs: list) -> None:
+async def _recv_all(plan: wire.TransferPlan, bufs: list, window: int | None = None) -> None:
     import ucxx
 
-    await asyncio.gather(*(ucxx.recv(b, plan.tag(i)) for i, b in enumerate(bufs)))
+    await _windowed([lambda i=i, b=b: ucxx.recv(b, plan.tag(i)) for i, b in enumerate(bufs)], window or len(bufs))
 
 
 def _visible(first: str, second: str) -> None:
@@ -206,19 +302,23 @@ def _result(done, proc: mp.Process, what: str, timeout: float):
                 raise SystemExit(f"{what}: not received in {timeout:.0f} s (sender alive)") from None
 
 
-def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, device: str,
-            gpus: tuple[str, str], step_timeout: float = 60.0) -> dict[tuple[str, int], list[float]]:
+def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, device: str, gpus: tuple[str, str],
+            kinds: list[str], step_timeout: float = 60.0,
+            trace: bool = False) -> tuple[dict[tuple[str, int], list[float]], list[dict]]:
     import ucxx
 
     cuda = device == "cuda"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_sender, args=(child, total_bytes, sizes, window, device, step_timeout), daemon=True)
+    proc = ctx.Process(target=_sender, args=(child, total_bytes, sizes, window, device, step_timeout, trace),
+                       daemon=True)
     if cuda:  # each process sees its own GPU as cuda:0 and the other one as cuda:1
         _visible(*gpus)
     proc.start()
     if cuda:
         _visible(gpus[1], gpus[0])
+    if trace:
+        Trace.install()
     pool = KVPool(pool_spec(total_bytes, device))
     rows = wire.page_rows(pool)
     dev = rows[0][0].device
@@ -226,9 +326,9 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
     transport = UcxTransport(window=window)
     loop.run(transport.start(listen=True), step_timeout)
     print("UCX transports:", " ".join(sorted(ucxx.get_active_transports())), flush=True)
-    eh_listener = None if cuda else loop.run(_eh_listener(), step_timeout)
-    kinds = ("kv", "kv-staged", "kv-scattered", "raw") + (() if cuda else ("raw-eh",))
+    eh_listener = None if cuda or "raw-eh" not in kinds else loop.run(_eh_listener(), step_timeout)
     rates: dict[tuple[str, int], list[float]] = {}
+    traces: list[dict] = []
     transfer_id = TRANSFER_ID
     _reply(parent, proc, "sender start", 2 * step_timeout)  # the sender is set up (CUDA, UCX)
     try:
@@ -239,19 +339,28 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                     port = eh_listener.port if what == "raw-eh" else transport.port
                     transfer_id += 1
                     plan = plan_for(pool, size, transfer_id, plan_pages(what, dsts))
-                    if what in dsts:
-                        for layer in rows if not repeat else ():  # the check below sees this transfer's bytes
+                    nbytes = plan.total_bytes
+                    traced = trace and repeat == repeats and what.startswith("kv")
+                    Trace.events = [] if traced else None
+                    if what in dsts and not repeat:  # the check below sees this transfer's bytes
+                        for layer in rows:
                             for t in layer:
                                 t.zero_()
-                        receive = loop.run(_post(transport, plan, rows, dsts[what]), step_timeout)
+                    if what == "raw-runs":  # straight into the pool's tensors, one message per (layer, tensor)
+                        bufs = pool_runs(rows)
+                        nbytes = sum(b.nbytes for b in bufs)
+                        done = loop.submit(_recv_all(plan, bufs))
+                    elif what in dsts:
+                        transport.window = window_of(what, window)
+                        receive = loop.run(_post(transport, plan, rows, dsts[what], what), step_timeout)
                         done = loop.submit(receive.wait())
                     else:
                         bufs = [_host_or_device(torch.zeros(m.nbytes, dtype=torch.uint8, device=dev))
                                 for m in plan.messages]
                         if cuda:
                             torch.cuda.synchronize(dev)
-                        done = loop.submit(_recv_all(plan, bufs))
-                    parent.send((what, port, size, transfer_id))
+                        done = loop.submit(_recv_all(plan, bufs, 4 if what == "raw-w4" else None))
+                    parent.send((what, port, size, transfer_id, traced))
                     step = f"{what} {size >> 20} MiB round {repeat}"
                     _result(done, proc, step, step_timeout)
                     end = time.perf_counter()
@@ -259,9 +368,13 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                         check(rows, dsts[what], what)
                     # from the sender's first pack or send (perf_counter is one clock for all processes of the
                     # host): the command's trip through the pipe is not the transport's
-                    rate = plan.total_bytes / (end - _reply(parent, proc, step, step_timeout)) / 1e9
+                    start, sent_events = _reply(parent, proc, step, step_timeout)
+                    rate = nbytes / (end - start) / 1e9
                     if repeat:
                         rates.setdefault((what, size), []).append(rate)
+                    if traced:
+                        traces.append(timeline(what, size, start, end, sent_events, Trace.events))
+                    Trace.events = None
                 if repeat and cuda:
                     rates.setdefault(("p2p", size), []).append(p2p(plan.total_bytes, dev))
                 elif repeat:  # interleaved with the others, so each row sees the same load
@@ -270,12 +383,41 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                         rates.setdefault(("perftest" + "".join(flags), size), []).append(rate)
     finally:
         with contextlib.suppress(OSError):
-            parent.send(("stop", 0, 0, 0))
+            parent.send(("stop", 0, 0, 0, False))
         proc.join(10)
         if proc.is_alive():
             proc.kill()
         loop.run(transport.close(), step_timeout)
-    return rates
+    return rates, traces
+
+
+def timeline(what: str, size: int, start: float, end: float, sent: list, received: list) -> dict:
+    """One traced transfer: per event kind, each message's time in ms from the sender's start."""
+    events: dict[str, dict[int, float]] = {}
+    for event, index, t in [*sent, *received]:
+        events.setdefault(event, {})[index] = round((t - start) * 1e3, 3)
+    return {"bench": "transport-trace", "what": what, "message_mib": size >> 20, "total_ms": round(
+        (end - start) * 1e3, 3), "events": {k: [v[i] for i in sorted(v)] for k, v in events.items()}}
+
+
+def trace_line(t: dict) -> str:
+    """A one-line digest: medians of the per-message spans (ms)."""
+    ev = t["events"]
+
+    def span(a: str, b: str) -> str:
+        d = [y - x for x, y in zip(ev.get(a, []), ev.get(b, []), strict=False)]
+        return f"{statistics.median(d):.3f}" if d else "-"
+
+    def gap(a: str) -> str:
+        d = [y - x for x, y in zip(ev.get(a, [])[:-1], ev.get(a, [])[1:], strict=False)]
+        return f"{statistics.median(d):.3f}" if d else "-"
+
+    first = {k: v[0] for k, v in ev.items() if v}
+    return (f"trace {t['what']} {t['message_mib']} MiB: total {t['total_ms']:.2f} ms, n={len(ev.get('send0', []))}; "
+            f"medians: pack->ready {span('pack', 'ready')} ready->send {span('ready', 'send0')} send "
+            f"{span('send0', 'send1')} recv-gap {gap('recv1')} scatter {span('scatter0', 'scatter1')} "
+            f"recv1->scatter0 {span('recv1', 'scatter0')}; first send0 {first.get('send0', '-')} recv1 "
+            f"{first.get('recv1', '-')}; last scatter1 {ev.get('scatter1', ['-'])[-1]}")
 
 
 def check(rows: list[list[torch.Tensor]], dst: torch.Tensor, what: str) -> None:
@@ -312,8 +454,51 @@ async def _eh_listener():
     return listener
 
 
-async def _post(transport: UcxTransport, plan, rows, dst):
+async def _post(transport: UcxTransport, plan, rows, dst, what: str = "kv"):
+    if what.endswith("-p"):
+        return PipelinedReceive(transport, plan, rows, dst, transport.window)
     return transport.receive(plan, rows, dst)
+
+
+class PipelinedReceive(UcxReceive):
+    """Candidate: each message checked on the engine's stream, scattered on a side stream with no host wait,
+    its buffer back to the pool once its scatter ran; one wait at the end of the transfer."""
+
+    async def _run(self) -> None:
+        plan = self._plan
+        count = len(plan.messages)
+        cuda = self._dst.is_cuda
+        stream = torch.cuda.Stream(self._dst.device) if cuda else None
+        for index in range(min(self._window, count)):
+            self._post(index)
+        pending: deque = deque()
+        for index, msg in enumerate(plan.messages):
+            buf = await self._take(index)
+            if self._cancelled:
+                return
+            while pending and pending[0][0].query():
+                self._transport.pool.give(pending.popleft()[1])
+            if index + self._window < count:
+                self._post(index + self._window)
+            try:
+                wire.check(plan, msg, buf)
+            except wire.WireError as e:
+                raise TransportError(str(e)) from e
+            idx = self._dst[msg.page_start:msg.page_start + msg.page_count]
+            runs = wire._runs(idx) if plan.runs is None else wire._message_runs(plan.runs, msg)
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                wire._move(msg, self._rows, buf, idx, runs, into_pool=True)
+                done = torch.cuda.Event() if cuda else None
+                if cuda:
+                    done.record(stream)
+            if cuda:
+                pending.append((done, buf))
+            else:
+                self._transport.pool.give(buf)
+        if cuda:
+            stream.synchronize()
+        for _, buf in pending:
+            self._transport.pool.give(buf)
 
 
 def perftest(message_bytes: int, iterations: int, flags: tuple[str, ...]) -> float:
@@ -352,6 +537,9 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=UcxTransport().window, help="UcxTransport window")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--gpus", default="0,1", help="sender GPU, receiver GPU (physical ids)")
+    parser.add_argument("--kinds", nargs="+", help="what to measure (default: kv kv-staged kv-scattered raw, and "
+                        "raw-eh on a CPU); also kv-ahead, kv-ahead-w8, raw-w4, raw-runs")
+    parser.add_argument("--trace", action="store_true", help="per-message timeline of the last repeat of kv kinds")
     parser.add_argument("--out", type=Path, help="append the rows to OUT/disagg.jsonl")
     parser.add_argument("--step-timeout", type=float, default=60.0, help="seconds any one wait may take")
     args = parser.parse_args()
@@ -359,14 +547,20 @@ def main() -> None:
     torch.set_num_threads(1)
     sizes = [m << 20 for m in args.message_mib]
     gpus = tuple(args.gpus.split(","))
-    rates = measure(args.total_mib << 20, sizes, args.repeats, args.window, args.device, gpus, args.step_timeout)
+    kinds = args.kinds or ["kv", "kv-staged", "kv-scattered", "raw"] + ([] if args.device == "cuda" else ["raw-eh"])
+    rates, traces = measure(args.total_mib << 20, sizes, args.repeats, args.window, args.device, gpus, kinds,
+                            args.step_timeout, args.trace)
     base = "p2p" if args.device == "cuda" else "perftest"
     if args.out is not None:
         with open(args.out / "disagg.jsonl", "a") as f:
             for (name, size), r in sorted(rates.items()):
                 f.write(json.dumps({"bench": "transport", "device": args.device, "what": name, "total_mib":
-                                    args.total_mib, "message_mib": size >> 20, "window": args.window,
+                                    args.total_mib, "message_mib": size >> 20, "window": window_of(name, args.window),
                                     "gbps": r}) + "\n")
+            for t in traces:
+                f.write(json.dumps(t) + "\n")
+    for t in traces:
+        print(trace_line(t))
 
     def cell(key: tuple[str, int]) -> str:
         r = rates.get(key) or [float("nan")]
@@ -376,15 +570,18 @@ def main() -> None:
           f"load average "
           f"{os.getloadavg()[0]:.1f}; UCX settings: "
           + " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("UCX_")))
-    columns = ("kv", "kv-staged", "kv-scattered", "raw") + (
-        ("p2p",) if args.device == "cuda" else ("raw-eh", "perftest", "perftest-e"))
+    columns = [*kinds, *(["p2p"] if args.device == "cuda" else ["perftest", "perftest-e"])]
     print("| message | " + " | ".join(columns) + f" | kv / {base} |")
     print("| --- " * (len(columns) + 2) + "|")
     for size in sizes:
         # each repeat's kv and baseline ran back to back: their ratio sees one load
-        ratios = [kv / pt for kv, pt in zip(rates[("kv", size)], rates[(base, size)], strict=True)]
+        ratios = [kv / pt for kv, pt in zip(rates[(kinds[0], size)], rates[(base, size)], strict=True)]
         print(f"| {size >> 20} MiB | " + " | ".join(cell((name, size)) for name in columns)
               + f" | {min(ratios):.0%} / {statistics.median(ratios):.0%} / {max(ratios):.0%} |")
+    for size in sizes:  # every kind's median over the baseline's
+        print(f"{size >> 20} MiB, median / {base} median: " + ", ".join(
+            f"{name} {statistics.median(rates[(name, size)]) / statistics.median(rates[(base, size)]):.0%}"
+            for name in kinds))
 
 
 if __name__ == "__main__":
