@@ -100,7 +100,8 @@ def decode_meta(batch: int, context: int, pages_per_seq: int, perm: torch.Tensor
 
 
 def distinct_experts(model, input_ids, meta, kv) -> dict[int, int]:
-    """Layer -> how many distinct routed experts this step's tokens picked (one eager forward, hooks only)."""
+    """Layer -> how many distinct routed experts this step's tokens picked that this model (rank) holds (one eager
+    forward, hooks only; under expert parallel a rank holds experts [first_expert, first_expert + E_local))."""
     from m3sdk.model.layers import SparseMoE, route
 
     seen: dict[int, int] = {}
@@ -109,7 +110,8 @@ def distinct_experts(model, input_ids, meta, kv) -> dict[int, int]:
         if isinstance(layer.mlp, SparseMoE):
             def hook(module, args, i=i):
                 _, ids = route(args[0], module.router_weight, module.e_score_correction_bias, module.top_k)
-                seen[i] = int(ids.unique().numel())
+                local = ids.unique() - getattr(module, "first_expert", 0)
+                seen[i] = int(((local >= 0) & (local < module.w_gate_up.shape[0])).sum())
             hooks.append(layer.mlp.register_forward_pre_hook(hook))
     model(input_ids, meta, kv, torch.arange(input_ids.shape[0], device=input_ids.device))
     for h in hooks:
@@ -160,6 +162,53 @@ def weights_by_dtype(model) -> dict[str, float]:
     return out
 
 
+# kernel name -> kind, first match wins (m3sdk_kernels' Triton names, cuBLAS's, NCCL's, torch's elementwise)
+KERNEL_KINDS = (("nccl", ("nccl",)), ("moe", ("_moe_",)), ("router", ("_route_",)),
+                ("attention", ("_attn_kernel", "_merge_kernel")), ("indexer", ("_scan_kernel", "_topk_kernel")),
+                ("fp8_gemm", ("_fp8_gemm", "_quant_rows")), ("cublas", ("gemm", "gemv", "nvjet", "xmma", "cutlass")),
+                ("norm_rope_write", ("norm", "_write_kv", "_write_index")), ("memcpy", ("memcpy", "memset")))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def kernel_profile(fn, calls: int = 20) -> dict:
+    """Device time per call of `fn`'s kernels (torch.profiler: a graph replay's kernels show one by one), by kind
+    and the top kernels by name, plus the busy time (union of kernel intervals) against the wall time per call:
+    wall - busy is the device idling between kernels (launch gaps, waits for the host)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / calls
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    by_name: dict[str, list[float]] = {}
+    busy, end = 0.0, float("-inf")
+    for a, b, name in spans:
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += b - a
+        entry[1] += 1
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    kinds: dict[str, float] = {}
+    for name, (us, _) in by_name.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + us / calls
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:14]
+    return {"wall_us": wall * 1e6, "busy_us": busy / calls, "kernel_us": sum(kinds.values()),
+            "kernels_per_call": len(spans) / calls, "by_kind_us": {k: round(v, 1) for k, v in
+                                                                   sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": [[name[:70], round(us / calls, 1), n / calls] for name, (us, n) in top]}
+
+
 def step_decode(args) -> None:
     import triton
 
@@ -169,48 +218,73 @@ def step_decode(args) -> None:
     from m3sdk_kernels.arch import fp8_dtype
 
     dev = torch.device("cuda")
+    tp_size = args.tp[0]
     bw = read_bandwidth()
     record(step="bandwidth", read_tb_s=bw, device=torch.cuda.get_device_name(0), torch=torch.__version__,
            triton=triton.__version__)
     t = time.perf_counter()
-    model = load_model(args.slice, dev, torch.bfloat16, "triton", quantization=args.quantization)
-    torch.cuda.synchronize()
-    record(step="load", seconds=time.perf_counter() - t, quantization=args.quantization,
-           weights_by_dtype=weights_by_dtype(model), lm_head_dtype=str(model.lm_head.weight.dtype),
-           qkv_dtype=str(model.layers[0].self_attn.qkv_proj.weight.dtype))
-    points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
-    max_b, max_ctx = max(b for b, _ in points), max(c for _, c in points)
-    pages_per_seq = -(-max_ctx // 16) + 1
-    spec = KVCacheSpec.for_model(model.config, max_b * pages_per_seq, kv_dtype="fp8", index_dtype="fp8",
-                                 fp8_dtype=fp8_dtype(dev), model_dtype=torch.bfloat16, device=dev)
-    kv = KVPool(spec)
-    fill_cache(kv)
-    perm = torch.randperm(spec.num_pages, generator=torch.Generator().manual_seed(0))
-    t = time.perf_counter()
-    graphs = DecodeGraphs(model, kv, max_b, max_ctx, dev)
-    torch.cuda.synchronize()
-    record(step="capture", buckets=graphs.buckets, seconds=time.perf_counter() - t)
-    gen = torch.Generator(device=dev).manual_seed(1)
-    for batch, context in points:
-        meta = decode_meta(batch, context, pages_per_seq, perm, dev)
-        ids = torch.randint(0, model.config.vocab_size, (batch,), device=dev, generator=gen)
-        rows = torch.arange(batch, device=dev)
-        experts = distinct_experts(model, ids, meta, kv)
-        _, eager_logits = model(ids, meta, kv, rows)
-        graph_logits = graphs.run(ids, meta)[1]
-        err = ((graph_logits - eager_logits).norm() / eager_logits.norm()).item()
-        agree = (graph_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item()
-        t_graph = triton.testing.do_bench(lambda: graphs.run(ids, meta), warmup=10, rep=200,  # noqa: B023
-                                          return_mode="median")
-        t_eager = triton.testing.do_bench(lambda: model(ids, meta, kv, rows), warmup=5, rep=100,  # noqa: B023
-                                          return_mode="median")
-        need = step_bytes(model, kv, batch, context, experts)
-        floor_ms = need["total"] / bw / 1e9
-        record(step="decode", quantization=args.quantization, batch=batch, context=context, graph_ms=t_graph,
-               eager_ms=t_eager,
-               roofline_ms=floor_ms, graph_over_roofline=t_graph / floor_ms,
-               bandwidth_fraction=floor_ms / t_graph, bytes=need, distinct_experts=experts,
-               graph_vs_eager_rel_err=err, graph_vs_eager_argmax_agree=agree, tok_s=batch / t_graph * 1e3)
+    tp = None
+    if tp_size > 1:  # rank 0 here, ranks 1.. in worker processes that mirror every forward and graph replay
+        from m3sdk.parallel import MirroredGraphs, TensorParallel
+
+        if args.quantization != "none":
+            raise SystemExit("decode --tp > 1 runs bf16 weights only (tensor parallel loads bf16 shards)")
+        tp = TensorParallel.launch(args.slice, tp_size, dev, torch.bfloat16, "triton", args.expert_parallel)
+        model, dev = tp.model, torch.device("cuda", 0)
+    else:
+        model = load_model(args.slice, dev, torch.bfloat16, "triton", quantization=args.quantization)
+    try:
+        torch.cuda.synchronize()
+        record(step="load", tp=tp_size, expert_parallel=args.expert_parallel, seconds=time.perf_counter() - t,
+               quantization=args.quantization, weights_by_dtype=weights_by_dtype(model),
+               lm_head_dtype=str(model.lm_head.weight.dtype),
+               qkv_dtype=str(model.layers[0].self_attn.qkv_proj.weight.dtype))
+        points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
+        max_b, max_ctx = max(b for b, _ in points), max(c for _, c in points)
+        pages_per_seq = -(-max_ctx // 16) + 1
+        spec = KVCacheSpec.for_model(model.config, max_b * pages_per_seq, kv_dtype="fp8", index_dtype="fp8",
+                                     fp8_dtype=fp8_dtype(dev), model_dtype=torch.bfloat16, device=dev)
+        kv = KVPool(spec)
+        fill_cache(kv)  # rank 0's; the workers' pools stay zeros (same kernels, same bytes read)
+        perm = torch.randperm(spec.num_pages, generator=torch.Generator().manual_seed(0))
+        t = time.perf_counter()
+        graphs = (MirroredGraphs(tp, model, kv, max_b, max_ctx, dev) if tp is not None
+                  else DecodeGraphs(model, kv, max_b, max_ctx, dev))
+        torch.cuda.synchronize()
+        record(step="capture", tp=tp_size, buckets=graphs.buckets, seconds=time.perf_counter() - t)
+        gen = torch.Generator(device=dev).manual_seed(1)
+        for batch, context in points:
+            meta = decode_meta(batch, context, pages_per_seq, perm, dev)
+            ids = torch.randint(0, model.config.vocab_size, (batch,), device=dev, generator=gen)
+            rows = torch.arange(batch, device=dev)
+            experts = distinct_experts(model, ids, meta, kv)
+            _, eager_logits = model(ids, meta, kv, rows)
+            graph_logits = graphs.run(ids, meta)[1]
+            err = ((graph_logits - eager_logits).norm() / eager_logits.norm()).item()
+            agree = (graph_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item()
+            t_graph = triton.testing.do_bench(lambda: graphs.run(ids, meta), warmup=10, rep=200,  # noqa: B023
+                                              return_mode="median")
+            t_eager = triton.testing.do_bench(lambda: model(ids, meta, kv, rows), warmup=5, rep=100,  # noqa: B023
+                                              return_mode="median")
+            need = step_bytes(model, kv, batch, context, experts)  # this rank's bytes under tensor parallel
+            floor_ms = need["total"] / bw / 1e9
+            record(step="decode", tp=tp_size, expert_parallel=args.expert_parallel, quantization=args.quantization,
+                   batch=batch, context=context, graph_ms=t_graph, eager_ms=t_eager,
+                   roofline_ms=floor_ms, graph_over_roofline=t_graph / floor_ms,
+                   bandwidth_fraction=floor_ms / t_graph, bytes=need, distinct_experts=experts,
+                   graph_vs_eager_rel_err=err, graph_vs_eager_argmax_agree=agree, tok_s=batch / t_graph * 1e3)
+            if args.profile:
+                for mode, fn in (("graph", lambda: graphs.run(ids, meta)),  # noqa: B023
+                                 ("eager", lambda: model(ids, meta, kv, rows))):  # noqa: B023
+                    try:
+                        prof = kernel_profile(fn)
+                    except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timings
+                        prof = {"error": repr(exc)[:300]}
+                    record(step="decode_profile", tp=tp_size, quantization=args.quantization, batch=batch,
+                           context=context, mode=mode, **prof)
+    finally:
+        if tp is not None:
+            tp.shutdown()
 
 
 async def _idle(engine) -> None:
@@ -233,18 +307,126 @@ def top2_gap(completion, at: int) -> float | None:
     return top[0][1] - top[1][1] if top and len(top) > 1 else None
 
 
+class StepPhases:
+    """Host timings of one engine's loop, step by step (`--phases`): its methods are wrapped on the instance, so
+    every step records when it began, what its plan held, and the host seconds spent in each phase:
+    schedule, launch (runner.run: inputs, metadata, the forward's launches or a graph replay; under tensor
+    parallel also the step message to the workers and the input broadcast's launch), sample (the sampler's
+    launch; with overlap off, sampling and its token read), wait (overlapped: the host waiting for the previous
+    step's tokens, i.e. the device time the host work did not cover), accept (detokenize, stop checks, finish)
+    and update. A step's period is the time to the next step's start: in steady decode, the time per token."""
+
+    def __init__(self, core):
+        self.steps: list[dict] = []
+        self._cur: dict = {}
+        self._originals = []
+        self._wrap(core, "step", self._step)
+        self._wrap(core.scheduler, "schedule", self._schedule)
+        self._wrap(core.runner, "run", self._phase("launch"))
+        self._wrap(core.sampler, "sample", self._phase("sample"))
+        self._wrap(core.sampler, "launch", self._launch)
+        self._wrap(core, "_resolve", self._phase("accept"))
+        self._wrap(core.scheduler, "update", self._phase("update"))
+
+    def _wrap(self, obj, name: str, make) -> None:
+        fn = getattr(obj, name)
+        self._originals.append((obj, name))
+        setattr(obj, name, make(fn))
+
+    def restore(self) -> None:
+        for obj, name in self._originals:
+            delattr(obj, name)  # the class's method shows again
+
+    def _add(self, key: str, seconds: float) -> None:
+        self._cur[key] = self._cur.get(key, 0.0) + seconds
+
+    def _phase(self, key: str):
+        def make(fn):
+            def timed(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self._add(key, time.perf_counter() - t)
+            return timed
+        return make
+
+    def _step(self, fn):
+        def timed(*a, **k):
+            self._cur = {"t0": time.perf_counter()}
+            try:
+                return fn(*a, **k)
+            finally:
+                self._cur["t1"] = time.perf_counter()
+                self.steps.append(self._cur)
+        return timed
+
+    def _schedule(self, fn):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            plan = fn(*a, **k)
+            self._add("schedule", time.perf_counter() - t)
+            if plan:
+                counts = [n for _, n, _ in plan.scheduled]
+                self._cur.update(entries=len(counts), tokens=sum(counts), decode=max(counts) == 1)
+            return plan
+        return timed
+
+    def _launch(self, fn):
+        time_it = self._phase("sample")(fn)
+
+        def timed(*a, **k):
+            pending = time_it(*a, **k)
+            resolve = pending.resolve
+
+            def waited():
+                t = time.perf_counter()
+                pending._host.get()  # the wait for the tokens' copy (resolve repeats it at no cost)
+                self._add("wait", time.perf_counter() - t)
+                return resolve()
+            pending.resolve = waited
+            return pending
+        return timed
+
+    def summary(self, batch: int) -> dict:
+        """Decode steps of the full batch (every one of `batch` entries adds one token) against the rest."""
+        import statistics
+
+        rows = [r for r in self.steps if "entries" in r]
+        for r, nxt in zip(rows, rows[1:], strict=False):
+            r["period"] = nxt["t0"] - r["t0"]
+        rows = [r for r in rows if "period" in r]
+        full = [r for r in rows if r["decode"] and r["entries"] == batch]
+        other = [r for r in rows if not (r["decode"] and r["entries"] == batch)]
+        keys = ("schedule", "launch", "sample", "wait", "accept", "update")
+        for r in rows:
+            r["accept"] = r.get("accept", 0.0) - r.get("wait", 0.0)  # the wait happens inside _resolve
+            r["rest"] = r["period"] - sum(r.get(k, 0.0) for k in keys)  # emit, inbox, what no phase covers
+        med = {k: statistics.median([r.get(k, 0.0) for r in full]) * 1e3 for k in (*keys, "rest")} if full else {}
+        period = statistics.median([r["period"] for r in full]) if full else float("nan")
+        return {"steps": len(rows), "full_decode_steps": len(full),
+                "full_decode_period_ms": period * 1e3, "full_decode_tok_s": batch / period if full else None,
+                "full_decode_p90_period_ms": (sorted(r["period"] for r in full)[int(0.9 * (len(full) - 1))] * 1e3
+                                              if full else None),
+                "full_decode_host_ms": {k: round(v, 3) for k, v in med.items()},
+                "other_steps": len(other), "other_seconds": sum(r["period"] for r in other),
+                "other_tokens": sum(r["tokens"] for r in other),
+                "full_decode_seconds": sum(r["period"] for r in full)}
+
+
 async def _engine_runs(args, tp: int) -> None:
     from m3sdk import Engine, SamplingParams
     from m3sdk.bench import compute_metrics, random_requests, run_load
 
     config = dict(model=str(args.slice), kv_cache_dtype="fp8", max_model_len=args.input_len + args.output_len + 16,
                   max_num_seqs=max(args.concurrency), kv_cache_memory=4 << 30, tensor_parallel_size=tp,
-                  overlap_scheduling=True)
+                  expert_parallel=args.expert_parallel, overlap_scheduling=True)
     t = time.perf_counter()
     async with Engine(**config) as e:
         core = e._core
         graphs = core.runner.graphs
-        record(step="engine_load", tp=tp, seconds=time.perf_counter() - t, warm_up_seconds=core.warm_up_seconds,
+        record(step="engine_load", tp=tp, expert_parallel=args.expert_parallel, seconds=time.perf_counter() - t,
+               warm_up_seconds=core.warm_up_seconds,
                graphs=graphs is not None, lm_head_rows=core.runner.model.lm_head.weight.shape[0])
         greedy = SamplingParams(temperature=0, ignore_eos=True)
         # a user's first request right after start, then the same prompt again (a prefix-cache hit: its last 16
@@ -281,6 +463,9 @@ async def _engine_runs(args, tp: int) -> None:
                tokens=ovl[0][:8])
         modes = [(g, ov) for g in ([graphs, None] if graphs is not None and tp == 1 else [graphs])
                  for ov in (True, False)]
+        if args.modes:  # e.g. "graphs+overlap,graphs": only those, in that order
+            named = {("graphs" if g is not None else "eager") + ("+overlap" if ov else ""): (g, ov) for g, ov in modes}
+            modes = [named[m] for m in args.modes.split(",") if m in named]
         seed = 0
         for concurrency in args.concurrency:
             for g, overlap in modes:
@@ -291,13 +476,19 @@ async def _engine_runs(args, tp: int) -> None:
                 # each mode warms up on its own, and every run draws fresh prompts: no run measures a prefix-cache
                 # hit of an earlier one (which prefills 16 tokens instead of the prompt, a shape a warm-up of whole
                 # prompts never compiled: the first H200 run measured those compiles as overlap's TTFT)
-                warm, requests = (random_requests(2 * concurrency, args.input_len, args.output_len, 0.0,
-                                                  core.vocab_size, seed + k) for k in (0, 1))
+                n = args.num_prompts or 2 * concurrency
+                warm, requests = (random_requests(n, args.input_len, args.output_len, 0.0, core.vocab_size, seed + k)
+                                  for k in (0, 1))
                 seed += 2
                 await run_load(e, warm, greedy, max_concurrency=concurrency)
                 await _idle(e)
                 before = core.stats()
-                results, duration = await run_load(e, requests, greedy, max_concurrency=concurrency)
+                phases = StepPhases(core) if args.phases else None
+                try:
+                    results, duration = await run_load(e, requests, greedy, max_concurrency=concurrency)
+                finally:
+                    if phases is not None:
+                        phases.restore()
                 m = compute_metrics(results, duration)
                 after = core.stats()
                 # stalls: inter-token gaps over 100 ms, by the output position they end at (a compile shows once per
@@ -309,8 +500,40 @@ async def _engine_runs(args, tp: int) -> None:
                        prefix_cache_hits=after["prefix_cache_hits"] - before["prefix_cache_hits"],
                        max_itl_ms=max((g for r in results for g in r.itl), default=0.0) * 1e3,
                        stalls=sum(slow.values()), stall_positions=slow.most_common(6),
-                       **{k: v for k, v in m.items() if not k.startswith("std")})
+                       **{k: v for k, v in m.items() if not k.startswith("std")},
+                       **({"phases": phases.summary(concurrency)} if phases is not None else {}))
         core.runner.graphs = graphs
+        if args.profile:
+            await _idle(e)
+            engine_step_profile(core, tp, max(args.concurrency), args.input_len + args.output_len)
+
+
+def engine_step_profile(core, tp: int, batch: int, context: int) -> None:
+    """The loaded engine's own decode step at (batch, context), outside its loop (which is idle): the graph replay
+    (mirrored to the workers under tensor parallel) and the eager forward, timed and kernel-profiled like `decode`,
+    on random pages of its KV pool (it writes one slot per sequence there: run after the engine's last load)."""
+    import triton
+
+    runner, kv = core.runner, core.cache.kv
+    dev = kv.k[0].device
+    pages_per_seq = min(-(-context // 16) + 1, kv.spec.num_pages // batch)
+    context = min(context, (pages_per_seq - 1) * 16)
+    perm = torch.randperm(kv.spec.num_pages, generator=torch.Generator().manual_seed(0))
+    meta = decode_meta(batch, context, pages_per_seq, perm, dev)
+    ids = torch.randint(0, core.vocab_size, (batch,), device=dev)
+    rows = torch.arange(batch, device=dev)
+    graphs = runner.graphs
+    fns = {"eager": lambda: runner.model(ids, meta, kv, rows)}
+    if graphs is not None and graphs.query_len(meta) == 1:
+        fns = {"graph": lambda: graphs.run(ids, meta), **fns}
+    for mode, fn in fns.items():
+        ms = triton.testing.do_bench(fn, warmup=10, rep=200, return_mode="median")
+        try:
+            prof = kernel_profile(fn)
+        except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timing
+            prof = {"error": repr(exc)[:300]}
+        record(step="engine_step", tp=tp, batch=batch, context=context, mode=mode, ms=ms, tok_s=batch / ms * 1e3,
+               **prof)
 
 
 def step_engine(args) -> None:
@@ -358,14 +581,14 @@ def step_check(args) -> None:
 
 
 def step_table(args) -> None:
-    """The records of OUT/serving.jsonl as two short tables (decode vs roofline; engine runs)."""
+    """The records of OUT/serving.jsonl as short tables (decode vs roofline; engine runs) and one line per profile."""
     rows = [json.loads(line) for line in open(OUT / JSONL)]
-    print("| quant | b x ctx | graph ms | roofline ms | ratio | BW frac | GB read | eager ms | argmax agree |")
+    print("| tp | quant | b x ctx | graph ms | roofline ms | ratio | BW frac | GB read | eager ms | argmax agree |")
     for r in rows:
         if r["step"] == "decode":
-            print(f"| {r['quantization']} | {r['batch']}x{r['context']} | {r['graph_ms']:.3f} | {r['roofline_ms']:.3f} "
-                  f"| {r['graph_over_roofline']:.2f} | {r['bandwidth_fraction']:.2f} | {r['bytes']['total'] / 1e9:.2f} "
-                  f"| {r['eager_ms']:.3f} | {r['graph_vs_eager_argmax_agree']:.2f} |")
+            print(f"| {r.get('tp', 1)} | {r['quantization']} | {r['batch']}x{r['context']} | {r['graph_ms']:.3f} "
+                  f"| {r['roofline_ms']:.3f} | {r['graph_over_roofline']:.2f} | {r['bandwidth_fraction']:.2f} "
+                  f"| {r['bytes']['total'] / 1e9:.2f} | {r['eager_ms']:.3f} | {r['graph_vs_eager_argmax_agree']:.2f} |")
     print("| tp | conc | overlap | graphs | out tok/s | TPOT med/p99 ms | ITL med/p99 ms | TTFT med/p99 ms | steps |")
     for r in rows:
         if r["step"] == "engine":
@@ -373,8 +596,22 @@ def step_table(args) -> None:
                   f"| {r['median_tpot_ms']:.2f}/{r['p99_tpot_ms']:.2f} "
                   f"| {r['median_itl_ms']:.2f}/{r['p99_itl_ms']:.2f} "
                   f"| {r['median_ttft_ms']:.1f}/{r['p99_ttft_ms']:.1f} | {r['steps']} |")
-        elif r["step"] in ("check", "engine_check", "engine_first", "load", "engine_load"):
-            print(json.dumps({k: v for k, v in r.items() if k != "step_time"}))
+            if "phases" in r:
+                f = r["phases"]
+                print(f"  phases: full-batch decode {f['full_decode_steps']} steps {f['full_decode_period_ms']:.3f} ms "
+                      f"({f['full_decode_seconds']:.2f} s), other {f['other_steps']} steps {f['other_seconds']:.2f} s; "
+                      f"host ms {f['full_decode_host_ms']}")
+        elif r["step"] in ("check", "engine_check", "engine_first", "engine_load"):
+            print(json.dumps({k: v for k, v in r.items() if k != "step_time"})[:300])
+    for r in rows:
+        if r["step"] in ("decode_profile", "engine_step"):
+            what = (f"{r['step']} tp{r['tp']} {r.get('quantization', '')} {r['batch']}x{r['context']} {r['mode']}"
+                    + (f" {r['ms']:.3f} ms" if "ms" in r else ""))
+            if "error" in r:
+                print(what, r["error"][:200])
+            else:
+                print(f"{what}: wall {r['wall_us']:.0f} busy {r['busy_us']:.0f} kernels {r['kernel_us']:.0f} us, "
+                      f"{r['kernels_per_call']:.0f}/call; {r['by_kind_us']}")
 
 
 def step_hf(args) -> None:
@@ -416,9 +653,17 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help='a config override as a JSON pair: ["k", v]')
     p.add_argument("--points", default="1x2048,16x2048,1x32768,64x32768", help="BATCHxCONTEXT decode points")
     p.add_argument("--quantization", default="none", help="load_model's: none | fp8 (decode step)")
+    p.add_argument("--profile", action="store_true", help="decode: kernel profile of each point (graph and "
+                   "eager); engine: the loaded engine's decode step at the largest concurrency, timed and profiled")
+    p.add_argument("--no-expert-parallel", dest="expert_parallel", action="store_false",
+                   help="tensor parallel: split every expert's width instead of whole experts per rank")
     p.add_argument("--hf-batches", default="1,16")
     p.add_argument("--tp", type=lambda v: [int(x) for x in v.split(",")], default=[1], help="engine: e.g. 1,2")
     p.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64])
+    p.add_argument("--modes", default="", help="engine: e.g. graphs+overlap,graphs,eager+overlap,eager (default all)")
+    p.add_argument("--num-prompts", type=int, default=0, help="engine: requests per point (default 2 x concurrency)")
+    p.add_argument("--phases", action="store_true", help="engine: host time per step by phase, full-batch decode "
+                   "steps apart (StepPhases)")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=2048)
