@@ -84,14 +84,14 @@ def fill(rows: list[list[torch.Tensor]]) -> None:
             pattern(t, layer, j, out=t)
 
 
-def page_tables(num_pages: int, device: torch.device) -> dict[str, torch.Tensor]:
-    # a fresh engine's page table is one run of consecutive pages; a long-running one's is scattered (the same
-    # permutations in both processes, so the receiver can check where each page landed)
+def page_tables(num_pages: int, device: torch.device, kinds: list[str]) -> dict[str, torch.Tensor]:
+    """The decode side's page ids of each kind that moves pool pages. A fresh engine's page table is one run of
+    consecutive pages; a long-running one's is scattered ("kv-scattered": the same permutation in both processes,
+    so the receiver can check where each page landed)."""
     gen = torch.Generator().manual_seed(7)
     runs = torch.arange(num_pages, device=device)
-    return {**{k: runs for k in ("kv", "kv-staged", "kv-ahead", "kv-ahead-w2", "kv-ahead-w8", "kv-ahead-p",
-                                  "raw-runs")},
-            "kv-scattered": torch.randperm(num_pages, generator=gen).to(device)}
+    scattered = torch.randperm(num_pages, generator=gen).to(device)
+    return {k: scattered if k == "kv-scattered" else runs for k in kinds if k.startswith("kv") or k == "raw-runs"}
 
 
 def window_of(what: str, default: int) -> int:
@@ -172,7 +172,7 @@ def plan_for(pool: KVPool, message_bytes: int, transfer_id: int,
 
 
 def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, step_timeout: float,
-            trace: bool) -> None:
+            trace: bool, kinds: list[str]) -> None:
     import ucxx
 
     torch.set_num_threads(1)
@@ -182,9 +182,9 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
     rows = wire.page_rows(pool)
     fill(rows)
     dev = rows[0][0].device
-    dsts = page_tables(pool.spec.num_pages, dev)  # the receiver's
+    dsts = page_tables(pool.spec.num_pages, dev, kinds)  # the receiver's
     # sources and destinations differ; source ids on the host, as a node holds them (pack finds their runs there)
-    srcs = {k: v.cpu() for k, v in dict(dsts, **{"kv-scattered": dsts["kv-scattered"].roll(1)}).items()}
+    srcs = {k: (v.roll(1) if k == "kv-scattered" else v).cpu() for k, v in dsts.items()}
     transport = UcxTransport(window=window)
     loop.run(transport.start(listen=False), step_timeout)
     conn.send("ready")
@@ -310,7 +310,7 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
     cuda = device == "cuda"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_sender, args=(child, total_bytes, sizes, window, device, step_timeout, trace),
+    proc = ctx.Process(target=_sender, args=(child, total_bytes, sizes, window, device, step_timeout, trace, kinds),
                        daemon=True)
     if cuda:  # each process sees its own GPU as cuda:0 and the other one as cuda:1
         _visible(*gpus)
@@ -322,7 +322,7 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
     pool = KVPool(pool_spec(total_bytes, device))
     rows = wire.page_rows(pool)
     dev = rows[0][0].device
-    dsts = page_tables(pool.spec.num_pages, dev)
+    dsts = page_tables(pool.spec.num_pages, dev, kinds)
     transport = UcxTransport(window=window)
     loop.run(transport.start(listen=True), step_timeout)
     print("UCX transports:", " ".join(sorted(ucxx.get_active_transports())), flush=True)
@@ -422,7 +422,7 @@ def trace_line(t: dict) -> str:
 
 def check(rows: list[list[torch.Tensor]], dst: torch.Tensor, what: str) -> None:
     """Every received page byte for byte: the sender's pattern of page src[i] sits in page dst[i]."""
-    src = page_tables(len(dst), dst.device)[what]
+    src = page_tables(len(dst), dst.device, [what])[what]
     if what == "kv-scattered":
         src = src.roll(1)
     for layer, tensors in enumerate(rows):
@@ -455,7 +455,7 @@ async def _eh_listener():
 
 
 async def _post(transport: UcxTransport, plan, rows, dst, what: str = "kv"):
-    if what.endswith("-p"):
+    if "p" in what.split("-")[2:]:
         return PipelinedReceive(transport, plan, rows, dst, transport.window)
     return transport.receive(plan, rows, dst)
 
