@@ -494,7 +494,8 @@ async def _engine_runs(args, tp: int) -> None:
                 # stalls: inter-token gaps over 100 ms, by the output position they end at (a compile shows once per
                 # run, something per-wave or per-finish at the same position in many requests)
                 slow = Counter(i + 1 for r in results for i, g in enumerate(r.itl) if g > 0.1)
-                record(step="engine", tp=tp, concurrency=concurrency, overlap=overlap, graphs=g is not None,
+                record(step="engine", tp=tp, expert_parallel=args.expert_parallel, concurrency=concurrency,
+                       overlap=overlap, graphs=g is not None,
                        input_len=args.input_len, output_len=args.output_len, requests=len(requests),
                        steps=after["steps"] - before["steps"], graph_steps=after["graph_steps"] - before["graph_steps"],
                        prefix_cache_hits=after["prefix_cache_hits"] - before["prefix_cache_hits"],
@@ -532,8 +533,8 @@ def engine_step_profile(core, tp: int, batch: int, context: int) -> None:
             prof = kernel_profile(fn)
         except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timing
             prof = {"error": repr(exc)[:300]}
-        record(step="engine_step", tp=tp, batch=batch, context=context, mode=mode, ms=ms, tok_s=batch / ms * 1e3,
-               **prof)
+        record(step="engine_step", tp=tp, expert_parallel=core.config.expert_parallel, batch=batch, context=context,
+               mode=mode, ms=ms, tok_s=batch / ms * 1e3, **prof)
 
 
 def step_engine(args) -> None:
@@ -592,7 +593,8 @@ def step_table(args) -> None:
     print("| tp | conc | overlap | graphs | out tok/s | TPOT med/p99 ms | ITL med/p99 ms | TTFT med/p99 ms | steps |")
     for r in rows:
         if r["step"] == "engine":
-            print(f"| {r['tp']} | {r['concurrency']} | {r['overlap']} | {r['graphs']} | {r['output_throughput']:.0f} "
+            tp = f"{r['tp']}{'' if r.get('expert_parallel', True) or r['tp'] == 1 else ' no-EP'}"
+            print(f"| {tp} | {r['concurrency']} | {r['overlap']} | {r['graphs']} | {r['output_throughput']:.0f} "
                   f"| {r['median_tpot_ms']:.2f}/{r['p99_tpot_ms']:.2f} "
                   f"| {r['median_itl_ms']:.2f}/{r['p99_itl_ms']:.2f} "
                   f"| {r['median_ttft_ms']:.1f}/{r['p99_ttft_ms']:.1f} | {r['steps']} |")
@@ -605,7 +607,8 @@ def step_table(args) -> None:
             print(json.dumps({k: v for k, v in r.items() if k != "step_time"})[:300])
     for r in rows:
         if r["step"] in ("decode_profile", "engine_step"):
-            what = (f"{r['step']} tp{r['tp']} {r.get('quantization', '')} {r['batch']}x{r['context']} {r['mode']}"
+            ep = "" if r.get("expert_parallel", True) or r["tp"] == 1 else " no-EP"
+            what = (f"{r['step']} tp{r['tp']}{ep} {r.get('quantization', '')} {r['batch']}x{r['context']} {r['mode']}"
                     + (f" {r['ms']:.3f} ms" if "ms" in r else ""))
             if "error" in r:
                 print(what, r["error"][:200])
