@@ -460,7 +460,7 @@ async def _engine_runs(args, tp: int) -> None:
                top2_gap_at_diff=[None if d is None else top2_gap(c, d) for c, d in zip(reference, diffs, strict=True)],
                off_off_identical=again == ref, prefix_hit_vs_whole_prefill_identical=prime == ref,
                prefix_hit_vs_whole_prefill_first_diff=[first_diff(a, b) for a, b in zip(prime, ref, strict=True)],
-               tokens=ovl[0][:8])
+               tokens=ovl[0][:8], reference_tokens=ref)  # all of them: TP=2's compared with TP=1's
         modes = [(g, ov) for g in ([graphs, None] if graphs is not None and tp == 1 else [graphs])
                  for ov in (True, False)]
         if args.modes:  # e.g. "graphs+overlap,graphs": only those, in that order
