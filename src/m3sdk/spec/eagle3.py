@@ -144,7 +144,7 @@ class Eagle3Config:
 
 
 class RMSNorm(nn.Module):
-    """Llama RMSNorm (weight * x / rms), computed in float32."""
+    """Llama RMSNorm (weight * x / rms; torch computes the rms in float32)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -152,18 +152,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        # one op (fused where torch has the kernel): a draft step is a few hundred small kernels, this was 9
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Llama (NeoX-style, rotate-half) RoPE over the whole head: x [N, H, D], positions [N]."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = positions.to(torch.float32)[:, None] * inv[None, :]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
-    x1, x2 = x.float()[..., : d // 2], x.float()[..., d // 2:]
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, 1, D / 2] of positions [N] (float32), for `rope`."""
+    ang = positions.to(torch.float32)[:, None, None] * inv_freq
+    return ang.cos(), ang.sin()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama (NeoX-style, rotate-half) RoPE over the whole head: x [N, H, D], angles from `rope_angles`."""
+    x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -215,6 +216,7 @@ class Eagle3Head(nn.Module):
         self.shared_embed: nn.Module | None = None  # the target's, when embed_tokens is None
         self.shared_lm_head: nn.Module | None = None  # the target's, when lm_head is None
         self.aux_layers: tuple[int, ...] = config.aux_layer_ids or ()  # the loader fills in the target's default
+        self._rope_inv: torch.Tensor | None = None
 
     # -- the pieces of one draft step (also used by the training script with its own attention masks) --
 
@@ -235,10 +237,20 @@ class Eagle3Head(nn.Module):
             residual, h = hidden, layer.hidden_norm(hidden)
         x = torch.cat([layer.input_layernorm(embeds), h], dim=-1)
         att = layer.self_attn
-        q = att.q_proj(x).view(-1, c.num_heads, c.head_dim)
-        k = att.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        # q and k roped together (one set of kernels for both)
+        qk = torch.cat([att.q_proj(x), att.k_proj(x)], dim=-1).view(-1, c.num_heads + c.num_kv_heads, c.head_dim)
+        q, k = rope(qk, *rope_angles(positions, self._inv_freq(x.device))).split([c.num_heads, c.num_kv_heads], 1)
         v = att.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
-        return rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta), v, residual
+        return q, k, v, residual
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        """RoPE's inverse frequencies [D / 2], float32 (kept apart from the module's buffers, which `.to(dtype)`
+        would round to the head's dtype), made once per device (outside a graph capture: its eager run is first)."""
+        if self._rope_inv is None or self._rope_inv.device != device:
+            d = self.config.head_dim
+            self._rope_inv = 1.0 / self.config.rope_theta ** (
+                torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+        return self._rope_inv
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """attention output [N, Hq * D] -> (final-normed [N, hidden], pre-norm [N, hidden]: the next step's
