@@ -5,8 +5,8 @@
 Each step appends its numbers to DIR/attention.jsonl (so steps can run in separate processes: a fault in one
 does not take the others down); `report` prints the table of everything recorded. A decode step may carry its own
 filters, `STEP:KV[:LAYOUT]` (e.g. `dense_decode_128k:fp8:shuffle`; `check:fp8` checks only those modes).
-`tiles_decode_fp8` / `tiles_indexer` time FP8 decode / indexer decode under a few tile variants set in-process;
-`graphs` captures the decode kernels in CUDA graphs and replays them.
+`sweep` times decode under the tile variants of `--variants` (JSON, see `sweep`) set in-process, `tiles_indexer`
+indexer decode under a few; `graphs` captures the decode kernels in CUDA graphs and replays them.
 
 Floors: the bytes a kernel must read (each selected K/V element and its scale once; the index keys once) over
 the read bandwidth measured here by a large reduction. Peers: SDPA (flash / cuDNN, contiguous bf16 KV; for MSA
@@ -23,6 +23,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ from m3sdk_kernels.paged_attention import paged_attention, paged_attention_ref
 HQ, HKV, D, DI, HIDX, BS, TOPK = 64, 4, 128, 128, 4, 128, 16
 DEV = "cuda"
 ONLY: dict[str, str] = {}  # --kv / --layout (or a step's own) filters of the decode steps (for tuning runs)
-TAG: dict[str, str] = {}  # the in-process tile variant being timed (tiles_decode_fp8)
+TAG: dict[str, str] = {}  # the in-process tile variant being timed (tiles_indexer)
 FLEX = torch.compile(flex_attention, dynamic=False)  # compiled at its first call, once per shape
 
 
@@ -51,9 +52,9 @@ def tiles_tag() -> str:
     return TAG.get("tiles", os.environ.get("M3SDK_KERNEL_TILES", ""))
 
 
-def bench(fn) -> float:
+def bench(fn, rep: int = 300) -> float:
     """Median ms over CUDA events (launch overhead included: a few us per launch)."""
-    t = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+    t = triton.testing.do_bench(fn, warmup=min(50, rep), rep=rep, return_mode="median")
     torch.cuda.synchronize()  # a fault surfaces here, in the step that caused it
     return t
 
@@ -281,13 +282,34 @@ def indexer_decode(rows: list, read_bw: float, ctx: int, batch: int = 64, peer: 
                      "note": f"selection mismatch vs reference {mismatch:.4f}; scan {t_scan:.4f} topk {t_topk:.4f}"})
 
 
+def indexer_ragged_check() -> float:
+    """Worst selection mismatch of indexer_topk against the reference over ragged decode / verify / prefill
+    batches (contexts crossing page and block boundaries, selections dropping blocks), FP8 and bf16 keys."""
+    worst = 0.0
+    for ctxs, news in (([200, 37, 16, 129, 1000, 4100], [1] * 6), ([3000, 700], [4, 4]), ([2500, 300], [700, 300])):
+        pages = [-(-c // PAGE_SIZE) for c in ctxs]
+        perm = torch.randperm(sum(pages), device=DEV, dtype=torch.int32)
+        table = torch.zeros(len(ctxs), max(pages), dtype=torch.int32, device=DEV)
+        for i, p in enumerate(pages):
+            table[i, :p] = perm[sum(pages[:i]):sum(pages[:i]) + p]
+        cu = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+        lens = torch.tensor(ctxs, dtype=torch.int32, device=DEV)
+        iq = torch.randn(sum(news), HIDX, DI, device=DEV, dtype=torch.bfloat16)
+        for dtype in (current_arch().fp8_dtype, torch.bfloat16):
+            cache = torch.randn(sum(pages), PAGE_SIZE, DI, device=DEV).to(dtype)
+            got = indexer_topk(iq, cache, table, cu, lens, BS, TOPK, 1)
+            ref = indexer_topk_ref(iq, cache, table, cu, lens, BS, TOPK, 1)
+            worst = max(worst, float((got.sort(-1).values != ref.sort(-1).values).float().mean()))
+    return worst
+
+
 def tiles_indexer(rows: list, read_bw: float) -> None:
     """Indexer decode (FP8 keys, b64, 128K and 32K) under tile variants of the current arch's table set
-    in-process (the first: the table as it is); each checked against the reference before it is timed."""
+    in-process (the first: the table as it is); each variant passes `indexer_ragged_check` and its timed inputs'
+    selection is checked against the reference before it is timed. One line per row as it comes."""
     name = current_arch().name
-    variants = ({}, {"indexer_topk": {"num_warps": 1}}, {"indexer_topk": {"num_warps": 2}},
-                {"indexer_scan": {"PAGE_AHEAD": 1}}, {"indexer_scan": {"PAGE_AHEAD": 1, "num_stages": 4}},
-                {"indexer_scan": {"SPLIT_PROGRAMS": 2112}}, {"indexer_scan": {"SPLIT_PROGRAMS": 528}},
+    variants = ({}, {"indexer_topk": {"num_warps": 1}}, {"indexer_scan": {"PAGE_AHEAD": 1}},
+                {"indexer_scan": {"PAGE_AHEAD": 1, "num_stages": 4}}, {"indexer_scan": {"SPLIT_PROGRAMS": 2112}},
                 {"indexer_scan": {"num_warps": 8}})
     ONLY.update(kv="fp8")
     for i, change in enumerate(variants):
@@ -296,8 +318,13 @@ def tiles_indexer(rows: list, read_bw: float) -> None:
             for family, entry in change.items():
                 arch.TILES[family][name] = saved[family] | entry
             TAG["tiles"] = json.dumps(change)
+            ragged = indexer_ragged_check()
             for ctx in (131072, 32768):
                 indexer_decode(rows, read_bw, ctx, peer=i == 0)
+                r = rows[-1]
+                r["note"] += f"; ragged check mismatch {ragged:.4f}"
+                print(f"indexer {r['shape']} {TAG['tiles']}: {r['ms']:.4f} ms = {r['floor_ms'] / r['ms']:.0%} of floor;"
+                      f" {r['note']}", flush=True)
         finally:
             for family, entry in saved.items():
                 arch.TILES[family][name] = entry
@@ -383,30 +410,104 @@ def sparse_prefill(rows: list, ctx: int, selection: str, flex: bool) -> None:
                  "peer": "-", "peer_ms": float("nan")})
 
 
-def tiles_decode_fp8(rows: list, read_bw: float, ctx: int = 32768) -> None:
-    """FP8 decode (dense and MSA, plain layout unless --layout says otherwise) under tile variants of the current
-    arch's table, set in-process, each checked against the reference first; the defaults are the rows of
-    dense_decode_32k / sparse_decode_32k. Dense FP8 decode carries the next tile's page ids (PAGE_AHEAD), so a
-    program keeps num_stages - 1 K/V tiles in flight (without, one tile at any stage count); its default is
-    BLOCK_N 128 at 3 stages; MSA decode loads each tile's ids in its own iteration."""
+def timings(fn) -> dict:
+    """Three views of one call: `ms`, event-timed eager calls after an L2 flush (do_bench: what the tables
+    always reported, launches included); `graph_ms`, a CUDA graph of 20 back-to-back calls replayed, per call (the
+    device time alone, as the engine's decode graphs run it); `host_us`, the host's time to issue one call. When
+    host_us exceeds the device time, eager timings measure the host."""
+    ms = bench(fn, rep=100)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # allocations and compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    calls = 20
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    per_call = []
+    for _ in range(10):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / calls)
+    del graph
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        fn()
+    host_us = (time.perf_counter() - t0) / 50 * 1e6
+    torch.cuda.synchronize()
+    return {"ms": ms, "graph_ms": sorted(per_call)[len(per_call) // 2], "host_us": host_us}
+
+
+def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> None:
+    """Decode at b64, plain layout, under tile variants set in-process: each variant {"mode": "dense"|"sparse",
+    "kv": "fp8"|"bf16", "ctx": int, "tiles": {family: overrides}} is compiled, its output compared with the
+    reference at the timed shape (rel L2 in the row), then timed (`timings`) against SDPA timed the same way
+    (contiguous bf16 KV for dense, the pre-gathered selected KV for MSA). "tiles": "best" takes the fastest
+    (graph_ms) of the variants timed before for the same mode and kv. Each row is appended to `results` as it
+    is made (a run cut short by its time limit keeps what it measured)."""
     name = current_arch().name
-    variants = {"attn_decode:fp8": ({"BLOCK_N": 64}, {"num_stages": 4}, {"PAGE_AHEAD": 0}),
-                "sparse_decode:fp8": ({"num_stages": 2}, {"num_stages": 4}, {"BLOCK_N": 64})}
-    ONLY.setdefault("layout", "plain")
-    ONLY.update(kv="fp8")
-    for family, changes in variants.items():
-        entry = arch.TILES.setdefault(family, {}).get(name, {})
-        for change in changes:
-            arch.TILES[family][name] = entry | change
-            TAG["tiles"] = json.dumps({family: change})
-            try:
-                mode, layout = ("dense" if family.startswith("attn") else "sparse"), ONLY["layout"]
-                err = check_correctness((False,), ("fp8",), (layout,))[f"{mode}_decode_fp8_{layout}"]
-                (dense_decode if mode == "dense" else sparse_decode)(rows, read_bw, ctx)
-                rows[-1]["note"] = f"check rel L2 {err:.4f}"
-            finally:
+    inputs: dict = {}
+    best: dict = {}
+    for var in variants:
+        mode, kv, ctx, batch = var["mode"], var["kv"], var["ctx"], var.get("batch", 64)
+        change = best[(mode, kv)][1] if var["tiles"] == "best" else var["tiles"]
+        if (mode, kv, ctx, batch) not in inputs:
+            inputs.clear()  # one shape's K/V at a time: 128K FP8 pages are 8.6 GB
+            torch.cuda.empty_cache()
+            cu, lens = decode_meta(batch, ctx)
+            q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
+            sel = random_selection(batch, ctx) if mode == "sparse" else None
+            k, v, ks, vs, table = make_kv(batch, ctx, kv, "plain")
+            ref = paged_attention_ref(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS)
+            n = TOPK * BS if mode == "sparse" else ctx
+            kc = torch.randn(batch, HKV, n, D, device=DEV, dtype=torch.bfloat16)
+            vc = torch.randn_like(kc)
+            peer = timings(lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True))  # noqa: B023
+            del kc, vc
+            inputs[(mode, kv, ctx, batch)] = (cu, lens, q, sel, k, v, ks, vs, table, ref, peer)
+        cu, lens, q, sel, k, v, ks, vs, table, ref, peer = inputs[(mode, kv, ctx, batch)]
+        saved = {family: dict(arch.TILES[family][name]) for family in change}
+        try:
+            for family, entry in change.items():
+                arch.TILES[family][name] = saved[family] | entry
+
+            def ours():
+                return paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS,  # noqa: B023
+                                       max_seqlen_q=1, max_context_len=ctx)  # noqa: B023
+            err = rel_err(ours(), ref)
+            t = timings(ours) if err < 2e-2 else {"ms": float("nan"), "graph_ms": float("nan"), "host_us": 0.0}
+        finally:
+            for family, entry in saved.items():
                 arch.TILES[family][name] = entry
-                TAG.clear()
+        if mode == "sparse":
+            nbytes = batch * HKV * TOPK * BS * 2 * (D * k.element_size() + (4 if kv == "fp8" else 0))
+        else:
+            nbytes = batch * ctx * HKV * 2 * (D * k.element_size() + (4 if kv == "fp8" else 0))
+        floor = nbytes / read_bw / 1e9
+        rows.append({"kernel": "MSA sparse decode" if mode == "sparse" else "dense decode",
+                     "shape": f"b{batch} ctx {ctx // 1024}K" + (" top16" if mode == "sparse" else ""), "kv": kv,
+                     "layout": "plain", "ms": t["ms"], "floor_ms": floor, "TB/s": nbytes / t["graph_ms"] / 1e9,
+                     "graph_ms": t["graph_ms"], "host_us": t["host_us"], "graph_of_floor": floor / t["graph_ms"],
+                     "peer": "SDPA " + ("pre-gathered selected bf16 KV" if mode == "sparse" else "contiguous bf16"),
+                     "peer_ms": peer["ms"], "peer_graph_ms": peer["graph_ms"], "peer_host_us": peer["host_us"],
+                     "tiles": json.dumps(change), "rel_err": err})
+        r = rows[-1]
+        with open(results, "a") as f:
+            f.write(json.dumps({"step": "sweep", "rows": [r]}) + "\n")
+        print(f"{mode:6} {kv:4} {ctx // 1024:4}K err {err:.1e} eager {t['ms']:.4f} graph {t['graph_ms']:.4f} "
+              f"({r['graph_of_floor']:.0%} floor, {peer['graph_ms'] / t['graph_ms']:.2f}x SDPA graph "
+              f"{peer['graph_ms']:.4f}; eager {peer['ms'] / t['ms']:.2f}x) host {t['host_us']:.0f}us "
+              f"{json.dumps(change)}", flush=True)
+        if not math.isnan(t["graph_ms"]) and ((mode, kv) not in best or t["graph_ms"] < best[(mode, kv)][0]):
+            best[(mode, kv)] = (t["graph_ms"], change)
 
 
 def graphs_check() -> dict:
@@ -466,7 +567,6 @@ STEPS = {
     "sparse_prefill_128k_smooth": lambda rows, bw: sparse_prefill(rows, 131072, "smooth", flex=False),
     "flex_decode_32k": lambda rows, bw: flex_decode(rows, bw, 32768),
     "flex_decode_128k": lambda rows, bw: flex_decode(rows, bw, 131072),
-    "tiles_decode_fp8": tiles_decode_fp8,
     "tiles_indexer": tiles_indexer,
 }
 
@@ -486,9 +586,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON results")
     parser.add_argument("--steps", default="check," + ",".join(STEPS),
-                        help="comma list of: check, bandwidth, " + ", ".join(STEPS) + ", graphs, report")
+                        help="comma list of: check, bandwidth, " + ", ".join(STEPS) + ", sweep, graphs, report")
     parser.add_argument("--kv", choices=("bf16", "fp8"), help="decode steps: only this KV dtype")
     parser.add_argument("--layout", choices=("plain", "shuffle"), help="decode steps: only this layout")
+    parser.add_argument("--variants", default="[]", help="sweep: JSON list of decode variants (see `sweep`)")
     args = parser.parse_args()
     steps = args.steps.split(",")
     results = os.path.join(args.out, "attention.jsonl")  # one JSON object per line, appended by each step
@@ -513,6 +614,10 @@ def main() -> int:
         elif step == "graphs":
             record = {"graphs": graphs_check()}
             print("CUDA graphs:", json.dumps(record["graphs"]), flush=True)
+        elif step == "sweep":
+            read_bw = next(r["read_TBps"] for r in map(json.loads, open(results)) if "read_TBps" in r)
+            sweep([], read_bw, json.loads(args.variants), results)
+            continue
         elif step == "bandwidth":
             read_bw, copy_bw = read_bandwidth()
             print(f"read {read_bw:.2f} TB/s (4 GiB sum), copy {copy_bw:.2f} TB/s (read + write)", flush=True)

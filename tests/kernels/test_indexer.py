@@ -74,3 +74,21 @@ def test_local_blocks_and_block_size_32():
     check(got, ref, index_q, step, block, local)
     last = got[:, -1]  # position 249: blocks 7 (own) and 6 are forced
     assert {6, 7} <= set(last[0].tolist()) and {6, 7} <= set(last[1].tolist())
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_page_ahead_and_long_chunks(mode, monkeypatch):
+    """The scan with page ids carried one block ahead and few chunks (several blocks per program, the carried
+    ids crossing a chunk's end and the sequence's last page), the top-k at one warp."""
+    from m3sdk_kernels import arch
+
+    for family in ("indexer_scan", "indexer_prefill"):
+        monkeypatch.setitem(arch.TILES[family], "sm90", arch.TILES[family]["sm90"] | {"PAGE_AHEAD": 1,
+                                                                                         "SPLIT_PROGRAMS": 8})
+    monkeypatch.setitem(arch.TILES["indexer_topk"], "sm90", {"num_warps": 1})
+    ctx, new = {"decode": ([200, 37, 129], [1] * 3), "prefill": ([150, 40], [70, 40])}[mode]
+    block, topk, local = 16, 3, 1
+    step = make_step(ctx, new, 1, 16, "bf16", "plain", index_dim=DI, index_dtype="fp8")
+    index_q = torch.randn(sum(new), HIDX, DI).to(torch.bfloat16)
+    args = (index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, block, topk, local)
+    check(indexer_topk(*args), indexer_topk_ref(*args), index_q, step, block, local)
