@@ -14,6 +14,7 @@ from torch import nn
 from m3sdk_kernels.cache_write import gemma_rms_norm_ref
 from m3sdk_kernels.moe import Experts, fused_moe, swiglu_oai_ref
 from m3sdk_kernels.norm import add_rms_norm, add_rms_norm_ref
+from m3sdk_kernels.router import route as fused_route
 
 
 class RMSNorm(nn.Module):
@@ -77,11 +78,15 @@ class DenseMLP(nn.Module):
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid router with a selection-only bias -> (weights float32 [T, k], expert ids int64 [T, k]).
+    """Sigmoid router with a selection-only bias -> (weights float32 [T, k], expert ids [T, k]).
 
-    Experts are chosen by sigmoid + bias, but weighted by the unbiased sigmoids, renormalized to sum 1.
+    Experts are chosen by sigmoid + bias, but weighted by the unbiased sigmoids, renormalized to sum 1. On a GPU
+    the Triton router does all that follows the logits GEMM in one launch (int32 ids; torch's ops take seven).
     """
-    probs = torch.sigmoid(torch.nn.functional.linear(x.to(weight.dtype), weight).float())
+    logits = torch.nn.functional.linear(x.to(weight.dtype), weight).float()
+    if logits.is_cuda:
+        return fused_route(logits, bias, top_k)
+    probs = torch.sigmoid(logits)
     _, ids = torch.topk(probs + bias.float(), top_k, dim=-1, sorted=False)
     weights = probs.gather(1, ids)
     return weights / weights.sum(dim=-1, keepdim=True), ids
@@ -130,7 +135,7 @@ def _moe_experts_dense(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     E / k times the work, but no host sync (the per-expert loop reads token counts on the host), so a CUDA graph
     captures it where the fused kernels do not run (float32, odd widths). Decode-sized steps only."""
     combine = torch.zeros(hidden.shape[0], w_gate_up.shape[0], dtype=torch.float32, device=hidden.device)
-    combine.scatter_(1, topk_ids, topk_weights.float())
+    combine.scatter_(1, topk_ids.long(), topk_weights.float())
     h = swiglu_oai_ref(torch.matmul(hidden, w_gate_up.transpose(1, 2)), alpha, limit)  # [E, T, I]
     y = torch.matmul(h, w_down.transpose(1, 2))  # [E, T, H]
     return torch.einsum("eth,te->th", y.float(), combine).to(hidden.dtype)
