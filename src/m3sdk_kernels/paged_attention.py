@@ -113,9 +113,37 @@ def _tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_rows(base, page, off, key_ok, stride_cp, HEAD_DIM: tl.constexpr, V_WORDS: tl.constexpr):
+    """Plain-layout e4m3fn rows [BLOCK_N, HEAD_DIM] of one tile as fp16, decoded from 32-bit words: V_WORDS 2 by
+    sm90's cvt.rn.f16x2.e4m3x2 (exact values), 1 by integer ops anywhere (the interpreter too), giving value / 256
+    (e4m3fn's sign, exponent and mantissa land in fp16's fields shifted by 7; bias 7 against 15 makes the factor
+    2^-8, subnormals included; finite bytes only, as caches hold). Why: the P.V dot reduces over keys, across V's
+    rows, and sm90 has no transposing shared-memory load for 8-bit elements, so fp8 V given to the dot (even
+    through .to(fp16), which the compiler hoists onto the shared-memory read) is read one byte per element: 128
+    ld.shared.b8 per thread per 128 x 128 tile. Decoded from words first (the join below keeps the compiler from
+    hoisting), V reaches the dot as fp16 through ldmatrix.trans."""
+    w_ptr = base.to(tl.pointer_type(tl.int32), bitcast=True)
+    row = page[:, None] * (stride_cp // 4) + off[:, None] * (HEAD_DIM // 4)
+    w = tl.load(w_ptr + row + tl.arange(0, HEAD_DIM // 4)[None, :], mask=key_ok[:, None], other=0)
+    if V_WORDS == 2:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+            "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+    else:
+        b0 = (((w & 0x7F) << 7) | ((w & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        b1 = (((w >> 1) & 0x3F80) | (w & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
+        b2 = (((w >> 9) & 0x3F80) | ((w >> 8) & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
+        b3 = (((w >> 17) & 0x3F80) | ((w >> 16) & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
+    # [..., x, y] flattens to byte 2x + y of the word
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [page.shape[0], HEAD_DIM])
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
-                 SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr):
+                 SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
+                 V_WORDS: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end)."""
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
@@ -149,6 +177,8 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         v = tl.load(v_base + tl.max_contiguous(tl.multiple_of(vo, [1, X]), [1, X]), mask=in_pages[None, :],
                     other=0.0)
         v = tl.trans(v)
+    elif V_WORDS:
+        v = _e4m3_rows(v_base, page, off, key_ok, stride_cp, HEAD_DIM, V_WORDS)  # V_WORDS 1: value / 256
     else:
         v = tl.load(v_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X,
                                                                        SHUFFLE, True), mask=key_ok[:, None], other=0.0)
@@ -172,7 +202,7 @@ def _attn_kernel(
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-        PAGE_AHEAD: tl.constexpr):
+        PAGE_AHEAD: tl.constexpr, V_WORDS: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -200,20 +230,38 @@ def _attn_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         if SPARSE and BLOCK_Q == 1:
             # decode: the token's own selection in list order (the online softmax does not care), a fixed slice
-            # of it per split, in a plain loop the compiler pipelines; -1 entries are fully masked tiles
+            # of it per split; -1 entries are fully masked tiles. Without PAGE_AHEAD each tile loads its block
+            # and page ids in its own iteration; with it, the slice's block ids are read once before the loop and
+            # each tile's page ids one tile ahead (see the dense loop), so K/V copies of later tiles can fly
             TILES_PER: tl.constexpr = SEL_BLOCK // BLOCK_N
             BLOCKS_PER: tl.constexpr = (TOPK + NUM_SPLITS - 1) // NUM_SPLITS
             sel_row = sel_ptr + h * stride_sel_h + (q_start + first).to(tl.int64) * stride_sel_t
             row_sel = r >= 0
             lo = split * BLOCKS_PER
-            for i in range(lo * TILES_PER, tl.minimum(lo + BLOCKS_PER, TOPK) * TILES_PER):
-                blk = tl.load(sel_row + i // TILES_PER)
-                start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
+            n_tiles = (tl.minimum(lo + BLOCKS_PER, TOPK) - lo) * TILES_PER
+            if PAGE_AHEAD:
+                jb = tl.arange(0, TOPK_PAD // NUM_SPLITS)  # >= BLOCKS_PER: splits are powers of 2, <= TOPK_PAD
+                blks = tl.load(sel_row + lo + jb, mask=(jb < BLOCKS_PER) & (lo + jb < TOPK), other=-1) + 1
+                blk = tl.sum(tl.where(jb == 0, blks, 0)) - 1  # slot 0 of the register vector
+                start = tl.maximum(blk, 0) * SEL_BLOCK
                 end = tl.where(blk >= 0, kv_end, 0)
                 page = _tile_pages(pages_ptr, start, end, BLOCK_N)
+            for i in range(0, n_tiles):
+                if PAGE_AHEAD:
+                    nxt_blk = tl.sum(tl.where(jb == (i + 1) // TILES_PER, blks, 0)) - 1
+                    nxt_start = tl.maximum(nxt_blk, 0) * SEL_BLOCK + ((i + 1) % TILES_PER) * BLOCK_N
+                    nxt_end = tl.where(nxt_blk >= 0, kv_end, 0)
+                    nxt = _tile_pages(pages_ptr, nxt_start, nxt_end, BLOCK_N)
+                else:
+                    blk = tl.load(sel_row + lo + i // TILES_PER)
+                    start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
+                    end = tl.where(blk >= 0, kv_end, 0)
+                    page = _tile_pages(pages_ptr, start, end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
                                              vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
-                                             SHUFFLE, FP8, V_MUL, DOT)
+                                             SHUFFLE, FP8, V_MUL, DOT, V_WORDS)
+                if PAGE_AHEAD:
+                    page, start, end = nxt, nxt_start, nxt_end
         elif SPARSE:
             # prefill / verification: walk the sorted union of the tile's tokens' blocks, each loaded once
             qq = first + tl.arange(0, BLOCK_Q)
@@ -235,7 +283,8 @@ def _attn_kernel(
                             page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
                             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
                                                          v_base, ks_base, vs_base, page, qk_scale, stride_cp,
-                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT)
+                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
+                                                         V_WORDS)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -255,9 +304,9 @@ def _attn_kernel(
                     nxt = page
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
                                              ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
-                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT)
+                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, V_WORDS)
                 page = nxt
-        o = acc / (tl.where(l_i > 0, l_i, 1.0) * V_MUL)[:, None]
+        o = acc / (tl.where(l_i > 0, l_i, 1.0) * (V_MUL / 256 if V_WORDS == 1 else V_MUL))[:, None]
         if NUM_SPLITS == 1:
             tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -300,6 +349,14 @@ def dot_dtype(kv_dtype: torch.dtype) -> tl.dtype:
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[kv_dtype]
 
 
+def v_words(mode: int, v_dtype: torch.dtype, layout: str) -> int:
+    """The V decode of a launch (`_e4m3_rows`): the table's mode for plain e4m3fn pages, else 0 (the dot's own
+    conversion); the PTX decode (2) becomes the integer one (1) in the interpreter."""
+    if v_dtype != torch.float8_e4m3fn or layout != "plain":
+        return 0
+    return 1 if mode == 2 and interpreting() else mode
+
+
 def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: int,
                    max_context_len: int, sparse: bool, topk: int, block_size: int, fp8: bool = False,
                    arch: Arch | None = None) -> dict:
@@ -316,7 +373,7 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     splits = min(1 << (want.bit_length() - 1), triton.next_power_of_2(max_splits))
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-            "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0)}
+            "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "V_WORDS": cfg.get("V_WORDS", 0)}
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -361,7 +418,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle",
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
-        PAGE_AHEAD=plan["PAGE_AHEAD"], num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+        PAGE_AHEAD=plan["PAGE_AHEAD"], V_WORDS=v_words(plan["V_WORDS"], v_cache.dtype, layout),
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if splits > 1:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                      HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
@@ -399,7 +457,9 @@ def aot_variants(arch: Arch) -> list:
                         "X": 16 if kv == "fp8" else 8, "SHUFFLE": layout == "shuffle", "FP8": kv == "fp8",
                         "SPARSE": sparse, "TOPK": m["topk"], "TOPK_PAD": m["topk"], "SEL_BLOCK": m["block_size"],
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
-                        "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"]},
+                        "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
+                        "V_WORDS": v_words(plan["V_WORDS"], arch.fp8_dtype if kv == "fp8" else torch.bfloat16,
+                                           layout)},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))

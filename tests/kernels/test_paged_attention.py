@@ -88,15 +88,18 @@ def test_dense_fp8_decode_many_tiles_per_split(monkeypatch, programs, page_ahead
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("layout,ahead", [("shuffle", 0), ("plain", 1)], ids=["shuffle", "plain-ahead-words"])
 @pytest.mark.parametrize("programs", [1 << 12, 8], ids=["4-splits", "2-splits"])
-def test_sparse_decode_splits_and_unsorted_selection(monkeypatch, programs):
-    """Selections in any order (valid entries first, -1 padded) split over programs, two 8-key tiles per block
-    (the loop loads each tile's block and page ids in that tile's iteration, across blocks and splits)."""
+def test_sparse_decode_splits_and_unsorted_selection(monkeypatch, programs, layout, ahead):
+    """Selections in any order (valid entries first, -1 padded) split over programs, two 8-key tiles per block:
+    block and page ids loaded in each tile's iteration, or (PAGE_AHEAD, with V decoded from 32-bit words on plain
+    pages) the split's block ids read once and each tile's page ids carried from the previous iteration."""
     fp8 = arch.TILES["sparse_decode:fp8"]["sm90"]  # the FP8 entry overrides the family's
-    monkeypatch.setitem(arch.TILES["sparse_decode:fp8"], "sm90", {**fp8, "BLOCK_N": 8, "SPLIT_PROGRAMS": programs})
+    monkeypatch.setitem(arch.TILES["sparse_decode:fp8"], "sm90", {**fp8, "BLOCK_N": 8, "SPLIT_PROGRAMS": programs,
+                                                                  "PAGE_AHEAD": ahead, "V_WORDS": 2 * ahead})
     assert attention_plan(2, 2, HKV, GROUP, 1, 100, True, 4, 16, fp8=True)["NUM_SPLITS"] == (4 if programs > 8 else 2)
     ctx, new = [100, 40], [1, 1]
-    step = make_step(ctx, new, HKV, D, "fp8", "shuffle")
+    step = make_step(ctx, new, HKV, D, "fp8", layout)
     sel = torch.tensor([[[6, 0, 3, -1], [2, 1, -1, -1]], [[1, 6, -1, -1], [0, 2, 1, -1]]], dtype=torch.int32)
     q = torch.randn(2, HKV * GROUP, D).to(torch.bfloat16)
     got, ref = run(step, q, D**-0.5, block_sel=sel, block_size=16)
