@@ -9,7 +9,8 @@ each first differs if not). Then one markdown row per concurrency: tokens/s with
 overlapped scheduling, and with it off: speculation never overlaps, so the second is the like-for-like baseline),
 with, both ratios, whether outputs were identical, the speculative run's mean accepted length, and the share of
 the timed steps each run replayed from CUDA graphs (the engines' `graph_steps` stat, not the flag asked for);
-`--out` gets the same as JSON lines. `--profile` adds device time and kernels per token at batch 1 for the three.
+`--out` gets the same as JSON lines, with each run's steps, median step time and slow steps (> 10 ms: a compile
+or an eager step). `--profile 1,8` adds device time, kernels and host phases per token at those concurrencies.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
                       cuda_graphs=graphs, overlap_scheduling=overlap) as engine:
         gate = asyncio.Semaphore(concurrency)
 
-        async def one(prompt: list[int]) -> list[int]:
+        async def one(prompt: list[int], tokens: int = max_tokens) -> list[int]:
             async with gate:
-                done = await engine.generate(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+                done = await engine.generate(prompt, max_tokens=tokens, temperature=0, ignore_eos=True)
                 return done.token_ids
 
         # warm-up: two waves, so prefills joining running decodes compile their kernels here too (decode, verify
@@ -50,15 +51,22 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
         # no whole prompt compiles: without the second pass the first engine of a process compiled them in its
         # timed window and later engines reused them (the overlap column, run first, read 1.8-2.4x slow, window 6)
         for _ in range(2):
-            await asyncio.gather(*[one(p) for p in prompts[:2 * concurrency]])
+            await asyncio.gather(*[one(p, WARM_UP_TOKENS or max_tokens) for p in prompts[:2 * concurrency]])
         before = engine.stats()
-        with profiled(profile) as prof, host_phases(engine, profile) as phases:
+        with profiled(profile) as prof, host_phases(engine, profile) as phases, step_times(engine) as times:
             start = time.perf_counter()
             outputs = await asyncio.gather(*[one(p) for p in prompts])
             seconds = time.perf_counter() - start
         stats = engine.stats()
         steps = stats["steps"] - before["steps"]
         stats["graph_share"] = round((stats["graph_steps"] - before["graph_steps"]) / max(steps, 1), 3)
+        stats["window_steps"] = steps
+        # where the window went: median step, and the slow steps (a Triton compile, an eager prefill step)
+        times.sort()
+        slow = [t for t in times if t > SLOW_STEP_S]
+        stats["step_ms_median"] = round(1e3 * times[len(times) // 2], 3) if times else 0.0
+        stats["slow_steps"], stats["slow_steps_s"] = len(slow), round(sum(slow), 3)
+        stats["step_s_total"] = round(sum(times), 3)
         if prof is not None:
             name = speculative or ("plain" if overlap is None else "plain-no-overlap")
             row = dict(**device_time(prof, sum(len(o) for o in outputs), seconds, name, concurrency),
@@ -86,6 +94,33 @@ def profiled(on: bool):
         yield prof
 
 
+SLOW_STEP_S = 0.010  # a step this long is a compile or an eager step, not a replayed one (m3-tiny: ~1-2 ms)
+
+
+@contextlib.contextmanager
+def step_times(engine: Engine):
+    """Wall seconds of each engine step (`EngineCore.step`) in the window (benchmark instrumentation on the engine's
+    core, restored after)."""
+    core, times = engine._core, []
+    step, own = core.step, "step" in core.__dict__  # (host_phases may have wrapped it already)
+
+    def timed():
+        t0 = time.perf_counter()
+        try:
+            return step()
+        finally:
+            times.append(time.perf_counter() - t0)
+
+    core.step = timed
+    try:
+        yield times
+    finally:
+        if own:
+            core.step = step
+        else:
+            del core.step
+
+
 @contextlib.contextmanager
 def host_phases(engine: Engine, on: bool):
     """Seconds the engine thread spent in each phase of its steps (wall time of the calls, nested ones counted in
@@ -96,10 +131,11 @@ def host_phases(engine: Engine, on: bool):
         yield totals
         return
     core = engine._core
-    targets = [(core, "step"), (core.scheduler, "schedule"), (core.runner, "forward"), (core.sampler, "sample"),
-               (core.sampler, "launch"), (core, "_resolve")]
+    targets = [(core, "step"), (core.scheduler, "schedule"), (core.scheduler, "update"), (core.runner, "forward"),
+               (core.sampler, "sample"), (core.sampler, "launch"), (core, "_resolve"), (core, "_accept")]
     if core.spec is not None:
-        targets += [(core.spec.drafter, "propose"), (core.spec.drafter, "observe"), (spec_decoding, "verify")]
+        targets += [(core.spec.drafter, "propose"), (core.spec.drafter, "observe"), (spec_decoding, "verify"),
+                    (core.spec, "run")]
 
     def timed(name: str, fn):
         def call(*args, **kwargs):
@@ -112,7 +148,8 @@ def host_phases(engine: Engine, on: bool):
 
     saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr in targets]
     for obj, attr in targets:
-        setattr(obj, attr, timed(attr.lstrip("_"), getattr(obj, attr)))
+        name = "spec_run" if obj is core.spec and attr == "run" else attr.lstrip("_")
+        setattr(obj, attr, timed(name, getattr(obj, attr)))
     try:
         yield totals
     finally:
@@ -139,6 +176,11 @@ def device_time(prof, tokens: int, seconds: float, name: str, concurrency: int) 
 
 OUT = None  # the --out file
 SPEC_GRAPHS = True  # --spec-eager turns CUDA graphs off for the speculative engines only
+WARM_UP_TOKENS = 0  # --warm-up-tokens (0: --max-tokens)
+
+
+def cell(value: float | None, fmt: str, unit: str = "") -> str:
+    return "-" if value is None else format(value, fmt) + unit
 
 
 def record(**kw) -> None:
@@ -156,13 +198,19 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="float32 makes greedy outputs batch-invariant enough to compare")
     ap.add_argument("--check-prompts", type=int, default=4, help="float32 batch-1 prompts that must match (0: skip)")
     ap.add_argument("--out", default=None, help="append JSON lines here")
-    ap.add_argument("--profile", action="store_true",
-                    help="last, profile 2 requests at batch 1 (device time and kernels per token) into --out")
+    ap.add_argument("--profile", default="",
+                    help="concurrencies to profile last (device time, kernels and host phases per token) into --out: "
+                         "2 requests at 1, 2c at c (e.g. 1,8)")
+    ap.add_argument("--plain-modes", default="overlap,sync",
+                    help="plain engines to time: overlap (the engine's default on a GPU), sync (overlap off)")
     ap.add_argument("--spec-eager", action="store_true", help="no CUDA graphs for the speculative engines")
+    ap.add_argument("--warm-up-tokens", type=int, default=0,
+                    help="tokens per warm-up request (0: --max-tokens); fewer make a large batch's run shorter")
     args = ap.parse_args()
-    global OUT, SPEC_GRAPHS
+    global OUT, SPEC_GRAPHS, WARM_UP_TOKENS
     OUT = open(args.out, "a") if args.out else None  # noqa: SIM115 - open for the whole run
     SPEC_GRAPHS = not args.spec_eager
+    WARM_UP_TOKENS = args.warm_up_tokens
     record(run="spec_speedup", argv=sys.argv[1:])
     if args.check_prompts:
         prompts = held_out_prompts(args.check_prompts, args.prompt_tokens)
@@ -191,34 +239,46 @@ def main() -> None:
     print("| dtype | conc | requests | plain tok/s (overlap) | plain tok/s (no overlap) | eagle3 tok/s | speed-up "
           "vs overlap | vs no overlap | identical | accepted len | graph steps plain / no-ov / eagle3 |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|")
+    overlaps = {"overlap": None, "sync": False}  # plain engine modes: the engine's default (on), and off
+    modes = [m for m in overlaps if m in args.plain_modes.split(",")]
     for c in (int(x) for x in args.concurrency.split(",")):
         prompts = held_out_prompts(max(2 * c, 8), args.prompt_tokens)
-        plain, t_plain, p_stats = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, None))
-        _, t_sync, s_stats = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, None,
-                                             overlap=False))
+        runs = {m: asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, None, overlap=overlaps[m]))
+                for m in modes}
         spec, t_spec, stats = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, "eagle3"))
+        runs["spec"] = (spec, t_spec, stats)
+        plain = runs[modes[0]][0]
         tokens = sum(len(o) for o in plain)
+
+        rate = {m: round(tokens / r[1], 1) for m, r in runs.items()}
+        gain = {m: round(r[1] / t_spec, 3) for m, r in runs.items()}
         row = dict(dtype=args.dtype, spec_graphs=SPEC_GRAPHS, concurrency=c, requests=len(prompts),
-                   max_tokens=args.max_tokens,
-                   plain_tok_s=round(tokens / t_plain, 1), plain_no_overlap_tok_s=round(tokens / t_sync, 1),
-                   spec_tok_s=round(tokens / t_spec, 1),
-                   speedup=round(t_plain / t_spec, 3), speedup_vs_no_overlap=round(t_sync / t_spec, 3),
-                   identical=plain == spec,
+                   max_tokens=args.max_tokens, warm_up_tokens=WARM_UP_TOKENS or args.max_tokens,
+                   plain_tok_s=rate.get("overlap"), plain_no_overlap_tok_s=rate.get("sync"), spec_tok_s=rate["spec"],
+                   speedup=gain.get("overlap"), speedup_vs_no_overlap=gain.get("sync"),
+                   identical=all(r[0] == spec for r in runs.values()),
                    mean_accepted_length=round(stats["spec_mean_accepted_length"], 3),
                    target_forwards_per_token=round(stats["spec_target_forwards_per_token"], 3),
-                   graph_share_plain=p_stats["graph_share"], graph_share_no_overlap=s_stats["graph_share"],
-                   graph_share_spec=stats["graph_share"])
+                   graph_share={m: r[2]["graph_share"] for m, r in runs.items()},
+                   steps={m: r[2]["window_steps"] for m, r in runs.items()},
+                   step_ms_median={m: r[2]["step_ms_median"] for m, r in runs.items()},
+                   slow_steps={m: [r[2]["slow_steps"], r[2]["slow_steps_s"], r[2]["step_s_total"]]
+                               for m, r in runs.items()},
+                   seconds={m: round(r[1], 3) for m, r in runs.items()})
         record(**row)
-        print(f"| {args.dtype} | {c} | {len(prompts)} | {row['plain_tok_s']:.0f} | "
-              f"{row['plain_no_overlap_tok_s']:.0f} | {row['spec_tok_s']:.0f} | {row['speedup']:.2f}x | "
-              f"{row['speedup_vs_no_overlap']:.2f}x | {row['identical']} | {row['mean_accepted_length']:.2f} | "
-              f"{p_stats['graph_share']:.0%} / {s_stats['graph_share']:.0%} / {stats['graph_share']:.0%} |",
-              flush=True)
+        shares = " / ".join(cell(row["graph_share"].get(m), ".0%") for m in ("overlap", "sync", "spec"))
+        print(f"| {args.dtype} | {c} | {len(prompts)} | {cell(row['plain_tok_s'], '.0f')} | "
+              f"{cell(row['plain_no_overlap_tok_s'], '.0f')} | {row['spec_tok_s']:.0f} | "
+              f"{cell(row['speedup'], '.2f', 'x')} | {cell(row['speedup_vs_no_overlap'], '.2f', 'x')} | "
+              f"{row['identical']} | {row['mean_accepted_length']:.2f} | {shares} |", flush=True)
 
     if args.profile:  # separate runs: the profiler's own overhead stays out of the table
-        prompts = held_out_prompts(2, args.prompt_tokens)
-        for method, overlap in ((None, None), (None, False), ("eagle3", None)):
-            asyncio.run(run(prompts, 1, args.max_tokens, args.device, args.dtype, method, True, overlap))
+        for c in (int(x) for x in args.profile.split(",")):
+            prompts = held_out_prompts(max(2, 2 * c if c > 1 else 2), args.prompt_tokens)
+            for m in modes + ["spec"]:
+                method = "eagle3" if m == "spec" else None
+                asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, method, True,
+                                overlaps.get(m)))
 
 
 if __name__ == "__main__":
