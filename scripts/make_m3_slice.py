@@ -14,7 +14,8 @@ tokens of three bytes each up to 200064, and MiniMax's bos/eos at their real ids
 text byte by byte and decodes every id; benchmarks feed random token ids anyway.
 
 Tensors are drawn on --device (a GPU makes the ~20 GB of a 1 + 1 slice quick) and streamed to disk one at a
-time, so host memory peaks at the largest tensor (an expert stack: 9.7 GB at full width).
+time per shard, a few shards at once on a GPU, so host memory peaks at a few of the largest tensor (an expert
+stack: 9.7 GB at full width).
 
     python scripts/make_m3_slice.py /tmp/m3-slice --dense 1 --sparse 3 [--device cuda] [--set hidden_size=256 ...]
 """
@@ -26,6 +27,7 @@ import hashlib
 import json
 import struct
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -147,7 +149,7 @@ def write_tokenizer(out: Path, vocab_size: int, bos_id: int, eos_id: int) -> Non
 
 
 def make_slice(out: Path, dense: int = 1, sparse: int = 3, seed: int = 0, device: str = "cpu",
-               max_position_embeddings: int = 524288, overrides: dict | None = None) -> Path:
+               max_position_embeddings: int = 524288, overrides: dict | None = None, workers: int = 3) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     config = slice_config(dense, sparse, max_position_embeddings, overrides or {})
     config.save_pretrained(out)
@@ -159,12 +161,20 @@ def make_slice(out: Path, dense: int = 1, sparse: int = 3, seed: int = 0, device
         key = name.split(".")[2] if name.startswith("model.layers.") else "io"
         groups.setdefault(key, []).append(name)
     weight_map = {}
-    for i, (key, names) in enumerate(groups.items()):
-        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        write_shard(out / file, names, plan, seed, device)
-        weight_map.update(dict.fromkeys(names, file))
-        print(f"  {file}: {'layer ' + key if key != 'io' else 'embeddings + lm_head'} ({len(names)} tensors)",
-              flush=True)
+    files = {key: f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i, key in enumerate(groups)}
+
+    def write(key: str) -> None:
+        write_shard(out / files[key], groups[key], plan, seed, device)
+        print(f"  {files[key]}: {'layer ' + key if key != 'io' else 'embeddings + lm_head'} "
+              f"({len(groups[key])} tensors)", flush=True)
+
+    # Shards are independent: on a GPU several are drawn, copied to the host and written at once (the copies and
+    # file writes release the GIL; a 1 + 3 slice is ~49 GB, so one at a time is bound by a single writer).
+    # Host memory then peaks at `workers` expert stacks.
+    with ThreadPoolExecutor(workers if device != "cpu" else 1) as pool:
+        list(pool.map(write, groups))
+    for key, names in groups.items():
+        weight_map.update(dict.fromkeys(names, files[key]))
     total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in plan.values())
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
