@@ -35,15 +35,19 @@ SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144
           "dense gate_up 6144->24576": (6144, 24576), "dense down 12288->6144": (12288, 6144)}
 MS = (1, 16, 256, 1024, 8192)
 ARMS = ("ours", "gemm", "norm", "torch", "bf16")
-# decode configs set every key they vary: the first is window 1's (mma.sync on 16 padded rows, no split); then
-# swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K to about the resident CTAs, with/without the split
-_DECODE = dict(BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1)
+# decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K to about
+# the resident CTAs (the kept one first), then more programs / deeper pipelines for o_proj's short K runs (8192 / 4
+# splits: 8 K tiles per program, where the pipeline's fill and the split's reduction weigh most)
+_DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=396)
 SWEEP = {
-    "fp8_gemm_decode": [dict(_DECODE, BLOCK_N=32, num_stages=4, SPLIT_PROGRAMS=0, STAGGER=0, SWAP_AB=0),
-                        dict(_DECODE, BLOCK_N=64, SPLIT_PROGRAMS=396),
-                        dict(_DECODE, BLOCK_N=64, BLOCK_K=128, num_stages=4, SPLIT_PROGRAMS=660),
-                        dict(_DECODE, BLOCK_N=128, SPLIT_PROGRAMS=264),
-                        dict(_DECODE, BLOCK_N=64, SPLIT_PROGRAMS=0)],
+    "fp8_gemm_decode": [dict(_DECODE),
+                        dict(_DECODE, SPLIT_PROGRAMS=528),
+                        dict(_DECODE, SPLIT_PROGRAMS=792),
+                        dict(_DECODE, num_stages=4),
+                        dict(_DECODE, BLOCK_K=128, num_stages=4),
+                        dict(_DECODE, BLOCK_K=128, num_stages=6, SPLIT_PROGRAMS=792),
+                        dict(_DECODE, num_stages=4, SPLIT_PROGRAMS=264),
+                        dict(_DECODE, BLOCK_N=128, BLOCK_K=128, num_stages=4)],
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
                      dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)],
     "fp8_gemm_prefill": [dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
@@ -163,7 +167,12 @@ def main() -> None:
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts M")
     ap.add_argument("--arms", default=",".join(ARMS), help="timed columns")
     ap.add_argument("--rep", type=int, default=100, help="ms of graph replays per timing sample")
+    ap.add_argument("--shapes", help="only the shapes whose names start with one of these (comma-separated)")
     args = ap.parse_args()
+    if args.shapes:
+        for name in list(SHAPES):
+            if not name.startswith(tuple(args.shapes.split(","))):
+                del SHAPES[name]
     arch = current_arch()
     fp8 = arch.fp8_dtype
     bw = read_bandwidth()

@@ -5,7 +5,7 @@
 
 Ours (`fused_moe`, shared expert stacked as expert 128, router weights x 2.0) in bf16, FP8 (W8A8), MXFP4 and MXFP8
 (`mxfp4` runs the table's path; `mxfp4:fp8` forces the fp8 tensor cores (MX_FP8), `mxfp4:dot_scaled` forces
-`tl.dot_scaled`)
+`tl.dot_scaled`, `mxfp4:planes` runs the experts converted to the planes layout at load)
 vs `torch._grouped_mm` in bf16 doing the same work (sort pairs by expert, gate_up grouped GEMM, SwiGLU-OAI, down
 grouped GEMM, weight, sum), same routing (each token: 4 distinct random experts + the shared one).
 Floor, decode: the bytes of the experts actually touched (each once, in the arm's format, scales included) over
@@ -16,6 +16,7 @@ the read bandwidth measured here; prefill: FLOPs over the bf16 / fp8 matmul rate
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from contextlib import nullcontext
 
@@ -23,13 +24,14 @@ import torch
 from gpu_timing import bench, read_bandwidth
 
 from m3sdk_kernels.arch import TILES, current_arch
-from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, mx_fp8, quantize_experts
+from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, mx_fp8, quantize_experts, to_planes
 
 DEV = "cuda"
 E, H, I, TOP_K, SCALE = 128, 6144, 3072, 4, 2.0
 ALPHA, LIMIT = 1.702, 7.0
 DECODE_T = (1, 4, 16, 64)
 PREFILL_T = 8192
+REP = 100  # ms of graph replays per timing sample (--rep)
 SWEEP = {
     "moe_decode": [dict(GU_BLOCK_N=64, GU_BLOCK_K=128, DN_BLOCK_N=64, DN_BLOCK_K=128, num_stages=4),
                    dict(GU_BLOCK_N=32, GU_BLOCK_K=256, DN_BLOCK_N=32, DN_BLOCK_K=256, num_stages=3),
@@ -37,16 +39,23 @@ SWEEP = {
     "moe_small": [dict(GU_BLOCK_N=64, GU_BLOCK_K=128, DN_BLOCK_N=64, DN_BLOCK_K=64, num_stages=4),
                   dict(GU_BLOCK_N=32, GU_BLOCK_K=256, DN_BLOCK_N=64, DN_BLOCK_K=128, num_stages=3)],
 }
+# `--planes-sweep`: MXFP4 planes tiles, the same config for moe_decode:planes and moe_small:planes, every decode T
+PLANES_SWEEP = [dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=3),
+                dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=2),
+                dict(PLANES_SWAP=1, GU_BLOCK_N=128, DN_BLOCK_N=128, num_warps=8, num_stages=3),
+                dict(PLANES_SWAP=0, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=3),
+                dict(PLANES_SWAP=0, GU_BLOCK_N=32, DN_BLOCK_N=32, num_warps=4, num_stages=3),
+                dict(PLANES_SWAP=0, GU_BLOCK_N=16, DN_BLOCK_N=16, num_warps=2, num_stages=3)]
 
 
 def mm_rate(dtype: torch.dtype) -> float:
     a = torch.randn(8192, 8192, device=DEV).to(dtype)
     b = torch.randn(8192, 8192, device=DEV).to(dtype)
     if dtype == torch.bfloat16:
-        t = bench(lambda: a @ b.T)
+        t = bench(lambda: a @ b.T, REP)
     else:
         one = torch.ones(1, device=DEV)
-        t = bench(lambda: torch._scaled_mm(a, b.T, one, one, out_dtype=torch.bfloat16))
+        t = bench(lambda: torch._scaled_mm(a, b.T, one, one, out_dtype=torch.bfloat16), REP)
     return 2 * 8192**3 / t / 1e9
 
 
@@ -106,22 +115,59 @@ FORCED = {"dot_scaled": 0, "fp8": 1}
 def arm_mx_fp8(arm: str, t: int) -> bool:
     """Whether arm `arm` ("fmt" or "fmt:path") runs MXFP4 through the fp8 tensor cores at `t` tokens."""
     fmt, _, path = arm.partition(":")
+    if path == "planes":
+        return False
     with forced_mx_fp8(FORCED[path]) if path else nullcontext():
         return mx_fp8(fmt, t, current_arch())
 
 
 def run(arm: str, x, ids, w, ex: Experts) -> torch.Tensor:
     path = arm.partition(":")[2]
-    with forced_mx_fp8(FORCED[path]) if path else nullcontext():
+    with forced_mx_fp8(FORCED[path]) if path in FORCED else nullcontext():
         return fused_moe(x, ids, w, ex, ALPHA, LIMIT)
 
 
-def check(arm: str, ex: Experts) -> float:
+def planes_sweep(ex: Experts, jsonl: str | None) -> None:
+    """Time PLANES_SWEEP at every decode T (each config checked against the reference first); keep the config
+    with the smallest sum over T in both planes tables."""
+    arch = current_arch().name
+    tables = [TILES[f].setdefault(arch, {}) for f in ("moe_decode:planes", "moe_small:planes")]
+    base = [dict(t) for t in tables]
+    best = None
+    for cfg in PLANES_SWEEP:
+        for t in tables:
+            t.update(cfg)
+        rec = dict(bench="moe_planes_sweep", config=cfg, us={})
+        try:
+            rec["rel_err"] = check("mxfp4:planes", ex, ts=(2, 40))
+            for t in DECODE_T:
+                w, ids = routing(t, t)
+                x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
+                rec["us"][t] = bench(lambda x=x, ids=ids, w=w: fused_moe(x, ids, w, ex, ALPHA, LIMIT), REP) * 1e3
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        print(f"planes sweep {cfg}: " + (rec.get("error", "")[:200] or " ".join(
+            f"T={t} {v:.1f}" for t, v in rec["us"].items()) + f" us | err {rec['rel_err']:.1e}"), flush=True)
+        if jsonl:
+            with open(jsonl, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+        if "error" not in rec and (best is None or sum(rec["us"].values()) < best[0]):
+            best = (sum(rec["us"].values()), cfg)
+        for t, b in zip(tables, base, strict=True):
+            t.clear()
+            t.update(b)
+    if best is not None:
+        for t in tables:
+            t.update(best[1])
+    print(f"planes sweep: keep {best[1] if best else None}")
+
+
+def check(arm: str, ex: Experts, ts: tuple[int, ...] = (2, 40, 300)) -> float:
     """GPU kernel vs reference on a 4-expert slice at full width: decode (sort-free) and both sorted paths."""
-    small = Experts(ex.fmt, ex.gate_up[:4], ex.down[:4], None if ex.gate_up_scale is None else ex.gate_up_scale[:4],
-                    None if ex.down_scale is None else ex.down_scale[:4])
+    small = dataclasses.replace(ex, **{f.name: getattr(ex, f.name)[:4] for f in dataclasses.fields(ex)
+                                       if isinstance(getattr(ex, f.name), torch.Tensor)})
     worst = 0.0
-    for t in (2, 40, 300):
+    for t in ts:
         g = torch.Generator(device=DEV).manual_seed(t)
         ids = torch.rand(t, 4, generator=g, device=DEV).argsort(-1)[:, :2].to(torch.int32)
         w = torch.rand(t, 2, generator=g, device=DEV)
@@ -140,10 +186,18 @@ def main() -> None:
     ap.add_argument("--jsonl", help="append one line per T")
     ap.add_argument("--formats", default="bf16,fp8,mxfp4:dot_scaled,mxfp4:fp8,mxfp8")
     ap.add_argument("--prefill-formats", help="the arms timed at 8K tokens (default: --formats)")
+    ap.add_argument("--ts", default=",".join(map(str, (*DECODE_T, PREFILL_T))), help="token counts of the table")
+    ap.add_argument("--rep", type=int, default=100, help="ms of graph replays per timing sample")
+    ap.add_argument("--planes-sweep", nargs="?", const="all", help="sweep the planes tiles first (needs mxfp4:planes;"
+                    " a value: the PLANES_SWEEP indices to time, e.g. 0,3)")
     args = ap.parse_args()
+    global REP
+    REP = args.rep
+    ts = [int(t) for t in args.ts.split(",")]
     arch = current_arch()
     bw = read_bandwidth()
-    rate_bf16, rate_fp8 = mm_rate(torch.bfloat16), mm_rate(arch.fp8_dtype)
+    # the matmul rates set the prefill floors only
+    rate_bf16, rate_fp8 = (mm_rate(torch.bfloat16), mm_rate(arch.fp8_dtype)) if max(ts) > 256 else (1e9, 1e9)
     print(f"read bandwidth {bw:.0f} GB/s; matmul bf16 {rate_bf16:.0f}, fp8 {rate_fp8:.0f} TFLOP/s")
 
     torch.manual_seed(0)
@@ -154,10 +208,13 @@ def main() -> None:
     prefill_formats = args.prefill_formats.split(",") if args.prefill_formats else formats
     stacks = {f.split(":")[0]: None for f in formats}
     stacks = {f: quantize_experts(w_gate_up, w_down, f) for f in stacks}
-    experts = {f: stacks[f.split(":")[0]] for f in formats}
+    if "mxfp4:planes" in formats:
+        stacks["planes"] = to_planes(stacks["mxfp4"])
+    experts = {f: stacks["planes" if f == "mxfp4:planes" else f.split(":")[0]] for f in formats}
     for f, ex in list(experts.items()):
         try:  # an arm that fails its check (or does not compile) is reported and not timed; the others still are
-            print(f"correctness {f}: rel err vs reference {check(f, ex):.2e}", flush=True)
+            err = check(f, ex, (2, 40) if f == "mxfp4:planes" else (2, 40, 300))  # planes: decode layout
+            print(f"correctness {f}: rel err vs reference {err:.2e}", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"correctness {f}: FAILED, not timed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             del experts[f]
@@ -165,6 +222,10 @@ def main() -> None:
                 with open(args.jsonl, "a") as fh:
                     fh.write(json.dumps(dict(bench="moe", arm=f, error=f"{type(e).__name__}: {str(e)[:2000]}")) + "\n")
 
+    if args.planes_sweep and "mxfp4:planes" in experts:
+        if args.planes_sweep != "all":
+            PLANES_SWEEP[:] = [PLANES_SWEEP[int(i)] for i in args.planes_sweep.split(",")]
+        planes_sweep(experts["mxfp4:planes"], args.jsonl)
     if args.sweep:
         for fam, configs in SWEEP.items():
             t = 1 if fam == "moe_decode" else 16
@@ -174,7 +235,7 @@ def main() -> None:
             for f in ("bf16", "fp8", "mxfp4"):
                 for cfg in configs:
                     TILES[fam][arch.name].update(cfg)
-                    ms = bench(lambda x=x, ids=ids, w=w, f=f: fused_moe(x, ids, w, experts[f], ALPHA, LIMIT))
+                    ms = bench(lambda x=x, ids=ids, w=w, f=f: fused_moe(x, ids, w, experts[f], ALPHA, LIMIT), REP)
                     print(f"sweep {fam} T={t} {f} {cfg}: {ms * 1e3:.1f} us")
                     TILES[fam][arch.name].clear()
                     TILES[fam][arch.name].update(base)
@@ -184,22 +245,22 @@ def main() -> None:
             x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
             for max_tokens in (t, t - 1):
                 TILES["moe_decode"][arch.name]["MAX_TOKENS"] = max_tokens
-                ms = bench(lambda x=x, ids=ids, w=w: fused_moe(x, ids, w, experts["bf16"], ALPHA, LIMIT))
+                ms = bench(lambda x=x, ids=ids, w=w: fused_moe(x, ids, w, experts["bf16"], ALPHA, LIMIT), REP)
                 print(f"sweep T={t} {'sort-free' if max_tokens == t else 'sorted'}: {ms * 1e3:.1f} us")
         TILES["moe_decode"][arch.name]["MAX_TOKENS"] = 2
 
     rows = []
-    for t in (*DECODE_T, PREFILL_T):
+    for t in ts:
         w, ids = routing(t, t)
         x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
         touched = ids.unique().numel()
-        peer = bench(lambda x=x, ids=ids, w=w: grouped_mm_moe(x, ids, w, gu_t, dn_t))
+        peer = bench(lambda x=x, ids=ids, w=w: grouped_mm_moe(x, ids, w, gu_t, dn_t), REP)
         flops = 6 * H * I * ids.numel()
         row = dict(bench="moe", T=t, experts_touched=touched, grouped_mm_ms=peer)
         for f, ex in experts.items():
             if t == PREFILL_T and f not in prefill_formats:
                 continue
-            ms = bench(lambda x=x, ids=ids, w=w, ex=ex, f=f: run(f, x, ids, w, ex))
+            ms = bench(lambda x=x, ids=ids, w=w, ex=ex, f=f: run(f, x, ids, w, ex), REP)
             byts = expert_bytes(ex, touched)
             fp8_mma = f == "fp8" or arm_mx_fp8(f, t)
             floor = max(byts / bw / 1e6, flops / (rate_fp8 if fp8_mma else rate_bf16) / 1e9)

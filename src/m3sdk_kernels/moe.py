@@ -43,9 +43,12 @@ from .arch import Arch, current_arch, tiles
 from .quant import (
     INTERPRET,
     MX_BLOCK,
+    PLANE_K,
     dequantize_mxfp4,
+    dequantize_mxfp4_planes,
     dequantize_mxfp8,
     fp8_grid,
+    mxfp4_planes,
     quantize_fp8_per_token,
     quantize_fp8_per_token_ref,
     quantize_fp8_weight,
@@ -70,6 +73,14 @@ class Experts:
     down: torch.Tensor
     gate_up_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
+    # MXFP4 in the planes layout (`to_planes`): weights int32 words, scales the groups' rel exponents, and these
+    # float32 row scales [E, 2I], [E, H]
+    gate_up_row: torch.Tensor | None = None
+    down_row: torch.Tensor | None = None
+
+    @property
+    def planes(self) -> bool:
+        return self.gate_up_row is not None
 
     @property
     def num_experts(self) -> int:
@@ -78,6 +89,11 @@ class Experts:
     @property
     def hidden(self) -> int:
         return self.down.shape[1]
+
+    @property
+    def w_fmt(self) -> int:
+        """The kernels' weight-format code: FORMATS' index, 4 for MXFP4 in the planes layout."""
+        return 4 if self.planes else _FMT_CODE[self.fmt]
 
     @property
     def inter(self) -> int:
@@ -122,6 +138,18 @@ def empty_experts(fmt: str, num_experts: int, hidden: int, inter: int) -> Expert
                    empty(2 * inter, hidden, torch.uint8, MX_BLOCK), empty(hidden, inter, torch.uint8, MX_BLOCK))
 
 
+def to_planes(experts: Experts) -> Experts:
+    """MXFP4 experts -> the same values in the planes layout (`quant.mxfp4_planes`: Hopper's decode layout, made
+    once at load; values more than 28 octaves below their row's largest scale flush to zero)."""
+    if experts.fmt != "mxfp4" or experts.planes:
+        raise ValueError("to_planes takes MXFP4 experts in the checkpoint layout")
+    ex = experts
+    parts = [(*mxfp4_planes(ex.gate_up[e], ex.gate_up_scale[e]), *mxfp4_planes(ex.down[e], ex.down_scale[e]))
+             for e in range(ex.num_experts)]  # expert by expert: the conversion's temporaries stay small
+    gu, gus, gur, dn, dns, dnr = (torch.stack(f) for f in zip(*parts, strict=True))
+    return Experts("mxfp4", gu, dn, gus, dns, gur, dnr)
+
+
 MX_FP8_OCTAVES = 11  # MXFP4 as e4m3: scale groups this far below their row's largest scale convert exactly
 
 
@@ -141,6 +169,9 @@ def dequantize_experts(experts: Experts, mx_fp8: bool = False) -> tuple[torch.Te
         return ex.gate_up.float(), ex.down.float()
     if ex.fmt == "fp8":
         return ex.gate_up.float() * ex.gate_up_scale[..., None], ex.down.float() * ex.down_scale[..., None]
+    if ex.planes:
+        return (dequantize_mxfp4_planes(ex.gate_up, ex.gate_up_scale, ex.gate_up_row),
+                dequantize_mxfp4_planes(ex.down, ex.down_scale, ex.down_row))
     dequantize = dequantize_mxfp4 if ex.fmt == "mxfp4" else dequantize_mxfp8
     out = []
     for w, s in ((ex.gate_up, ex.gate_up_scale), (ex.down, ex.down_scale)):
@@ -169,23 +200,24 @@ def fused_moe_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
                   alpha: float, limit: float, mx_fp8: bool = False) -> torch.Tensor:
     """hidden [T, H], topk_ids / topk_weights [T, k] -> [T, H] in hidden's dtype (fp32 math, the kernels'
     quantization of activations mirrored; `mx_fp8`: MXFP4 experts as `fused_moe` runs them through the fp8 tensor
-    cores, activations fp8 like the fp8 experts')."""
+    cores, activations fp8 like the fp8 experts'; planes: activations and the intermediate fp16)."""
     t, k = topk_ids.shape
     act_fp8 = experts.fmt == "fp8" or (mx_fp8 and experts.fmt == "mxfp4")
     fp8 = experts.gate_up.dtype if experts.fmt == "fp8" else torch.float8_e4m3fn
     w_gate_up, w_down = dequantize_experts(experts, mx_fp8)
+    act_dtype = torch.float16 if experts.planes else hidden.dtype
     if act_fp8:
         xq, xs = quantize_fp8_per_token_ref(hidden, fp8)
         x = xq.float() * xs[:, None]
     else:
-        x = hidden.float()
+        x = hidden.to(act_dtype).float()
     flat = topk_ids.reshape(-1).long()
     out = torch.zeros((t, experts.hidden), dtype=torch.float32, device=hidden.device)
     for e in flat.unique().tolist():
         pairs = (flat == e).nonzero().squeeze(1)
         tokens = pairs // k
         h = swiglu_oai_ref(x[tokens] @ w_gate_up[e].T, alpha, limit)
-        h = _quantize_groups_ref(h, fp8) if act_fp8 else h.to(hidden.dtype).float()
+        h = _quantize_groups_ref(h, fp8) if act_fp8 else h.to(act_dtype).float()
         y = (h @ w_down[e].T) * topk_weights.reshape(-1)[pairs, None].float()
         out.index_add_(0, tokens, y)
     return out.to(hidden.dtype)
@@ -378,6 +410,85 @@ def _dot_step(acc, a, w_base, s_base, rows, ref, k0, stride_wn, stride_sn, W_FMT
 
 
 @triton.jit
+def _halves_f16(x):
+    # int32 [R, C] -> fp16 [R, 2C]: column 2c + h is half h of x[:, c] (no data movement: a register's halves)
+    lo = x.to(tl.uint16)
+    hi = (x >> 16).to(tl.uint16)
+    return tl.reshape(tl.join(lo, hi), (x.shape[0], 2 * x.shape[1])).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _plane_bits(wd, Q: tl.constexpr):
+    # nibbles Q and Q + 4 of each planes word -> fp16x2 of value * 2^-14: signs (bits 4Q + 3, + 16) to bits 15 and
+    # 31, exponent and mantissa (bits 4Q .. 4Q + 2, + 16) to bits 9 .. 11 (+ 16): two shifts, two masks, one or
+    sgn = (wd << (12 - 4 * Q)) & -2147450880  # 0x80008000
+    if Q == 3:
+        mag = (wd >> 3) & 0x0E000E00
+    else:
+        mag = (wd << (9 - 4 * Q)) & 0x0E000E00
+    return sgn | mag
+
+
+@triton.jit
+def _mult_f16x2(s_base, rows, stride_sn, g):
+    # int32 [rows] holding the fp16x2 multipliers 2^(rel - 15) of scale groups g (low half) and g + 1 (high half)
+    m = tl.load(s_base + rows * stride_sn + g).to(tl.int32) << 10
+    return m | (tl.load(s_base + rows * stride_sn + g + 1).to(tl.int32) << 26)
+
+
+@triton.jit
+def _mul_f16x2(x, m, INTERPRET: tl.constexpr):
+    # fp16x2 products of two int32 tensors' halves, as int32 (one HMUL2 per register on the GPU)
+    if INTERPRET:
+        p = _halves_f16(x) * _halves_f16(m)
+        p = tl.reshape(p.to(tl.uint16, bitcast=True).to(tl.int32), (x.shape[0], x.shape[1], 2))
+        lo, hi = tl.split(p)
+        out = lo | (hi << 16)
+    else:
+        out = tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [x, m], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
+def _planes_step(acc, a_rows, valid, w_base, s_base, rows, k0, stride_wn, stride_sn, SWAP: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    # acc += A[:, k0:k0+256] @ W^T for MXFP4 in the planes layout (quant.mxfp4_planes): the tile's 32 words of
+    # each row in one load, then per q the fp16 weights of scale groups 2q, 2q + 1 (column 2w + h is element
+    # 64q + 32h + w) times their per-row multipliers, and a K = 64 dot with the activation gathered in that
+    # column order (fp16). SWAP: weight rows as the MMA's M (acc is [rows, tokens]).
+    wd = tl.load(w_base + rows[:, None] * stride_wn + (k0 // 8 + tl.arange(0, 32))[None, :])
+    cols = tl.arange(0, 64)
+    for q in tl.static_range(4):
+        m = tl.broadcast_to(_mult_f16x2(s_base, rows, stride_sn, k0 // 32 + 2 * q)[:, None], wd.shape)
+        w = _halves_f16(_mul_f16x2(_plane_bits(wd, q), m, DOT_F32))
+        ks = k0 + 64 * q + 32 * (cols % 2) + cols // 2
+        a = tl.load(a_rows + ks[None, :], mask=valid[:, None], other=0.0).to(tl.float16)
+        if SWAP:
+            acc = _dot(w, tl.trans(a), acc, DOT_F32)
+        else:
+            acc = _dot(a, tl.trans(w), acc, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _planes_out(acc, r_base, rows, SWAP: tl.constexpr):
+    # a planes accumulator as [tokens, rows], times the rows' 2^(ref - 127)
+    if SWAP:
+        acc = tl.trans(acc)
+    return acc * tl.load(r_base + rows)[None, :]
+
+
+@triton.jit
+def _acc_init(W_FMT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    if W_FMT == 4 and SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    return acc
+
+
+@triton.jit
 def _row_refs(s_base, rows, K, stride_sn, MX_FP8: tl.constexpr, BLOCK_N: tl.constexpr):
     if MX_FP8:
         ref = _mx_row_ref(s_base, rows, K, stride_sn, BLOCK_N)
@@ -412,12 +523,12 @@ def _pair_rows(pid_m, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, SORTED: t
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, h_ptr, h_scale_ptr, pairs_ptr, block_expert_ptr,
-                        num_padded_ptr, ids_ptr, num_pairs, I, K, stride_xt, stride_we, stride_wn, stride_se,
-                        stride_sn, stride_hp, stride_hsp, alpha, limit, TOP_K: tl.constexpr, SORTED: tl.constexpr,
-                        W_FMT: tl.constexpr, MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, DOT_F32: tl.constexpr,
-                        INTERPRET: tl.constexpr):
+def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, r_ptr, h_ptr, h_scale_ptr, pairs_ptr,
+                        block_expert_ptr, num_padded_ptr, ids_ptr, num_pairs, I, K, stride_xt, stride_we, stride_wn,
+                        stride_se, stride_sn, stride_re, stride_hp, stride_hsp, alpha, limit, TOP_K: tl.constexpr,
+                        SORTED: tl.constexpr, W_FMT: tl.constexpr, MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr,
+                        SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        FP8_MAX: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if SORTED:
@@ -435,14 +546,24 @@ def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, h_ptr, h_scale_p
     ref_g = _row_refs(s_base, rows_g, K, stride_sn, MX_FP8, BLOCK_N)
     ref_u = _row_refs(s_base, rows_u, K, stride_sn, MX_FP8, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_g = _acc_init(W_FMT, SWAP, BLOCK_M, BLOCK_N)
+    acc_u = _acc_init(W_FMT, SWAP, BLOCK_M, BLOCK_N)
+    x_rows = x_ptr + tokens[:, None] * stride_xt
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(x_ptr + tokens[:, None] * stride_xt + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
-        acc_g = _dot_step(acc_g, a, w_base, s_base, rows_g, ref_g, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, MX_FP8,
-                          DOT_F32)
-        acc_u = _dot_step(acc_u, a, w_base, s_base, rows_u, ref_u, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, MX_FP8,
-                          DOT_F32)
+        if W_FMT == 4:
+            acc_g = _planes_step(acc_g, x_rows, valid, w_base, s_base, rows_g, k0, stride_wn, stride_sn, SWAP,
+                                 DOT_F32)
+            acc_u = _planes_step(acc_u, x_rows, valid, w_base, s_base, rows_u, k0, stride_wn, stride_sn, SWAP,
+                                 DOT_F32)
+        else:
+            a = tl.load(x_rows + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
+            acc_g = _dot_step(acc_g, a, w_base, s_base, rows_g, ref_g, k0, stride_wn, stride_sn, W_FMT, BLOCK_K,
+                              MX_FP8, DOT_F32)
+            acc_u = _dot_step(acc_u, a, w_base, s_base, rows_u, ref_u, k0, stride_wn, stride_sn, W_FMT, BLOCK_K,
+                              MX_FP8, DOT_F32)
+    if W_FMT == 4:
+        acc_g = _planes_out(acc_g, r_ptr + expert * stride_re, rows_g, SWAP)
+        acc_u = _planes_out(acc_u, r_ptr + expert * stride_re, rows_u, SWAP)
     if ACT_FP8:
         xs = tl.load(x_scale_ptr + tokens)
         acc_g = acc_g * xs[:, None] * _channel_scale(s_base, rows_g, ref_g, MX_FP8)[None, :]
@@ -465,34 +586,40 @@ def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, h_ptr, h_scale_p
 
 
 @triton.jit
-def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn,
-              W_FMT: tl.constexpr, MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, r_base, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn,
+              stride_sn, W_FMT: tl.constexpr, MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, SWAP: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     ref = _row_refs(s_base, rows, K, stride_sn, MX_FP8, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = _acc_init(W_FMT, SWAP, BLOCK_M, BLOCK_N)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(h_ptr + pairs[:, None] * stride_hp + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
-        if ACT_FP8:
+        if W_FMT == 4:
+            acc = _planes_step(acc, h_ptr + pairs[:, None] * stride_hp, valid, w_base, s_base, rows, k0, stride_wn,
+                               stride_sn, SWAP, DOT_F32)
+        elif ACT_FP8:
+            a = tl.load(h_ptr + pairs[:, None] * stride_hp + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
             # BLOCK_K <= 64 divides the activation group: one scale per row for this step
             part = _dot_step(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a, w_base, s_base, rows, ref, k0, stride_wn,
                              stride_sn, W_FMT, BLOCK_K, MX_FP8, DOT_F32)
             hs = tl.load(h_scale_ptr + pairs * stride_hsp + k0 // 64, mask=valid, other=0.0)
             acc += part * hs[:, None]
         else:
+            a = tl.load(h_ptr + pairs[:, None] * stride_hp + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
             acc = _dot_step(acc, a, w_base, s_base, rows, ref, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, MX_FP8,
                             DOT_F32)
+    if W_FMT == 4:
+        acc = _planes_out(acc, r_base, rows, SWAP)
     if ACT_FP8:
         acc = acc * _channel_scale(s_base, rows, ref, MX_FP8)[None, :]
     return acc
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr,
+def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, r_ptr, out_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr,
                      num_padded_ptr, ids_ptr, num_pairs, N, K, stride_hp, stride_hsp, stride_we, stride_wn, stride_se,
-                     stride_sn, stride_om, TOP_K: tl.constexpr, SORTED: tl.constexpr, W_FMT: tl.constexpr,
-                     MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                     stride_sn, stride_re, stride_om, TOP_K: tl.constexpr, SORTED: tl.constexpr, W_FMT: tl.constexpr,
+                     MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -503,9 +630,9 @@ def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
         pairs, valid, expert = _pair_rows(pid_m, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, True, BLOCK_M)
-        acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se, pairs,
-                        valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn, W_FMT, MX_FP8,
-                        ACT_FP8, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+        acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se,
+                        r_ptr + expert * stride_re, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn,
+                        stride_sn, W_FMT, MX_FP8, ACT_FP8, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
         acc = acc * tl.load(topk_w_ptr + pairs, mask=valid, other=0.0)[:, None]
         tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & n_ok[None, :])
@@ -516,27 +643,30 @@ def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, out_ptr, topk_w_ptr
             pair = pid_m * TOP_K + j
             pairs, valid, expert = _pair_rows(pair, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, False,
                                               BLOCK_M)
-            acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se, pairs,
-                            valid, rows, K, stride_hp, stride_hsp, stride_wn, stride_sn, W_FMT, MX_FP8,
-                            ACT_FP8, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+            acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se,
+                            r_ptr + expert * stride_re, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn,
+                            stride_sn, W_FMT, MX_FP8, ACT_FP8, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
             total += tl.sum(tl.where(valid[:, None], acc, 0.0), axis=0) * tl.load(topk_w_ptr + pair)
         tl.store(out_ptr + pid_m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def moe_tiles(num_tokens: int, arch: Arch) -> tuple[dict, bool]:
-    """(tile dict, sorted?) for a batch of `num_tokens` tokens on `arch`."""
-    decode = tiles("moe_decode", arch)
+def moe_tiles(num_tokens: int, arch: Arch, variant: str | None = None) -> tuple[dict, bool]:
+    """(tile dict, sorted?) for a batch of `num_tokens` tokens on `arch` (`variant` "planes": MXFP4 in the planes
+    layout, the tables' "family:planes" entries)."""
+    decode = tiles("moe_decode", arch, variant)
     if num_tokens <= decode["MAX_TOKENS"]:
         return decode, False
-    small = tiles("moe_small", arch)
-    return (small if num_tokens <= small["MAX_TOKENS"] else tiles("moe_prefill", arch)), True
+    small = tiles("moe_small", arch, variant)
+    return (small if num_tokens <= small["MAX_TOKENS"] else tiles("moe_prefill", arch, variant)), True
 
 
-def _weight_args(w: torch.Tensor, s: torch.Tensor | None) -> tuple:
-    # (weight, scale, stride_we, stride_wn, stride_se, stride_sn); bf16 has no scales: the weight stands in
+def _weight_args(w: torch.Tensor, s: torch.Tensor | None, r: torch.Tensor | None) -> tuple:
+    # (weight, scale, row scale, stride_we, stride_wn, stride_se, stride_sn, stride_re); bf16 has no scales and
+    # only planes have row scales: the weight / scale stands in
     if s is None:
-        return w, w, w.stride(0), w.stride(1), 0, 0
-    return w, s, w.stride(0), w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0
+        return w, w, w, w.stride(0), w.stride(1), 0, 0, 0
+    r = s if r is None else r
+    return w, s, r, w.stride(0), w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0, r.stride(0)
 
 
 def mx_fp8(fmt: str, num_tokens: int, arch: Arch) -> bool:
@@ -558,12 +688,14 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if t == 0:
         return out
     arch = current_arch(dev)
-    cfg, sort = moe_tiles(t, arch)
-    use_mx_fp8 = mx_fp8(fmt, t, arch)
+    planes = experts.planes
+    cfg, sort = moe_tiles(t, arch, "planes" if planes else None)
+    use_mx_fp8 = mx_fp8(fmt, t, arch) and not planes
     act_fp8 = fmt == "fp8" or use_mx_fp8
-    # K tiles: the table's, or the largest power of two dividing K when K is smaller (small models)
-    gu_bk = min(cfg["GU_BLOCK_K"], hdim & -hdim)
-    dn_bk = min(cfg["DN_BLOCK_K"], inter & -inter, FP8_ACT_GROUP if act_fp8 else inter)
+    # K tiles: the table's, or the largest power of two dividing K when K is smaller (small models); planes step
+    # through their 256-element tiles
+    gu_bk = PLANE_K if planes else min(cfg["GU_BLOCK_K"], hdim & -hdim)
+    dn_bk = PLANE_K if planes else min(cfg["DN_BLOCK_K"], inter & -inter, FP8_ACT_GROUP if act_fp8 else inter)
     # MXFP4 as fp8: K tiles of 64 and up, the sizes compiled and measured on sm90 (the conversion is one dot)
     min_bk = 64 if use_mx_fp8 else 32 if fmt != "bf16" else 16
     if min(gu_bk, dn_bk) < min_bk or (act_fp8 and inter % FP8_ACT_GROUP):
@@ -577,7 +709,8 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         h_scale = torch.empty((n_pairs, inter // FP8_ACT_GROUP), dtype=torch.float32, device=dev)
     else:
         x, x_scale = hidden, hidden
-        h = torch.empty((n_pairs, inter), dtype=hidden.dtype, device=dev)
+        # planes: fp16 activations for fp16 dots (the SwiGLU-OAI output is within +-8 x limit)
+        h = torch.empty((n_pairs, inter), dtype=torch.float16 if planes else hidden.dtype, device=dev)
         h_scale = h
     block_m = cfg["BLOCK_M"]
     if sort:
@@ -586,21 +719,23 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     else:
         pairs = block_expert = num_padded = ids
         m_blocks = n_pairs
-    common = dict(TOP_K=k, SORTED=sort, W_FMT=_FMT_CODE[fmt], MX_FP8=use_mx_fp8, ACT_FP8=act_fp8, BLOCK_M=block_m,
-                  DOT_F32=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    common = dict(TOP_K=k, SORTED=sort, W_FMT=experts.w_fmt, MX_FP8=use_mx_fp8, ACT_FP8=act_fp8,
+                  SWAP=bool(cfg.get("PLANES_SWAP", 0)), BLOCK_M=block_m, DOT_F32=INTERPRET,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     fp8_max = torch.finfo(h.dtype).max if act_fp8 else 0.0
 
-    w, s, swe, swn, sse, ssn = _weight_args(experts.gate_up, experts.gate_up_scale)
+    w, s, r, swe, swn, sse, ssn, sre = _weight_args(experts.gate_up, experts.gate_up_scale, experts.gate_up_row)
     _moe_gate_up_kernel[(m_blocks, triton.cdiv(inter, cfg["GU_BLOCK_N"]))](
-        x, x_scale, w, s, h, h_scale, pairs, block_expert, num_padded, ids, n_pairs, inter, hdim, x.stride(0),
-        swe, swn, sse, ssn, h.stride(0), h_scale.stride(0), alpha, limit, BLOCK_N=cfg["GU_BLOCK_N"], BLOCK_K=gu_bk,
-        FP8_MAX=fp8_max, INTERPRET=INTERPRET, **common)
+        x, x_scale, w, s, r, h, h_scale, pairs, block_expert, num_padded, ids, n_pairs, inter, hdim, x.stride(0),
+        swe, swn, sse, ssn, sre, h.stride(0), h_scale.stride(0), alpha, limit, BLOCK_N=cfg["GU_BLOCK_N"],
+        BLOCK_K=gu_bk, FP8_MAX=fp8_max, INTERPRET=INTERPRET, **common)
 
-    w, s, swe, swn, sse, ssn = _weight_args(experts.down, experts.down_scale)
+    w, s, r, swe, swn, sse, ssn, sre = _weight_args(experts.down, experts.down_scale, experts.down_row)
     y = torch.empty((n_pairs, hdim), dtype=hidden.dtype, device=dev) if sort else out
     _moe_down_kernel[(m_blocks if sort else t, triton.cdiv(hdim, cfg["DN_BLOCK_N"]))](
-        h, h_scale, w, s, y, weights, pairs, block_expert, num_padded, ids, n_pairs, hdim, inter, h.stride(0),
-        h_scale.stride(0), swe, swn, sse, ssn, y.stride(0), BLOCK_N=cfg["DN_BLOCK_N"], BLOCK_K=dn_bk, **common)
+        h, h_scale, w, s, r, y, weights, pairs, block_expert, num_padded, ids, n_pairs, hdim, inter, h.stride(0),
+        h_scale.stride(0), swe, swn, sse, ssn, sre, y.stride(0), BLOCK_N=cfg["DN_BLOCK_N"], BLOCK_K=dn_bk,
+        **common)
     if sort:
         torch.sum(y.view(t, k, hdim), dim=1, out=out)
     return out
@@ -620,33 +755,38 @@ def aot_variants(arch: Arch) -> list:
                       {"BLOCK_M": 64, "E_PAD": 256, "LOG2_E_PAD": 8, "CHUNK": tiles("moe_align", arch)["CHUNK"]},
                       num_warps=tiles("moe_align", arch)["num_warps"], num_stages=1)]
     w_types = {"bf16": ("*bf16", "*bf16"), "fp8": (fp8, "*fp32"), "mxfp4": ("*u8", "*u8"), "mxfp8": ("*fp8e4nv", "*u8")}
+    if arch.name == "sm90":  # MXFP4 in the planes layout: Hopper's decode layout
+        w_types["mxfp4_planes"] = ("*i32", "*u8")
+    codes = {**_FMT_CODE, "mxfp4_planes": 4}
     for family, sort in (("moe_decode", False), ("moe_small", True), ("moe_prefill", True)):
-        cfg = tiles(family, arch)
         for fmt, (wt, st) in w_types.items():
+            planes = fmt == "mxfp4_planes"
+            cfg = tiles(family, arch, "planes" if planes else None)
             mxf = fmt == "mxfp4" and bool(cfg.get("MX_FP8", 0))
-            act = fp8 if fmt == "fp8" or mxf else "*bf16"
-            common = {"TOP_K": 5, "SORTED": sort, "W_FMT": _FMT_CODE[fmt], "MX_FP8": mxf, "ACT_FP8": act == fp8,
-                      "BLOCK_M": cfg["BLOCK_M"], "DOT_F32": False}
+            act = fp8 if fmt == "fp8" or mxf else "*fp16" if planes else "*bf16"
+            common = {"TOP_K": 5, "SORTED": sort, "W_FMT": codes[fmt], "MX_FP8": mxf, "ACT_FP8": act == fp8,
+                      "SWAP": bool(cfg.get("PLANES_SWAP", 0)), "BLOCK_M": cfg["BLOCK_M"], "DOT_F32": False}
             ptrs = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "ids_ptr": "*i32"}
             strides = {"stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32"}
             out.append(AotVariant(
                 f"{family}_gate_up_{fmt}", _moe_gate_up_kernel,
-                {"x_ptr": act, "x_scale_ptr": "*fp32", "w_ptr": wt, "w_scale_ptr": st, "h_ptr": act,
-                 "h_scale_ptr": "*fp32", **ptrs, "num_pairs": "i32", "I": "i32", "K": "i32", "stride_xt": "i32",
-                 **strides, "stride_hp": "i32", "stride_hsp": "i32", "alpha": "fp32", "limit": "fp32"},
-                {**common, "BLOCK_N": cfg["GU_BLOCK_N"], "BLOCK_K": cfg["GU_BLOCK_K"], "FP8_MAX": arch.fp8_max,
-                 "INTERPRET": False},
+                {"x_ptr": "*bf16" if planes else act, "x_scale_ptr": "*fp32", "w_ptr": wt, "w_scale_ptr": st,
+                 "r_ptr": "*fp32", "h_ptr": act, "h_scale_ptr": "*fp32", **ptrs, "num_pairs": "i32", "I": "i32",
+                 "K": "i32", "stride_xt": "i32", **strides, "stride_re": "i32", "stride_hp": "i32",
+                 "stride_hsp": "i32", "alpha": "fp32", "limit": "fp32"},
+                {**common, "BLOCK_N": cfg["GU_BLOCK_N"], "BLOCK_K": PLANE_K if planes else cfg["GU_BLOCK_K"],
+                 "FP8_MAX": arch.fp8_max, "INTERPRET": False},
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                aligned=("I", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_hp",
-                         "stride_hsp")))
-            dn_bk = min(cfg["DN_BLOCK_K"], FP8_ACT_GROUP) if act == fp8 else cfg["DN_BLOCK_K"]
+                aligned=("I", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_re",
+                         "stride_hp", "stride_hsp")))
+            dn_bk = PLANE_K if planes else min(cfg["DN_BLOCK_K"], FP8_ACT_GROUP) if act == fp8 else cfg["DN_BLOCK_K"]
             out.append(AotVariant(
                 f"{family}_down_{fmt}", _moe_down_kernel,
-                {"h_ptr": act, "h_scale_ptr": "*fp32", "w_ptr": wt, "w_scale_ptr": st, "out_ptr": "*bf16",
-                 "topk_w_ptr": "*fp32", **ptrs, "num_pairs": "i32", "N": "i32", "K": "i32", "stride_hp": "i32",
-                 "stride_hsp": "i32", **strides, "stride_om": "i32"},
+                {"h_ptr": act, "h_scale_ptr": "*fp32", "w_ptr": wt, "w_scale_ptr": st, "r_ptr": "*fp32",
+                 "out_ptr": "*bf16", "topk_w_ptr": "*fp32", **ptrs, "num_pairs": "i32", "N": "i32", "K": "i32",
+                 "stride_hp": "i32", "stride_hsp": "i32", **strides, "stride_re": "i32", "stride_om": "i32"},
                 {**common, "BLOCK_N": cfg["DN_BLOCK_N"], "BLOCK_K": dn_bk},
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                 aligned=("N", "K", "stride_hp", "stride_hsp", "stride_we", "stride_wn", "stride_se", "stride_sn",
-                         "stride_om")))
+                         "stride_re", "stride_om")))
     return out

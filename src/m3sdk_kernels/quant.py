@@ -80,6 +80,49 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return vals.reshape(*packed.shape[:-1], -1).to(dtype)
 
 
+# MXFP4 "planes" layout (Hopper decode): the same bits, rearranged once at load so that one 32-bit word turns
+# into four fp16x2 registers with two shifts and two masks each. Per 256-element K tile, word w (0..31) of a row
+# holds in nibble q + 4h (q 0..3, h 0..1) the element 64 q + 32 h + w, i.e. w of scale group 2q + h: the nibbles
+# q and q + 4 sit 16 bits apart, so one shift moves both into place and the halves of the result are an fp16x2
+# of groups 2q and 2q + 1 (a GEMM step is four K = 64 dots, one per q). E2M1 code bits s e1 e0 m placed at fp16
+# bits 15 and 11..9 give exactly value * 2^-14 (the subnormal 0.5 too); a group's scale becomes an fp16
+# multiplier 2^(s - ref + 14), ref the row's largest scale (2^(ref - 127) goes to the GEMM epilogue), so every
+# product stays within fp16 and groups more than 28 octaves below the row's largest flush to zero.
+PLANE_K = 256
+PLANE_FLUSH = 28
+_PLANE_SHIFT = tuple(4 * ((g >> 1) + 4 * (g & 1)) for g in range(8))  # bit offset of scale group g's nibble
+
+
+def mxfp4_planes(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP4 (packed [..., N, K // 2], E8M0 scales [..., N, K // 32]; K a multiple of 256) -> the planes layout:
+    (words int32 [..., N, K // 8], rel uint8 [..., N, K // 32] = the fp16 exponent field of each group's
+    multiplier (0: flushed), row scale float32 [..., N] = 2^(ref - 127))."""
+    k = packed.shape[-1] * 2
+    if k % PLANE_K:
+        raise ValueError(f"the planes layout needs K divisible by {PLANE_K}, got {k}")
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], k // PLANE_K, 8, 32)
+    words = torch.zeros(codes[..., 0, :].shape, dtype=torch.int32, device=packed.device)  # [..., K // 256, 32]
+    for g, shift in enumerate(_PLANE_SHIFT):  # int32 shifts wrap into the sign bit: the word's bits exactly
+        words |= codes[..., g, :].to(torch.int32) << shift
+    s = scales.to(torch.int32)
+    ref = s.amax(-1, keepdim=True)
+    rel = (s - ref + PLANE_FLUSH + 1).clamp(min=0).to(torch.uint8)
+    return words.reshape(*packed.shape[:-1], k // 8), rel, torch.exp2(ref[..., 0].double() - E8M0_BIAS).float()
+
+
+def dequantize_mxfp4_planes(words: torch.Tensor, rel: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """-> float32 [..., N, K]: the values a planes GEMM multiplies (fp16 products of code x multiplier, rounded as
+    the kernel rounds them, times the row scale)."""
+    k = words.shape[-1] * 8
+    w = words.reshape(*words.shape[:-1], k // PLANE_K, 32).to(torch.int64) & 0xFFFFFFFF
+    codes = (w[..., None, :] >> torch.tensor(_PLANE_SHIFT, device=words.device)[:, None]) & 0xF  # [.., tiles, 8, 32]
+    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=words.device)
+    raw = (lut[codes] * 2.0**-14).half().reshape(*words.shape[:-1], k // MX_BLOCK, MX_BLOCK)
+    mult = torch.where(rel > 0, torch.exp2(rel.float() - 15), 0.0).half()
+    vals = (raw * mult[..., None]).float() * row_scale[..., None, None]
+    return vals.reshape(*words.shape[:-1], k)
+
+
 def quantize_mxfp8(w: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., K] -> (fp8 [..., K], scales uint8 [..., K // 32])."""
     blocks = _mx_blocks(w)
