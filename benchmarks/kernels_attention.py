@@ -273,8 +273,8 @@ def indexer_decode(rows: list, read_bw: float, ctx: int, batch: int = 64, peer: 
         mismatch = float((got.sort(-1).values != ref.sort(-1).values).float().mean())
         t = bench(lambda: indexer_topk(*args, TOPK, 1, max_seqlen_q=1, max_context_len=ctx))  # noqa: B023
         scores = indexer_block_scores(*args, 1, 1, ctx)
-        t_scan = bench(lambda: indexer_block_scores(*args, 1, 1, ctx))  # noqa: B023
-        t_topk = bench(lambda: block_topk(scores, cu, lens, BS, TOPK, got))  # noqa: B023
+        t_scan = bench(lambda: indexer_block_scores(*args, 1, 1, ctx), rep=100)  # noqa: B023
+        t_topk = bench(lambda: block_topk(scores, cu, lens, BS, TOPK, got), rep=100)  # noqa: B023
         nbytes = batch * ctx * DI * cache.element_size()
         rows.append({"kernel": "indexer decode", "shape": f"b{batch} ctx {ctx // 1024}K", "kv": key, "layout": "-",
                      "ms": t, "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t / 1e9, "scan_ms": t_scan,
@@ -306,22 +306,22 @@ def indexer_ragged_check(keys: tuple[str, ...] = ("fp8", "bf16")) -> float:
 def tiles_indexer(rows: list, read_bw: float) -> None:
     """Indexer decode (FP8 keys, b64, 128K and 32K) under tile variants of the current arch's table set
     in-process (the first: the table as it is). Each variant's timed inputs' selection is checked against the
-    reference before it is timed; the table and the variants that change what runs (carried page ids, the top-k's
-    layout) pass `indexer_ragged_check` first (FP8 keys; bf16 too for the table). One line per row as it comes."""
+    reference before it is timed; the table and the variants marked so also pass `indexer_ragged_check` first
+    (FP8 keys; bf16 too for the table). One line per row as it comes."""
     name = current_arch().name
     one_warp, ahead = {"indexer_topk": {"num_warps": 1}}, {"indexer_scan": {"PAGE_AHEAD": 1}}
-    variants = ({}, one_warp, ahead, {"indexer_scan": {"PAGE_AHEAD": 1, "num_stages": 4}},
-                {"indexer_scan": {"SPLIT_PROGRAMS": 2112}}, {"indexer_scan": {"num_warps": 8}}, one_warp | ahead)
+    variants = (({}, True), (one_warp, True), (ahead, True), (one_warp | ahead, False),
+                ({"indexer_topk": {"num_warps": 1, "PDL": 1}}, False),
+                ({"indexer_scan": {"PAGE_AHEAD": 1, "num_stages": 4}}, False),
+                ({"indexer_scan": {"SPLIT_PROGRAMS": 2112}}, False))
     ONLY.update(kv="fp8")
-    for i, change in enumerate(variants):
+    for i, (change, ragged_check) in enumerate(variants):
         saved = {family: arch.TILES[family][name] for family in change}
         try:
             for family, entry in change.items():
                 arch.TILES[family][name] = saved[family] | entry
             TAG["tiles"] = json.dumps(change)
-            ragged = float("nan")
-            if i == 0 or "indexer_topk" in change or "PAGE_AHEAD" in change.get("indexer_scan", {}):
-                ragged = indexer_ragged_check(("fp8", "bf16") if i == 0 else ("fp8",))
+            ragged = indexer_ragged_check(("fp8", "bf16") if i == 0 else ("fp8",)) if ragged_check else float("nan")
             for ctx in (131072, 32768):
                 indexer_decode(rows, read_bw, ctx, peer=i == 0)
                 r = rows[-1]

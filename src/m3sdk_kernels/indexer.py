@@ -4,9 +4,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .arch import Arch, tiles
+from .arch import Arch, current_arch, tiles
 from .layout import PAGE, gather_index_keys_ref
-from .paged_attention import _tile_pages, dot_dtype, q_tile, seq_of_block
+from .paged_attention import _tile_pages, dot_dtype, interpreting, q_tile, seq_of_block
 
 
 def indexer_topk_ref(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
@@ -58,7 +58,9 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_s
                  stride_qt, stride_qh, stride_ip, stride_pt,
                  NUM_HEADS: tl.constexpr, BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
                  SEL_BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, DOT: tl.constexpr,
-                 PAGE_AHEAD: tl.constexpr):
+                 PAGE_AHEAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the top-k grid may be scheduled once every scan program has started (it waits for our scores)
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     seq, q_start, n_q, first = q_tile(cu_q, num_seqs, pid, BLOCK_Q)
@@ -103,7 +105,8 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_s
 
 @triton.jit
 def _topk_kernel(scores_ptr, cu_q, ctx_lens, out_ptr, num_seqs, num_tokens, num_blocks,
-                 SEL_BLOCK: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr):
+                 SEL_BLOCK: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr,
+                 PDL: tl.constexpr):
     t = tl.program_id(0)
     head = tl.program_id(1)
     seq = seq_of_block(cu_q, num_seqs, t, 1)
@@ -113,6 +116,8 @@ def _topk_kernel(scores_ptr, cu_q, ctx_lens, out_ptr, num_seqs, num_tokens, num_
     b = tl.arange(0, BLOCKS_PAD)
     j = tl.arange(0, TOPK_PAD)
     row = head.to(tl.int64) * num_tokens + t
+    if PDL:  # launched before the scan finished (programmatic dependent launch): wait for its scores
+        tl.extra.cuda.gdc_wait()
     s = tl.load(scores_ptr + row * num_blocks + b, mask=b <= pos // SEL_BLOCK, other=float("-inf"))
     picked = tl.full([TOPK_PAD], -1, tl.int32)
     for i in tl.static_range(TOPK):
@@ -150,7 +155,7 @@ def indexer_block_scores(index_q: torch.Tensor, index_cache: torch.Tensor, page_
         index_q.stride(0), index_q.stride(1), index_cache.stride(0), page_table.stride(0),
         NUM_HEADS=num_heads, BLOCK_HI=plan["BLOCK_HI"], INDEX_DIM=index_dim, BLOCK_Q=plan["BLOCK_Q"],
         SEL_BLOCK=block_size, NUM_CHUNKS=plan["NUM_CHUNKS"], LOCAL_BLOCKS=local_blocks,
-        DOT=dot_dtype(index_cache.dtype), PAGE_AHEAD=plan["PAGE_AHEAD"], num_warps=plan["num_warps"],
+        DOT=dot_dtype(index_cache.dtype), PAGE_AHEAD=plan["PAGE_AHEAD"], PDL=_pdl(), num_warps=plan["num_warps"],
         num_stages=plan["num_stages"])
     return scores
 
@@ -159,11 +164,17 @@ def block_topk(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: t
                topk: int, out: torch.Tensor) -> torch.Tensor:
     """The top-`topk` blocks of each (head, token) row of `indexer_block_scores` into `out` [Hidx, T, topk]."""
     num_heads, t_total, num_blocks = scores.shape
+    pdl = _pdl()
     _topk_kernel[(t_total, num_heads)](
         scores, cu_seqlens_q, context_lens, out, context_lens.shape[0], t_total, num_blocks, SEL_BLOCK=block_size,
-        TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCKS_PAD=triton.next_power_of_2(num_blocks),
-        num_warps=tiles("indexer_topk")["num_warps"])
+        TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCKS_PAD=triton.next_power_of_2(num_blocks), PDL=pdl,
+        num_warps=tiles("indexer_topk")["num_warps"], **({"launch_pdl": True} if pdl else {}))
     return out
+
+
+def _pdl() -> bool:
+    """Programmatic dependent launch of the top-k after the scan: CUDA (sm90+) only, by the tile table."""
+    return bool(tiles("indexer_topk").get("PDL", 0)) and current_arch().backend == "cuda" and not interpreting()
 
 
 def indexer_topk(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
@@ -205,13 +216,14 @@ def aot_variants(arch: Arch) -> list:
             constexprs={"NUM_HEADS": m["index_heads"], "BLOCK_HI": plan["BLOCK_HI"], "INDEX_DIM": m["index_dim"],
                         "BLOCK_Q": plan["BLOCK_Q"], "SEL_BLOCK": m["block_size"], "NUM_CHUNKS": plan["NUM_CHUNKS"],
                         "LOCAL_BLOCKS": m["local_blocks"], "DOT": tl.float16 if key == "fp8" else tl.bfloat16,
-                        "PAGE_AHEAD": plan["PAGE_AHEAD"]},
+                        "PAGE_AHEAD": plan["PAGE_AHEAD"], "PDL": bool(tiles("indexer_topk", arch).get("PDL", 0))},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"],
             aligned=("stride_qt", "stride_qh", "stride_ip", "num_blocks")))
     variants.append(AotVariant(
         name="indexer.topk", kernel=_topk_kernel,
         types={"scores_ptr": "*fp32", "cu_q": "*i32", "ctx_lens": "*i32", "out_ptr": "*i32", "num_seqs": "i32",
                "num_tokens": "i32", "num_blocks": "i32"},
-        constexprs={"SEL_BLOCK": m["block_size"], "TOPK": m["topk"], "TOPK_PAD": m["topk"], "BLOCKS_PAD": 1024},
+        constexprs={"SEL_BLOCK": m["block_size"], "TOPK": m["topk"], "TOPK_PAD": m["topk"], "BLOCKS_PAD": 1024,
+                    "PDL": bool(tiles("indexer_topk", arch).get("PDL", 0))},
         num_warps=tiles("indexer_topk", arch)["num_warps"], aligned=("num_blocks",)))
     return variants
