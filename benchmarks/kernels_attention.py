@@ -271,6 +271,7 @@ def indexer_decode(rows: list, read_bw: float, ctx: int, batch: int = 64, peer: 
         got = indexer_topk(*args, TOPK, 1, max_seqlen_q=1, max_context_len=ctx)
         ref = indexer_topk_ref(*args, TOPK, 1)
         mismatch = float((got.sort(-1).values != ref.sort(-1).values).float().mean())
+        graph_equal = indexer_graph_equal(args, ctx, got)
         t = bench(lambda: indexer_topk(*args, TOPK, 1, max_seqlen_q=1, max_context_len=ctx))  # noqa: B023
         scores = indexer_block_scores(*args, 1, 1, ctx)
         t_scan = bench(lambda: indexer_block_scores(*args, 1, 1, ctx), rep=100)  # noqa: B023
@@ -279,7 +280,33 @@ def indexer_decode(rows: list, read_bw: float, ctx: int, batch: int = 64, peer: 
         rows.append({"kernel": "indexer decode", "shape": f"b{batch} ctx {ctx // 1024}K", "kv": key, "layout": "-",
                      "ms": t, "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t / 1e9, "scan_ms": t_scan,
                      "topk_ms": t_topk, "peer": "torch bmm+amax+topk bf16", "peer_ms": t_peer, "tiles": tiles_tag(),
-                     "note": f"selection mismatch vs reference {mismatch:.4f}; scan {t_scan:.4f} topk {t_topk:.4f}"})
+                     "note": f"selection mismatch vs reference {mismatch:.4f}; CUDA graph replay equal {graph_equal}; "
+                             f"scan {t_scan:.4f} topk {t_topk:.4f}"})
+
+
+def indexer_graph_equal(args: tuple, ctx: int, eager: torch.Tensor) -> str:
+    """indexer_topk captured in a CUDA graph (static output) and replayed twice over a poisoned output: "True" when
+    equal to eager (the two launches, with programmatic dependent launch where the table enables it)."""
+    try:
+        static = torch.full_like(eager, -7)
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture
+            indexer_topk(*args, TOPK, 1, max_seqlen_q=1, max_context_len=ctx, out=static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            indexer_topk(*args, TOPK, 1, max_seqlen_q=1, max_context_len=ctx, out=static)
+        equal = True
+        for _ in range(2):
+            static.fill_(-7)
+            graph.replay()
+            torch.cuda.synchronize()
+            equal &= bool(torch.equal(static, eager))
+        return str(equal)
+    except Exception as e:  # noqa: BLE001 (recorded in the row; the timing goes on)
+        return f"failed {type(e).__name__}: {str(e)[:120]}"
 
 
 def indexer_ragged_check(keys: tuple[str, ...] = ("fp8", "bf16")) -> float:
