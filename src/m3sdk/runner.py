@@ -18,7 +18,9 @@ PLACEHOLDER = -1
 
 
 class Carry(NamedTuple):
-    """The previous step's sampled tokens, still on the device: `rows[id(request)]` is the request's row."""
+    """Tokens still on the device that stand as PLACEHOLDERs at the end of a request's scheduled ids: the previous
+    overlapped step's sampled tokens (one per request), or a drafter's drafts (spec/decoding.py: several).
+    `rows[id(request)]` is the row of the request's first such token; the others follow it."""
 
     tokens: torch.Tensor
     rows: dict[int, int]
@@ -49,9 +51,13 @@ class ModelRunner:
         for i, (request, n, samples) in enumerate(plan.scheduled):
             start = request.num_computed_tokens
             ids += request.token_ids[start:start + n]
-            if carry is not None and ids[-1] == PLACEHOLDER:  # sampled by the step still running: on the device
-                dst.append(len(ids) - 1)
-                src.append(carry.rows[id(request)])
+            if carry is not None and ids[-1] == PLACEHOLDER:  # tokens still on the device (see Carry)
+                m = 1
+                while m < n and ids[-1 - m] == PLACEHOLDER:
+                    m += 1
+                first = carry.rows[id(request)]
+                dst += range(len(ids) - m, len(ids))
+                src += range(first, first + m)
             counts.append(n)
             context_lens.append(start + n)
             tables.append(self.cache.page_table(request))

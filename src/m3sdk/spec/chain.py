@@ -18,8 +18,8 @@ from typing import Protocol
 
 import torch
 
-from m3sdk.sampler import _HostCopy
-from m3sdk.spec.base import DraftRequest, Proposal, TargetStates
+from m3sdk.runner import PLACEHOLDER
+from m3sdk.spec.base import DeviceDrafts, DraftRequest, Proposal, TargetStates
 
 
 class DraftContext(Protocol):
@@ -32,27 +32,13 @@ class DraftContext(Protocol):
     def end(self) -> int: ...
 
 
-class Ahead:
-    """Drafts [B, k] launched on the device by `read_ahead`, copied to pinned host memory without waiting;
-    `rows()` waits for that copy only (not for whatever the stream queued after it) and reads them once."""
-
-    def __init__(self, drafts: torch.Tensor):
-        self._copy = _HostCopy(drafts)
-        self._rows: list[list[int]] | None = None
-
-    def rows(self) -> list[list[int]]:
-        if self._rows is None:
-            self._rows = self._copy.get()[0].tolist()
-        return self._rows
-
-
 @dataclass
 class DraftSeq:
     ctx: DraftContext
     next_token: int  # the first draft, read at the last committed entry
     hidden: torch.Tensor  # that entry's output hidden [H]: the chain's next input
-    # or, when the drafter drafted ahead (`read_ahead`), its k drafts: row i of an Ahead (next_token / hidden unused)
-    ahead: tuple[Ahead, int] | None = None
+    # or, when the drafter drafted ahead (`read_ahead`), its k drafts: row i of those (next_token / hidden unused)
+    ahead: tuple[DeviceDrafts, int] | None = None
 
 
 class ChainDrafter(ABC):
@@ -62,6 +48,9 @@ class ChainDrafter(ABC):
     def __init__(self, num_speculative_tokens: int):
         self.num_speculative_tokens = num_speculative_tokens
         self._seqs: dict[str, DraftSeq] = {}
+        # the last observe's drafts: the only ones still where its replay left them (the next replay of the same
+        # graph overwrites them), so the only ones a verify forward may read on the device
+        self._latest: DeviceDrafts | None = None
 
     # -- the network (subclass) --
 
@@ -142,6 +131,7 @@ class ChainDrafter(ABC):
             return
         ahead = self.read_ahead(ctxs, counts, toks, feats, pos)
         if ahead is not None:
+            self._latest = ahead
             for i, rid in enumerate(rids):
                 self._seqs[rid].ahead = (ahead, i)
             return
@@ -151,7 +141,7 @@ class ChainDrafter(ABC):
             seq.next_token, seq.hidden, seq.ahead = token, row, None
 
     def read_ahead(self, ctxs: list[DraftContext], counts: list[int], token_ids: list[int],
-                   features: list[torch.Tensor], positions: list[int]) -> Ahead | None:
+                   features: list[torch.Tensor], positions: list[int]) -> DeviceDrafts | None:
         """`read` and the whole chain after it, launched on the device without waiting for it: k drafts per
         context, read on the host by the next `propose` (so the engine's bookkeeping of the step runs while the
         device drafts). `features`: each context's rows. None: not supported here, `read` then runs (the
@@ -182,9 +172,12 @@ class ChainDrafter(ABC):
                 else:
                     out[i].tokens.append(seq.next_token)
                     live.append((i, seq, k))
-        for i, seq, k in ahead:  # drafted at an observe: one host read per observe for all its requests
+        for i, seq, k in ahead:  # drafted at an observe
             drafts, row = seq.ahead
-            out[i].tokens.extend(drafts.rows()[row][:k])
+            if drafts is self._latest:  # still on the device: the verify forward reads them there
+                out[i] = Proposal([PLACEHOLDER] * k, pending=drafts, row=row)
+            else:  # an earlier observe's (a request that sat out a step): copied to the host long ago
+                out[i].tokens.extend(drafts.rows()[row][:k])
         if not live:
             return out
         steps = max(k for _, _, k in live) - 1

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from m3sdk.request import Request, RequestStatus
+from m3sdk.runner import Carry
 from m3sdk.sampler import SampledToken, Sampler
 from m3sdk.scheduler.base import Scheduled, StepPlan
 from m3sdk.spec.base import DraftRequest, Proposal, SpeculativeDecoder, TargetStates
@@ -79,12 +80,17 @@ class Speculation:
 
     def run(self, plan: StepPlan, runner: ModelRunner) -> list[tuple[Request, list[SampledToken]]]:
         """The step's forward and its emitted tokens, per request that emits, in plan order."""
-        num_logits, spec = [], []
+        num_logits, spec, pending = [], [], []
         for request, n, samples in plan.scheduled:
             is_spec = request.request_id in self._drafts
             spec.append(is_spec)
             num_logits.append(n if is_spec else int(samples))
-        logits, hidden, aux = runner.forward(plan, num_logits, self.drafter.aux_layers)
+            if is_spec and self._drafts[request.request_id][1].pending is not None:
+                pending.append(request)
+        logits, hidden, aux = runner.forward(plan, num_logits, self.drafter.aux_layers, carry=self._carry(pending))
+        for request in pending:  # their drafts' host copy (it was queued before the forward: no wait for that)
+            _, proposal, real = self._drafts[request.request_id]
+            request.token_ids[real:real + len(proposal.tokens)] = proposal.resolve()
 
         plain_rows, plain_reqs, verify_rows, verify_reqs, verify_at = [], [], [], [], []
         row = 0
@@ -136,6 +142,17 @@ class Speculation:
         self.drafter.observe(observed)
         return [(s.request, emitted[s.request.request_id]) for s in plan.scheduled
                 if s.request.request_id in emitted]
+
+    def _carry(self, pending: list[Request]) -> Carry | None:
+        """Where the verify forward finds the drafts still on the device (Proposal.pending, one drafter step's
+        [B, k] tokens for all of them): request -> the flat index of its first draft."""
+        if not pending:
+            return None
+        proposals = [self._drafts[r.request_id][1] for r in pending]
+        drafts = proposals[0].pending.drafts
+        assert all(p.pending.drafts is drafts for p in proposals), "pending drafts of two drafter steps"
+        k = drafts.shape[1]
+        return Carry(drafts.reshape(-1), {id(r): p.row * k for r, p in zip(pending, proposals, strict=True)})
 
     def _count(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:

@@ -39,8 +39,8 @@ from m3sdk.attention.base import to_device
 from m3sdk.errors import CheckpointError
 from m3sdk.graphs import Replay, batch_buckets
 from m3sdk.model.config import read_config_json
-from m3sdk.spec.base import SpecConfig, TargetInfo, register
-from m3sdk.spec.chain import Ahead, ChainDrafter, DraftSeq
+from m3sdk.spec.base import DeviceDrafts, SpecConfig, TargetInfo, register
+from m3sdk.spec.chain import ChainDrafter, DraftSeq
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 BUNDLED_HEAD_DIR = "m3-tiny-eagle3"  # next to the bundled target in m3sdk/assets
@@ -502,7 +502,7 @@ class Eagle3Drafter(ChainDrafter):
 
     @torch.inference_mode()
     def read_ahead(self, ctxs: list[DraftKV], counts: list[int], token_ids: list[int],
-                   features: list[torch.Tensor], positions: list[int]) -> Ahead | None:
+                   features: list[torch.Tensor], positions: list[int]) -> DeviceDrafts | None:
         """The read graph, whose chain runs on the device from the read's outputs: one upload, one copy of the
         features, one replay, and a copy of the drafts to pinned host memory that the next `propose` waits for
         (nothing waits here)."""
@@ -527,7 +527,7 @@ class Eagle3Drafter(ChainDrafter):
         # (pinned and non-blocking: a plain host tensor's copy would wait for the whole stream, the verify step)
         self._read_static[bucket].copy_(_pinned(tok + pos + slot + idx + src + last), non_blocking=True)
         torch.cat(features, out=self._features[:at])
-        return Ahead(self._read_graphs[bucket]()[:b])
+        return DeviceDrafts(self._read_graphs[bucket]()[:b])
 
     def _chain(self, tokens: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
                idx: torch.Tensor, steps: int, span: int) -> torch.Tensor:
