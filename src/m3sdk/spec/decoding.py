@@ -144,13 +144,12 @@ class Speculation:
                 if s.request.request_id in emitted]
 
     def _carry(self, pending: list[Request]) -> Carry | None:
-        """Where the verify forward finds the drafts still on the device (Proposal.pending, one drafter step's
-        [B, k] tokens for all of them): request -> the flat index of its first draft."""
+        """Where the verify forward finds the drafts still on the device (Proposal.pending: the drafter's last
+        step's [B, k] tokens, the same for all of them): request -> the flat index of its first draft."""
         if not pending:
             return None
         proposals = [self._drafts[r.request_id][1] for r in pending]
         drafts = proposals[0].pending.drafts
-        assert all(p.pending.drafts is drafts for p in proposals), "pending drafts of two drafter steps"
         k = drafts.shape[1]
         return Carry(drafts.reshape(-1), {id(r): p.row * k for r, p in zip(pending, proposals, strict=True)})
 
