@@ -279,7 +279,8 @@ def indexer_decode(rows: list, read_bw: float, ctx: int, batch: int = 64, peer: 
         nbytes = batch * ctx * DI * cache.element_size()
         rows.append({"kernel": "indexer decode", "shape": f"b{batch} ctx {ctx // 1024}K", "kv": key, "layout": "-",
                      "ms": t, "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t / 1e9, "scan_ms": t_scan,
-                     "topk_ms": t_topk, "peer": "torch bmm+amax+topk bf16", "peer_ms": t_peer, "tiles": tiles_tag(),
+                     "topk_ms": t_topk, "mismatch": mismatch, "graph_replay_equal": graph_equal,
+                     "peer": "torch bmm+amax+topk bf16", "peer_ms": t_peer, "tiles": tiles_tag(),
                      "note": f"selection mismatch vs reference {mismatch:.4f}; CUDA graph replay equal {graph_equal}; "
                              f"scan {t_scan:.4f} topk {t_topk:.4f}"})
 
@@ -353,8 +354,9 @@ def tiles_indexer(rows: list, read_bw: float) -> None:
                 indexer_decode(rows, read_bw, ctx, peer=i == 0)
                 r = rows[-1]
                 r["note"] += f"; ragged check mismatch {ragged:.4f}"
-                print(f"indexer {r['shape']} {TAG['tiles']}: {r['ms']:.4f} ms = {r['floor_ms'] / r['ms']:.0%} of floor;"
-                      f" {r['note']}", flush=True)
+                print(f"indexer {r['shape'].split()[-1]} {r['ms']:.4f} ms {r['floor_ms'] / r['ms']:.0%} scan "
+                      f"{r['scan_ms']:.4f} topk {r['topk_ms']:.4f} mismatch {r['mismatch']:.4f} ragged {ragged:.4f} "
+                      f"graph {r['graph_replay_equal'][:40]} {TAG['tiles']}", flush=True)
         except Exception as e:  # noqa: BLE001 (one variant failing must not lose the others' rows)
             print(f"indexer variant {TAG['tiles']} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         finally:
