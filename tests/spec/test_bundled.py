@@ -4,6 +4,9 @@ accepted."""
 import asyncio
 
 from m3sdk import Engine
+from m3sdk.config import EngineConfig
+from m3sdk.graphs import DecodeGraphs
+from m3sdk.spec.decoding import Speculation
 
 PROMPTS = ["It was a truth well known in the neighbourhood that", "Emma could not help feeling that her friend"]
 
@@ -21,3 +24,33 @@ async def test_bundled_head_is_used_by_default_and_changes_no_token():
     assert spec == plain
     assert stats["spec_method"] == "eagle3" and stats["spec_accepted_tokens"] > 0
     assert stats["spec_target_forwards_per_token"] < 0.8
+
+
+async def test_drafts_read_on_the_device_change_no_greedy_token(monkeypatch):
+    """With the GPU's graph wiring (on the CPU each graph step runs eagerly on its static buffers) the drafts of a
+    verify step reach its forward still on the device (placeholders in token_ids, `Proposal.pending`): greedy rows,
+    a penalized one included, equal plain decoding while a seeded sampled row shares their batches, and every
+    page is free at the end."""
+    monkeypatch.setattr(EngineConfig, "resolve_cuda_graphs", lambda self, device: True)
+    monkeypatch.setattr(DecodeGraphs, "supported", staticmethod(lambda model: True))
+    carried, carry = [], Speculation._carry
+
+    def counted(self, pending):
+        carried.append(len(pending))
+        return carry(self, pending)
+
+    monkeypatch.setattr(Speculation, "_carry", counted)
+
+    async def go(**overrides):
+        async with Engine(device="cpu", max_num_seqs=4, **overrides) as e:
+            done = await asyncio.gather(
+                *[e.generate(p, max_tokens=24, temperature=0, ignore_eos=True) for p in PROMPTS],
+                e.generate(PROMPTS[1], max_tokens=24, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+                e.generate(PROMPTS[0], max_tokens=24, temperature=0.8, seed=5, ignore_eos=True))
+            return [c.token_ids for c in done], e.stats()
+
+    plain, _ = await go()
+    spec, stats = await go(speculative="eagle3")
+    assert spec[:3] == plain[:3] and len(spec[3]) == 24
+    assert sum(carried) > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats["pages_free"] == stats["pages_total"]
