@@ -269,24 +269,55 @@ def _attn_kernel(
             sel = tl.load(sel_ptr + h * stride_sel_h + (q_start + qq)[:, None] * stride_sel_t + kk[None, :],
                           mask=(qq < n_q)[:, None] & (kk < TOPK)[None, :], other=-1)
             sel = tl.where(sel >= 0, sel, _BIG)
+            TILES_PB: tl.constexpr = SEL_BLOCK // BLOCK_N
             PER: tl.constexpr = (BLOCK_Q * TOPK + NUM_SPLITS - 1) // NUM_SPLITS
             lo_rank = split * PER
-            cur = tl.min(tl.min(sel, 1), 0)
-            rank = 0
-            while (cur < _BIG) & (rank < lo_rank + PER):
-                if rank >= lo_rank:
+            if PAGE_AHEAD:
+                # the union's size and this split's first block up front (each entry's rank among the distinct
+                # blocks: a BLOCK_Q * TOPK_PAD square of compares, once per tile), then a counted loop over the
+                # split's tiles whose next block (a reduction over registers) and page ids are carried one tile
+                # ahead, so the compiler pipelines the K/V copies as in the dense loop; the while walk below
+                # finds each next block and waits for its pages in the same step
+                N: tl.constexpr = BLOCK_Q * TOPK_PAD
+                flat = tl.reshape(sel, (N,))
+                ii = tl.arange(0, N)
+                a = flat[:, None]
+                b = tl.reshape(sel, (1, N))
+                first_seen = tl.sum(((a == b) & (ii[None, :] < ii[:, None])).to(tl.int32), 1) == 0
+                rank = tl.sum(((b < a) & tl.reshape(first_seen, (1, N))).to(tl.int32), 1)
+                n_union = tl.sum((first_seen & (flat < _BIG)).to(tl.int32), 0)
+                cur = tl.min(tl.where((rank == lo_rank) & (flat < _BIG), flat, _BIG), 0)
+                n_tiles = tl.maximum(tl.minimum(lo_rank + PER, n_union) - lo_rank, 0) * TILES_PB
+                start = tl.where(cur < _BIG, cur, 0) * SEL_BLOCK
+                page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
+                for t in range(0, n_tiles):
+                    sub = (t + 1) % TILES_PB
+                    nxt_cur = tl.where(sub == 0, tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0), cur)
+                    nxt_start = tl.where(nxt_cur < _BIG, nxt_cur, 0) * SEL_BLOCK + sub * BLOCK_N
+                    nxt = _tile_pages(pages_ptr, nxt_start, kv_end, BLOCK_N)
                     hit = tl.sum((sel == cur).to(tl.int32), 1) > 0
                     row_sel = tl.reshape(tl.broadcast_to(hit[:, None], (BLOCK_Q, BLOCK_H)), (BLOCK_M,))
-                    for sub in range(0, SEL_BLOCK, BLOCK_N):
-                        start = cur * SEL_BLOCK + sub
-                        if start < kv_end:
-                            page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
-                            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
-                                                         v_base, ks_base, vs_base, page, qk_scale, stride_cp,
-                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
-                                                         V_WORDS)
-                cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
-                rank += 1
+                    acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base,
+                                                 ks_base, vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM,
+                                                 BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, V_WORDS)
+                    cur, start, page = nxt_cur, nxt_start, nxt
+            else:
+                cur = tl.min(tl.min(sel, 1), 0)
+                rank = 0
+                while (cur < _BIG) & (rank < lo_rank + PER):
+                    if rank >= lo_rank:
+                        hit = tl.sum((sel == cur).to(tl.int32), 1) > 0
+                        row_sel = tl.reshape(tl.broadcast_to(hit[:, None], (BLOCK_Q, BLOCK_H)), (BLOCK_M,))
+                        for sub in range(0, SEL_BLOCK, BLOCK_N):
+                            start = cur * SEL_BLOCK + sub
+                            if start < kv_end:
+                                page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
+                                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
+                                                             v_base, ks_base, vs_base, page, qk_scale, stride_cp,
+                                                             stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
+                                                             V_WORDS)
+                    cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
+                    rank += 1
         else:
             tiles = tl.cdiv(kv_end, BLOCK_N)
             per = tl.cdiv(tiles, NUM_SPLITS)
