@@ -102,8 +102,10 @@ class ChainDrafter(ABC):
 
     @torch.inference_mode()
     def observe(self, items: Sequence[tuple[str, TargetStates]]) -> None:
-        """Draft entries for the committed positions of several requests in one forward."""
-        ctxs, counts, toks, feats, pos, rids = [], [], [], [], [], []
+        """Draft entries for the committed positions of several requests: those of verify-sized steps (at most
+        k + 1 entries) drafted ahead in one launch where the drafter can (`read_ahead`), the others (prefill chunks)
+        in one eager forward, which then drafts their first token."""
+        entries = []
         for rid, st in items:
             n = st.hidden.shape[0]
             if n == 0:
@@ -121,24 +123,35 @@ class ChainDrafter(ABC):
                 # observe starts a new one there (weaker drafts, never wrong)
                 self.release(rid)
                 continue
+            entries.append((rid, seq, st))
+        if not entries:
+            return
+        short = [e for e in entries if e[2].hidden.shape[0] <= self.num_speculative_tokens + 1]
+        ahead = self.read_ahead(*self._flat(short)) if short else None
+        if ahead is not None:
+            self._latest = ahead
+            for i, (_, seq, _) in enumerate(short):
+                seq.ahead = (ahead, i)
+            entries = [e for e in entries if e[2].hidden.shape[0] > self.num_speculative_tokens + 1]
+            if not entries:
+                return
+        ctxs, counts, toks, feats, pos = self._flat(entries)
+        last, tokens = self.read(ctxs, counts, toks, torch.cat(feats), pos)
+        for (_, seq, _), token, row in zip(entries, tokens, last, strict=True):
+            seq.next_token, seq.hidden, seq.ahead = token, row, None
+
+    def _flat(self, entries: list[tuple[str, DraftSeq, TargetStates]]) -> tuple[list, list[int], list[int],
+                                                                               list[torch.Tensor], list[int]]:
+        """Draft contexts, entry counts, next tokens, features (per context) and positions of these entries."""
+        ctxs, counts, toks, feats, pos = [], [], [], [], []
+        for _, seq, st in entries:
+            n = st.hidden.shape[0]
             ctxs.append(seq.ctx)
             counts.append(n)
             toks.extend(st.next_tokens)
             feats.append(self.features(st))
             pos.extend(range(st.start, st.start + n))
-            rids.append(rid)
-        if not ctxs:
-            return
-        ahead = self.read_ahead(ctxs, counts, toks, feats, pos)
-        if ahead is not None:
-            self._latest = ahead
-            for i, rid in enumerate(rids):
-                self._seqs[rid].ahead = (ahead, i)
-            return
-        last, tokens = self.read(ctxs, counts, toks, torch.cat(feats), pos)
-        for rid, token, row in zip(rids, tokens, last, strict=True):
-            seq = self._seqs[rid]
-            seq.next_token, seq.hidden, seq.ahead = token, row, None
+        return ctxs, counts, toks, feats, pos
 
     def read_ahead(self, ctxs: list[DraftContext], counts: list[int], token_ids: list[int],
                    features: list[torch.Tensor], positions: list[int]) -> DeviceDrafts | None:
