@@ -113,10 +113,11 @@ def verify(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[list[Sampled
         apply_truncation(probs, [states[i].params for i in sampled])
         probs = probs.softmax(dim=1)
     where = {pos: j for j, pos in enumerate(sampled)}
-    # each position's argmax and its logprob in one host read (float64 holds any token id exactly); max's index
-    # is the first maximal one, as the plain sampler's argmax, so ties break the same way
+    # each position's argmax and its logprob in one host read (float32 holds any token id below 2^24 exactly);
+    # max's index is the first maximal one, as the plain sampler's argmax, so ties break the same way
+    assert x.shape[1] <= 1 << 24, "token ids past 2^24 do not round-trip through float32"
     best, argmax_t = x.max(dim=1)
-    argmax_f, best_lp = torch.stack([argmax_t.double(), (best - logz).double()]).tolist()
+    argmax_f, best_lp = torch.stack([argmax_t.float(), best - logz]).tolist()
     argmax = [int(a) for a in argmax_f]
 
     emitted: list[list[int]] = []
