@@ -190,6 +190,8 @@ TILES.update({
     # with the converted weights as the register operand)
     "moe_decode:planes": {"sm90": {"PLANES_SWAP": 1}},
     "moe_small:planes": {"sm90": {"PLANES_SWAP": 1}},
+    "moe_prefill:planes": {"sm90": {"BLOCK_M": 64, "GU_BLOCK_N": 64, "DN_BLOCK_N": 64, "num_warps": 4,
+                                    "num_stages": 2, "PLANES_SWAP": 1}},
     "moe_prefill": {
         a: {"BLOCK_M": 128, "GU_BLOCK_N": 64, "GU_BLOCK_K": 64, "DN_BLOCK_N": 128, "DN_BLOCK_K": 64,
             "num_warps": 8, "num_stages": 3 if a == "sm90" else 2, "MX_FP8": int(a == "sm90")}

@@ -44,6 +44,7 @@ from .quant import (
     INTERPRET,
     MX_BLOCK,
     PLANE_K,
+    bf16_grid,
     dequantize_mxfp4,
     dequantize_mxfp4_planes,
     dequantize_mxfp8,
@@ -197,10 +198,11 @@ def _quantize_groups_ref(h: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tenso
 
 
 def fused_moe_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Experts,
-                  alpha: float, limit: float, mx_fp8: bool = False) -> torch.Tensor:
+                  alpha: float, limit: float, mx_fp8: bool = False, h_row: bool = False) -> torch.Tensor:
     """hidden [T, H], topk_ids / topk_weights [T, k] -> [T, H] in hidden's dtype (fp32 math, the kernels'
     quantization of activations mirrored; `mx_fp8`: MXFP4 experts as `fused_moe` runs them through the fp8 tensor
-    cores, activations fp8 like the fp8 experts'; planes: activations and the intermediate fp16)."""
+    cores, activations fp8 like the fp8 experts'; planes: activations and the intermediate fp16; `h_row`: an fp8
+    intermediate rounded to hidden's dtype, then quantized per row instead of per 64 columns)."""
     t, k = topk_ids.shape
     act_fp8 = experts.fmt == "fp8" or (mx_fp8 and experts.fmt == "mxfp4")
     fp8 = experts.gate_up.dtype if experts.fmt == "fp8" else torch.float8_e4m3fn
@@ -217,7 +219,11 @@ def fused_moe_ref(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
         pairs = (flat == e).nonzero().squeeze(1)
         tokens = pairs // k
         h = swiglu_oai_ref(x[tokens] @ w_gate_up[e].T, alpha, limit)
-        h = _quantize_groups_ref(h, fp8) if act_fp8 else h.to(act_dtype).float()
+        if act_fp8 and h_row:
+            hq, hs = quantize_fp8_per_token_ref(h.to(hidden.dtype).float(), fp8)
+            h = hq.float() * hs[:, None]
+        else:
+            h = _quantize_groups_ref(h, fp8) if act_fp8 else h.to(act_dtype).float()
         y = (h @ w_down[e].T) * topk_weights.reshape(-1)[pairs, None].float()
         out.index_add_(0, tokens, y)
     return out.to(hidden.dtype)
@@ -405,7 +411,7 @@ def _dot_step(acc, a, w_base, s_base, rows, ref, k0, stride_wn, stride_sn, W_FMT
             acc = tl.dot_scaled(a, None, "bf16", w, sc, "e4m3", acc)
     else:
         w = tl.load(w_base + rows[None, :] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[:, None])
-        acc = _dot(a, w, acc, DOT_F32 and W_FMT == 0)
+        acc = _dot(a, w, acc, DOT_F32)
     return acc
 
 
@@ -527,8 +533,9 @@ def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, r_ptr, h_ptr, h_
                         block_expert_ptr, num_padded_ptr, ids_ptr, num_pairs, I, K, stride_xt, stride_we, stride_wn,
                         stride_se, stride_sn, stride_re, stride_hp, stride_hsp, alpha, limit, TOP_K: tl.constexpr,
                         SORTED: tl.constexpr, W_FMT: tl.constexpr, MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr,
-                        SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        FP8_MAX: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr):
+                        SWAP: tl.constexpr, FUSED_GU: tl.constexpr, H_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, DOT_F32: tl.constexpr,
+                        INTERPRET: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if SORTED:
@@ -543,12 +550,60 @@ def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, r_ptr, h_ptr, h_
     rows_u = rows_g + I
     w_base = w_ptr + expert * stride_we
     s_base = w_scale_ptr + expert * stride_se
+    x_rows = x_ptr + tokens[:, None] * stride_xt
+    if FUSED_GU:
+        acc_g, acc_u = _gate_up_fused(x_rows, x_scale_ptr + tokens, valid, w_base, s_base, rows_g, I, K, stride_wn,
+                                      stride_sn, W_FMT, MX_FP8, ACT_FP8, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+    else:
+        acc_g, acc_u = _gate_up_pair(x_rows, x_scale_ptr + tokens, valid, w_base, s_base, r_ptr + expert * stride_re,
+                                     rows_g, rows_u, K, stride_wn, stride_sn, W_FMT, MX_FP8, ACT_FP8, SWAP, BLOCK_M,
+                                     BLOCK_N, BLOCK_K, DOT_F32)
+    g = tl.minimum(acc_g, limit)
+    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    h = (u + 1.0) * (g * tl.sigmoid(alpha * g))
+    mask = valid[:, None] & n_ok[None, :]
+    out = h_ptr + pairs[:, None] * stride_hp + offs_n[None, :]
+    if ACT_FP8 and not H_ROW:
+        hg = tl.reshape(h, (BLOCK_M, BLOCK_N // 64, 64))
+        scale = tl.maximum(tl.max(tl.abs(hg), axis=2), 1e-12) / FP8_MAX
+        q = fp8_grid(tl.clamp(hg / scale[:, :, None], -FP8_MAX, FP8_MAX), INTERPRET)
+        tl.store(out, tl.reshape(q, (BLOCK_M, BLOCK_N)).to(h_ptr.dtype.element_ty), mask=mask)
+        gcol = pid_n * (BLOCK_N // 64) + tl.arange(0, BLOCK_N // 64)
+        tl.store(h_scale_ptr + pairs[:, None] * stride_hsp + gcol[None, :], scale,
+                 mask=valid[:, None] & (gcol[None, :] * 64 < I))
+    else:  # H_ROW: bf16 here, quantized per row by the next launch (the row's amax spans every column block)
+        if h_ptr.dtype.element_ty == tl.bfloat16:
+            h = bf16_grid(h, INTERPRET)
+        tl.store(out, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_up_fused(x_rows, xs_ptrs, valid, w_base, s_base, rows_g, I, K, stride_wn, stride_sn, W_FMT: tl.constexpr,
+                   MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    # gate and up rows interleaved (g0 u0 g1 u1 ..) as one 2 x BLOCK_N-wide weight tile: one MMA per step, and the
+    # accumulator's neighbouring columns (one thread's registers) split back into gate and up
+    rows = tl.reshape(tl.join(rows_g, rows_g + I), (2 * BLOCK_N,))
+    ref = _row_refs(s_base, rows, K, stride_sn, MX_FP8, 2 * BLOCK_N)
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=valid[:, None], other=0.0)
+        acc = _dot_step(acc, a, w_base, s_base, rows, ref, k0, stride_wn, stride_sn, W_FMT, BLOCK_K, MX_FP8, DOT_F32)
+    if ACT_FP8:
+        acc = acc * tl.load(xs_ptrs)[:, None] * _channel_scale(s_base, rows, ref, MX_FP8)[None, :]
+    return tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+
+
+@triton.jit
+def _gate_up_pair(x_rows, xs_ptrs, valid, w_base, s_base, r_base, rows_g, rows_u, K, stride_wn, stride_sn,
+                  W_FMT: tl.constexpr, MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, SWAP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    # gate and up tiles of the same columns, two accumulators
+    offs_k = tl.arange(0, BLOCK_K)
     ref_g = _row_refs(s_base, rows_g, K, stride_sn, MX_FP8, BLOCK_N)
     ref_u = _row_refs(s_base, rows_u, K, stride_sn, MX_FP8, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     acc_g = _acc_init(W_FMT, SWAP, BLOCK_M, BLOCK_N)
     acc_u = _acc_init(W_FMT, SWAP, BLOCK_M, BLOCK_N)
-    x_rows = x_ptr + tokens[:, None] * stride_xt
     for k0 in range(0, K, BLOCK_K):
         if W_FMT == 4:
             acc_g = _planes_step(acc_g, x_rows, valid, w_base, s_base, rows_g, k0, stride_wn, stride_sn, SWAP,
@@ -562,33 +617,20 @@ def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, r_ptr, h_ptr, h_
             acc_u = _dot_step(acc_u, a, w_base, s_base, rows_u, ref_u, k0, stride_wn, stride_sn, W_FMT, BLOCK_K,
                               MX_FP8, DOT_F32)
     if W_FMT == 4:
-        acc_g = _planes_out(acc_g, r_ptr + expert * stride_re, rows_g, SWAP)
-        acc_u = _planes_out(acc_u, r_ptr + expert * stride_re, rows_u, SWAP)
+        acc_g = _planes_out(acc_g, r_base, rows_g, SWAP)
+        acc_u = _planes_out(acc_u, r_base, rows_u, SWAP)
     if ACT_FP8:
-        xs = tl.load(x_scale_ptr + tokens)
+        xs = tl.load(xs_ptrs)
         acc_g = acc_g * xs[:, None] * _channel_scale(s_base, rows_g, ref_g, MX_FP8)[None, :]
         acc_u = acc_u * xs[:, None] * _channel_scale(s_base, rows_u, ref_u, MX_FP8)[None, :]
-    g = tl.minimum(acc_g, limit)
-    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    h = (u + 1.0) * (g * tl.sigmoid(alpha * g))
-    mask = valid[:, None] & n_ok[None, :]
-    out = h_ptr + pairs[:, None] * stride_hp + offs_n[None, :]
-    if ACT_FP8:
-        hg = tl.reshape(h, (BLOCK_M, BLOCK_N // 64, 64))
-        scale = tl.maximum(tl.max(tl.abs(hg), axis=2), 1e-12) / FP8_MAX
-        q = fp8_grid(tl.clamp(hg / scale[:, :, None], -FP8_MAX, FP8_MAX), INTERPRET)
-        tl.store(out, tl.reshape(q, (BLOCK_M, BLOCK_N)).to(h_ptr.dtype.element_ty), mask=mask)
-        gcol = pid_n * (BLOCK_N // 64) + tl.arange(0, BLOCK_N // 64)
-        tl.store(h_scale_ptr + pairs[:, None] * stride_hsp + gcol[None, :], scale,
-                 mask=valid[:, None] & (gcol[None, :] * 64 < I))
-    else:
-        tl.store(out, h.to(h_ptr.dtype.element_ty), mask=mask)
+    return acc_g, acc_u
 
 
 @triton.jit
 def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, r_base, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn,
               stride_sn, W_FMT: tl.constexpr, MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, SWAP: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+              H_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              DOT_F32: tl.constexpr):
     ref = _row_refs(s_base, rows, K, stride_sn, MX_FP8, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc = _acc_init(W_FMT, SWAP, BLOCK_M, BLOCK_N)
@@ -596,7 +638,7 @@ def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, r_base, pairs, valid, rows, K,
         if W_FMT == 4:
             acc = _planes_step(acc, h_ptr + pairs[:, None] * stride_hp, valid, w_base, s_base, rows, k0, stride_wn,
                                stride_sn, SWAP, DOT_F32)
-        elif ACT_FP8:
+        elif ACT_FP8 and not H_ROW:
             a = tl.load(h_ptr + pairs[:, None] * stride_hp + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
             # BLOCK_K <= 64 divides the activation group: one scale per row for this step
             part = _dot_step(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), a, w_base, s_base, rows, ref, k0, stride_wn,
@@ -610,6 +652,8 @@ def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, r_base, pairs, valid, rows, K,
     if W_FMT == 4:
         acc = _planes_out(acc, r_base, rows, SWAP)
     if ACT_FP8:
+        if H_ROW:  # one scale per pair row: the MMAs chain across K steps, applied once here
+            acc = acc * tl.load(h_scale_ptr + pairs * stride_hsp, mask=valid, other=0.0)[:, None]
         acc = acc * _channel_scale(s_base, rows, ref, MX_FP8)[None, :]
     return acc
 
@@ -618,8 +662,9 @@ def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, r_base, pairs, valid, rows, K,
 def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, r_ptr, out_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr,
                      num_padded_ptr, ids_ptr, num_pairs, N, K, stride_hp, stride_hsp, stride_we, stride_wn, stride_se,
                      stride_sn, stride_re, stride_om, TOP_K: tl.constexpr, SORTED: tl.constexpr, W_FMT: tl.constexpr,
-                     MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                     MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, SWAP: tl.constexpr, FUSED_GU: tl.constexpr,
+                     H_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT_F32: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -632,7 +677,7 @@ def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, r_ptr, out_ptr, top
         pairs, valid, expert = _pair_rows(pid_m, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, True, BLOCK_M)
         acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se,
                         r_ptr + expert * stride_re, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn,
-                        stride_sn, W_FMT, MX_FP8, ACT_FP8, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                        stride_sn, W_FMT, MX_FP8, ACT_FP8, SWAP, H_ROW, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
         acc = acc * tl.load(topk_w_ptr + pairs, mask=valid, other=0.0)[:, None]
         tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & n_ok[None, :])
@@ -645,7 +690,7 @@ def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, r_ptr, out_ptr, top
                                               BLOCK_M)
             acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se,
                             r_ptr + expert * stride_re, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn,
-                            stride_sn, W_FMT, MX_FP8, ACT_FP8, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                            stride_sn, W_FMT, MX_FP8, ACT_FP8, SWAP, H_ROW, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
             total += tl.sum(tl.where(valid[:, None], acc, 0.0), axis=0) * tl.load(topk_w_ptr + pair)
         tl.store(out_ptr + pid_m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -676,6 +721,13 @@ def mx_fp8(fmt: str, num_tokens: int, arch: Arch) -> bool:
     return fmt == "mxfp4" and bool(moe_tiles(num_tokens, arch)[0].get("MX_FP8", 0))
 
 
+def h_row(fmt: str, num_tokens: int, arch: Arch) -> bool:
+    """Whether `fused_moe` quantizes the fp8 intermediate per row (the tile table's H_ROW; `fused_moe_ref`'s h_row)
+    for `fmt` experts and `num_tokens` tokens."""
+    cfg = moe_tiles(num_tokens, arch)[0]
+    return (fmt == "fp8" or mx_fp8(fmt, num_tokens, arch)) and bool(cfg.get("H_ROW", 0))
+
+
 def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Experts,
               alpha: float, limit: float) -> torch.Tensor:
     """Triton version of `fused_moe_ref` (hidden [T, H] bf16, contiguous experts), of its `mx_fp8` mode where
@@ -692,10 +744,12 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     cfg, sort = moe_tiles(t, arch, "planes" if planes else None)
     use_mx_fp8 = mx_fp8(fmt, t, arch) and not planes
     act_fp8 = fmt == "fp8" or use_mx_fp8
+    row_q = act_fp8 and bool(cfg.get("H_ROW", 0))
     # K tiles: the table's, or the largest power of two dividing K when K is smaller (small models); planes step
     # through their 256-element tiles
     gu_bk = PLANE_K if planes else min(cfg["GU_BLOCK_K"], hdim & -hdim)
-    dn_bk = PLANE_K if planes else min(cfg["DN_BLOCK_K"], inter & -inter, FP8_ACT_GROUP if act_fp8 else inter)
+    dn_bk = PLANE_K if planes else min(cfg["DN_BLOCK_K"], inter & -inter,
+                                       FP8_ACT_GROUP if act_fp8 and not row_q else inter)
     # MXFP4 as fp8: K tiles of 64 and up, the sizes compiled and measured on sm90 (the conversion is one dot)
     min_bk = 64 if use_mx_fp8 else 32 if fmt != "bf16" else 16
     if min(gu_bk, dn_bk) < min_bk or (act_fp8 and inter % FP8_ACT_GROUP):
@@ -705,7 +759,8 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if act_fp8:
         fp8 = experts.gate_up.dtype if fmt == "fp8" else arch.fp8_dtype
         x, x_scale = quantize_fp8_per_token(hidden, fp8)
-        h = torch.empty((n_pairs, inter), dtype=fp8, device=dev)
+        # H_ROW: the gate_up writes bf16, quantized per row below; else fp8 with a scale per 64 columns
+        h = torch.empty((n_pairs, inter), dtype=hidden.dtype if row_q else fp8, device=dev)
         h_scale = torch.empty((n_pairs, inter // FP8_ACT_GROUP), dtype=torch.float32, device=dev)
     else:
         x, x_scale = hidden, hidden
@@ -720,15 +775,18 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         pairs = block_expert = num_padded = ids
         m_blocks = n_pairs
     common = dict(TOP_K=k, SORTED=sort, W_FMT=experts.w_fmt, MX_FP8=use_mx_fp8, ACT_FP8=act_fp8,
-                  SWAP=bool(cfg.get("PLANES_SWAP", 0)), BLOCK_M=block_m, DOT_F32=INTERPRET,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    fp8_max = torch.finfo(h.dtype).max if act_fp8 else 0.0
+                  SWAP=bool(cfg.get("PLANES_SWAP", 0)), FUSED_GU=bool(cfg.get("FUSED_GU", 0)) and not planes,
+                  H_ROW=row_q, BLOCK_M=block_m, DOT_F32=INTERPRET, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    fp8_max = torch.finfo(fp8).max if act_fp8 else 0.0
 
     w, s, r, swe, swn, sse, ssn, sre = _weight_args(experts.gate_up, experts.gate_up_scale, experts.gate_up_row)
     _moe_gate_up_kernel[(m_blocks, triton.cdiv(inter, cfg["GU_BLOCK_N"]))](
         x, x_scale, w, s, r, h, h_scale, pairs, block_expert, num_padded, ids, n_pairs, inter, hdim, x.stride(0),
         swe, swn, sse, ssn, sre, h.stride(0), h_scale.stride(0), alpha, limit, BLOCK_N=cfg["GU_BLOCK_N"],
         BLOCK_K=gu_bk, FP8_MAX=fp8_max, INTERPRET=INTERPRET, **common)
+    if row_q:
+        h, h_scale = quantize_fp8_per_token(h, fp8)
 
     w, s, r, swe, swn, sse, ssn, sre = _weight_args(experts.down, experts.down_scale, experts.down_row)
     y = torch.empty((n_pairs, hdim), dtype=hidden.dtype, device=dev) if sort else out
@@ -764,22 +822,24 @@ def aot_variants(arch: Arch) -> list:
             cfg = tiles(family, arch, "planes" if planes else None)
             mxf = fmt == "mxfp4" and bool(cfg.get("MX_FP8", 0))
             act = fp8 if fmt == "fp8" or mxf else "*fp16" if planes else "*bf16"
+            row_q = act == fp8 and bool(cfg.get("H_ROW", 0))
             common = {"TOP_K": 5, "SORTED": sort, "W_FMT": codes[fmt], "MX_FP8": mxf, "ACT_FP8": act == fp8,
-                      "SWAP": bool(cfg.get("PLANES_SWAP", 0)), "BLOCK_M": cfg["BLOCK_M"], "DOT_F32": False}
+                      "SWAP": bool(cfg.get("PLANES_SWAP", 0)), "FUSED_GU": bool(cfg.get("FUSED_GU", 0)) and not planes,
+                      "H_ROW": row_q, "BLOCK_M": cfg["BLOCK_M"], "DOT_F32": False}
             ptrs = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "ids_ptr": "*i32"}
             strides = {"stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32"}
             out.append(AotVariant(
                 f"{family}_gate_up_{fmt}", _moe_gate_up_kernel,
                 {"x_ptr": "*bf16" if planes else act, "x_scale_ptr": "*fp32", "w_ptr": wt, "w_scale_ptr": st,
-                 "r_ptr": "*fp32", "h_ptr": act, "h_scale_ptr": "*fp32", **ptrs, "num_pairs": "i32", "I": "i32",
-                 "K": "i32", "stride_xt": "i32", **strides, "stride_re": "i32", "stride_hp": "i32",
-                 "stride_hsp": "i32", "alpha": "fp32", "limit": "fp32"},
+                 "r_ptr": "*fp32", "h_ptr": "*bf16" if row_q else act, "h_scale_ptr": "*fp32", **ptrs,
+                 "num_pairs": "i32", "I": "i32", "K": "i32", "stride_xt": "i32", **strides, "stride_re": "i32",
+                 "stride_hp": "i32", "stride_hsp": "i32", "alpha": "fp32", "limit": "fp32"},
                 {**common, "BLOCK_N": cfg["GU_BLOCK_N"], "BLOCK_K": PLANE_K if planes else cfg["GU_BLOCK_K"],
                  "FP8_MAX": arch.fp8_max, "INTERPRET": False},
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                 aligned=("I", "K", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_re",
                          "stride_hp", "stride_hsp")))
-            dn_bk = PLANE_K if planes else min(cfg["DN_BLOCK_K"], FP8_ACT_GROUP) if act == fp8 else cfg["DN_BLOCK_K"]
+            dn_bk = PLANE_K if planes else cfg["DN_BLOCK_K"] if act != fp8 or row_q else min(cfg["DN_BLOCK_K"], 64)
             out.append(AotVariant(
                 f"{family}_down_{fmt}", _moe_down_kernel,
                 {"h_ptr": act, "h_scale_ptr": "*fp32", "w_ptr": wt, "w_scale_ptr": st, "r_ptr": "*fp32",

@@ -185,6 +185,16 @@ def fp8_grid(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def bf16_grid(x, INTERPRET: tl.constexpr):
+    """x (fp32) as the GPU's fp32 -> bf16 cast rounds it (nearest-even). The interpreter's cast truncates: there,
+    round in fp32 first so its cast is exact."""
+    if INTERPRET:
+        b = x.to(tl.uint32, bitcast=True)
+        x = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
                        INTERPRET: tl.constexpr):
     # one row per program: amax over the row, then the quantized row (the second read hits L1/L2)
