@@ -211,7 +211,7 @@ class Engine:
                 # Under load several steps' deltas wait here: hand them over as one chunk.
                 while item is not _DEAD and item.finish_reason is None and not channel.empty():
                     nxt = channel.get_nowait()
-                    item = _DEAD if nxt is _DEAD else _merge(item, nxt)
+                    item = _DEAD if nxt is _DEAD else item.then(nxt)
                 if item is _DEAD:
                     raise EngineDeadError(f"the engine thread died: {self._dead!r}") from self._dead
                 if item.error is not None:
@@ -266,9 +266,3 @@ def _holds_last(channel: asyncio.Queue[Chunk | object]) -> bool:
         if item is not _DEAD and item.finish_reason is not None:
             return True
     return False
-
-
-def _merge(a: Chunk, b: Chunk) -> Chunk:
-    logprobs = None if a.logprobs is None else a.logprobs + (b.logprobs or [])
-    return Chunk(a.request_id, a.text + b.text, a.token_ids + b.token_ids, b.finish_reason, logprobs, b.usage,
-                 b.timings, b.error)

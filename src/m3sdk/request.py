@@ -148,6 +148,12 @@ class Chunk:
     timings: Timings | None = None
     error: Exception | None = None  # the request failed (e.g. PrefillNodeError): its stream raises this
 
+    def then(self, later: Chunk) -> Chunk:
+        """This delta followed by a later one of the same request, as one."""
+        logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
+        return Chunk(self.request_id, self.text + later.text, self.token_ids + later.token_ids, later.finish_reason,
+                     logprobs, later.usage, later.timings, later.error)
+
 
 @dataclass(frozen=True)
 class Completion:

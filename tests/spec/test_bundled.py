@@ -3,6 +3,8 @@ accepted."""
 
 import asyncio
 
+import pytest
+
 from m3sdk import Engine
 from m3sdk.config import EngineConfig
 from m3sdk.graphs import DecodeGraphs
@@ -54,3 +56,27 @@ async def test_drafts_read_on_the_device_change_no_greedy_token(monkeypatch):
     assert spec[:3] == plain[:3] and len(spec[3]) == 24
     assert sum(carried) > 0 and stats["spec_accepted_tokens"] > 0
     assert stats["pages_free"] == stats["pages_total"]
+
+
+async def test_streamed_text_stop_string_and_logprobs_equal_plain():
+    """A verify step's tokens reach the stream as one chunk: the streamed text up to a stop string that ends
+    inside a step, the tokens and their logprobs are plain decoding's."""
+    async def go(stop=None, **overrides):
+        async with Engine(device="cpu", **overrides) as e:
+            chunks = [c async for c in e.stream(PROMPTS[0], max_tokens=24, temperature=0, ignore_eos=True,
+                                                stop=stop, logprobs=1)]
+            return chunks, e.stats()
+
+    full, _ = await go()
+    text = "".join(c.text for c in full)
+    # a stop string first seen past the middle of the text (greedy m3-tiny repeats itself)
+    at = next(i for i in range(len(text) // 2, len(text) - 4) if text.find(text[i:i + 4]) == i)
+    stop = text[at:at + 4]
+    plain, _ = await go([stop])
+    spec, stats = await go([stop], speculative="eagle3")
+    assert stats["spec_accepted_tokens"] > 0
+    assert "".join(c.text for c in spec) == "".join(c.text for c in plain) == text[:at]
+    assert [t for c in spec for t in c.token_ids] == [t for c in plain for t in c.token_ids]
+    assert spec[-1].finish_reason == plain[-1].finish_reason == "stop"
+    lps = [[lp.logprob for c in run for lp in c.logprobs] for run in (spec, plain)]
+    assert lps[0] == pytest.approx(lps[1], abs=1e-4)
