@@ -480,20 +480,45 @@ def timings(fn) -> dict:
     return {"ms": ms, "graph_ms": sorted(per_call)[len(per_call) // 2], "host_us": host_us}
 
 
-def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> None:
-    """Decode at b64, plain layout, under tile variants set in-process: each variant {"mode": "dense"|"sparse",
-    "kv": "fp8"|"bf16", "ctx": int, "tiles": {family: overrides}} is compiled, its output compared with the
-    reference at the timed shape (rel L2 in the row), then timed (`timings`) against SDPA timed the same way
-    (contiguous bf16 KV for dense, the pre-gathered selected KV for MSA). "tiles": "best" takes the fastest
-    (graph_ms) of the variants timed before for the same mode and kv. Each row is appended to `results` as it
-    is made (a run cut short by its time limit keeps what it measured)."""
+def with_tiles(change: dict, fn):
+    """fn() with the current arch's tile table entries updated by `change` ({family: overrides}) meanwhile."""
     name = current_arch().name
+    saved = {family: dict(arch.TILES[family][name]) for family in change}
+    try:
+        for family, entry in change.items():
+            arch.TILES[family][name] = saved[family] | entry
+        return fn()
+    finally:
+        for family, entry in saved.items():
+            arch.TILES[family][name] = entry
+
+
+def record_row(row: dict, results: str) -> None:
+    with open(results, "a") as f:
+        f.write(json.dumps({"step": "sweep", "rows": [row]}) + "\n")
+
+
+def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> None:
+    """Tile variants set in-process, plain layout, FP8 unless "kv" says bf16. A decode variant {"mode":
+    "dense"|"sparse", "kv", "ctx", "tiles": {family: overrides}} (batch 64) is compiled, its output compared with
+    the reference at the timed shape (rel L2 in the row), then timed (`timings`) against SDPA timed the same way
+    (contiguous bf16 KV for dense, the pre-gathered selected KV for MSA). "tiles": "best" takes the fastest
+    (graph_ms) of the variants timed before for the same mode and kv. A prefill variant {"mode": "prefill",
+    "ctx", "selection": "random"|"smooth", "tiles", "flex": bool} runs MSA prefill of one `ctx`-token sequence
+    over the indexer's selection; its output is compared with the first prefill variant's of the same inputs
+    (the reference itself would need ctx^2 scores), timed eagerly, and with "flex" FlexAttention with the same
+    block mask is timed once for those inputs (its output checked against ours). Each row is appended to
+    `results` as it is made (a run cut short by its time limit keeps what it measured)."""
     inputs: dict = {}
     best: dict = {}
     for var in variants:
+        if var["mode"] == "prefill":
+            sweep_prefill(rows, var, inputs, results)
+            continue
         mode, kv, ctx, batch = var["mode"], var["kv"], var["ctx"], var.get("batch", 64)
         change = best[(mode, kv)][1] if var["tiles"] == "best" else var["tiles"]
-        if (mode, kv, ctx, batch) not in inputs:
+        key = (mode, kv, ctx, batch)
+        if key not in inputs:
             inputs.clear()  # one shape's K/V at a time: 128K FP8 pages are 8.6 GB
             torch.cuda.empty_cache()
             cu, lens = decode_meta(batch, ctx)
@@ -506,42 +531,96 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
             vc = torch.randn_like(kc)
             peer = timings(lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True))  # noqa: B023
             del kc, vc
-            inputs[(mode, kv, ctx, batch)] = (cu, lens, q, sel, k, v, ks, vs, table, ref, peer)
-        cu, lens, q, sel, k, v, ks, vs, table, ref, peer = inputs[(mode, kv, ctx, batch)]
-        saved = {family: dict(arch.TILES[family][name]) for family in change}
-        try:
-            for family, entry in change.items():
-                arch.TILES[family][name] = saved[family] | entry
+            inputs[key] = (cu, lens, q, sel, k, v, ks, vs, table, ref, peer)
+        cu, lens, q, sel, k, v, ks, vs, table, ref, peer = inputs[key]
 
-            def ours():
-                return paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS,  # noqa: B023
-                                       max_seqlen_q=1, max_context_len=ctx)  # noqa: B023
-            err = rel_err(ours(), ref)
-            t = timings(ours) if err < 2e-2 else {"ms": float("nan"), "graph_ms": float("nan"), "host_us": 0.0}
-        finally:
-            for family, entry in saved.items():
-                arch.TILES[family][name] = entry
+        def ours():
+            return paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS,  # noqa: B023
+                                   max_seqlen_q=1, max_context_len=ctx)  # noqa: B023
+
+        def measure():
+            err = rel_err(ours(), ref)  # noqa: B023
+            return err, timings(ours) if err < 2e-2 else {"ms": float("nan"), "graph_ms": float("nan"),
+                                                            "host_us": 0.0}
+        err, t = with_tiles(change, measure)
         if mode == "sparse":
             nbytes = batch * HKV * TOPK * BS * 2 * (D * k.element_size() + (4 if kv == "fp8" else 0))
         else:
             nbytes = batch * ctx * HKV * 2 * (D * k.element_size() + (4 if kv == "fp8" else 0))
         floor = nbytes / read_bw / 1e9
-        rows.append({"kernel": "MSA sparse decode" if mode == "sparse" else "dense decode",
-                     "shape": f"b{batch} ctx {ctx // 1024}K" + (" top16" if mode == "sparse" else ""), "kv": kv,
-                     "layout": "plain", "ms": t["ms"], "floor_ms": floor, "TB/s": nbytes / t["graph_ms"] / 1e9,
-                     "graph_ms": t["graph_ms"], "host_us": t["host_us"], "graph_of_floor": floor / t["graph_ms"],
-                     "peer": "SDPA " + ("pre-gathered selected bf16 KV" if mode == "sparse" else "contiguous bf16"),
-                     "peer_ms": peer["ms"], "peer_graph_ms": peer["graph_ms"], "peer_host_us": peer["host_us"],
-                     "tiles": json.dumps(change), "rel_err": err})
-        r = rows[-1]
-        with open(results, "a") as f:
-            f.write(json.dumps({"step": "sweep", "rows": [r]}) + "\n")
+        r = {"kernel": "MSA sparse decode" if mode == "sparse" else "dense decode",
+             "shape": f"b{batch} ctx {ctx // 1024}K" + (" top16" if mode == "sparse" else ""), "kv": kv,
+             "layout": "plain", "ms": t["ms"], "floor_ms": floor, "TB/s": nbytes / t["graph_ms"] / 1e9,
+             "graph_ms": t["graph_ms"], "host_us": t["host_us"], "graph_of_floor": floor / t["graph_ms"],
+             "peer": "SDPA " + ("pre-gathered selected bf16 KV" if mode == "sparse" else "contiguous bf16"),
+             "peer_ms": peer["ms"], "peer_graph_ms": peer["graph_ms"], "peer_host_us": peer["host_us"],
+             "tiles": json.dumps(change), "rel_err": err}
+        rows.append(r)
+        record_row(r, results)
         print(f"{mode:6} {kv:4} {ctx // 1024:4}K err {err:.1e} eager {t['ms']:.4f} graph {t['graph_ms']:.4f} "
               f"({r['graph_of_floor']:.0%} floor, {peer['graph_ms'] / t['graph_ms']:.2f}x SDPA graph "
               f"{peer['graph_ms']:.4f}; eager {peer['ms'] / t['ms']:.2f}x) host {t['host_us']:.0f}us "
               f"{json.dumps(change)}", flush=True)
         if not math.isnan(t["graph_ms"]) and ((mode, kv) not in best or t["graph_ms"] < best[(mode, kv)][0]):
             best[(mode, kv)] = (t["graph_ms"], change)
+
+
+def sweep_prefill(rows: list, var: dict, inputs: dict, results: str) -> None:
+    """One prefill variant of `sweep` (FP8 pages, plain layout)."""
+    ctx, selection, change = var["ctx"], var.get("selection", "random"), var["tiles"]
+    key = ("prefill", ctx, selection)
+    if key not in inputs:
+        inputs.clear()
+        torch.cuda.empty_cache()
+        cu = torch.tensor([0, ctx], device=DEV, dtype=torch.int32)
+        lens = torch.tensor([ctx], device=DEV, dtype=torch.int32)
+        k, v, ks, vs, table = make_kv(1, ctx, "fp8", "plain")
+        if selection == "smooth":
+            iq, keys = smooth_index(ctx)
+        else:
+            iq = torch.randn(ctx, HIDX, DI, device=DEV, dtype=torch.bfloat16)
+            keys = torch.randn(ctx, DI, device=DEV)
+        icache = torch.empty(ctx // PAGE_SIZE, PAGE_SIZE, DI, device=DEV, dtype=k.dtype)
+        icache[table[0].long()] = keys.view(-1, PAGE_SIZE, DI).to(k.dtype)
+        sel = indexer_topk(iq, icache, table, cu, lens, BS, TOPK, 1, max_seqlen_q=ctx, max_context_len=ctx)
+        q = torch.randn(ctx, HQ, D, device=DEV, dtype=torch.bfloat16)
+        inputs[key] = {"args": (q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS), "ref": None,
+                       "flex_ms": float("nan"), "note": ""}
+    state = inputs[key]
+    args = state["args"]
+
+    def ours():
+        return paged_attention(*args, max_seqlen_q=ctx, max_context_len=ctx)
+
+    def measure():
+        out = ours()
+        if state["ref"] is None:
+            state["ref"] = out
+        err = rel_err(out, state["ref"])
+        return err, bench(ours) if err < 2e-2 else float("nan")
+    err, t = with_tiles(change, measure)
+    if var.get("flex") and math.isnan(state["flex_ms"]):
+        q, k, v, table, ks, vs, sel = args[0], args[1], args[2], args[3], args[7], args[8], args[10]
+        try:
+            mask, locality = flex_prefill_mask(sel, ctx)
+            qs = q.transpose(0, 1)[None].contiguous()
+            kc, vc = contiguous_kv(k, v, ks, vs, table)
+            flex_err = rel_err(FLEX(qs, kc, vc, block_mask=mask, enable_gqa=True)[0].transpose(0, 1), state["ref"])
+            state["flex_ms"] = bench(lambda: FLEX(qs, kc, vc, block_mask=mask, enable_gqa=True))
+            state["note"] = (f"flex rel err vs ours {flex_err:.1e}; distinct blocks per 128 q "
+                             f"{locality['blocks_per_128q']:.1f}, per 8 q {locality['blocks_per_8q_tile']:.1f}")
+            del kc, vc
+        except Exception as e:  # noqa: BLE001 (the peer failing must not lose our rows)
+            state["note"] = f"flex failed: {type(e).__name__}: {str(e)[:200]}"
+    flops = 4 * ctx * HQ * TOPK * BS * D
+    r = {"kernel": "MSA sparse prefill", "shape": f"{ctx // 1024}K tokens, {selection} sel", "kv": "fp8",
+         "layout": "plain", "ms": t, "floor_ms": flops / 790e12 * 1e3, "TB/s": float("nan"),
+         "peer": "FlexAttention, same block mask, bf16 KV", "peer_ms": state["flex_ms"], "tiles": json.dumps(change),
+         "rel_err_vs_first": err, "note": state["note"]}
+    rows.append(r)
+    record_row(r, results)
+    print(f"prefill {ctx // 1024}K {selection} err {err:.1e} ms {t:.2f} flex {state['flex_ms']:.2f} "
+          f"({state['flex_ms'] / t:.2f}x) {json.dumps(change)} {state['note'][:60]}", flush=True)
 
 
 def graphs_check() -> dict:
