@@ -36,7 +36,7 @@ from m3sdk.runner import PLACEHOLDER, Carry, ModelRunner
 from m3sdk.sampler import PendingSample, SampledToken, Sampler, SamplingState
 from m3sdk.scheduler import SCHEDULERS, Scheduler, StepPlan
 from m3sdk.spec.base import SpeculativeDecoder, TargetInfo, build_drafter
-from m3sdk.spec.decoding import Speculation
+from m3sdk.spec.decoding import Launched, Speculation
 from m3sdk.tokenizer import TextStream, Tokenizer
 from m3sdk_kernels.arch import fp8_dtype
 
@@ -98,6 +98,8 @@ class EngineCore:
         # Overlapped steps (EngineConfig.overlap_scheduling): the step on the device whose tokens are not yet read.
         self.overlap = config.resolve_overlap(runner.device)
         self._inflight: _InFlight | None = None
+        # With speculation: the verify step launched on the device whose results the host has not read yet.
+        self._verifying: Launched | None = None
         # Called in the engine thread when a request finishes, before its pages are freed.
         self.finish_hooks: list[Callable[[Request, FinishReason], None]] = []
         # Called in the engine thread when its loop ends, however it ends (e.g. stopping tensor-parallel workers).
@@ -236,7 +238,7 @@ class EngineCore:
                                                length + params.max_tokens)
                     self.scheduler.add(request)
                     requests.append(request)
-                while self._inflight is not None or not all(r.is_finished for r in requests):
+                while self._inflight or self._verifying or not all(r.is_finished for r in requests):
                     self.step()
         self._counters = dict.fromkeys(self._counters, 0)
         if self.runner.graphs is not None:
@@ -325,7 +327,8 @@ class EngineCore:
 
     def _handle_inbox(self) -> bool:
         """Apply queued adds and aborts; blocks while there is nothing to run. False once told to stop."""
-        block = self._stalled or not (self.scheduler.num_running or self.scheduler.num_waiting or self._inflight)
+        block = self._stalled or not (self.scheduler.num_running or self.scheduler.num_waiting or self._inflight
+                                      or self._verifying)
         while True:
             try:
                 kind, item = self._inbox.get(block=block)
@@ -355,23 +358,38 @@ class EngineCore:
             step, self._inflight = self._inflight, None
             return self._resolve(step)
         if self.spec is not None:
-            self.spec.propose(self.scheduler.live_requests())
+            return self._step_speculative()
         plan = self.scheduler.schedule()
-        if self.spec is not None:
-            self.spec.scheduled(plan)
         if not plan:
             return self._nothing_scheduled(plan)
         self._counters["steps"] += 1
-        if self.spec is not None:
-            emitted = self.spec.run(plan, self.runner)
-            self.scheduler.update(plan)
-            self.spec.finish_step()
-            return [self._accept_all(request, tokens) for request, tokens in emitted]
         rows = [s.request for s in plan.scheduled if s.samples]
         logits = self.runner.run(plan)
         sampled = self.sampler.sample(logits, [r.sampling for r in rows]) if rows else []
         self.scheduler.update(plan)
         return [self._accept(request, token) for request, token in zip(rows, sampled, strict=True)]
+
+    def _step_speculative(self) -> list[Chunk]:
+        """Finish the verify step the call before launched (verify waits for its forward; its tokens are accepted,
+        which decides who finished), then propose, schedule and launch the next one and return the finished
+        step's deltas: the engine loop emits them and reads its inbox while the device runs the new step (and
+        the event loop's work on them overlaps it). A request aborted meanwhile is skipped when its step is read."""
+        chunks = []
+        if self._verifying is not None:
+            step, self._verifying = self._verifying, None
+            emitted = self.spec.finish(step)
+            self.scheduler.update(step.plan)
+            self.spec.finish_step()
+            chunks = [self._accept_all(request, tokens) for request, tokens in emitted]
+        self.spec.propose(self.scheduler.live_requests())
+        plan = self.scheduler.schedule()
+        self.spec.scheduled(plan)
+        if plan:
+            self._counters["steps"] += 1
+            self._verifying = self.spec.launch(plan, self.runner)
+        elif not chunks:
+            return self._nothing_scheduled(plan)
+        return chunks
 
     def _nothing_scheduled(self, plan: StepPlan) -> list[Chunk]:
         if plan.preempted or not (self.scheduler.num_running or self.scheduler.num_waiting):

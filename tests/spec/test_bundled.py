@@ -2,6 +2,7 @@
 accepted."""
 
 import asyncio
+import random
 
 import pytest
 
@@ -80,3 +81,33 @@ async def test_streamed_text_stop_string_and_logprobs_equal_plain():
     assert spec[-1].finish_reason == plain[-1].finish_reason == "stop"
     lps = [[lp.logprob for c in run for lp in c.logprobs] for run in (spec, plain)]
     assert lps[0] == pytest.approx(lps[1], abs=1e-4)
+
+
+async def test_streams_left_while_a_verify_step_runs_leave_nothing_behind(monkeypatch):
+    """Streams left at random points (aborts that land while a verify step is on the device, its drafts read
+    there): the other requests' tokens are plain decoding's, every page is free and the drafter holds no
+    request at the end."""
+    monkeypatch.setattr(EngineConfig, "resolve_cuda_graphs", lambda self, device: True)
+    monkeypatch.setattr(DecodeGraphs, "supported", staticmethod(lambda model: True))
+    rng = random.Random(0)
+    prompts = [PROMPTS[i % 2] + " " * (i // 2) for i in range(12)]
+
+    async def one(e, prompt, stop_after):
+        out = []
+        async for chunk in e.stream(prompt, max_tokens=20, temperature=0, ignore_eos=True):
+            out += chunk.token_ids
+            if len(out) >= stop_after:
+                break
+        return out
+
+    async with Engine(device="cpu", max_num_seqs=4) as e:
+        plain = await asyncio.gather(*[one(e, p, 99) for p in prompts])
+    async with Engine(device="cpu", max_num_seqs=4, speculative="eagle3") as e:
+        cut = [rng.choice([1, 3, 7, 99]) for _ in prompts]
+        spec = await asyncio.gather(*[one(e, p, c) for p, c in zip(prompts, cut, strict=True)])
+        await asyncio.sleep(0.2)
+        stats, drafter = e.stats(), e._core.spec.drafter
+    for got, want, c in zip(spec, plain, cut, strict=True):
+        assert got == want if c == 99 else got[:c] == want[:c]
+    assert stats["pages_free"] == stats["pages_total"] and stats["running"] == stats["waiting"] == 0
+    assert not drafter._seqs and len(drafter._free) == drafter.k_cache.shape[0] - 1

@@ -7,13 +7,15 @@ One engine step with speculation:
      request may still generate (max_tokens, the context limit).
   2. `scheduled`: requests that were preempted or not scheduled get their drafts removed (a preempted request
      recomputes from its real tokens) and the drafter forgets the preempted ones.
-  3. `run`: one target forward with logits at every scheduled position of a speculating request (each draft is
-     a query with its own position, so on MSA layers each gets its own causal block selection), and the aux
-     hidden states the drafter reads. Plain rows are sampled by the Sampler, speculating rows verified by the
-     verifier (exact). Each speculating entry is then rewritten to the 1 + a positions that hold real tokens
-     (the last token and the a accepted drafts), and the rejected drafts leave `token_ids`: the scheduler's
-     `update` advances `num_computed_tokens` by 1 + a and offers only real tokens' pages to the prefix cache.
-     The drafter observes the committed positions' target states.
+  3. `launch`: one target forward queued on the device, with logits at every scheduled position of a speculating
+     request (each draft is a query with its own position, so on MSA layers each gets its own causal block
+     selection), and the aux hidden states the drafter reads; drafts still on the device are read there.
+     `finish` (the core calls it at its next step, after emitting the step before's deltas): plain rows are
+     sampled by the Sampler, speculating rows verified by the verifier (exact). Each speculating entry is then
+     rewritten to the 1 + a positions that hold real tokens (the last token and the a accepted drafts), and the
+     rejected drafts leave `token_ids`: the scheduler's `update` advances `num_computed_tokens` by 1 + a and
+     offers only real tokens' pages to the prefix cache. The drafter observes the committed positions' target
+     states.
   4. `finish_step` (after the scheduler's update): the accepted drafts leave `token_ids` too (the core appends
      every emitted token through its usual path: detokenizer, stop checks), and pages that hold only rejected
      slots go back to the pool (`CacheManager.truncate`). A rejected slot inside a kept page is simply
@@ -23,7 +25,10 @@ One engine step with speculation:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import torch
 
 from m3sdk.request import Request, RequestStatus
 from m3sdk.runner import Carry
@@ -35,6 +40,18 @@ from m3sdk.spec.verify import VerifyRow, verify
 if TYPE_CHECKING:
     from m3sdk.cache.manager import CacheManager
     from m3sdk.runner import ModelRunner
+
+
+@dataclass
+class Launched:
+    """A step whose forward is queued on the device: what `Speculation.finish` needs to read it."""
+
+    plan: StepPlan
+    num_logits: list[int]
+    spec: list[bool]  # per entry: verifies drafts
+    logits: torch.Tensor | None
+    hidden: torch.Tensor
+    aux: torch.Tensor | None
 
 
 class Speculation:
@@ -76,10 +93,11 @@ class Speculation:
         for r in plan.preempted:
             self.drafter.release(r.request_id)
 
-    # -- 3: one forward, sample / verify, observe --
+    # -- 3: one forward (launched), then sample / verify, observe --
 
-    def run(self, plan: StepPlan, runner: ModelRunner) -> list[tuple[Request, list[SampledToken]]]:
-        """The step's forward and its emitted tokens, per request that emits, in plan order."""
+    def launch(self, plan: StepPlan, runner: ModelRunner) -> Launched:
+        """Queue the step's forward on the device (logits at every scheduled position of a speculating entry) and
+        fill in the drafts it reads on the device from their host copy; `finish` reads its results."""
         num_logits, spec, pending = [], [], []
         for request, n, samples in plan.scheduled:
             is_spec = request.request_id in self._drafts
@@ -91,10 +109,18 @@ class Speculation:
         for request in pending:  # their drafts' host copy (it was queued before the forward: no wait for that)
             _, proposal, real = self._drafts[request.request_id]
             request.token_ids[real:real + len(proposal.tokens)] = proposal.resolve()
+        return Launched(plan, num_logits, spec, logits, hidden, aux)
 
+    def finish(self, step: Launched) -> list[tuple[Request, list[SampledToken]]]:
+        """A launched step's emitted tokens, per request that emits, in plan order. Requests finished since it was
+        launched (aborted while it ran) are skipped: their pages and drafts are gone already."""
+        plan, num_logits, spec, logits = step.plan, step.num_logits, step.spec, step.logits
         plain_rows, plain_reqs, verify_rows, verify_reqs, verify_at = [], [], [], [], []
         row = 0
         for (request, n, _), m, is_spec in zip(plan.scheduled, num_logits, spec, strict=True):
+            if request.is_finished:  # aborted while the forward ran: its row is not read
+                row += m
+                continue
             if is_spec:
                 proposal = self._drafts[request.request_id][1]
                 # the scheduled drafts (the token budget may cut some) and, if sampled, their distributions
@@ -120,6 +146,9 @@ class Speculation:
         # rewrite speculating entries to their real tokens; observe what is now committed
         observed, offset = [], 0
         for i, (request, n, _) in enumerate(plan.scheduled):
+            if request.is_finished:
+                offset += n
+                continue
             toks = emitted.get(request.request_id)
             committed = n
             if spec[i]:
@@ -136,8 +165,8 @@ class Speculation:
             nxt = request.token_ids[start + 1:start + committed] + [
                 toks[-1].token_id if toks else request.token_ids[start + committed]]
             rows = slice(offset, offset + committed)
-            observed.append((request.request_id,
-                             TargetStates(start, nxt, hidden[rows], None if aux is None else aux[rows])))
+            observed.append((request.request_id, TargetStates(start, nxt, step.hidden[rows],
+                                                              None if step.aux is None else step.aux[rows])))
             offset += n
         self.drafter.observe(observed)
         return [(s.request, emitted[s.request.request_id]) for s in plan.scheduled
