@@ -24,7 +24,7 @@ import torch
 from gpu_timing import bench, read_bandwidth
 
 from m3sdk_kernels.arch import TILES, current_arch
-from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, mx_fp8, quantize_experts, to_planes
+from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, h_row, mx_fp8, quantize_experts, to_planes
 
 DEV = "cuda"
 E, H, I, TOP_K, SCALE = 128, 6144, 3072, 4, 2.0
@@ -46,6 +46,16 @@ PLANES_SWEEP = [dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, n
                 dict(PLANES_SWAP=0, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=3),
                 dict(PLANES_SWAP=0, GU_BLOCK_N=32, DN_BLOCK_N=32, num_warps=4, num_stages=3),
                 dict(PLANES_SWAP=0, GU_BLOCK_N=16, DN_BLOCK_N=16, num_warps=2, num_stages=3)]
+# `--prefill-sweep`: moe_prefill (8K tokens) for the --prefill-formats arms: the kept tiles first, then the fp8
+# intermediate per row (H_ROW: the down GEMM's MMAs chain over K tiles of 128), gate|up as one interleaved MMA
+# (FUSED_GU), MXFP4 converted to fp8 once per step (MX_CONVERT) instead of per token tile
+_P = dict(FUSED_GU=0, H_ROW=0, MX_CONVERT=0, GU_BLOCK_N=64, GU_BLOCK_K=64, DN_BLOCK_K=64, num_stages=3)
+PREFILL_SWEEP = [dict(_P),
+                 dict(_P, H_ROW=1, DN_BLOCK_K=128),
+                 dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128),
+                 dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1),
+                 dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, num_stages=4),
+                 dict(_P, H_ROW=1, DN_BLOCK_K=128, MX_CONVERT=1)]
 
 
 def mm_rate(dtype: torch.dtype) -> float:
@@ -121,6 +131,44 @@ def arm_mx_fp8(arm: str, t: int) -> bool:
         return mx_fp8(fmt, t, current_arch())
 
 
+def arm_h_row(arm: str, t: int) -> bool:
+    """Whether arm `arm` quantizes its fp8 intermediate per row at `t` tokens (the reference's h_row)."""
+    fmt, _, path = arm.partition(":")
+    with forced_mx_fp8(FORCED[path]) if path in FORCED else nullcontext():
+        return h_row(fmt, t, current_arch())
+
+
+def prefill_sweep(experts: dict, arms: list[str], jsonl: str | None) -> None:
+    """Time PREFILL_SWEEP at 8K tokens for `arms` (each config checked per arm at 300 tokens first); keep the
+    config with the smallest sum over the arms in the moe_prefill table."""
+    table = TILES["moe_prefill"][current_arch().name]
+    base = dict(table)
+    w, ids = routing(PREFILL_T, PREFILL_T)
+    x = torch.randn(PREFILL_T, H, device=DEV, dtype=torch.bfloat16)
+    best = None
+    for cfg in PREFILL_SWEEP:
+        table.update(cfg)
+        rec = dict(bench="moe_prefill_sweep", config=cfg, us={}, rel_err={})
+        try:
+            for arm in arms:
+                rec["rel_err"][arm] = check(arm, experts[arm], ts=(300,))
+                rec["us"][arm] = bench(lambda arm=arm: run(arm, x, ids, w, experts[arm]), REP) * 1e3
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        print(f"prefill sweep {({k: v for k, v in cfg.items() if _P.get(k) != v})}: " + (rec.get("error", "")[:200] or
+              " ".join(f"{a} {v:.0f}" for a, v in rec["us"].items()) + " us"), flush=True)
+        if jsonl:
+            with open(jsonl, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+        if "error" not in rec and (best is None or sum(rec["us"].values()) < best[0]):
+            best = (sum(rec["us"].values()), cfg)
+        table.clear()
+        table.update(base)
+    if best is not None:
+        table.update(best[1])
+    print(f"prefill sweep: keep {best[1] if best else None}")
+
+
 def run(arm: str, x, ids, w, ex: Experts) -> torch.Tensor:
     path = arm.partition(":")[2]
     with forced_mx_fp8(FORCED[path]) if path in FORCED else nullcontext():
@@ -172,7 +220,7 @@ def check(arm: str, ex: Experts, ts: tuple[int, ...] = (2, 40, 300)) -> float:
         ids = torch.rand(t, 4, generator=g, device=DEV).argsort(-1)[:, :2].to(torch.int32)
         w = torch.rand(t, 2, generator=g, device=DEV)
         x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
-        ref = fused_moe_ref(x, ids, w, small, ALPHA, LIMIT, mx_fp8=arm_mx_fp8(arm, t)).float()
+        ref = fused_moe_ref(x, ids, w, small, ALPHA, LIMIT, mx_fp8=arm_mx_fp8(arm, t), h_row=arm_h_row(arm, t)).float()
         out = run(arm, x, ids, w, small).float()
         worst = max(worst, ((out - ref).norm() / ref.norm()).item())
     assert worst < 2e-2, (arm, worst)
@@ -188,6 +236,8 @@ def main() -> None:
     ap.add_argument("--prefill-formats", help="the arms timed at 8K tokens (default: --formats)")
     ap.add_argument("--ts", default=",".join(map(str, (*DECODE_T, PREFILL_T))), help="token counts of the table")
     ap.add_argument("--rep", type=int, default=100, help="ms of graph replays per timing sample")
+    ap.add_argument("--prefill-sweep", action="store_true", help="sweep the moe_prefill tiles first (8K tokens, the"
+                    " --prefill-formats arms)")
     ap.add_argument("--planes-sweep", nargs="?", const="all", help="sweep the planes tiles first (needs mxfp4:planes;"
                     " a value: the PLANES_SWEEP indices to time, e.g. 0,3)")
     args = ap.parse_args()
@@ -226,6 +276,8 @@ def main() -> None:
         if args.planes_sweep != "all":
             PLANES_SWEEP[:] = [PLANES_SWEEP[int(i)] for i in args.planes_sweep.split(",")]
         planes_sweep(experts["mxfp4:planes"], args.jsonl)
+    if args.prefill_sweep:
+        prefill_sweep(experts, [f for f in prefill_formats if f in experts], args.jsonl)
     if args.sweep:
         for fam, configs in SWEEP.items():
             t = 1 if fam == "moe_decode" else 16

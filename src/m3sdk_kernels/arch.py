@@ -153,6 +153,8 @@ TILES.update({
     "rms_norm": {a: {"num_warps": 8} for a in ("sm90", "gfx942", "gfx950")},
     "router": {a: {"BLOCK_T": 16, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "moe_align": {a: {"CHUNK": 256, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
+    # MXFP4 -> fp8 experts once per prefill step (moe.mx_to_fp8, where a moe_* table sets MX_CONVERT)
+    "mx_to_fp8": {"sm90": {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}},
     # decode: split K until SPLIT_PROGRAMS programs stream the weight (about the resident CTAs: split_k in quant.py),
     # STAGGER the K order per column block (spreads the shared activation reads over L2); SWAP_AB (sm90): weight
     # rows as the MMA's M, so 64 x 16 fp8 wgmma straight from shared memory (no f16 upcast, no mma.sync)

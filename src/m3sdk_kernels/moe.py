@@ -383,6 +383,45 @@ def _mxfp4_e4m3_tile(w_base, s_base, rows, ref, k0, stride_wn, stride_sn, BLOCK_
 
 
 @triton.jit
+def _mx_to_fp8_kernel(w_ptr, s_ptr, q_ptr, qs_ptr, N, K, stride_we, stride_wn, stride_se, stride_sn, stride_qe,
+                      stride_qn, stride_qse, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One expert's BLOCK_N MXFP4 rows -> e4m3 rows (the conversion the fp8 path does per tile, done once) and the
+    # rows' 2^(ref - 122) as their per-channel scale
+    e = tl.program_id(1).to(tl.int64)
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = offs < N
+    rows = tl.where(ok, offs, 0)
+    w_base = w_ptr + e * stride_we
+    s_base = s_ptr + e * stride_se
+    ref = _mx_row_ref(s_base, rows, K, stride_sn, BLOCK_N)
+    q_rows = q_ptr + e * stride_qe + rows[None, :] * stride_qn
+    for k0 in range(0, K, BLOCK_K):
+        t = _mxfp4_e4m3_tile(w_base, s_base, rows, ref, k0, stride_wn, stride_sn, BLOCK_K)
+        tl.store(q_rows + (k0 + tl.arange(0, BLOCK_K))[:, None], t, mask=ok[None, :])
+    tl.store(qs_ptr + e * stride_qse + rows, _mx_row_scale(ref), mask=ok)
+
+
+def mx_to_fp8(experts: Experts) -> Experts:
+    """MXFP4 experts (checkpoint layout) -> fp8 experts with the same values as the fp8 path multiplies them
+    (`dequantize_experts(.., mx_fp8=True)`: exact, the groups under `MX_FP8_OCTAVES` flushed): e4m3fn plus a
+    float32 scale per row. Prefill converts once per step where the tile table says MX_CONVERT, instead of once
+    per token tile inside the GEMMs."""
+    if experts.fmt != "mxfp4" or experts.planes:
+        raise ValueError("mx_to_fp8 takes MXFP4 experts in the checkpoint layout")
+    cfg = tiles("mx_to_fp8", current_arch(experts.gate_up.device))
+    out = []
+    for w, sc in ((experts.gate_up, experts.gate_up_scale), (experts.down, experts.down_scale)):
+        e, n, k = w.shape[0], w.shape[1], w.shape[2] * 2
+        q = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=w.device)
+        qs = torch.empty((e, n), dtype=torch.float32, device=w.device)
+        _mx_to_fp8_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), e)](
+            w, sc, q, qs, n, k, w.stride(0), w.stride(1), sc.stride(0), sc.stride(1), q.stride(0), q.stride(1),
+            qs.stride(0), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=min(cfg["BLOCK_K"], k & -k), num_warps=cfg["num_warps"])
+        out += [q, qs]
+    return Experts("fp8", out[0], out[2], out[1], out[3])
+
+
+@triton.jit
 def _mxfp4_fp8_dot(acc, a, w_base, s_base, rows, ref, k0, stride_wn, stride_sn, BLOCK_K: tl.constexpr,
                    DOT_F32: tl.constexpr):
     # acc += A[:, k0:k0+BLOCK_K] @ W^T with A fp8 and the MXFP4 weight converted to e4m3 in registers by integer ops
@@ -743,6 +782,8 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     planes = experts.planes
     cfg, sort = moe_tiles(t, arch, "planes" if planes else None)
     use_mx_fp8 = mx_fp8(fmt, t, arch) and not planes
+    if use_mx_fp8 and cfg.get("MX_CONVERT", 0):  # the whole stack to fp8 once, then the fp8 experts' path
+        experts, fmt, use_mx_fp8 = mx_to_fp8(experts), "fp8", False
     act_fp8 = fmt == "fp8" or use_mx_fp8
     row_q = act_fp8 and bool(cfg.get("H_ROW", 0))
     # K tiles: the table's, or the largest power of two dividing K when K is smaller (small models); planes step
@@ -813,8 +854,17 @@ def aot_variants(arch: Arch) -> list:
                       {"BLOCK_M": 64, "E_PAD": 256, "LOG2_E_PAD": 8, "CHUNK": tiles("moe_align", arch)["CHUNK"]},
                       num_warps=tiles("moe_align", arch)["num_warps"], num_stages=1)]
     w_types = {"bf16": ("*bf16", "*bf16"), "fp8": (fp8, "*fp32"), "mxfp4": ("*u8", "*u8"), "mxfp8": ("*fp8e4nv", "*u8")}
-    if arch.name == "sm90":  # MXFP4 in the planes layout: Hopper's decode layout
+    if arch.name == "sm90":  # MXFP4 in the planes layout (Hopper's decode layout), MXFP4 -> fp8 once per step
         w_types["mxfp4_planes"] = ("*i32", "*u8")
+        cfg = tiles("mx_to_fp8", arch)
+        out.append(AotVariant(
+            "mx_to_fp8", _mx_to_fp8_kernel,
+            {"w_ptr": "*u8", "s_ptr": "*u8", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "N": "i32", "K": "i32",
+             "stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_qe": "i64",
+             "stride_qn": "i32", "stride_qse": "i32"},
+            {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}, num_warps=cfg["num_warps"],
+            aligned=("N", "K", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_qe", "stride_qn",
+                     "stride_qse")))
     codes = {**_FMT_CODE, "mxfp4_planes": 4}
     for family, sort in (("moe_decode", False), ("moe_small", True), ("moe_prefill", True)):
         for fmt, (wt, st) in w_types.items():

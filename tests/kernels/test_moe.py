@@ -77,6 +77,74 @@ def test_prefill_tiles(weights, fmt, monkeypatch):
     assert rel(out, ref) < 1.5e-2
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_prefill_fused_gate_up_row_scaled_intermediate(weights, fmt, monkeypatch):
+    # FUSED_GU (gate|up rows interleaved, one MMA), H_ROW (the fp8 intermediate quantized per row, bf16 before),
+    # K tiles of 128 in the down GEMM; MXFP4 converted to fp8 experts once (MX_CONVERT) and inside the GEMMs
+    monkeypatch.setitem(TILES["moe_small"]["sm90"], "MAX_TOKENS", 8)
+    for key, value in dict(FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128).items():
+        monkeypatch.setitem(TILES["moe_prefill"]["sm90"], key, value)
+    experts = moe.quantize_experts(*weights, fmt, FP8)
+    w, ids = routing(40, seed=4)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(8)).bfloat16()
+    arch = ARCHS["sm90"]
+    assert moe.h_row(fmt, 40, arch) and not moe.h_row("bf16", 40, arch) and not moe.h_row(fmt, 2, arch)
+    ref = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT, mx_fp8=moe.mx_fp8(fmt, 40, arch), h_row=True)
+    for convert in (0, 1) if fmt == "mxfp4" else (0,):
+        monkeypatch.setitem(TILES["moe_prefill"]["sm90"], "MX_CONVERT", convert)
+        assert rel(moe.fused_moe(x, ids, w, experts, ALPHA, LIMIT), ref) < 8e-3
+    # per row vs per 64 columns: both within fp8 rounding of each other
+    per64 = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT, mx_fp8=moe.mx_fp8(fmt, 40, arch))
+    assert rel(ref, per64) < 4e-2
+
+
+def test_mx_to_fp8_matches_the_fp8_path(weights):
+    # the once-per-step conversion gives exactly the values the in-GEMM conversion multiplies
+    experts = moe.quantize_experts(*weights, "mxfp4", FP8)
+    experts.gate_up_scale[0, :3, :2] -= 13  # a few groups under the flush threshold
+    fp8 = moe.mx_to_fp8(experts)
+    assert fp8.fmt == "fp8" and fp8.gate_up.dtype == torch.float8_e4m3fn
+    for a, b in zip(moe.dequantize_experts(experts, mx_fp8=True), moe.dequantize_experts(fp8), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def wide_weights():
+    # the planes layout tiles K by 256
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(E, 512, 256, generator=g) * 0.08, torch.randn(E, 256, 256, generator=g) * 0.08
+
+
+def test_planes_layout_holds_the_same_values(wide_weights):
+    experts = moe.quantize_experts(*wide_weights, "mxfp4")
+    experts.gate_up_scale[1, :2, :3] -= 30  # groups past the 28-octave flush
+    planes = moe.to_planes(experts)
+    assert planes.planes and planes.gate_up.dtype == torch.int32 and planes.w_fmt == 4
+    flush = quant.PLANE_FLUSH
+    for w, s, got in ((experts.gate_up, experts.gate_up_scale, moe.dequantize_experts(planes)[0]),
+                      (experts.down, experts.down_scale, moe.dequantize_experts(planes)[1])):
+        want = quant.dequantize_mxfp4(w, s)
+        s32 = s.to(torch.int32)
+        gone = (s32 < s32.amax(-1, keepdim=True) - flush).repeat_interleave(32, -1)
+        assert (got[gone] == 0).all() and (gone.any() or w is experts.down)
+        # exact where the fp16 product is normal; else within fp16's subnormal step times the row scale
+        assert torch.allclose(got[~gone], want[~gone], rtol=0, atol=float(want.abs().max()) * 2.0**-20)
+
+
+@pytest.mark.parametrize("t, swap", [(2, 1), (2, 0), (24, 1)])
+def test_planes_fused_moe(wide_weights, t, swap, monkeypatch):
+    for fam in ("moe_decode:planes", "moe_small:planes"):
+        monkeypatch.setitem(TILES[fam]["sm90"], "PLANES_SWAP", swap)
+    experts = moe.to_planes(moe.quantize_experts(*wide_weights, "mxfp4"))
+    w, ids = routing(t, seed=t + 2)
+    x = torch.randn(t, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
+    out = moe.fused_moe(x, ids, w, experts, ALPHA, LIMIT)
+    ref = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT)
+    assert rel(out, ref) < 8e-3
+    checkpoint = moe.fused_moe_ref(x, ids, w, moe.quantize_experts(*wide_weights, "mxfp4"), ALPHA, LIMIT)
+    assert rel(ref, checkpoint) < 8e-3  # fp16 activations instead of bf16: rounding only
+
+
 @pytest.mark.parametrize("t", [2, 24])
 def test_mxfp4_both_paths(weights, t, monkeypatch):
     # MX_FP8 on: MXFP4 through the fp8 tensor cores (sm90's prefill table); off: tl.dot_scaled (bf16 activations).
