@@ -135,7 +135,7 @@ def host_phases(engine: Engine, on: bool):
                (core.sampler, "sample"), (core.sampler, "launch"), (core, "_resolve"), (core, "_accept")]
     if core.spec is not None:
         targets += [(core.spec.drafter, "propose"), (core.spec.drafter, "observe"), (spec_decoding, "verify"),
-                    (core.spec, "run")]
+                    (core.spec, "launch"), (core.spec, "finish")]
 
     def timed(name: str, fn):
         def call(*args, **kwargs):
@@ -148,7 +148,7 @@ def host_phases(engine: Engine, on: bool):
 
     saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr in targets]
     for obj, attr in targets:
-        name = "spec_run" if obj is core.spec and attr == "run" else attr.lstrip("_")
+        name = f"spec_{attr}" if obj is core.spec else attr.lstrip("_")
         setattr(obj, attr, timed(name, getattr(obj, attr)))
     try:
         yield totals
