@@ -339,8 +339,9 @@ def tiles_indexer(rows: list, read_bw: float) -> None:
     name = current_arch().name
     one_warp, ahead = {"indexer_topk": {"num_warps": 1}}, {"indexer_scan": {"PAGE_AHEAD": 1}}
     variants = (({}, True), (one_warp, True), (ahead, True), (one_warp | ahead, False),
-                ({"indexer_scan": {"SPLIT_PROGRAMS": 528}}, False), ({"indexer_scan": {"SPLIT_PROGRAMS": 2112}}, False),
-                ({"indexer_scan": {"PAGE_AHEAD": 1, "num_stages": 4}}, False),
+                ({"indexer_scan": {"SPLIT_PROGRAMS": 528}}, False),
+                ({"indexer_scan": {"PAGE_AHEAD": 1, "SPLIT_PROGRAMS": 528}}, False),
+                ({"indexer_scan": {"PAGE_AHEAD": 1, "SPLIT_PROGRAMS": 2112}}, False),
                 ({"indexer_topk": {"num_warps": 1, "PDL": 1}}, False))
     ONLY.update(kv="fp8")
     for i, (change, ragged_check) in enumerate(variants):
