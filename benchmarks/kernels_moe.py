@@ -236,8 +236,9 @@ def main() -> None:
     ap.add_argument("--prefill-formats", help="the arms timed at 8K tokens (default: --formats)")
     ap.add_argument("--ts", default=",".join(map(str, (*DECODE_T, PREFILL_T))), help="token counts of the table")
     ap.add_argument("--rep", type=int, default=100, help="ms of graph replays per timing sample")
-    ap.add_argument("--prefill-sweep", action="store_true", help="sweep the moe_prefill tiles first (8K tokens, the"
-                    " --prefill-formats arms)")
+    ap.add_argument("--prefill-sweep", nargs="?", const="all", help="sweep the moe_prefill tiles first (8K tokens,"
+                    " the --prefill-formats arms; a value: the PREFILL_SWEEP indices to time)")
+    ap.add_argument("--check-ts", default="2,40,300", help="token counts of the correctness check (planes: <= 256)")
     ap.add_argument("--planes-sweep", nargs="?", const="all", help="sweep the planes tiles first (needs mxfp4:planes;"
                     " a value: the PLANES_SWEEP indices to time, e.g. 0,3)")
     args = ap.parse_args()
@@ -263,7 +264,8 @@ def main() -> None:
     experts = {f: stacks["planes" if f == "mxfp4:planes" else f.split(":")[0]] for f in formats}
     for f, ex in list(experts.items()):
         try:  # an arm that fails its check (or does not compile) is reported and not timed; the others still are
-            err = check(f, ex, (2, 40) if f == "mxfp4:planes" else (2, 40, 300))  # planes: decode layout
+            check_ts = tuple(int(t) for t in args.check_ts.split(","))
+            err = check(f, ex, tuple(t for t in check_ts if t <= 256) if f == "mxfp4:planes" else check_ts)
             print(f"correctness {f}: rel err vs reference {err:.2e}", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"correctness {f}: FAILED, not timed: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -277,6 +279,8 @@ def main() -> None:
             PLANES_SWEEP[:] = [PLANES_SWEEP[int(i)] for i in args.planes_sweep.split(",")]
         planes_sweep(experts["mxfp4:planes"], args.jsonl)
     if args.prefill_sweep:
+        if args.prefill_sweep != "all":
+            PREFILL_SWEEP[:] = [PREFILL_SWEEP[int(i)] for i in args.prefill_sweep.split(",")]
         prefill_sweep(experts, [f for f in prefill_formats if f in experts], args.jsonl)
     if args.sweep:
         for fam, configs in SWEEP.items():
