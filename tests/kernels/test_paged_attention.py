@@ -40,11 +40,16 @@ def test_dense_matches_reference(case, kv_dtype, layout):
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("layout", ["plain", "shuffle"])
+@pytest.mark.parametrize("layout,ahead", [("plain", 0), ("shuffle", 0), ("plain", 1)],
+                         ids=["plain", "shuffle", "plain-ahead"])
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("case", [DECODE, MIXED_SPARSE], ids=["decode", "mixed"])
-def test_sparse_matches_reference_and_drops_blocks(case, kv_dtype, layout):
-    """MSA with 16-token blocks, top-2: contexts up to 130 tokens keep 2 of up to 9 blocks."""
+def test_sparse_matches_reference_and_drops_blocks(monkeypatch, case, kv_dtype, layout, ahead):
+    """MSA with 16-token blocks, top-2: contexts up to 130 tokens keep 2 of up to 9 blocks. `ahead`: prefill walks
+    the block union in a counted loop with carried page ids, decode carries them too (PAGE_AHEAD)."""
+    if ahead:
+        for family in ("sparse_prefill", "sparse_decode", "sparse_decode:fp8"):
+            monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], "PAGE_AHEAD": 1})
     ctx, new = case
     block, topk = 16, 2
     step = make_step(ctx, new, HKV, D, kv_dtype, layout, index_dim=32)
@@ -103,6 +108,26 @@ def test_sparse_decode_splits_and_unsorted_selection(monkeypatch, programs, layo
     sel = torch.tensor([[[6, 0, 3, -1], [2, 1, -1, -1]], [[1, 6, -1, -1], [0, 2, 1, -1]]], dtype=torch.int32)
     q = torch.randn(2, HKV * GROUP, D).to(torch.bfloat16)
     got, ref = run(step, q, D**-0.5, block_sel=sel, block_size=16)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+def test_decode_key_groups(monkeypatch, kv_dtype):
+    """Decode with each tile's keys split over KEY_GROUPS warps (their softmax states merged at the end), dense and
+    MSA, with carried page ids and (FP8) V decoded from words; contexts crossing pages, -1 padded selections."""
+    for family in ("attn_decode", "sparse_decode"):
+        name = family + (":fp8" if kv_dtype == "fp8" else "")
+        entry = arch.TILES.get(name, {}).get("sm90", {})
+        monkeypatch.setitem(arch.TILES.setdefault(name, {}), "sm90", {**entry, "BLOCK_N": 32, "KEY_GROUPS": 2,
+                                                                     "PAGE_AHEAD": 1, "V_WORDS": 2})
+    assert attention_plan(4, 4, HKV, GROUP, 1, 200, False, 1, 128, fp8=kv_dtype == "fp8")["KEY_GROUPS"] == 2
+    ctx, new = [200, 17, 33, 64], [1, 1, 1, 1]
+    step = make_step(ctx, new, HKV, D, kv_dtype, "plain")
+    q = torch.randn(4, HKV * GROUP, D).to(torch.bfloat16)
+    got, ref = run(step, q, D**-0.5)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    sel = torch.tensor([[[5, 0, 3, -1], [0, -1, -1, -1], [1, -1, 0, -1], [1, 0, -1, -1]]] * HKV, dtype=torch.int32)
+    got, ref = run(step, q, D**-0.5, block_sel=sel, block_size=32)
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
 
