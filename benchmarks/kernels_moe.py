@@ -40,12 +40,15 @@ SWEEP = {
                   dict(GU_BLOCK_N=32, GU_BLOCK_K=256, DN_BLOCK_N=64, DN_BLOCK_K=128, num_stages=3)],
 }
 # `--planes-sweep`: MXFP4 planes tiles, the same config for moe_decode:planes and moe_small:planes, every decode T
+# (DECODE_MAX_TOKENS: moe_decode:planes's MAX_TOKENS only; 0 sends T = 1, 2 down the sorted path too, whose down GEMM
+# has a program per (expert, column block) rather than per (token, column block))
 PLANES_SWEEP = [dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=3),
                 dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=2),
                 dict(PLANES_SWAP=1, GU_BLOCK_N=128, DN_BLOCK_N=128, num_warps=8, num_stages=3),
                 dict(PLANES_SWAP=0, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=3),
                 dict(PLANES_SWAP=0, GU_BLOCK_N=32, DN_BLOCK_N=32, num_warps=4, num_stages=3),
-                dict(PLANES_SWAP=0, GU_BLOCK_N=16, DN_BLOCK_N=16, num_warps=2, num_stages=3)]
+                dict(PLANES_SWAP=0, GU_BLOCK_N=16, DN_BLOCK_N=16, num_warps=2, num_stages=3),
+                dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=3, DECODE_MAX_TOKENS=0)]
 # `--prefill-sweep`: moe_prefill (8K tokens) for the --prefill-formats arms: the kept tiles first, then the fp8
 # intermediate per row (H_ROW: the down GEMM's MMAs chain over K tiles of 128), gate|up as one interleaved MMA
 # (FUSED_GU), MXFP4 converted to fp8 once per step (MX_CONVERT) instead of per token tile
@@ -184,7 +187,9 @@ def planes_sweep(ex: Experts, jsonl: str | None) -> None:
     best = None
     for cfg in PLANES_SWEEP:
         for t in tables:
-            t.update(cfg)
+            t.update({k: v for k, v in cfg.items() if k != "DECODE_MAX_TOKENS"})
+        if "DECODE_MAX_TOKENS" in cfg:
+            tables[0]["MAX_TOKENS"] = cfg["DECODE_MAX_TOKENS"]
         rec = dict(bench="moe_planes_sweep", config=cfg, us={})
         try:
             rec["rel_err"] = check("mxfp4:planes", ex, ts=(2, 40))
@@ -206,7 +211,9 @@ def planes_sweep(ex: Experts, jsonl: str | None) -> None:
             t.update(b)
     if best is not None:
         for t in tables:
-            t.update(best[1])
+            t.update({k: v for k, v in best[1].items() if k != "DECODE_MAX_TOKENS"})
+        if "DECODE_MAX_TOKENS" in best[1]:
+            tables[0]["MAX_TOKENS"] = best[1]["DECODE_MAX_TOKENS"]
     print(f"planes sweep: keep {best[1] if best else None}")
 
 
