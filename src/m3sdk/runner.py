@@ -64,10 +64,11 @@ class ModelRunner:
             m = int(samples) if num_logits is None else num_logits[i]
             logits_rows.extend(range(len(ids) - m, len(ids)))
         meta = AttentionMetadata.build(counts, context_lens, tables, device=self.device)
-        input_ids = to_device(ids, torch.int64, self.device)
+        # the carried tokens' destination and source rows ride in the ids' upload
+        packed = to_device(ids + dst + src, torch.int64, self.device)
+        input_ids = packed[:len(ids)]
         if dst:
-            dst_src = to_device([dst, src], torch.int64, self.device)  # one upload for both index lists
-            input_ids[dst_src[0]] = carry.tokens[dst_src[1]]
+            input_ids[packed[len(ids):len(ids) + len(dst)]] = carry.tokens[packed[len(ids) + len(dst):]]
         q = self.graphs.query_len(meta, aux_layers) if self.graphs is not None and logits_rows else None
         if q is not None:
             # sequences shorter than q are padded inside the graph: each token's row there, when any is
