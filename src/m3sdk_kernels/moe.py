@@ -497,17 +497,21 @@ def _mul_f16x2(x, m, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _planes_step(acc, a_rows, valid, w_base, s_base, rows, k0, stride_wn, stride_sn, SWAP: tl.constexpr,
-                 DOT_F32: tl.constexpr):
+                 XPERM: tl.constexpr, DOT_F32: tl.constexpr):
     # acc += A[:, k0:k0+256] @ W^T for MXFP4 in the planes layout (quant.mxfp4_planes): the tile's 32 words of
     # each row in one load, then per q the fp16 weights of scale groups 2q, 2q + 1 (column 2w + h is element
-    # 64q + 32h + w) times their per-row multipliers, and a K = 64 dot with the activation gathered in that
-    # column order (fp16). SWAP: weight rows as the MMA's M (acc is [rows, tokens]).
+    # 64q + 32h + w) times their per-row multipliers, and a K = 64 dot with the activation in that column order:
+    # gathered and converted here, or (XPERM) stored so by the previous step (fp16, `planes_order`), a plain
+    # load. SWAP: weight rows as the MMA's M (acc is [rows, tokens]).
     wd = tl.load(w_base + rows[:, None] * stride_wn + (k0 // 8 + tl.arange(0, 32))[None, :])
     cols = tl.arange(0, 64)
     for q in tl.static_range(4):
         m = tl.broadcast_to(_mult_f16x2(s_base, rows, stride_sn, k0 // 32 + 2 * q)[:, None], wd.shape)
         w = _halves_f16(_mul_f16x2(_plane_bits(wd, q), m, DOT_F32))
-        ks = k0 + 64 * q + 32 * (cols % 2) + cols // 2
+        if XPERM:
+            ks = k0 + 64 * q + cols
+        else:
+            ks = k0 + 64 * q + 32 * (cols % 2) + cols // 2
         a = tl.load(a_rows + ks[None, :], mask=valid[:, None], other=0.0).to(tl.float16)
         if SWAP:
             acc = _dot(w, tl.trans(a), acc, DOT_F32)
@@ -572,9 +576,9 @@ def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, r_ptr, h_ptr, h_
                         block_expert_ptr, num_padded_ptr, ids_ptr, num_pairs, I, K, stride_xt, stride_we, stride_wn,
                         stride_se, stride_sn, stride_re, stride_hp, stride_hsp, alpha, limit, TOP_K: tl.constexpr,
                         SORTED: tl.constexpr, W_FMT: tl.constexpr, MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr,
-                        SWAP: tl.constexpr, FUSED_GU: tl.constexpr, H_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, DOT_F32: tl.constexpr,
-                        INTERPRET: tl.constexpr):
+                        SWAP: tl.constexpr, XPERM: tl.constexpr, FUSED_GU: tl.constexpr, H_ROW: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
+                        DOT_F32: tl.constexpr, INTERPRET: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if SORTED:
@@ -595,13 +599,16 @@ def _moe_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, r_ptr, h_ptr, h_
                                       stride_sn, W_FMT, MX_FP8, ACT_FP8, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
     else:
         acc_g, acc_u = _gate_up_pair(x_rows, x_scale_ptr + tokens, valid, w_base, s_base, r_ptr + expert * stride_re,
-                                     rows_g, rows_u, K, stride_wn, stride_sn, W_FMT, MX_FP8, ACT_FP8, SWAP, BLOCK_M,
-                                     BLOCK_N, BLOCK_K, DOT_F32)
+                                     rows_g, rows_u, K, stride_wn, stride_sn, W_FMT, MX_FP8, ACT_FP8, SWAP, XPERM,
+                                     BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
     g = tl.minimum(acc_g, limit)
     u = tl.minimum(tl.maximum(acc_u, -limit), limit)
     h = (u + 1.0) * (g * tl.sigmoid(alpha * g))
     mask = valid[:, None] & n_ok[None, :]
-    out = h_ptr + pairs[:, None] * stride_hp + offs_n[None, :]
+    if W_FMT == 4 and XPERM:  # the down GEMM's planes order (`planes_order`)
+        out = h_ptr + pairs[:, None] * stride_hp + (offs_n // 64 * 64 + offs_n % 32 * 2 + offs_n % 64 // 32)[None, :]
+    else:
+        out = h_ptr + pairs[:, None] * stride_hp + offs_n[None, :]
     if ACT_FP8 and not H_ROW:
         hg = tl.reshape(h, (BLOCK_M, BLOCK_N // 64, 64))
         scale = tl.maximum(tl.max(tl.abs(hg), axis=2), 1e-12) / FP8_MAX
@@ -636,7 +643,8 @@ def _gate_up_fused(x_rows, xs_ptrs, valid, w_base, s_base, rows_g, I, K, stride_
 @triton.jit
 def _gate_up_pair(x_rows, xs_ptrs, valid, w_base, s_base, r_base, rows_g, rows_u, K, stride_wn, stride_sn,
                   W_FMT: tl.constexpr, MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, SWAP: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                  XPERM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_F32: tl.constexpr):
     # gate and up tiles of the same columns, two accumulators
     offs_k = tl.arange(0, BLOCK_K)
     ref_g = _row_refs(s_base, rows_g, K, stride_sn, MX_FP8, BLOCK_N)
@@ -646,9 +654,9 @@ def _gate_up_pair(x_rows, xs_ptrs, valid, w_base, s_base, r_base, rows_g, rows_u
     for k0 in range(0, K, BLOCK_K):
         if W_FMT == 4:
             acc_g = _planes_step(acc_g, x_rows, valid, w_base, s_base, rows_g, k0, stride_wn, stride_sn, SWAP,
-                                 DOT_F32)
+                                 XPERM, DOT_F32)
             acc_u = _planes_step(acc_u, x_rows, valid, w_base, s_base, rows_u, k0, stride_wn, stride_sn, SWAP,
-                                 DOT_F32)
+                                 XPERM, DOT_F32)
         else:
             a = tl.load(x_rows + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
             acc_g = _dot_step(acc_g, a, w_base, s_base, rows_g, ref_g, k0, stride_wn, stride_sn, W_FMT, BLOCK_K,
@@ -668,15 +676,15 @@ def _gate_up_pair(x_rows, xs_ptrs, valid, w_base, s_base, r_base, rows_g, rows_u
 @triton.jit
 def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, r_base, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn,
               stride_sn, W_FMT: tl.constexpr, MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, SWAP: tl.constexpr,
-              H_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              DOT_F32: tl.constexpr):
+              XPERM: tl.constexpr, H_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     ref = _row_refs(s_base, rows, K, stride_sn, MX_FP8, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc = _acc_init(W_FMT, SWAP, BLOCK_M, BLOCK_N)
     for k0 in range(0, K, BLOCK_K):
         if W_FMT == 4:
             acc = _planes_step(acc, h_ptr + pairs[:, None] * stride_hp, valid, w_base, s_base, rows, k0, stride_wn,
-                               stride_sn, SWAP, DOT_F32)
+                               stride_sn, SWAP, XPERM, DOT_F32)
         elif ACT_FP8 and not H_ROW:
             a = tl.load(h_ptr + pairs[:, None] * stride_hp + (k0 + offs_k)[None, :], mask=valid[:, None], other=0.0)
             # BLOCK_K <= 64 divides the activation group: one scale per row for this step
@@ -701,9 +709,9 @@ def _down_acc(h_ptr, h_scale_ptr, w_base, s_base, r_base, pairs, valid, rows, K,
 def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, r_ptr, out_ptr, topk_w_ptr, pairs_ptr, block_expert_ptr,
                      num_padded_ptr, ids_ptr, num_pairs, N, K, stride_hp, stride_hsp, stride_we, stride_wn, stride_se,
                      stride_sn, stride_re, stride_om, TOP_K: tl.constexpr, SORTED: tl.constexpr, W_FMT: tl.constexpr,
-                     MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, SWAP: tl.constexpr, FUSED_GU: tl.constexpr,
-                     H_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_F32: tl.constexpr):
+                     MX_FP8: tl.constexpr, ACT_FP8: tl.constexpr, SWAP: tl.constexpr, XPERM: tl.constexpr,
+                     FUSED_GU: tl.constexpr, H_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -716,7 +724,8 @@ def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, r_ptr, out_ptr, top
         pairs, valid, expert = _pair_rows(pid_m, pairs_ptr, block_expert_ptr, ids_ptr, num_pairs, True, BLOCK_M)
         acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se,
                         r_ptr + expert * stride_re, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn,
-                        stride_sn, W_FMT, MX_FP8, ACT_FP8, SWAP, H_ROW, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                        stride_sn, W_FMT, MX_FP8, ACT_FP8, SWAP, XPERM, H_ROW, BLOCK_M, BLOCK_N, BLOCK_K,
+                            DOT_F32)
         acc = acc * tl.load(topk_w_ptr + pairs, mask=valid, other=0.0)[:, None]
         tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & n_ok[None, :])
@@ -729,7 +738,8 @@ def _moe_down_kernel(h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, r_ptr, out_ptr, top
                                               BLOCK_M)
             acc = _down_acc(h_ptr, h_scale_ptr, w_ptr + expert * stride_we, w_scale_ptr + expert * stride_se,
                             r_ptr + expert * stride_re, pairs, valid, rows, K, stride_hp, stride_hsp, stride_wn,
-                            stride_sn, W_FMT, MX_FP8, ACT_FP8, SWAP, H_ROW, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                            stride_sn, W_FMT, MX_FP8, ACT_FP8, SWAP, XPERM, H_ROW, BLOCK_M, BLOCK_N, BLOCK_K,
+                            DOT_F32)
             total += tl.sum(tl.where(valid[:, None], acc, 0.0), axis=0) * tl.load(topk_w_ptr + pair)
         tl.store(out_ptr + pid_m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -758,6 +768,13 @@ def mx_fp8(fmt: str, num_tokens: int, arch: Arch) -> bool:
     to e4m3 in registers, activations fp8): the tile table's MX_FP8 (not on gfx950, whose matrix cores take MX,
     nor on gfx942, whose fp8 is e4m3fnuz)."""
     return fmt == "mxfp4" and bool(moe_tiles(num_tokens, arch)[0].get("MX_FP8", 0))
+
+
+def planes_order(x: torch.Tensor) -> torch.Tensor:
+    """[T, K] -> fp16 [T, K] with the columns of every 256 in the order a planes GEMM step multiplies them (column
+    64q + 2w + h holds element 64q + 32h + w)."""
+    t, k = x.shape
+    return x.view(t, k // PLANE_K, 4, 2, 32).transpose(-1, -2).reshape(t, k).to(torch.float16)
 
 
 def h_row(fmt: str, num_tokens: int, arch: Arch) -> bool:
@@ -805,6 +822,9 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         h_scale = torch.empty((n_pairs, inter // FP8_ACT_GROUP), dtype=torch.float32, device=dev)
     else:
         x, x_scale = hidden, hidden
+        if planes and cfg.get("PLANES_XPERM", 0):
+            x = planes_order(hidden)
+            x_scale = x
         # planes: fp16 activations for fp16 dots (the SwiGLU-OAI output is within +-8 x limit)
         h = torch.empty((n_pairs, inter), dtype=torch.float16 if planes else hidden.dtype, device=dev)
         h_scale = h
@@ -816,7 +836,8 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         pairs = block_expert = num_padded = ids
         m_blocks = n_pairs
     common = dict(TOP_K=k, SORTED=sort, W_FMT=experts.w_fmt, MX_FP8=use_mx_fp8, ACT_FP8=act_fp8,
-                  SWAP=bool(cfg.get("PLANES_SWAP", 0)), FUSED_GU=bool(cfg.get("FUSED_GU", 0)) and not planes,
+                  SWAP=bool(cfg.get("PLANES_SWAP", 0)), XPERM=planes and bool(cfg.get("PLANES_XPERM", 0)),
+                  FUSED_GU=bool(cfg.get("FUSED_GU", 0)) and not planes,
                   H_ROW=row_q, BLOCK_M=block_m, DOT_F32=INTERPRET, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     fp8_max = torch.finfo(fp8).max if act_fp8 else 0.0
@@ -874,13 +895,15 @@ def aot_variants(arch: Arch) -> list:
             act = fp8 if fmt == "fp8" or mxf else "*fp16" if planes else "*bf16"
             row_q = act == fp8 and bool(cfg.get("H_ROW", 0))
             common = {"TOP_K": 5, "SORTED": sort, "W_FMT": codes[fmt], "MX_FP8": mxf, "ACT_FP8": act == fp8,
-                      "SWAP": bool(cfg.get("PLANES_SWAP", 0)), "FUSED_GU": bool(cfg.get("FUSED_GU", 0)) and not planes,
+                      "SWAP": bool(cfg.get("PLANES_SWAP", 0)), "XPERM": planes and bool(cfg.get("PLANES_XPERM", 0)),
+                      "FUSED_GU": bool(cfg.get("FUSED_GU", 0)) and not planes,
                       "H_ROW": row_q, "BLOCK_M": cfg["BLOCK_M"], "DOT_F32": False}
             ptrs = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "ids_ptr": "*i32"}
             strides = {"stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32"}
             out.append(AotVariant(
                 f"{family}_gate_up_{fmt}", _moe_gate_up_kernel,
-                {"x_ptr": "*bf16" if planes else act, "x_scale_ptr": "*fp32", "w_ptr": wt, "w_scale_ptr": st,
+                {"x_ptr": ("*fp16" if common["XPERM"] else "*bf16") if planes else act, "x_scale_ptr": "*fp32",
+                 "w_ptr": wt, "w_scale_ptr": st,
                  "r_ptr": "*fp32", "h_ptr": "*bf16" if row_q else act, "h_scale_ptr": "*fp32", **ptrs,
                  "num_pairs": "i32", "I": "i32", "K": "i32", "stride_xt": "i32", **strides, "stride_re": "i32",
                  "stride_hp": "i32", "stride_hsp": "i32", "alpha": "fp32", "limit": "fp32"},

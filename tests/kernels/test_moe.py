@@ -131,10 +131,12 @@ def test_planes_layout_holds_the_same_values(wide_weights):
         assert torch.allclose(got[~gone], want[~gone], rtol=0, atol=float(want.abs().max()) * 2.0**-20)
 
 
-@pytest.mark.parametrize("t, swap", [(2, 1), (2, 0), (24, 1)])
-def test_planes_fused_moe(wide_weights, t, swap, monkeypatch):
+@pytest.mark.parametrize("t, swap, xperm", [(2, 1, 0), (2, 0, 1), (24, 1, 1)])
+def test_planes_fused_moe(wide_weights, t, swap, xperm, monkeypatch):
+    # SWAP: weight rows as the MMA's M; XPERM: activations handed over in the planes column order
     for fam in ("moe_decode:planes", "moe_small:planes"):
         monkeypatch.setitem(TILES[fam]["sm90"], "PLANES_SWAP", swap)
+        monkeypatch.setitem(TILES[fam]["sm90"], "PLANES_XPERM", xperm)
     experts = moe.to_planes(moe.quantize_experts(*wide_weights, "mxfp4"))
     w, ids = routing(t, seed=t + 2)
     x = torch.randn(t, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
