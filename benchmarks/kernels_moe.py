@@ -48,7 +48,8 @@ PLANES_SWEEP = [dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, n
                 dict(PLANES_SWAP=0, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=3),
                 dict(PLANES_SWAP=0, GU_BLOCK_N=32, DN_BLOCK_N=32, num_warps=4, num_stages=3),
                 dict(PLANES_SWAP=0, GU_BLOCK_N=16, DN_BLOCK_N=16, num_warps=2, num_stages=3),
-                dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=3, DECODE_MAX_TOKENS=0)]
+                dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=3, DECODE_MAX_TOKENS=0),
+                dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=3, PLANES_XPERM=1)]
 # `--prefill-sweep`: moe_prefill (8K tokens) for the --prefill-formats arms: the kept tiles first, then the fp8
 # intermediate per row (H_ROW: the down GEMM's MMAs chain over K tiles of 128), gate|up as one interleaved MMA
 # (FUSED_GU), MXFP4 converted to fp8 once per step (MX_CONVERT) instead of per token tile
@@ -178,19 +179,25 @@ def run(arm: str, x, ids, w, ex: Experts) -> torch.Tensor:
         return fused_moe(x, ids, w, ex, ALPHA, LIMIT)
 
 
-def planes_sweep(ex: Experts, jsonl: str | None) -> None:
-    """Time PLANES_SWEEP at every decode T (each config checked against the reference first); keep the config
-    with the smallest sum over T in both planes tables."""
+def planes_sweep(ex: Experts, jsonl: str | None, peer) -> None:
+    """Time PLANES_SWEEP at every decode T (each config checked against the reference first; `peer(x, ids, w)` is
+    timed once per T beside them); keep the config with the smallest sum over T in both planes tables."""
     arch = current_arch().name
     tables = [TILES[f].setdefault(arch, {}) for f in ("moe_decode:planes", "moe_small:planes")]
     base = [dict(t) for t in tables]
     best = None
+    peer_us = {}
+    for t in DECODE_T:
+        w, ids = routing(t, t)
+        x = torch.randn(t, H, device=DEV, dtype=torch.bfloat16)
+        peer_us[t] = bench(lambda x=x, ids=ids, w=w: peer(x, ids, w), REP) * 1e3
+    print("planes sweep: grouped_mm " + " ".join(f"T={t} {v:.1f}" for t, v in peer_us.items()) + " us", flush=True)
     for cfg in PLANES_SWEEP:
         for t in tables:
             t.update({k: v for k, v in cfg.items() if k != "DECODE_MAX_TOKENS"})
         if "DECODE_MAX_TOKENS" in cfg:
             tables[0]["MAX_TOKENS"] = cfg["DECODE_MAX_TOKENS"]
-        rec = dict(bench="moe_planes_sweep", config=cfg, us={})
+        rec = dict(bench="moe_planes_sweep", config=cfg, us={}, grouped_mm_us=peer_us)
         try:
             rec["rel_err"] = check("mxfp4:planes", ex, ts=(2, 40))
             for t in DECODE_T:
@@ -284,7 +291,7 @@ def main() -> None:
     if args.planes_sweep and "mxfp4:planes" in experts:
         if args.planes_sweep != "all":
             PLANES_SWEEP[:] = [PLANES_SWEEP[int(i)] for i in args.planes_sweep.split(",")]
-        planes_sweep(experts["mxfp4:planes"], args.jsonl)
+        planes_sweep(experts["mxfp4:planes"], args.jsonl, lambda x, ids, w: grouped_mm_moe(x, ids, w, gu_t, dn_t))
     if args.prefill_sweep:
         if args.prefill_sweep != "all":
             PREFILL_SWEEP[:] = [PREFILL_SWEEP[int(i)] for i in args.prefill_sweep.split(",")]
