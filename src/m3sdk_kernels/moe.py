@@ -475,10 +475,16 @@ def _plane_bits(wd, Q: tl.constexpr):
 
 
 @triton.jit
-def _mult_f16x2(s_base, rows, stride_sn, g):
-    # int32 [rows] holding the fp16x2 multipliers 2^(rel - 15) of scale groups g (low half) and g + 1 (high half)
-    m = tl.load(s_base + rows * stride_sn + g).to(tl.int32) << 10
-    return m | (tl.load(s_base + rows * stride_sn + g + 1).to(tl.int32) << 26)
+def _mults_f16x2(s_base, rows, stride_sn, k0):
+    # the tile's 8 rel bytes of each row in one load -> four int32 [rows]: the fp16x2 multipliers 2^(rel - 15) of
+    # scale groups 2q (low half) and 2q + 1 (high half), q = 0..3
+    rel = tl.load(s_base + rows[:, None] * stride_sn + (k0 // 32 + tl.arange(0, 8))[None, :]).to(tl.int32)
+    even, odd = tl.split(tl.reshape(rel, (rows.shape[0], 4, 2)))
+    m = tl.reshape((even << 10) | (odd << 26), (rows.shape[0], 2, 2))  # [rows, q // 2, q % 2]
+    m02, m13 = tl.split(m)  # split takes the last dim: q % 2 = 0 (q 0, 2) and q % 2 = 1 (q 1, 3)
+    m0, m2 = tl.split(m02)
+    m1, m3 = tl.split(m13)
+    return m0, m1, m2, m3
 
 
 @triton.jit
@@ -504,9 +510,10 @@ def _planes_step(acc, a_rows, valid, w_base, s_base, rows, k0, stride_wn, stride
     # gathered and converted here, or (XPERM) stored so by the previous step (fp16, `planes_order`), a plain
     # load. SWAP: weight rows as the MMA's M (acc is [rows, tokens]).
     wd = tl.load(w_base + rows[:, None] * stride_wn + (k0 // 8 + tl.arange(0, 32))[None, :])
+    mults = _mults_f16x2(s_base, rows, stride_sn, k0)
     cols = tl.arange(0, 64)
     for q in tl.static_range(4):
-        m = tl.broadcast_to(_mult_f16x2(s_base, rows, stride_sn, k0 // 32 + 2 * q)[:, None], wd.shape)
+        m = tl.broadcast_to(mults[q][:, None], wd.shape)
         w = _halves_f16(_mul_f16x2(_plane_bits(wd, q), m, DOT_F32))
         if XPERM:
             ks = k0 + 64 * q + cols
