@@ -129,17 +129,15 @@ FORCED = {"dot_scaled": 0, "fp8": 1}
 def arm_mx_fp8(arm: str, t: int) -> bool:
     """Whether arm `arm` ("fmt" or "fmt:path") runs MXFP4 through the fp8 tensor cores at `t` tokens."""
     fmt, _, path = arm.partition(":")
-    if path == "planes":
-        return False
-    with forced_mx_fp8(FORCED[path]) if path else nullcontext():
-        return mx_fp8(fmt, t, current_arch())
+    with forced_mx_fp8(FORCED[path]) if path in FORCED else nullcontext():
+        return mx_fp8(fmt, t, current_arch(), planes=path == "planes")
 
 
 def arm_h_row(arm: str, t: int) -> bool:
     """Whether arm `arm` quantizes its fp8 intermediate per row at `t` tokens (the reference's h_row)."""
     fmt, _, path = arm.partition(":")
     with forced_mx_fp8(FORCED[path]) if path in FORCED else nullcontext():
-        return h_row(fmt, t, current_arch())
+        return h_row(fmt, t, current_arch(), planes=path == "planes")
 
 
 def prefill_sweep(experts: dict, arms: list[str], jsonl: str | None) -> None:

@@ -43,6 +43,7 @@ from .arch import Arch, current_arch, tiles
 from .quant import (
     INTERPRET,
     MX_BLOCK,
+    PLANE_FLUSH,
     PLANE_K,
     bf16_grid,
     dequantize_mxfp4,
@@ -171,8 +172,13 @@ def dequantize_experts(experts: Experts, mx_fp8: bool = False) -> tuple[torch.Te
     if ex.fmt == "fp8":
         return ex.gate_up.float() * ex.gate_up_scale[..., None], ex.down.float() * ex.down_scale[..., None]
     if ex.planes:
-        return (dequantize_mxfp4_planes(ex.gate_up, ex.gate_up_scale, ex.gate_up_row),
-                dequantize_mxfp4_planes(ex.down, ex.down_scale, ex.down_row))
+        out = []
+        for w, rel, r in ((ex.gate_up, ex.gate_up_scale, ex.gate_up_row), (ex.down, ex.down_scale, ex.down_row)):
+            v = dequantize_mxfp4_planes(w, rel, r)
+            if mx_fp8:  # rel = scale - row max + 29: the fp8 path flushes rel < 29 - 11
+                v = v.masked_fill((rel < PLANE_FLUSH + 1 - MX_FP8_OCTAVES).repeat_interleave(MX_BLOCK, -1), 0.0)
+            out.append(v)
+        return out[0], out[1]
     dequantize = dequantize_mxfp4 if ex.fmt == "mxfp4" else dequantize_mxfp8
     out = []
     for w, s in ((ex.gate_up, ex.gate_up_scale), (ex.down, ex.down_scale)):
@@ -345,12 +351,13 @@ def _mx_row_scale(ref):
 @triton.jit
 def _e2m1x4_to_e4m3x4(c, base):
     # Four E2M1 magnitude codes, one per byte of c -> four e4m3 magnitude bytes of value(code) * 2^(d' - 5), with
-    # base = 8 + 8 * d' (< 128). At d' = 0 a code >= 2 is 4 * code + 8 (the e2m1 exponent and mantissa bits sit 2
-    # bits up, base moves the exponent bias), code 1 (0.5, e2m1's subnormal) is 8, code 0 is 0: per byte,
-    # nz * base + 4 * (code + ge2 - nz) with nz = code >= 1, ge2 = code >= 2. No byte carries into the next.
+    # byte j of base = 8 + 8 * d' (< 128) of byte j's code. At d' = 0 a code >= 2 is 4 * code + 8 (the e2m1
+    # exponent and mantissa bits sit 2 bits up, base moves the exponent bias), code 1 (0.5, e2m1's subnormal) is 8,
+    # code 0 is 0: per byte, (nz ? base : 0) + 4 * (code + ge2 - nz) with nz = code >= 1, ge2 = code >= 2. No byte
+    # carries into the next.
     nz = ((c + 0x7F7F7F7F) >> 7) & 0x01010101
     ge2 = (((c & 0x06060606) + 0x7E7E7E7E) >> 7) & 0x01010101
-    return nz * base + ((c + ge2 - nz) << 2)
+    return ((nz * 255) & base) + ((c + ge2 - nz) << 2)
 
 
 @triton.jit
@@ -367,7 +374,7 @@ def _mxfp4_e4m3_tile(w_base, s_base, rows, ref, k0, stride_wn, stride_sn, BLOCK_
     BLOCK_N: tl.constexpr = rows.shape[0]
     ks = k0 // 32 + tl.arange(0, G)
     dp = tl.load(s_base + rows[None, :] * stride_sn + ks[:, None]).to(tl.int32) - ref[None, :]
-    base = tl.reshape(tl.broadcast_to((8 + 8 * dp)[:, None, :], (G, 4, BLOCK_N)), (NW, BLOCK_N))
+    base = tl.reshape(tl.broadcast_to(((8 + 8 * dp) * 0x01010101)[:, None, :], (G, 4, BLOCK_N)), (NW, BLOCK_N))
     keep = tl.reshape(tl.broadcast_to(tl.where(dp >= 0, -1, 0)[:, None, :], (G, 4, BLOCK_N)), (NW, BLOCK_N))
     w32 = w_base.to(tl.pointer_type(tl.int32))
     wd = tl.load(w32 + rows[None, :] * (stride_wn // 4) + (k0 // 8 + tl.arange(0, NW))[:, None])
@@ -401,22 +408,87 @@ def _mx_to_fp8_kernel(w_ptr, s_ptr, q_ptr, qs_ptr, N, K, stride_we, stride_wn, s
     tl.store(qs_ptr + e * stride_qse + rows, _mx_row_scale(ref), mask=ok)
 
 
+@triton.jit
+def _bytes_of(x, b: tl.constexpr):
+    return ((x >> (8 * b)) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _planes_to_fp8_kernel(w_ptr, s_ptr, r_ptr, q_ptr, qs_ptr, N, K, stride_we, stride_wn, stride_se, stride_sn,
+                          stride_re, stride_qe, stride_qn, stride_qse, BLOCK_N: tl.constexpr):
+    # `_mx_to_fp8_kernel` for the planes layout. Byte b of a planes word holds nibbles 2b, 2b + 1 (scale groups
+    # (0, 2), (4, 6), (1, 3), (5, 7) for b = 0..3), so the four low nibbles of a word convert as one 32-bit op with
+    # a base per byte (`_e2m1x4_to_e4m3x4`), the four high ones as another; each byte lands in its group's columns.
+    # A group's offset from the row reference (11 octaves below the row's largest scale) is rel - 18.
+    e = tl.program_id(1).to(tl.int64)
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = offs < N
+    rows = tl.where(ok, offs, 0)
+    w_base = w_ptr + e * stride_we + rows[:, None] * stride_wn
+    q_rows = q_ptr + e * stride_qe + rows[:, None] * stride_qn
+    sign = -2139062144  # 0x80808080
+    for k0 in range(0, K, 256):
+        wd = tl.load(w_base + (k0 // 8 + tl.arange(0, 32))[None, :])
+        d = tl.load(s_ptr + e * stride_se + rows[:, None] * stride_sn + (k0 // 32 + tl.arange(0, 8))[None, :])
+        d = d.to(tl.int32) - 18
+        base = tl.where(d >= 0, 8 + 8 * d, 0)  # 0 for flushed groups: their codes are cleared too
+        keep = tl.where(d >= 0, 0x8F, 0)
+        b04, b26 = tl.split(tl.reshape(base, (BLOCK_N, 4, 2)))  # groups (0, 2, 4, 6), (1, 3, 5, 7)
+        k04, k26 = tl.split(tl.reshape(keep, (BLOCK_N, 4, 2)))
+        b0, b1, b2, b3 = _quad(b04)  # groups 0, 2, 4, 6
+        c0, c1, c2, c3 = _quad(b26)  # groups 1, 3, 5, 7
+        base_lo = (b0 | (b2 << 8) | (c0 << 16) | (c2 << 24))[:, None]  # low nibbles: groups 0, 4, 1, 5
+        base_hi = (b1 | (b3 << 8) | (c1 << 16) | (c3 << 24))[:, None]  # high nibbles: groups 2, 6, 3, 7
+        kb0, kb1, kb2, kb3 = _quad(k04)
+        kc0, kc1, kc2, kc3 = _quad(k26)
+        keep_lo = (kb0 | (kb2 << 8) | (kc0 << 16) | (kc2 << 24))[:, None]
+        keep_hi = (kb1 | (kb3 << 8) | (kc1 << 16) | (kc3 << 24))[:, None]
+        lo_n = wd & (keep_lo & 0x0F0F0F0F)
+        hi_n = (wd >> 4) & (keep_hi & 0x0F0F0F0F)
+        lo = _e2m1x4_to_e4m3x4(lo_n & 0x07070707, base_lo) | ((lo_n << 4) & sign)
+        hi = _e2m1x4_to_e4m3x4(hi_n & 0x07070707, base_hi) | ((hi_n << 4) & sign)
+        cols = q_rows + k0 + tl.arange(0, 32)[None, :]
+        for b in tl.static_range(4):  # low nibbles: groups 0, 4, 1, 5; high: 2, 6, 3, 7
+            tl.store(cols + 32 * (4 * (b % 2) + b // 2), _bytes_of(lo, b).to(tl.float8e4nv, bitcast=True),
+                     mask=ok[:, None])
+            tl.store(cols + 32 * (4 * (b % 2) + b // 2 + 2), _bytes_of(hi, b).to(tl.float8e4nv, bitcast=True),
+                     mask=ok[:, None])
+    # 2^(ref - 122), ref = the largest scale - 11: the planes row scale 2^(largest - 127) times 2^-6
+    tl.store(qs_ptr + e * stride_qse + rows, tl.load(r_ptr + e * stride_re + rows) * 0.015625, mask=ok)
+
+
+@triton.jit
+def _quad(x):
+    # [R, 4] -> its four columns
+    a, b = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))  # columns (0, 2), (1, 3)
+    c0, c2 = tl.split(a)
+    c1, c3 = tl.split(b)
+    return c0, c1, c2, c3
+
+
 def mx_to_fp8(experts: Experts) -> Experts:
-    """MXFP4 experts (checkpoint layout) -> fp8 experts with the same values as the fp8 path multiplies them
-    (`dequantize_experts(.., mx_fp8=True)`: exact, the groups under `MX_FP8_OCTAVES` flushed): e4m3fn plus a
+    """MXFP4 experts (checkpoint or planes layout) -> fp8 experts with the same values as the fp8 path multiplies
+    them (`dequantize_experts(.., mx_fp8=True)`: exact, the groups under `MX_FP8_OCTAVES` flushed): e4m3fn plus a
     float32 scale per row. Prefill converts once per step where the tile table says MX_CONVERT, instead of once
     per token tile inside the GEMMs."""
-    if experts.fmt != "mxfp4" or experts.planes:
-        raise ValueError("mx_to_fp8 takes MXFP4 experts in the checkpoint layout")
+    if experts.fmt != "mxfp4":
+        raise ValueError("mx_to_fp8 takes MXFP4 experts")
     cfg = tiles("mx_to_fp8", current_arch(experts.gate_up.device))
     out = []
-    for w, sc in ((experts.gate_up, experts.gate_up_scale), (experts.down, experts.down_scale)):
-        e, n, k = w.shape[0], w.shape[1], w.shape[2] * 2
+    for w, sc, r in ((experts.gate_up, experts.gate_up_scale, experts.gate_up_row),
+                     (experts.down, experts.down_scale, experts.down_row)):
+        e, n, k = w.shape[0], w.shape[1], w.shape[2] * (8 if experts.planes else 2)
         q = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=w.device)
         qs = torch.empty((e, n), dtype=torch.float32, device=w.device)
-        _mx_to_fp8_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), e)](
-            w, sc, q, qs, n, k, w.stride(0), w.stride(1), sc.stride(0), sc.stride(1), q.stride(0), q.stride(1),
-            qs.stride(0), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=min(cfg["BLOCK_K"], k & -k), num_warps=cfg["num_warps"])
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), e)
+        if experts.planes:
+            _planes_to_fp8_kernel[grid](w, sc, r, q, qs, n, k, w.stride(0), w.stride(1), sc.stride(0), sc.stride(1),
+                                        r.stride(0), q.stride(0), q.stride(1), qs.stride(0), BLOCK_N=cfg["BLOCK_N"],
+                                        num_warps=cfg["num_warps"])
+        else:
+            _mx_to_fp8_kernel[grid](w, sc, q, qs, n, k, w.stride(0), w.stride(1), sc.stride(0), sc.stride(1),
+                                    q.stride(0), q.stride(1), qs.stride(0), BLOCK_N=cfg["BLOCK_N"],
+                                    BLOCK_K=min(cfg["BLOCK_K"], k & -k), num_warps=cfg["num_warps"])
         out += [q, qs]
     return Experts("fp8", out[0], out[2], out[1], out[3])
 
@@ -770,11 +842,13 @@ def _weight_args(w: torch.Tensor, s: torch.Tensor | None, r: torch.Tensor | None
     return w, s, r, w.stride(0), w.stride(1), s.stride(0), s.stride(1) if s.dim() == 3 else 0, r.stride(0)
 
 
-def mx_fp8(fmt: str, num_tokens: int, arch: Arch) -> bool:
-    """Whether `fused_moe` runs `fmt` experts for `num_tokens` tokens through the fp8 tensor cores (MXFP4 converted
-    to e4m3 in registers, activations fp8): the tile table's MX_FP8 (not on gfx950, whose matrix cores take MX,
-    nor on gfx942, whose fp8 is e4m3fnuz)."""
-    return fmt == "mxfp4" and bool(moe_tiles(num_tokens, arch)[0].get("MX_FP8", 0))
+def mx_fp8(fmt: str, num_tokens: int, arch: Arch, planes: bool = False) -> bool:
+    """Whether `fused_moe` runs `fmt` experts (`planes`: in the planes layout) for `num_tokens` tokens through the
+    fp8 tensor cores (MXFP4 converted to e4m3 in registers or, MX_CONVERT, once per step; activations fp8): the
+    tile table's MX_FP8 (not on gfx950, whose matrix cores take MX, nor on gfx942, whose fp8 is e4m3fnuz). Planes
+    take the fp8 path only converted once; else their own fp16 GEMMs."""
+    cfg = moe_tiles(num_tokens, arch, "planes" if planes else None)[0]
+    return fmt == "mxfp4" and bool(cfg.get("MX_FP8", 0)) and (not planes or bool(cfg.get("MX_CONVERT", 0)))
 
 
 def planes_order(x: torch.Tensor) -> torch.Tensor:
@@ -784,11 +858,11 @@ def planes_order(x: torch.Tensor) -> torch.Tensor:
     return x.view(t, k // PLANE_K, 4, 2, 32).transpose(-1, -2).reshape(t, k).to(torch.float16)
 
 
-def h_row(fmt: str, num_tokens: int, arch: Arch) -> bool:
+def h_row(fmt: str, num_tokens: int, arch: Arch, planes: bool = False) -> bool:
     """Whether `fused_moe` quantizes the fp8 intermediate per row (the tile table's H_ROW; `fused_moe_ref`'s h_row)
-    for `fmt` experts and `num_tokens` tokens."""
-    cfg = moe_tiles(num_tokens, arch)[0]
-    return (fmt == "fp8" or mx_fp8(fmt, num_tokens, arch)) and bool(cfg.get("H_ROW", 0))
+    for `fmt` experts (`planes`: in the planes layout) and `num_tokens` tokens."""
+    cfg = moe_tiles(num_tokens, arch, "planes" if planes else None)[0]
+    return (fmt == "fp8" or mx_fp8(fmt, num_tokens, arch, planes)) and bool(cfg.get("H_ROW", 0))
 
 
 def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Experts,
@@ -805,9 +879,9 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     arch = current_arch(dev)
     planes = experts.planes
     cfg, sort = moe_tiles(t, arch, "planes" if planes else None)
-    use_mx_fp8 = mx_fp8(fmt, t, arch) and not planes
+    use_mx_fp8 = mx_fp8(fmt, t, arch, planes)
     if use_mx_fp8 and cfg.get("MX_CONVERT", 0):  # the whole stack to fp8 once, then the fp8 experts' path
-        experts, fmt, use_mx_fp8 = mx_to_fp8(experts), "fp8", False
+        experts, fmt, use_mx_fp8, planes = mx_to_fp8(experts), "fp8", False, False
     act_fp8 = fmt == "fp8" or use_mx_fp8
     row_q = act_fp8 and bool(cfg.get("H_ROW", 0))
     # K tiles: the table's, or the largest power of two dividing K when K is smaller (small models); planes step
@@ -885,6 +959,14 @@ def aot_variants(arch: Arch) -> list:
     if arch.name == "sm90":  # MXFP4 in the planes layout (Hopper's decode layout), MXFP4 -> fp8 once per step
         w_types["mxfp4_planes"] = ("*i32", "*u8")
         cfg = tiles("mx_to_fp8", arch)
+        out.append(AotVariant(
+            "planes_to_fp8", _planes_to_fp8_kernel,
+            {"w_ptr": "*i32", "s_ptr": "*u8", "r_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "N": "i32",
+             "K": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
+             "stride_re": "i32", "stride_qe": "i64", "stride_qn": "i32", "stride_qse": "i32"},
+            {"BLOCK_N": cfg["BLOCK_N"]}, num_warps=cfg["num_warps"],
+            aligned=("N", "K", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_re", "stride_qe",
+                     "stride_qn", "stride_qse")))
         out.append(AotVariant(
             "mx_to_fp8", _mx_to_fp8_kernel,
             {"w_ptr": "*u8", "s_ptr": "*u8", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "N": "i32", "K": "i32",

@@ -98,14 +98,17 @@ def test_prefill_fused_gate_up_row_scaled_intermediate(weights, fmt, monkeypatch
     assert rel(ref, per64) < 4e-2
 
 
-def test_mx_to_fp8_matches_the_fp8_path(weights):
-    # the once-per-step conversion gives exactly the values the in-GEMM conversion multiplies
-    experts = moe.quantize_experts(*weights, "mxfp4", FP8)
-    experts.gate_up_scale[0, :3, :2] -= 13  # a few groups under the flush threshold
-    fp8 = moe.mx_to_fp8(experts)
-    assert fp8.fmt == "fp8" and fp8.gate_up.dtype == torch.float8_e4m3fn
-    for a, b in zip(moe.dequantize_experts(experts, mx_fp8=True), moe.dequantize_experts(fp8), strict=True):
-        assert torch.equal(a, b)
+def test_mx_to_fp8_matches_the_fp8_path(wide_weights):
+    # the once-per-step conversion, from either layout, gives exactly the values the in-GEMM conversion multiplies
+    experts = moe.quantize_experts(*wide_weights, "mxfp4")
+    experts.gate_up_scale[0, :3, :4] -= 12  # groups under the flush threshold (11 octaves), some just above
+    experts.gate_up_scale[1, :2, 2:5] -= 40
+    want = moe.dequantize_experts(experts, mx_fp8=True)
+    for source in (experts, moe.to_planes(experts)):
+        fp8 = moe.mx_to_fp8(source)
+        assert fp8.fmt == "fp8" and fp8.gate_up.dtype == torch.float8_e4m3fn
+        for a, b in zip(want, moe.dequantize_experts(fp8), strict=True):
+            assert torch.equal(a, b)
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +148,21 @@ def test_planes_fused_moe(wide_weights, t, swap, xperm, monkeypatch):
     assert rel(out, ref) < 8e-3
     checkpoint = moe.fused_moe_ref(x, ids, w, moe.quantize_experts(*wide_weights, "mxfp4"), ALPHA, LIMIT)
     assert rel(ref, checkpoint) < 8e-3  # fp16 activations instead of bf16: rounding only
+
+
+@pytest.mark.parametrize("convert", [0, 1])
+def test_planes_prefill(wide_weights, convert, monkeypatch):
+    # planes at prefill: their own fp16 GEMMs, or (MX_CONVERT) converted to fp8 experts once
+    monkeypatch.setitem(TILES["moe_small"]["sm90"], "MAX_TOKENS", 8)
+    monkeypatch.setitem(TILES["moe_prefill"]["sm90"], "MX_CONVERT", convert)
+    arch = ARCHS["sm90"]
+    assert moe.mx_fp8("mxfp4", 40, arch, planes=True) == bool(convert) and moe.mx_fp8("mxfp4", 40, arch)
+    experts = moe.to_planes(moe.quantize_experts(*wide_weights, "mxfp4"))
+    w, ids = routing(40, seed=5)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
+    ref = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT, mx_fp8=bool(convert),
+                            h_row=moe.h_row("mxfp4", 40, arch, planes=True))
+    assert rel(moe.fused_moe(x, ids, w, experts, ALPHA, LIMIT), ref) < 8e-3
 
 
 @pytest.mark.parametrize("t", [2, 24])
