@@ -28,7 +28,7 @@ from gpu_timing import bench, read_bandwidth
 
 from m3sdk_kernels.arch import TILES, current_arch
 from m3sdk_kernels.norm import add_rms_norm
-from m3sdk_kernels.quant import fp8_gemm, fp8_gemm_ref, quantize_fp8_per_token, quantize_fp8_weight
+from m3sdk_kernels.quant import NARROW_N, fp8_gemm, fp8_gemm_ref, quantize_fp8_per_token, quantize_fp8_weight
 
 DEV = "cuda"
 SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144),
@@ -46,12 +46,16 @@ SWEEP = {
                         dict(_DECODE, num_stages=4),
                         dict(_DECODE, BLOCK_K=128, num_stages=6, SPLIT_PROGRAMS=792),
                         dict(_DECODE, num_stages=4, SPLIT_PROGRAMS=264)],
+    "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
                      dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)],
     "fp8_gemm_prefill": [dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
                          dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
                          dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)],
 }
+
+
+SWEEP["fp8_gemm_decode:narrow"] = SWEEP["fp8_gemm_decode"]
 
 
 def torch_quant(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +116,13 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
 def sweep(fam: str, arch, fp8: torch.dtype, rep: int) -> list[dict]:
     """Time SWEEP[fam] and keep the fastest in TILES (GEMM only; decode: M = 1 and 16 on every shape, by the sum).
     A config whose output misses the reference is reported and skipped. Returns one record per config."""
-    cases = ([(shape, m) for shape in SHAPES for m in (1, 16)] if fam == "fp8_gemm_decode" else
-             [("qkv_index 6144->9856", {"fp8_gemm_mid": 256, "fp8_gemm_prefill": 8192}[fam])])
+    if fam.startswith("fp8_gemm_decode"):  # the shapes each decode table serves
+        cases = [(shape, m) for shape, (_, n) in SHAPES.items() for m in (1, 16)
+                 if (n <= NARROW_N) == fam.endswith(":narrow")]
+    else:
+        cases = [("qkv_index 6144->9856", {"fp8_gemm_mid": 256, "fp8_gemm_prefill": 8192}[fam])]
+    if not cases:
+        return []
     data = {}
     for shape, m in cases:
         k, n = SHAPES[shape]

@@ -166,6 +166,8 @@ TILES.update({
         "gfx950": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
                    "SPLIT_PROGRAMS": 1024, "STAGGER": 1},
     },
+    # decode GEMMs with N <= quant.NARROW_N (o_proj, the dense down: 96 column tiles of 64) take these over the above
+    "fp8_gemm_decode:narrow": {"sm90": {}},
     "fp8_gemm_mid": {
         "sm90": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
         "gfx942": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 2},

@@ -334,10 +334,14 @@ def _counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def _gemm_tiles(m: int, arch: Arch) -> dict[str, int]:
+NARROW_N = 6144  # decode GEMMs this narrow have few column tiles: their "fp8_gemm_decode:narrow" tiles
+
+
+def _gemm_tiles(m: int, n: int, arch: Arch) -> dict[str, int]:
     # decode (the job is streaming the weight once), mid, prefill (the job is tensor-core rate)
-    family = "fp8_gemm_decode" if m <= 16 else "fp8_gemm_mid" if m <= 256 else "fp8_gemm_prefill"
-    return tiles(family, arch)
+    if m <= 16:
+        return tiles("fp8_gemm_decode", arch, "narrow" if n <= NARROW_N else None)
+    return tiles("fp8_gemm_mid" if m <= 256 else "fp8_gemm_prefill", arch)
 
 
 def split_k(tiles_mn: int, k: int, t: dict[str, int]) -> int:
@@ -356,7 +360,7 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out
-    t = _gemm_tiles(m, current_arch(x_q.device))
+    t = _gemm_tiles(m, n, current_arch(x_q.device))
     tiles_mn = triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"])
     split = split_k(tiles_mn, k, t)
     counters = _counters(x_q.device)
@@ -395,12 +399,14 @@ def aot_variants(arch: Arch) -> list:
                        "stride_q": "i32"},
                       {"FP8_MAX": arch.fp8_max, "BLOCK_K": t["BLOCK_K"], "INTERPRET": False}, num_warps=t["num_warps"],
                       aligned=("K", "stride_x", "stride_q"))]
-    for family in ("fp8_gemm_decode", "fp8_gemm_mid", "fp8_gemm_prefill"):
-        t = tiles(family, arch)
-        # the split the dispatch picks at o_proj (8192 -> 6144), the smallest N of the model's FP8 GEMMs
-        split = split_k(triton.cdiv(6144, t["BLOCK_N"]), 8192, t)
+    # (family, variant, N, K): decode at the packed qkv+index projection and, narrow, at o_proj; mid / prefill at
+    # o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); each with the split the dispatch picks there
+    for family, variant, n, k in (("fp8_gemm_decode", None, 9856, 6144), ("fp8_gemm_decode", "narrow", 6144, 8192),
+                                  ("fp8_gemm_mid", None, 6144, 8192), ("fp8_gemm_prefill", None, 6144, 8192)):
+        t = tiles(family, arch, variant)
+        split = split_k(triton.cdiv(n, t["BLOCK_N"]), k, t)
         out.append(AotVariant(
-            f"{family} split {split}", _fp8_gemm_kernel,
+            f"{family}{':' + variant if variant else ''} split {split}", _fp8_gemm_kernel,
             {"a_ptr": fp8, "a_scale_ptr": "*fp32", "w_ptr": fp8, "w_scale_ptr": "*fp32", "c_ptr": "*bf16",
              "ws_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
              "stride_wn": "i32", "stride_cm": "i32"},
