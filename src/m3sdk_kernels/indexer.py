@@ -4,9 +4,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .arch import Arch, current_arch, tiles
+from .arch import Arch, tiles
 from .layout import PAGE, gather_index_keys_ref
-from .paged_attention import _tile_pages, dot_dtype, interpreting, q_tile, seq_of_block
+from .paged_attention import _tile_pages, dot_dtype, q_tile, seq_of_block
 
 
 def indexer_topk_ref(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
@@ -58,12 +58,13 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_s
                  stride_qt, stride_qh, stride_ip, stride_pt,
                  NUM_HEADS: tl.constexpr, BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
                  SEL_BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, DOT: tl.constexpr,
-                 PAGE_AHEAD: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the top-k grid may be scheduled once every scan program has started (it waits for our scores)
-        tl.extra.cuda.gdc_launch_dependents()
+                 PAGE_AHEAD: tl.constexpr, ONE_EACH: tl.constexpr):
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
-    seq, q_start, n_q, first = q_tile(cu_q, num_seqs, pid, BLOCK_Q)
+    if ONE_EACH:  # one query token per sequence (decode): token = sequence, no search through cu_q
+        seq, q_start, n_q, first = pid, pid, 1, 0
+    else:
+        seq, q_start, n_q, first = q_tile(cu_q, num_seqs, pid, BLOCK_Q)
     if first < n_q:
         BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_HI
         ctx = tl.load(ctx_lens + seq)
@@ -106,18 +107,19 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_s
 @triton.jit
 def _topk_kernel(scores_ptr, cu_q, ctx_lens, out_ptr, num_seqs, num_tokens, num_blocks,
                  SEL_BLOCK: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr,
-                 PDL: tl.constexpr):
+                 ONE_EACH: tl.constexpr):
     t = tl.program_id(0)
     head = tl.program_id(1)
-    seq = seq_of_block(cu_q, num_seqs, t, 1)
-    q_start = tl.load(cu_q + seq)
-    n_q = tl.load(cu_q + seq + 1) - q_start
-    pos = tl.load(ctx_lens + seq) - n_q + (t - q_start)
+    if ONE_EACH:
+        pos = tl.load(ctx_lens + t) - 1
+    else:
+        seq = seq_of_block(cu_q, num_seqs, t, 1)
+        q_start = tl.load(cu_q + seq)
+        n_q = tl.load(cu_q + seq + 1) - q_start
+        pos = tl.load(ctx_lens + seq) - n_q + (t - q_start)
     b = tl.arange(0, BLOCKS_PAD)
     j = tl.arange(0, TOPK_PAD)
     row = head.to(tl.int64) * num_tokens + t
-    if PDL:  # launched before the scan finished (programmatic dependent launch): wait for its scores
-        tl.extra.cuda.gdc_wait()
     s = tl.load(scores_ptr + row * num_blocks + b, mask=b <= pos // SEL_BLOCK, other=float("-inf"))
     picked = tl.full([TOPK_PAD], -1, tl.int32)
     for i in tl.static_range(TOPK):
@@ -128,16 +130,23 @@ def _topk_kernel(scores_ptr, cu_q, ctx_lens, out_ptr, num_seqs, num_tokens, num_
 
 
 def indexer_plan(num_tokens: int, num_seqs: int, num_heads: int, max_seqlen_q: int, num_blocks: int,
-                 arch: Arch | None = None) -> dict:
-    """Tile shape and chunk count of the scan: a function of shapes and host ints only."""
-    cfg = tiles("indexer_scan" if max_seqlen_q <= 1 else "indexer_prefill", arch)
+                 fp8: bool = False, arch: Arch | None = None) -> dict:
+    """Tile shape and chunk count of the scan: a function of shapes, host ints and the key type only."""
+    cfg = tiles("indexer_scan" if max_seqlen_q <= 1 else "indexer_prefill", arch, "fp8" if fp8 else None)
     block_q = 1 if max_seqlen_q <= 1 else min(cfg["BLOCK_Q"], triton.next_power_of_2(max_seqlen_q))
     block_hi = max(triton.next_power_of_2(num_heads), triton.next_power_of_2(triton.cdiv(16, block_q)))
     q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks))
     chunks = min(1 << (want.bit_length() - 1), triton.next_power_of_2(num_blocks))
     return {"BLOCK_Q": block_q, "BLOCK_HI": block_hi, "NUM_CHUNKS": chunks, "q_blocks": q_blocks,
-            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0)}
+            "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0),
+            "ONE_EACH": _one_each(num_tokens, num_seqs, max_seqlen_q)}
+
+
+def _one_each(num_tokens: int, num_seqs: int, max_seqlen_q: int) -> bool:
+    """Every sequence has exactly one query token (a decode batch): token i is sequence i, so the kernels skip
+    the search through cu_seqlens_q, a chain of dependent loads before a program's first real one."""
+    return max_seqlen_q <= 1 and num_tokens == num_seqs
 
 
 def indexer_block_scores(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
@@ -149,32 +158,27 @@ def indexer_block_scores(index_q: torch.Tensor, index_cache: torch.Tensor, page_
     num_seqs = context_lens.shape[0]
     num_blocks = max(1, triton.cdiv(max_context_len, block_size))
     scores = torch.empty(num_heads, t_total, num_blocks, dtype=torch.float32, device=index_q.device)
-    plan = indexer_plan(t_total, num_seqs, num_heads, max_seqlen_q, num_blocks)
+    plan = indexer_plan(t_total, num_seqs, num_heads, max_seqlen_q, num_blocks, index_cache.element_size() == 1)
     _scan_kernel[(plan["q_blocks"], plan["NUM_CHUNKS"])](
         index_q, index_cache, page_table, cu_seqlens_q, context_lens, scores, num_seqs, t_total, num_blocks,
         index_q.stride(0), index_q.stride(1), index_cache.stride(0), page_table.stride(0),
         NUM_HEADS=num_heads, BLOCK_HI=plan["BLOCK_HI"], INDEX_DIM=index_dim, BLOCK_Q=plan["BLOCK_Q"],
         SEL_BLOCK=block_size, NUM_CHUNKS=plan["NUM_CHUNKS"], LOCAL_BLOCKS=local_blocks,
-        DOT=dot_dtype(index_cache.dtype), PAGE_AHEAD=plan["PAGE_AHEAD"], PDL=_pdl(), num_warps=plan["num_warps"],
-        num_stages=plan["num_stages"])
+        DOT=dot_dtype(index_cache.dtype), PAGE_AHEAD=plan["PAGE_AHEAD"], ONE_EACH=plan["ONE_EACH"],
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     return scores
 
 
 def block_topk(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-               topk: int, out: torch.Tensor) -> torch.Tensor:
+               topk: int, max_seqlen_q: int, out: torch.Tensor) -> torch.Tensor:
     """The top-`topk` blocks of each (head, token) row of `indexer_block_scores` into `out` [Hidx, T, topk]."""
     num_heads, t_total, num_blocks = scores.shape
-    pdl = _pdl()
+    num_seqs = context_lens.shape[0]
     _topk_kernel[(t_total, num_heads)](
-        scores, cu_seqlens_q, context_lens, out, context_lens.shape[0], t_total, num_blocks, SEL_BLOCK=block_size,
-        TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCKS_PAD=triton.next_power_of_2(num_blocks), PDL=pdl,
-        num_warps=tiles("indexer_topk")["num_warps"], **({"launch_pdl": True} if pdl else {}))
+        scores, cu_seqlens_q, context_lens, out, num_seqs, t_total, num_blocks, SEL_BLOCK=block_size, TOPK=topk,
+        TOPK_PAD=triton.next_power_of_2(topk), BLOCKS_PAD=triton.next_power_of_2(num_blocks),
+        ONE_EACH=_one_each(t_total, num_seqs, max_seqlen_q), num_warps=tiles("indexer_topk")["num_warps"])
     return out
-
-
-def _pdl() -> bool:
-    """Programmatic dependent launch of the top-k after the scan: CUDA (sm90+) only, by the tile table."""
-    return bool(tiles("indexer_topk").get("PDL", 0)) and current_arch().backend == "cuda" and not interpreting()
 
 
 def indexer_topk(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
@@ -195,7 +199,7 @@ def indexer_topk(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: t
         max_context_len = int(context_lens.max())
     scores = indexer_block_scores(index_q, index_cache, page_table, cu_seqlens_q, context_lens, block_size,
                                   local_blocks, max_seqlen_q, max_context_len)
-    return block_topk(scores, cu_seqlens_q, context_lens, block_size, topk, out)
+    return block_topk(scores, cu_seqlens_q, context_lens, block_size, topk, max_seqlen_q, out)
 
 
 def aot_variants(arch: Arch) -> list:
@@ -207,7 +211,7 @@ def aot_variants(arch: Arch) -> list:
     for decode, key in ((True, "fp8"), (True, "bf16"), (False, "fp8")):
         tokens, seqs = (64, 64) if decode else (8192, 1)
         num_blocks = 131072 // m["block_size"]
-        plan = indexer_plan(tokens, seqs, m["index_heads"], 1 if decode else tokens, num_blocks, arch)
+        plan = indexer_plan(tokens, seqs, m["index_heads"], 1 if decode else tokens, num_blocks, key == "fp8", arch)
         types = {"iq_ptr": "*bf16", "ik_cache": f"*{arch.fp8_triton if key == 'fp8' else 'bf16'}",
                  "page_table": "*i32", "cu_q": "*i32", "ctx_lens": "*i32", "scores_ptr": "*fp32"}
         types |= {name: "i32" for name in _scan_kernel.arg_names if name not in types}
@@ -216,7 +220,7 @@ def aot_variants(arch: Arch) -> list:
             constexprs={"NUM_HEADS": m["index_heads"], "BLOCK_HI": plan["BLOCK_HI"], "INDEX_DIM": m["index_dim"],
                         "BLOCK_Q": plan["BLOCK_Q"], "SEL_BLOCK": m["block_size"], "NUM_CHUNKS": plan["NUM_CHUNKS"],
                         "LOCAL_BLOCKS": m["local_blocks"], "DOT": tl.float16 if key == "fp8" else tl.bfloat16,
-                        "PAGE_AHEAD": plan["PAGE_AHEAD"], "PDL": bool(tiles("indexer_topk", arch).get("PDL", 0))},
+                        "PAGE_AHEAD": plan["PAGE_AHEAD"], "ONE_EACH": plan["ONE_EACH"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"],
             aligned=("stride_qt", "stride_qh", "stride_ip", "num_blocks")))
     variants.append(AotVariant(
@@ -224,6 +228,6 @@ def aot_variants(arch: Arch) -> list:
         types={"scores_ptr": "*fp32", "cu_q": "*i32", "ctx_lens": "*i32", "out_ptr": "*i32", "num_seqs": "i32",
                "num_tokens": "i32", "num_blocks": "i32"},
         constexprs={"SEL_BLOCK": m["block_size"], "TOPK": m["topk"], "TOPK_PAD": m["topk"], "BLOCKS_PAD": 1024,
-                    "PDL": bool(tiles("indexer_topk", arch).get("PDL", 0))},
+                    "ONE_EACH": True},
         num_warps=tiles("indexer_topk", arch)["num_warps"], aligned=("num_blocks",)))
     return variants

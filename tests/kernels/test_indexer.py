@@ -46,11 +46,12 @@ def check(got, ref, index_q, step, block, local):
 
 
 @pytest.mark.parametrize("index_dtype", ["bf16", "fp8", "fp32"])
-@pytest.mark.parametrize("mode", ["decode", "verify", "prefill"])
+@pytest.mark.parametrize("mode", ["decode", "decode_idle", "verify", "prefill"])
 def test_matches_reference(mode, index_dtype):
-    """Contexts of up to 200 tokens in 16-token blocks, top-3: selection drops most blocks."""
-    ctx, new = {"decode": ([200, 37, 16, 129, 1], [1] * 5), "verify": ([200, 70], [4, 4]),
-                "prefill": ([150, 40], [70, 40])}[mode]
+    """Contexts of up to 200 tokens in 16-token blocks, top-3: selection drops most blocks. decode_idle: a
+    sequence without a query token (token i is then not sequence i)."""
+    ctx, new = {"decode": ([200, 37, 16, 129, 1], [1] * 5), "decode_idle": ([200, 37, 129], [1, 0, 1]),
+                "verify": ([200, 70], [4, 4]), "prefill": ([150, 40], [70, 40])}[mode]
     block, topk, local = 16, 3, 1
     step = make_step(ctx, new, 1, 16, "bf16", "plain", index_dim=DI, index_dtype=index_dtype)
     index_q = torch.randn(sum(new), HIDX, DI).to(torch.bfloat16)
@@ -82,7 +83,7 @@ def test_page_ahead_and_long_chunks(mode, monkeypatch):
     ids crossing a chunk's end and the sequence's last page), the top-k at one warp."""
     from m3sdk_kernels import arch
 
-    for family in ("indexer_scan", "indexer_prefill"):
+    for family in ("indexer_scan", "indexer_scan:fp8", "indexer_prefill"):
         monkeypatch.setitem(arch.TILES[family], "sm90", arch.TILES[family]["sm90"] | {"PAGE_AHEAD": 1,
                                                                                          "SPLIT_PROGRAMS": 8})
     monkeypatch.setitem(arch.TILES["indexer_topk"], "sm90", {"num_warps": 1})
