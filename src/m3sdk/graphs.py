@@ -13,6 +13,12 @@ those layers' inputs. Graphs share one memory pool; they never run concurrently,
 read before the next one. Off CUDA each step runs eagerly on the static buffers (`Replay`), so CPU tests check the
 padded path (and tensor parallel's lockstep of graph steps, parallel/graphs.py).
 
+The engine's steps reach the graphs from host lists (`stage`): one pinned upload per step fills every static input
+(token ids, positions, slots, context lengths, page table, each step's index lists) at once, because on the serving
+host every torch call costs tens of microseconds and the old path (a device tensor per field, then a copy per field)
+made a batch-64 step host-bound. The static inputs are typed views of one byte buffer, so tensor parallel mirrors
+a step with one broadcast of that buffer's used prefix (parallel/graphs.py).
+
 A forward can be captured only if none of its ops syncs the host: the triton attention backend (its kernels take
 the step's host ints from the metadata) and MoE layers that run the fused kernels or, while a capture runs, their
 sync-free dense form (`layers.moe_experts`: float32, or widths the kernels do not tile).
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from m3sdk.attention.base import PAGE_SIZE, AttentionMetadata
@@ -81,17 +88,31 @@ class DecodeGraphs:
         self.query_lens = tuple(sorted(set(query_lens)))
         self.aux_layers = tuple(aux_layers)
         n, width, qmax = max_num_seqs, -(-max_model_len // PAGE_SIZE), self.query_lens[-1]
+        self.width, nq = width, n * qmax
         i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(n * qmax, **i64)
-        self.positions = torch.zeros(n * qmax, **i64)
-        self.slots = torch.full((n * qmax,), -1, **i64)
+        # the static inputs, typed views of one byte buffer: int64 [ids | positions | slots | scratch (4 nq: a step's
+        # index lists)], then int32 [context lens (n) | page table (n x width)]; a step fills a prefix of it
+        self._off32 = 7 * nq * 8
+        self.inputs = torch.zeros(self._off32 + (n + n * width) * 4, dtype=torch.uint8, device=device)
+        whole64 = self.inputs[:self._off32].view(torch.int64)
+        whole32 = self.inputs[self._off32:].view(torch.int32)
+        self.input_ids, self.positions, self.slots, self.scratch = whole64.split([nq, nq, nq, 4 * nq])
+        self.slots.fill_(-1)
+        self.context_lens, table = whole32.split([n, n * width])
+        self.context_lens.fill_(1)
+        self.page_table = table.view(n, width)
         # per query length q: the fixed cu_seqlens (every sequence has q tokens) and the padding positions 0..q-1
         self.cu_seqlens = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
                            for q in self.query_lens}
         self.pad_positions = {q: torch.arange(q, **i64).repeat(n) for q in self.query_lens}
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.page_table = torch.zeros(n, width, dtype=torch.int32, device=device)
-        self.rows = torch.arange(n * qmax, **i64)
+        self._pad_positions_host = {q: torch.arange(q).repeat(n).numpy() for q in self.query_lens}
+        self.rows = torch.arange(nq, **i64)
+        # host staging for `stage`: a few pinned copies of the byte buffer, used in turn (an upload may still be
+        # queued behind the step in flight when the next step is staged), each with the event of its last upload
+        pin = device.type == "cuda"
+        self._staging = [torch.zeros(self.inputs.shape, dtype=torch.uint8, pin_memory=pin) for _ in range(3)]
+        self._staged: list[torch.cuda.Event | None] = [None] * len(self._staging)
+        self._turn = 0
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         # every batch bucket of every query length at the smallest context bucket now (padding-only steps), so
         # serving never stalls on a capture (or a Triton compile) at common sizes; other context buckets are
@@ -117,17 +138,84 @@ class DecodeGraphs:
     def _context_bucket(self, max_context_len: int) -> int:
         return min(max(MIN_CONTEXT_BUCKET, 1 << (max_context_len - 1).bit_length()), self.max_model_len)
 
-    def query_len(self, meta: AttentionMetadata, aux_layers: Sequence[int] = ()) -> int | None:
-        """The captured query length q a step pads its sequences to (each adds 1 .. q tokens), or None when the
-        step does not fit the graphs: a longer sequence (a prefill chunk), other aux layers, too many sequences,
-        or a padded context past max_model_len."""
-        q = next((q for q in self.query_lens if q >= meta.max_seqlen_q), None)
-        if (q is None or meta.max_seqlen_q < 1 or tuple(aux_layers) != self.aux_layers
-                or meta.context_lens.shape[0] > self.buckets[-1]
-                or meta.max_context_len + q - 1 > self.max_model_len
-                or meta.page_table.shape[1] > self.page_table.shape[1]):
+    def key(self, batch: int, max_seqlen_q: int, max_context_len: int, width: int, aux_layers: Sequence[int] = ()
+            ) -> tuple[int, int, int] | None:
+        """The graph (batch bucket, context bucket, query length q) of a step of `batch` sequences that each add
+        1 .. max_seqlen_q tokens (padded to q), or None when the step does not fit the graphs: a longer sequence
+        (a prefill chunk), other aux layers, too many sequences, a padded context past max_model_len, or more
+        pages than the static table holds."""
+        q = next((q for q in self.query_lens if q >= max_seqlen_q), None)
+        if (q is None or max_seqlen_q < 1 or tuple(aux_layers) != self.aux_layers or batch > self.buckets[-1]
+                or max_context_len + q - 1 > self.max_model_len or width > self.width):
             return None
-        return q
+        return next(s for s in self.buckets if s >= batch), self._context_bucket(max_context_len + q - 1), q
+
+    def query_len(self, meta: AttentionMetadata, aux_layers: Sequence[int] = ()) -> int | None:
+        """`key`'s q for a step given as device metadata (None: it does not fit)."""
+        key = self.key(meta.context_lens.shape[0], meta.max_seqlen_q, meta.max_context_len, meta.page_table.shape[1],
+                       aux_layers)
+        return None if key is None else key[2]
+
+    def stage(self, key: tuple[int, int, int], ids: Sequence[int], counts: Sequence[int],
+              context_lens: Sequence[int], tables: Sequence[Sequence[int]], extra: Sequence[int] = ()
+              ) -> torch.Tensor:
+        """Fill the static inputs for graph `key` from a step's host lists, in one upload: per sequence i its
+        `counts[i]` new tokens `ids` (flattened), its context after the step and its pages; sequence i's token j
+        goes to row i * q + j (`run`'s padded layout) and sequences past the batch are padding. `extra` int64
+        values ride along: -> their device copy (`scratch`'s prefix), for index lists the step needs there.
+        Every padding row writes nowhere; a padded sequence's extra rows sit after its tokens, in positions."""
+        bucket, _, q = key
+        b, n = len(counts), self.buckets[-1]
+        host, done = self._staging[self._turn], self._staged[self._turn]
+        if done is not None:
+            done.synchronize()  # its last upload has run (three steps ago: in practice never a wait)
+        h8 = host.numpy()
+        h64, h32 = h8[:self._off32].view(np.int64), h8[self._off32:].view(np.int32)
+        nq = self.input_ids.shape[0]
+        ids_h, pos_h, slot_h, extra_h = h64[:nq], h64[nq:2 * nq], h64[2 * nq:3 * nq], h64[3 * nq:]
+        ctx_h, table_h = h32[:n], h32[n:].reshape(n, self.width)
+        padded_ids, positions, slots = [], [], []
+        k = 0
+        for c, ctx, pages in zip(counts, context_lens, tables, strict=True):
+            start = ctx - c
+            padded_ids += ids[k:k + c]
+            padded_ids += [0] * (q - c)
+            k += c
+            for p in range(start, start + c):
+                slots.append(pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE)
+            slots += [-1] * (q - c)
+            positions += range(start, start + q)
+        ids_h[:b * q] = padded_ids
+        pos_h[:b * q] = positions
+        slot_h[:b * q] = slots
+        ids_h[b * q:bucket * q] = 0  # the staging may hold an earlier step's placeholders (-1) there
+        pos_h[b * q:bucket * q] = self._pad_positions_host[q][b * q:bucket * q]
+        slot_h[b * q:bucket * q] = -1
+        ctx_h[:b] = [ctx + q - c for c, ctx in zip(counts, context_lens, strict=True)]
+        ctx_h[b:bucket] = q
+        for i, pages in enumerate(tables):  # entries past a sequence's pages stay stale: never read
+            table_h[i, :len(pages)] = pages
+        extra_h[:len(extra)] = extra
+        used = self._off32 + (n + bucket * self.width) * 4
+        self.inputs[:used].copy_(host[:used], non_blocking=True)
+        if self.device.type == "cuda":
+            self._staged[self._turn] = torch.cuda.Event()
+            self._staged[self._turn].record()
+        self._turn = (self._turn + 1) % len(self._staging)
+        return self.scratch[:len(extra)]
+
+    def replay(self, key: tuple[int, int, int]) -> tuple:
+        """Replay graph `key` (capturing it first if new) on the static inputs as they stand -> its outputs
+        (hidden, logits, *aux) over all bucket x q rows, views valid until the next replay."""
+        if key not in self.graphs:
+            bucket, context, q = key
+            self.graphs[key] = Replay(lambda: self._forward(bucket, context, q), self.pool, self.device)
+        self.replays += 1
+        return self.graphs[key]()
+
+    def used_inputs(self, key: tuple[int, int, int]) -> torch.Tensor:
+        """The prefix of the static input bytes that graph `key` reads (tensor parallel broadcasts it)."""
+        return self.inputs[:self._off32 + (self.buckets[-1] + key[0] * self.width) * 4]
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, q: int | None = None,
             dest: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None
@@ -158,11 +246,7 @@ class DecodeGraphs:
             self.context_lens[:b].copy_(meta.context_lens + q - meta.cu_seqlens_q.diff())
         self.page_table[:b, :meta.page_table.shape[1]].copy_(meta.page_table)
         self._pad(b, bucket, q)
-        key = (bucket, context, q)
-        if key not in self.graphs:
-            self.graphs[key] = Replay(lambda: self._forward(bucket, context, q), self.pool, self.device)
-        hidden, logits, *aux = self.graphs[key]()
-        self.replays += 1
+        hidden, logits, *aux = self.replay((bucket, context, q))
         if dest is None:
             rows = logits_rows
             hidden, aux = hidden[:t], [a[:t] for a in aux]

@@ -63,20 +63,45 @@ class ModelRunner:
             tables.append(self.cache.page_table(request))
             m = int(samples) if num_logits is None else num_logits[i]
             logits_rows.extend(range(len(ids) - m, len(ids)))
+        key = None
+        if self.graphs is not None and logits_rows:
+            key = self.graphs.key(len(counts), max(counts), max(context_lens), max(map(len, tables)), aux_layers)
+        if key is not None:
+            return self._replay(key, ids, counts, context_lens, tables, logits_rows, dst, src, carry)
         meta = AttentionMetadata.build(counts, context_lens, tables, device=self.device)
         # the carried tokens' destination and source rows ride in the ids' upload
         packed = to_device(ids + dst + src, torch.int64, self.device)
         input_ids = packed[:len(ids)]
         if dst:
             input_ids[packed[len(ids):len(ids) + len(dst)]] = carry.tokens[packed[len(ids) + len(dst):]]
-        q = self.graphs.query_len(meta, aux_layers) if self.graphs is not None and logits_rows else None
-        if q is not None:
-            # sequences shorter than q are padded inside the graph: each token's row there, when any is
-            dest = None if len(ids) == len(counts) * q else to_device(
-                [i * q + j for i, n in enumerate(counts) for j in range(n)], torch.int64, self.device)
-            rows = None if len(logits_rows) == len(ids) else to_device(logits_rows, torch.int64, self.device)
-            hidden, logits, aux = self.graphs.run(input_ids, meta, q, dest, rows)
-            return logits, hidden, aux
         indices = to_device(logits_rows, torch.int64, self.device) if logits_rows else None
         hidden, logits, *aux = self.model(input_ids, meta, self.cache.kv, indices, aux_layers)
+        return logits, hidden, aux[0] if aux else None
+
+    def _replay(self, key: tuple[int, int, int], ids: list[int], counts: list[int], context_lens: list[int],
+                tables: list[list[int]], logits_rows: list[int], dst: list[int], src: list[int], carry: Carry | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A step that fits the graphs: its host lists go straight into the graph's static inputs (one upload,
+        graphs.DecodeGraphs.stage), the carried tokens are copied in on the device, and the graph replays.
+        Sequence i's token j sits at row i * q + j there; the outputs are gathered back to the step's order."""
+        q = key[2]
+        padded = len(ids) != len(counts) * q
+        rows = [i * q + j for i, c in enumerate(counts) for j in range(c)] if padded else None
+        logit_rows = [rows[r] for r in logits_rows] if padded else logits_rows
+        carried = [rows[r] for r in dst] if padded else dst
+        whole = logit_rows == list(range(len(ids)))  # every token's logits, in row order: a prefix of the rows
+        extra = carried + src + (rows or []) + ([] if whole else logit_rows)
+        lists = self.graphs.stage(key, ids, counts, context_lens, tables, extra)
+        if dst:
+            d = len(dst)
+            self.graphs.input_ids.index_copy_(0, lists[:d], carry.tokens.index_select(0, lists[d:2 * d]))
+        hidden, logits, *aux = self.graphs.replay(key)
+        at = 2 * len(dst)
+        if padded:
+            order = lists[at:at + len(rows)]
+            at += len(rows)
+            hidden, aux = hidden[order], [a[order] for a in aux]
+        else:
+            hidden, aux = hidden[:len(ids)], [a[:len(ids)] for a in aux]
+        logits = logits[:len(ids)] if whole else logits[lists[at:at + len(logit_rows)]]
         return logits, hidden, aux[0] if aux else None

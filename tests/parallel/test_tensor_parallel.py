@@ -88,13 +88,13 @@ def test_graph_steps_replay_in_lockstep(engine_checkpoint, single_rank_tokens):
         tp = core.stop_hooks[0].__self__
         graphs = MirroredGraphs(tp, core.runner.model, core.cache.kv, 4, core.max_model_len, core.runner.device,
                                 query_lens=(1, 4))
-        replay = graphs.run
+        stage = graphs.stage
 
-        def run(input_ids, meta, q=None, dest=None, logits_rows=None):
-            replays.append((q, dest is not None))
-            return replay(input_ids, meta, q, dest, logits_rows)
+        def staged(key, ids, counts, *args):
+            replays.append((key[2], any(c < key[2] for c in counts)))  # (q, some row padded)
+            return stage(key, ids, counts, *args)
 
-        graphs.run = run
+        graphs.stage = staged
         core.runner.graphs = graphs
 
     tokens, procs, _ = asyncio.run(_greedy(engine_checkpoint, attach, tensor_parallel_size=2,

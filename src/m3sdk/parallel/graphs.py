@@ -2,11 +2,12 @@
 
 The all-reduces and the logits all-gather inside a graph are NCCL collectives, so every rank must capture the same
 graphs and replay them in the same order. Each worker therefore builds the same DecodeGraphs (same batch buckets,
-query lengths, aux layers and max_model_len: the same captures at start, in the same order), and each step rank 0
-replays is sent to the workers first (a REPLAY message, then the step's inputs broadcast like an eager step's), so
-every worker fills its own static buffers from the same inputs and replays its graph of the same key; a key first
-seen mid-serving is captured on every rank at that same step. Rank 0's model calls inside DecodeGraphs (its captures,
-or the eager steps off CUDA) are not mirrored as eager steps: the workers make them themselves.
+query lengths, aux layers and max_model_len: the same captures at start, in the same order), and each replay of
+rank 0 goes to the workers first: a REPLAY message names the graph, and one broadcast of the used prefix of rank 0's
+static input bytes (token ids, positions, slots, context lengths, page table: graphs.DecodeGraphs.inputs) lands in
+each worker's identical buffer, so the worker replays its graph of the same key on the same inputs; a key first seen
+mid-serving is captured on every rank at that same step. Rank 0's model calls inside DecodeGraphs (its captures, or
+the eager steps off CUDA) are not mirrored as eager steps: the workers make them themselves.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
-from m3sdk.attention.base import AttentionMetadata
 from m3sdk.cache.kv_pool import KVPool
 from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
-from m3sdk.parallel.group import GRAPHS, READY, TensorParallel
+from m3sdk.parallel.group import GRAPHS, READY, REPLAY, TensorParallel
 
 
 class MirroredGraphs(DecodeGraphs):
@@ -37,9 +38,8 @@ class MirroredGraphs(DecodeGraphs):
             super().__init__(model, kv, max_num_seqs, max_model_len, device, query_lens, aux_layers)
         tp.expect(READY)  # the workers captured the same graphs
 
-    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, q: int | None = None,
-            dest: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        self.tp.mirror_replay(input_ids, meta, q or meta.max_seqlen_q, dest)
+    def replay(self, key: tuple[int, int, int]) -> tuple:
+        self.tp.send((REPLAY, key))
+        dist.broadcast(self.used_inputs(key), src=0)
         with self.tp.unmirrored():
-            return super().run(input_ids, meta, q, dest, logits_rows)
+            return super().replay(key)

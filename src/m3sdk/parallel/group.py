@@ -11,7 +11,7 @@ KV pool of the same page count (its spec comes over the pipe before the first st
 
 With CUDA graphs (parallel/graphs.py) every worker builds the same DecodeGraphs as rank 0, so all ranks capture the
 same graphs, with the same collectives inside, in the same order; a step rank 0 replays goes to the workers as a
-REPLAY message (the graph's query length) with the same broadcast inputs, and each worker replays its own graph.
+REPLAY message (the graph's key) and one broadcast of rank 0's static graph inputs, and each worker replays its own.
 
 Workers are started with `python -m m3sdk.parallel.worker` (not multiprocessing's spawn, which would re-run the
 application's main module), and talk to rank 0 over an inherited socket pair. One tensor-parallel engine per
@@ -77,8 +77,7 @@ def add_all_reduces(model: MiniMaxM3ForCausalLM) -> None:
 
 
 def pack_step(input_ids: torch.Tensor, meta: AttentionMetadata, tail: torch.Tensor | None) -> torch.Tensor:
-    """One int64 tensor of a step's inputs; `tail`: the logits indices of an eager step, the padded rows of a
-    replayed one (graphs.DecodeGraphs.run's `dest`)."""
+    """One int64 tensor of an eager step's inputs; `tail`: its logits indices."""
     extra = [] if tail is None else [tail.long()]
     return torch.cat([input_ids, meta.positions, meta.slot_mapping, meta.cu_seqlens_q.long(), meta.context_lens.long(),
                       meta.page_table.long().flatten(), *extra])
@@ -178,14 +177,6 @@ class TensorParallel:
         if kv is not self._kv:
             self.send((KV, dataclasses.replace(kv.spec, device="cpu")))
             self._kv = kv
-
-    def mirror_replay(self, input_ids: torch.Tensor, meta: AttentionMetadata, q: int, dest: torch.Tensor | None
-                      ) -> None:
-        """Rank 0 replays its graph of this step (DecodeGraphs.run's arguments): every worker replays its own."""
-        b, width = meta.page_table.shape
-        self.send((REPLAY, (input_ids.shape[0], b, width, meta.max_seqlen_q, meta.max_context_len, q,
-                            dest is not None)))
-        dist.broadcast(pack_step(input_ids, meta, dest), src=0)
 
     @contextlib.contextmanager
     def unmirrored(self) -> Iterator[None]:

@@ -66,10 +66,9 @@ def serve(spec: dict, conn: Connection) -> None:
             t, b, width, max_seqlen_q, max_context_len, aux_layers, n_logits = body
             input_ids, meta, indices = _receive(device, t, b, width, max_seqlen_q, max_context_len, n_logits)
             model(input_ids, meta, kv, indices, aux_layers)  # with indices: its part of lm_head's all-gather
-        elif kind == REPLAY:
-            t, b, width, max_seqlen_q, max_context_len, q, padded = body
-            input_ids, meta, dest = _receive(device, t, b, width, max_seqlen_q, max_context_len, t if padded else -1)
-            graphs.run(input_ids, meta, q, dest)  # the graph computes every row's logits: no indices needed
+        elif kind == REPLAY:  # rank 0's static inputs straight into this rank's identical buffer
+            dist.broadcast(graphs.used_inputs(body), src=0)
+            graphs.replay(body)
         elif kind == GRAPHS:
             try:
                 graphs = DecodeGraphs(model, kv, device=device, **body)
