@@ -57,7 +57,7 @@ def indexer_topk_ref(index_q: torch.Tensor, index_cache: torch.Tensor, page_tabl
 def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_seqs, num_tokens, num_blocks,
                  stride_qt, stride_qh, stride_ip, stride_pt,
                  NUM_HEADS: tl.constexpr, BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 SEL_BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, DOT: tl.constexpr,
+                 SEL_BLOCK: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, DOT: tl.constexpr,
                  PAGE_AHEAD: tl.constexpr, ONE_EACH: tl.constexpr):
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -81,7 +81,7 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_s
         pages_ptr = page_table + seq.to(tl.int64) * stride_pt
         q_block = pos // SEL_BLOCK
         out_row = scores_ptr + (head.to(tl.int64) * num_tokens + tok) * num_blocks
-        per = tl.cdiv(num_blocks, NUM_CHUNKS)
+        per = tl.cdiv(num_blocks, tl.num_programs(1))  # blocks per chunk
         # PAGE_AHEAD: the next block's page ids loaded one iteration early (as in paged_attention), so the key
         # copies do not wait on a page-id load of their own iteration and num_stages - 1 blocks can be in flight
         page = _tile_pages(pages_ptr, chunk * per * SEL_BLOCK, kv_end, SEL_BLOCK)
@@ -137,7 +137,9 @@ def indexer_plan(num_tokens: int, num_seqs: int, num_heads: int, max_seqlen_q: i
     block_hi = max(triton.next_power_of_2(num_heads), triton.next_power_of_2(triton.cdiv(16, block_q)))
     q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks))
-    chunks = min(1 << (want.bit_length() - 1), triton.next_power_of_2(num_blocks))
+    # any count (a launch dimension, not a compile-time constant), so SPLIT_PROGRAMS can match the resident
+    # slots; none left without a block
+    chunks = triton.cdiv(num_blocks, triton.cdiv(num_blocks, min(want, num_blocks)))
     return {"BLOCK_Q": block_q, "BLOCK_HI": block_hi, "NUM_CHUNKS": chunks, "q_blocks": q_blocks,
             "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0),
             "ONE_EACH": _one_each(num_tokens, num_seqs, max_seqlen_q)}
@@ -163,7 +165,7 @@ def indexer_block_scores(index_q: torch.Tensor, index_cache: torch.Tensor, page_
         index_q, index_cache, page_table, cu_seqlens_q, context_lens, scores, num_seqs, t_total, num_blocks,
         index_q.stride(0), index_q.stride(1), index_cache.stride(0), page_table.stride(0),
         NUM_HEADS=num_heads, BLOCK_HI=plan["BLOCK_HI"], INDEX_DIM=index_dim, BLOCK_Q=plan["BLOCK_Q"],
-        SEL_BLOCK=block_size, NUM_CHUNKS=plan["NUM_CHUNKS"], LOCAL_BLOCKS=local_blocks,
+        SEL_BLOCK=block_size, LOCAL_BLOCKS=local_blocks,
         DOT=dot_dtype(index_cache.dtype), PAGE_AHEAD=plan["PAGE_AHEAD"], ONE_EACH=plan["ONE_EACH"],
         num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     return scores
@@ -218,7 +220,7 @@ def aot_variants(arch: Arch) -> list:
         variants.append(AotVariant(
             name=f"indexer.scan_{'decode' if decode else 'prefill'}_{key}", kernel=_scan_kernel, types=types,
             constexprs={"NUM_HEADS": m["index_heads"], "BLOCK_HI": plan["BLOCK_HI"], "INDEX_DIM": m["index_dim"],
-                        "BLOCK_Q": plan["BLOCK_Q"], "SEL_BLOCK": m["block_size"], "NUM_CHUNKS": plan["NUM_CHUNKS"],
+                        "BLOCK_Q": plan["BLOCK_Q"], "SEL_BLOCK": m["block_size"],
                         "LOCAL_BLOCKS": m["local_blocks"], "DOT": tl.float16 if key == "fp8" else tl.bfloat16,
                         "PAGE_AHEAD": plan["PAGE_AHEAD"], "ONE_EACH": plan["ONE_EACH"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"],
