@@ -107,8 +107,10 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
         "gfx942": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1216},
         "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
     },
-    # FP8 on the H200: one 128-key tile per selected block, 1056 programs (0.151 -> 0.121 ms at b64)
-    "sparse_decode:fp8": {"sm90": {"BLOCK_N": 128, "SPLIT_PROGRAMS": 1056}},
+    # FP8 on the H200 (docs/perf.md, session 12): one program per (token, KV head) walks its 16 blocks (no merge,
+    # one wave at 2 programs per SM), block ids read once and page ids carried a tile ahead (PAGE_AHEAD), V decoded
+    # from 32-bit words (V_WORDS): 0.086 -> 0.058 ms device time at b64 32K (CUDA graph), 1.11x pre-gathered SDPA
+    "sparse_decode:fp8": {"sm90": {"BLOCK_N": 128, "SPLIT_PROGRAMS": 256, "PAGE_AHEAD": 1, "V_WORDS": 2}},
     "sparse_prefill": {
         "sm90": {"BLOCK_N": 64, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 2, "SPLIT_PROGRAMS": 264},
         "gfx942": {"BLOCK_N": 32, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 1, "SPLIT_PROGRAMS": 608},
@@ -195,14 +197,21 @@ TILES.update({
         for a in ("sm90", "gfx942", "gfx950")
     },
     # MXFP4 in the planes layout (sm90 decode, moe.py): PLANES_SWAP puts the weight rows in the MMA's M (fp16 wgmma
-    # with the converted weights as the register operand)
-    "moe_decode:planes": {"sm90": {"PLANES_SWAP": 1}},
-    "moe_small:planes": {"sm90": {"PLANES_SWAP": 1}},
+    # with the converted weights as the register operand), PLANES_XPERM hands the activations over in the planes
+    # column order (H200, session 12 window 1: 3.02-3.72x torch._grouped_mm bf16 at T = 1..64, vs 1.40-1.70x for
+    # tl.dot_scaled; without XPERM 166-1832 us, with 98-1188 us)
+    "moe_decode:planes": {"sm90": {"PLANES_SWAP": 1, "PLANES_XPERM": 1}},
+    "moe_small:planes": {"sm90": {"PLANES_SWAP": 1, "PLANES_XPERM": 1}},
     "moe_prefill:planes": {"sm90": {"BLOCK_M": 64, "GU_BLOCK_N": 64, "DN_BLOCK_N": 64, "num_warps": 4,
                                     "num_stages": 2, "PLANES_SWAP": 1}},
+    # sm90 prefill (H200, session 12 window 1, 8K tokens): the per-row FP8 intermediate (H_ROW) with K tiles of 128 and
+    # the fused gate|up MMA (FUSED_GU) took FP8 experts from 10.25 to 8.23 ms; MXFP4 converted to FP8 once per step
+    # (MX_CONVERT) 11.39 ms against 12.91 converting per token tile
     "moe_prefill": {
-        a: {"BLOCK_M": 128, "GU_BLOCK_N": 64, "GU_BLOCK_K": 64, "DN_BLOCK_N": 128, "DN_BLOCK_K": 64,
-            "num_warps": 8, "num_stages": 3 if a == "sm90" else 2, "MX_FP8": int(a == "sm90")}
+        a: {"BLOCK_M": 128, "GU_BLOCK_N": 64, "GU_BLOCK_K": 128 if a == "sm90" else 64, "DN_BLOCK_N": 128,
+            "DN_BLOCK_K": 128 if a == "sm90" else 64, "num_warps": 8, "num_stages": 3 if a == "sm90" else 2,
+            "MX_FP8": int(a == "sm90"), "FUSED_GU": int(a == "sm90"), "H_ROW": int(a == "sm90"),
+            "MX_CONVERT": int(a == "sm90")}
         for a in ("sm90", "gfx942", "gfx950")
     },
 })

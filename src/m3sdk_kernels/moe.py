@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .arch import Arch, current_arch, tiles
+from .arch import TILES, Arch, current_arch, tiles
 from .quant import (
     INTERPRET,
     MX_BLOCK,
@@ -150,6 +150,15 @@ def to_planes(experts: Experts) -> Experts:
              for e in range(ex.num_experts)]  # expert by expert: the conversion's temporaries stay small
     gu, gus, gur, dn, dns, dnr = (torch.stack(f) for f in zip(*parts, strict=True))
     return Experts("mxfp4", gu, dn, gus, dns, gur, dnr)
+
+
+def serving_layout(experts: Experts) -> Experts:
+    """The stack in the layout `fused_moe` serves fastest on its device, made once after loading: MXFP4 on a GPU
+    whose tile tables have planes entries (sm90) in the planes layout (`to_planes`); anything else as it is."""
+    dev = experts.gate_up.device
+    if experts.fmt != "mxfp4" or experts.planes or dev.type != "cuda" or (experts.hidden | experts.inter) % PLANE_K:
+        return experts
+    return to_planes(experts) if current_arch(dev).name in TILES["moe_decode:planes"] else experts
 
 
 MX_FP8_OCTAVES = 11  # MXFP4 as e4m3: scale groups this far below their row's largest scale convert exactly
@@ -882,6 +891,7 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     use_mx_fp8 = mx_fp8(fmt, t, arch, planes)
     if use_mx_fp8 and cfg.get("MX_CONVERT", 0):  # the whole stack to fp8 once, then the fp8 experts' path
         experts, fmt, use_mx_fp8, planes = mx_to_fp8(experts), "fp8", False, False
+        cfg, sort = moe_tiles(t, arch)
     act_fp8 = fmt == "fp8" or use_mx_fp8
     row_q = act_fp8 and bool(cfg.get("H_ROW", 0))
     # K tiles: the table's, or the largest power of two dividing K when K is smaller (small models); planes step

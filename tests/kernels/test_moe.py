@@ -73,7 +73,8 @@ def test_prefill_tiles(weights, fmt, monkeypatch):
     x = torch.randn(40, H, generator=torch.Generator().manual_seed(8)).bfloat16()
     assert moe.moe_tiles(40, ARCHS["sm90"])[0]["BLOCK_M"] == 128
     out = moe.fused_moe(x, ids, w, experts, ALPHA, LIMIT)
-    ref = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT, mx_fp8=moe.mx_fp8(fmt, 40, ARCHS["sm90"]))
+    ref = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT, mx_fp8=moe.mx_fp8(fmt, 40, ARCHS["sm90"]),
+                            h_row=moe.h_row(fmt, 40, ARCHS["sm90"]))
     assert rel(out, ref) < 1.5e-2
 
 
@@ -250,3 +251,29 @@ def test_empty_experts_filled_from_checkpoint_tensors(weights, fmt):
     for a, b in zip((got.gate_up, got.gate_up_scale, got.down, got.down_scale),
                     (want.gate_up, want.gate_up_scale, want.down, want.down_scale), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_quantized_moe_serves_the_planes_layout():
+    # the engine's path on an sm90 GPU: MXFP4 experts rearranged once after loading (quantize_model ->
+    # QuantizedMoE.serve_layout), then decode (sort-free, sorted) and prefill through them, against the reference on
+    # the checkpoint layout
+    from m3sdk.model.layers import SparseMoE
+    from m3sdk.model.quantize import QuantizedMoE
+
+    torch.manual_seed(0)
+    sparse = SparseMoE(512, 16, 256, 256, 4, 2.0, ALPHA, LIMIT, torch.bfloat16).cuda()
+    for p in sparse.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    layer = QuantizedMoE.quantize(sparse, "mxfp4")
+    stored = layer.experts
+    layer.serve_layout()
+    assert layer.experts.planes == (moe.current_arch().name == "sm90")
+    for t in (1, 24, 300):
+        x = torch.randn(t, 512, device="cuda", dtype=torch.bfloat16)
+        logits = torch.nn.functional.linear(x.float(), layer.router_weight)
+        w, ids = router.route_ref(logits, layer.e_score_correction_bias, 4, 2.0, shared=True)
+        arch, planes = moe.current_arch(), layer.experts.planes
+        ref = moe.fused_moe_ref(x, ids, w, stored, ALPHA, LIMIT, mx_fp8=moe.mx_fp8("mxfp4", t, arch, planes),
+                                h_row=moe.h_row("mxfp4", t, arch, planes))
+        assert rel(layer(x), ref) < 1e-2, t  # the planes' fp16 activations against bf16 ones at decode

@@ -21,12 +21,12 @@ from torch import nn
 
 from m3sdk.model.layers import DenseMLP, Fp8Activation, SparseMoE
 from m3sdk_kernels.arch import current_arch
-from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, quantize_experts
+from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, quantize_experts, serving_layout
 from m3sdk_kernels.quant import fp8_linear, fp8_linear_ref, quantize_fp8_weight
 from m3sdk_kernels.router import route, route_ref
 
 QUANTIZATIONS = ("none", "fp8", "mxfp4")
-_EXPERT_TENSORS = ("gate_up", "down", "gate_up_scale", "down_scale")
+_EXPERT_TENSORS = ("gate_up", "down", "gate_up_scale", "down_scale", "gate_up_row", "down_row")
 
 
 class Fp8Linear(nn.Module):
@@ -77,6 +77,13 @@ class QuantizedMoE(nn.Module):
     def experts(self) -> Experts:
         return Experts(self.fmt, *(getattr(self, name) for name in _EXPERT_TENSORS))
 
+    def serve_layout(self) -> None:
+        """The stack rearranged once, after loading, into the layout the kernels serve fastest on its device
+        (`moe.serving_layout`: MXFP4 on an H200 becomes the planes layout; the values stay)."""
+        experts = serving_layout(self.experts)
+        for name in _EXPERT_TENSORS:
+            setattr(self, name, getattr(experts, name))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = nn.functional.linear(x.to(self.router_weight.dtype), self.router_weight).float()
         router, moe = (route, fused_moe) if x.is_cuda else (route_ref, fused_moe_ref)
@@ -96,7 +103,7 @@ def quantize_model(model: nn.Module, quantization: str) -> nn.Module:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization == "none":
-        return model
+        return _serve_layouts(model)
     fp8_dtype = current_arch(model.embed_tokens.weight.device).fp8_dtype
     for layer in model.layers:
         attn = layer.self_attn
@@ -114,4 +121,11 @@ def quantize_model(model: nn.Module, quantization: str) -> nn.Module:
             layer.mlp = QuantizedMoE.quantize(layer.mlp, "mxfp4")
         else:
             _fp8_mlp(layer.mlp.shared_experts, fp8_dtype)
+    return _serve_layouts(model)
+
+
+def _serve_layouts(model: nn.Module) -> nn.Module:
+    for layer in model.layers:
+        if isinstance(layer.mlp, QuantizedMoE):
+            layer.mlp.serve_layout()
     return model
