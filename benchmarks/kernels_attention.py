@@ -28,6 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from m3sdk_kernels import arch
@@ -489,6 +490,52 @@ def timings(fn) -> dict:
     return {"ms": ms, "graph_ms": sorted(per_call)[len(per_call) // 2], "host_us": host_us}
 
 
+@triton.jit
+def _gather_kernel(k_ptr, v_ptr, ks_ptr, vs_ptr, table, sel, out, stride_pt, stride_cp, stride_ch, stride_sp,
+                   stride_sh, stride_sel_h, stride_sel_t, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   TOPK: tl.constexpr, SEL_BLOCK: tl.constexpr, SPLITS: tl.constexpr, SCALES: tl.constexpr):
+    """The memory traffic of MSA FP8 decode alone: program (sequence, KV head, split) reads the K and V rows (and
+    with SCALES their scales) of its selected blocks through the page table, as `paged_attention` does (a block
+    per step, page ids carried one step ahead so the copies pipeline), and folds them by XOR of 32-bit words."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    PER: tl.constexpr = TOPK // SPLITS
+    n = tl.arange(0, SEL_BLOCK)
+    w = tl.arange(0, HEAD_DIM // 4)
+    jb = tl.arange(0, PER)
+    blks = tl.load(sel + h * stride_sel_h + b * stride_sel_t + sp * PER + jb)
+    pages_ptr = table + b * stride_pt
+    page = tl.load(pages_ptr + (tl.sum(tl.where(jb == 0, blks, 0)) * SEL_BLOCK + n) // 16)
+    k_words = (k_ptr + h * stride_ch).to(tl.pointer_type(tl.int32), bitcast=True)
+    v_words = (v_ptr + h * stride_ch).to(tl.pointer_type(tl.int32), bitcast=True)
+    acc = tl.zeros([SEL_BLOCK, HEAD_DIM // 4], tl.int32)
+    sacc = tl.zeros([SEL_BLOCK], tl.float32)
+    for i in range(PER):
+        nxt = tl.load(pages_ptr + (tl.sum(tl.where(jb == i + 1, blks, 0)) * SEL_BLOCK + n) // 16)
+        row = (page.to(tl.int64) * stride_cp + (n % 16) * HEAD_DIM) // 4
+        acc ^= tl.load(k_words + row[:, None] + w[None, :]) ^ tl.load(v_words + row[:, None] + w[None, :])
+        if SCALES:
+            srow = page.to(tl.int64) * stride_sp + h * stride_sh + n % 16
+            sacc += tl.load(ks_ptr + srow) + tl.load(vs_ptr + srow)
+        page = nxt
+    tl.store(out + (b * NUM_KV + h) * SPLITS + sp, tl.xor_sum(tl.xor_sum(acc, 1), 0) + tl.sum(sacc).to(tl.int32))
+
+
+def gather_read(k, v, ks, vs, table, sel, splits: int, scales: bool, num_warps: int, num_stages: int):
+    """A launcher of `_gather_kernel` over MSA decode inputs (plain FP8 pages, sel [Hkv, B, TOPK])."""
+    hkv, batch, topk = sel.shape
+    out = torch.empty(batch * hkv * splits, dtype=torch.int32, device=k.device)
+
+    def run():
+        _gather_kernel[(batch, hkv, splits)](
+            k, v, ks, vs, table, sel, out, table.stride(0), k.stride(0), k.stride(1), ks.stride(0), ks.stride(1),
+            sel.stride(0), sel.stride(1), NUM_KV=hkv, HEAD_DIM=k.shape[-1], TOPK=topk, SEL_BLOCK=BS, SPLITS=splits,
+            SCALES=scales, num_warps=num_warps, num_stages=num_stages)
+        return out
+    return run
+
+
 def with_tiles(change: dict, fn):
     """fn() with the current arch's tile table entries updated by `change` ({family: overrides}) meanwhile."""
     name = current_arch().name
@@ -516,31 +563,22 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
     "ctx", "selection": "random"|"smooth", "tiles", "flex": bool} runs MSA prefill of one `ctx`-token sequence
     over the indexer's selection; its output is compared with the first prefill variant's of the same inputs
     (the reference itself would need ctx^2 scores), timed eagerly, and with "flex" FlexAttention with the same
-    block mask is timed once for those inputs (its output checked against ours). Each row is appended to
-    `results` as it is made (a run cut short by its time limit keeps what it measured)."""
+    block mask is timed once for those inputs (its output checked against ours). A gather variant (see
+    `sweep_gather`) times MSA FP8 decode's reads alone. Each row is appended to `results` as it is made (a run
+    cut short by its time limit keeps what it measured)."""
     inputs: dict = {}
     best: dict = {}
     for var in variants:
         if var["mode"] == "prefill":
             sweep_prefill(rows, var, inputs, results)
             continue
+        if var["mode"] == "gather":
+            sweep_gather(rows, read_bw, var, inputs, results)
+            continue
         mode, kv, ctx, batch = var["mode"], var["kv"], var["ctx"], var.get("batch", 64)
         change = best[(mode, kv)][1] if var["tiles"] == "best" else var["tiles"]
         key = (mode, kv, ctx, batch)
-        if key not in inputs:
-            inputs.clear()  # one shape's K/V at a time: 128K FP8 pages are 8.6 GB
-            torch.cuda.empty_cache()
-            cu, lens = decode_meta(batch, ctx)
-            q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
-            sel = random_selection(batch, ctx) if mode == "sparse" else None
-            k, v, ks, vs, table = make_kv(batch, ctx, kv, "plain")
-            ref = paged_attention_ref(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS)
-            n = TOPK * BS if mode == "sparse" else ctx
-            kc = torch.randn(batch, HKV, n, D, device=DEV, dtype=torch.bfloat16)
-            vc = torch.randn_like(kc)
-            peer = timings(lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True))  # noqa: B023
-            del kc, vc
-            inputs[key] = (cu, lens, q, sel, k, v, ks, vs, table, ref, peer)
+        decode_inputs(inputs, key)
         cu, lens, q, sel, k, v, ks, vs, table, ref, peer = inputs[key]
 
         def ours():
@@ -572,6 +610,48 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
               f"{json.dumps(change)}", flush=True)
         if not math.isnan(t["graph_ms"]) and ((mode, kv) not in best or t["graph_ms"] < best[(mode, kv)][0]):
             best[(mode, kv)] = (t["graph_ms"], change)
+
+
+def decode_inputs(inputs: dict, key: tuple) -> None:
+    """inputs[key] for a decode sweep variant, key = (mode, kv, ctx, batch): the metadata, q, the selection (MSA),
+    the pages, the reference output and SDPA's timings; the previous shape's are dropped (128K FP8 pages are 8.6
+    GB)."""
+    if key in inputs:
+        return
+    mode, kv, ctx, batch = key
+    inputs.clear()
+    torch.cuda.empty_cache()
+    cu, lens = decode_meta(batch, ctx)
+    q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
+    sel = random_selection(batch, ctx) if mode == "sparse" else None
+    k, v, ks, vs, table = make_kv(batch, ctx, kv, "plain")
+    ref = paged_attention_ref(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS)
+    n = TOPK * BS if mode == "sparse" else ctx
+    kc = torch.randn(batch, HKV, n, D, device=DEV, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    peer = timings(lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True))
+    inputs[key] = (cu, lens, q, sel, k, v, ks, vs, table, ref, peer)
+
+
+def sweep_gather(rows: list, read_bw: float, var: dict, inputs: dict, results: str) -> None:
+    """The read floor of MSA FP8 decode's access pattern (`_gather_kernel`) on the inputs of the MSA variants at
+    the same context (made here when none were): {"mode": "gather", "ctx", "splits", "scales", "num_warps",
+    "num_stages"}."""
+    ctx = var["ctx"]
+    key = ("sparse", "fp8", ctx, 64)
+    decode_inputs(inputs, key)
+    _, _, _, sel, k, v, ks, vs, table, _, _ = inputs[key]
+    t = timings(gather_read(k, v, ks, vs, table, sel, var.get("splits", 1), var.get("scales", True),
+                            var.get("num_warps", 4), var.get("num_stages", 3)))
+    nbytes = 64 * HKV * TOPK * BS * 2 * (D + (4 if var.get("scales", True) else 0))
+    r = {"kernel": "MSA FP8 decode reads alone", "shape": f"b64 ctx {ctx // 1024}K top16", "kv": "fp8",
+         "layout": "plain", "ms": t["ms"], "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t["graph_ms"] / 1e9,
+         "graph_ms": t["graph_ms"], "host_us": t["host_us"], "graph_of_floor": nbytes / read_bw / 1e9 / t["graph_ms"],
+         "peer": "-", "peer_ms": float("nan"), "tiles": json.dumps({k: v for k, v in var.items() if k != "mode"})}
+    rows.append(r)
+    record_row(r, results)
+    print(f"gather fp8 {ctx // 1024:4}K graph {t['graph_ms']:.4f} ({r['graph_of_floor']:.0%} floor, "
+          f"{r['TB/s']:.2f} TB/s) eager {t['ms']:.4f} {r['tiles']}", flush=True)
 
 
 def sweep_prefill(rows: list, var: dict, inputs: dict, results: str) -> None:

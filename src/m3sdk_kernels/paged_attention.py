@@ -113,6 +113,17 @@ def _tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _sel_tile(blks, jb, i, pages_ptr, kv_end, TILES_PER: tl.constexpr, SEL_BLOCK: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """(first key, key end, page ids) of tile i of an MSA decode slice whose block ids + 1 (0: none) are `blks`,
+    indexed by `jb`: a block past the slice or a -1 entry gives an empty tile (end 0)."""
+    blk = tl.sum(tl.where(jb == i // TILES_PER, blks, 0)) - 1
+    start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
+    end = tl.where(blk >= 0, kv_end, 0)
+    return start, end, _tile_pages(pages_ptr, start, end, BLOCK_N)
+
+
+@triton.jit
 def _e4m3_rows(base, row, ok, HEAD_DIM: tl.constexpr, V_WORDS: tl.constexpr):
     """Plain-layout e4m3fn rows as fp16 [A, B, HEAD_DIM], for the rows at element offsets `row` [A, B] (multiples
     of 4, `ok` masks them), decoded from 32-bit words: V_WORDS 2 by
@@ -292,16 +303,11 @@ def _attn_kernel(
             if PAGE_AHEAD:
                 jb = tl.arange(0, TOPK_PAD // NUM_SPLITS)  # >= BLOCKS_PER: splits are powers of 2, <= TOPK_PAD
                 blks = tl.load(sel_row + lo + jb, mask=(jb < BLOCKS_PER) & (lo + jb < TOPK), other=-1) + 1
-                blk = tl.sum(tl.where(jb == 0, blks, 0)) - 1  # slot 0 of the register vector
-                start = tl.maximum(blk, 0) * SEL_BLOCK
-                end = tl.where(blk >= 0, kv_end, 0)
-                page = _tile_pages(pages_ptr, start, end, BLOCK_N)
+                start, end, page = _sel_tile(blks, jb, 0, pages_ptr, kv_end, TILES_PER, SEL_BLOCK, BLOCK_N)
             for i in range(0, n_tiles):
                 if PAGE_AHEAD:
-                    nxt_blk = tl.sum(tl.where(jb == (i + 1) // TILES_PER, blks, 0)) - 1
-                    nxt_start = tl.maximum(nxt_blk, 0) * SEL_BLOCK + ((i + 1) % TILES_PER) * BLOCK_N
-                    nxt_end = tl.where(nxt_blk >= 0, kv_end, 0)
-                    nxt = _tile_pages(pages_ptr, nxt_start, nxt_end, BLOCK_N)
+                    nxt_start, nxt_end, nxt = _sel_tile(blks, jb, i + 1, pages_ptr, kv_end, TILES_PER, SEL_BLOCK,
+                                                        BLOCK_N)
                 else:
                     blk = tl.load(sel_row + lo + i // TILES_PER)
                     start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
@@ -316,7 +322,7 @@ def _attn_kernel(
                                                  ks_base, vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM,
                                                  BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, V_WORDS)
                 if PAGE_AHEAD:
-                    page, start, end = nxt, nxt_start, nxt_end
+                    start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
             # prefill / verification: walk the sorted union of the tile's tokens' blocks, each loaded once
             qq = first + tl.arange(0, BLOCK_Q)
@@ -324,55 +330,24 @@ def _attn_kernel(
             sel = tl.load(sel_ptr + h * stride_sel_h + (q_start + qq)[:, None] * stride_sel_t + kk[None, :],
                           mask=(qq < n_q)[:, None] & (kk < TOPK)[None, :], other=-1)
             sel = tl.where(sel >= 0, sel, _BIG)
-            TILES_PB: tl.constexpr = SEL_BLOCK // BLOCK_N
             PER: tl.constexpr = (BLOCK_Q * TOPK + NUM_SPLITS - 1) // NUM_SPLITS
             lo_rank = split * PER
-            if PAGE_AHEAD:
-                # the union's size and this split's first block up front (each entry's rank among the distinct
-                # blocks: a BLOCK_Q * TOPK_PAD square of compares, once per tile), then a counted loop over the
-                # split's tiles whose next block (a reduction over registers) and page ids are carried one tile
-                # ahead, so the compiler pipelines the K/V copies as in the dense loop; the while walk below
-                # finds each next block and waits for its pages in the same step
-                N: tl.constexpr = BLOCK_Q * TOPK_PAD
-                flat = tl.reshape(sel, (N,))
-                ii = tl.arange(0, N)
-                a = flat[:, None]
-                b = tl.reshape(sel, (1, N))
-                first_seen = tl.sum(((a == b) & (ii[None, :] < ii[:, None])).to(tl.int32), 1) == 0
-                rank = tl.sum(((b < a) & tl.reshape(first_seen, (1, N))).to(tl.int32), 1)
-                n_union = tl.sum((first_seen & (flat < _BIG)).to(tl.int32), 0)
-                cur = tl.min(tl.where((rank == lo_rank) & (flat < _BIG), flat, _BIG), 0)
-                n_tiles = tl.maximum(tl.minimum(lo_rank + PER, n_union) - lo_rank, 0) * TILES_PB
-                start = tl.where(cur < _BIG, cur, 0) * SEL_BLOCK
-                page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
-                for t in range(0, n_tiles):
-                    sub = (t + 1) % TILES_PB
-                    nxt_cur = tl.where(sub == 0, tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0), cur)
-                    nxt_start = tl.where(nxt_cur < _BIG, nxt_cur, 0) * SEL_BLOCK + sub * BLOCK_N
-                    nxt = _tile_pages(pages_ptr, nxt_start, kv_end, BLOCK_N)
+            cur = tl.min(tl.min(sel, 1), 0)
+            rank = 0
+            while (cur < _BIG) & (rank < lo_rank + PER):
+                if rank >= lo_rank:
                     hit = tl.sum((sel == cur).to(tl.int32), 1) > 0
                     row_sel = tl.reshape(tl.broadcast_to(hit[:, None], (BLOCK_Q, BLOCK_H)), (BLOCK_M,))
-                    acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base,
-                                                 ks_base, vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM,
-                                                 BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, V_WORDS)
-                    cur, start, page = nxt_cur, nxt_start, nxt
-            else:
-                cur = tl.min(tl.min(sel, 1), 0)
-                rank = 0
-                while (cur < _BIG) & (rank < lo_rank + PER):
-                    if rank >= lo_rank:
-                        hit = tl.sum((sel == cur).to(tl.int32), 1) > 0
-                        row_sel = tl.reshape(tl.broadcast_to(hit[:, None], (BLOCK_Q, BLOCK_H)), (BLOCK_M,))
-                        for sub in range(0, SEL_BLOCK, BLOCK_N):
-                            start = cur * SEL_BLOCK + sub
-                            if start < kv_end:
-                                page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
-                                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
-                                                             v_base, ks_base, vs_base, page, qk_scale, stride_cp,
-                                                             stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
-                                                             V_WORDS)
-                    cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
-                    rank += 1
+                    for sub in range(0, SEL_BLOCK, BLOCK_N):
+                        start = cur * SEL_BLOCK + sub
+                        if start < kv_end:
+                            page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
+                            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
+                                                         v_base, ks_base, vs_base, page, qk_scale, stride_cp,
+                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
+                                                         V_WORDS)
+                cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
+                rank += 1
         else:
             tiles = tl.cdiv(kv_end, BLOCK_N)
             per = tl.cdiv(tiles, NUM_SPLITS)
@@ -380,14 +355,14 @@ def _attn_kernel(
             # PAGE_AHEAD: page ids one tile ahead, carried by the loop. K/V loads whose addresses come from a load of
             # their own iteration get one shared-memory buffer at any num_stages (sm90 TTGIR): each tile's copies
             # are issued after the previous tile's dots and waited for at once. Carried, num_stages - 1 tiles are in
-            # flight, which FP8 pages need (half the bytes per tile); bf16 measured faster without (docs/perf.md)
+            # flight, which FP8 pages need (half the bytes per tile); bf16 measured faster without (docs/perf.md).
+            # (Ids carried two tiles ahead made the sm90 pipeliner give up: no cp.async at all.)
             page = _tile_pages(pages_ptr, split * per * BLOCK_N, kv_end, BLOCK_N)
             for t in range(split * per, tl.minimum(split * per + per, tiles)):
                 if PAGE_AHEAD:
                     nxt = _tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
                 else:
                     page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
-                    nxt = page
                 if KEY_GROUPS > 1:
                     acc, m_i, l_i = _attend_tile_w(acc, m_i, l_i, qb, t * BLOCK_N, kv_end, k_base, v_base, ks_base,
                                                    vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N,
@@ -396,7 +371,8 @@ def _attn_kernel(
                     acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base,
                                                  v_base, ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
                                                  HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, V_WORDS)
-                page = nxt
+                if PAGE_AHEAD:
+                    page = nxt
         if KEY_GROUPS > 1:  # merge the warps' softmax states
             m_all = tl.max(m_i, 0)
             scale = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])

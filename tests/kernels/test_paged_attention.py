@@ -45,11 +45,10 @@ def test_dense_matches_reference(case, kv_dtype, layout):
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("case", [DECODE, MIXED_SPARSE], ids=["decode", "mixed"])
 def test_sparse_matches_reference_and_drops_blocks(monkeypatch, case, kv_dtype, layout, ahead):
-    """MSA with 16-token blocks, top-2: contexts up to 130 tokens keep 2 of up to 9 blocks. `ahead`: prefill walks
-    the block union in a counted loop with carried page ids, decode carries them too (PAGE_AHEAD)."""
-    if ahead:
-        for family in ("sparse_prefill", "sparse_decode", "sparse_decode:fp8"):
-            monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], "PAGE_AHEAD": 1})
+    """MSA with 16-token blocks, top-2: contexts up to 130 tokens keep 2 of up to 9 blocks. Decode reads its block
+    ids in each tile's iteration, or (`ahead`) once, with page ids carried a tile ahead (PAGE_AHEAD)."""
+    for family in ("sparse_decode", "sparse_decode:fp8"):
+        monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], "PAGE_AHEAD": ahead})
     ctx, new = case
     block, topk = 16, 2
     step = make_step(ctx, new, HKV, D, kv_dtype, layout, index_dim=32)
