@@ -9,16 +9,21 @@ second, each process with its own GPU listed first in CUDA_VISIBLE_DEVICES (ucxx
   p2p           a torch peer-to-peer copy_ of the same number of bytes, sender GPU -> receiver GPU, in one tensor
 (no perftest, no "EH" rows). The first round checks every received page byte for byte before anything is timed.
 
-Two processes on 127.0.0.1 move the same bytes each way:
-  kv            UcxTransport: a prefill node's pages packed into messages (Outbox), pushed, checked and put into
-                the decode side's KVPool pages (what a remote prefill costs beyond compute), page tables of
+Two processes on 127.0.0.1 move the same bytes each way (--kinds picks; a "-wN" suffix on a kv kind runs it
+with transport window N, e.g. kv-w8; "-foreach" / "-triton" with another copy of the pages, copy_variant):
+  kv            UcxTransport: a prefill node's pages packed into messages (Outbox, all of them at once from another
+                thread, as a node's engine thread packs them while it computes), pushed, checked and put into the
+                decode side's KVPool pages (what a remote prefill costs beyond compute), page tables of
                 consecutive pages on both sides (a fresh engine's): each message's runs of pages move as one
                 _foreach_copy_ on each side (wire.py)
-  kv staged     the same pages, the plan built without the destination pages (the decode side scatters with
+  kv-staged     the same pages, the plan built without the destination pages (the decode side scatters with
                 one index kernel per tensor)
-  kv scattered  random page ids on both sides (index kernels on both sides)
+  kv-scattered  random page ids on both sides (index kernels on both sides)
   ucxx raw      ucxx tag send/recv of the same message sizes on endpoints like the transport's (no UCX peer error
                 handling: shared memory between the two processes); receive buffers posted and touched beforehand
+  raw-w4        the same, at most 4 messages in flight each way (the transport's window)
+  raw-runs      ucxx straight from the sender's pool into the receiver's, one message per (layer, tensor) (what
+                sending and receiving in place would cost at best: no copies, no framing), every byte checked
   ucxx raw, EH  the same on ucxx's public create_endpoint/create_listener endpoints (peer error handling: TCP)
   perftest      ucx_perftest tag_bw, the same message size (UCX's own C loopback rate; from the libucx wheel);
                 "-e" asks it for peer error handling, like ucxx's public endpoints
@@ -51,7 +56,7 @@ import torch
 
 from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
 from m3sdk.disagg import loop, wire
-from m3sdk.disagg.transport import TransportError, UcxReceive, UcxTransport, _api, _send, _worker
+from m3sdk.disagg.transport import UcxTransport, _api, _send, _worker
 
 TRANSFER_ID = 4242
 
@@ -105,11 +110,59 @@ def pool_runs(rows: list[list[torch.Tensor]]) -> list:
     return [_host_or_device(t.view(-1)) for layer in rows for t in layer]
 
 
+def copy_variant(what: str):
+    """The piece copy (wire._copy) a kind runs with, in both processes: "-foreach" one _foreach_copy_ (session
+    11's, on GPUs too), "-triton" one Triton kernel for all pieces of a message; otherwise the transport's."""
+    parts = what.split("-")
+    if "foreach" in parts:
+        return torch._foreach_copy_
+    if "triton" in parts:
+        return _triton_copy
+    return _TRANSPORT_COPY
+
+
+_TRANSPORT_COPY = wire._copy
+_SEGMENTS = None
+
+
+def _triton_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Every piece in one launch: a table of (source address, destination address, elements) on the device, a
+    program per (piece, slice of it). CPU pieces take _foreach_copy_."""
+    global _SEGMENTS
+    if not dst[0].is_cuda:
+        torch._foreach_copy_(dst, src)
+        return
+    if _SEGMENTS is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def segments(table, WORDS: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+            piece, part = tl.program_id(0), tl.program_id(1)
+            if WORDS:
+                source = tl.load(table + piece * 3).to(tl.pointer_type(tl.int64))
+                target = tl.load(table + piece * 3 + 1).to(tl.pointer_type(tl.int64))
+            else:
+                source = tl.load(table + piece * 3).to(tl.pointer_type(tl.uint8))
+                target = tl.load(table + piece * 3 + 1).to(tl.pointer_type(tl.uint8))
+            n = tl.load(table + piece * 3 + 2)
+            offs = tl.arange(0, BLOCK)
+            for start in tl.range(part * BLOCK, n, SPLIT * BLOCK):
+                idx = start + offs
+                keep = idx < n
+                tl.store(target + idx, tl.load(source + idx, mask=keep), mask=keep)
+
+        _SEGMENTS = segments
+    rows = [(s.data_ptr(), d.data_ptr(), s.numel()) for d, s in zip(dst, src, strict=True)]
+    table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(dst[0].device, non_blocking=True)
+    _SEGMENTS[(len(rows), 32)](table, WORDS=dst[0].element_size() == 8, BLOCK=2048, SPLIT=32, num_warps=4)
+
+
 class Trace:
     """Per-message host timestamps (perf_counter: one clock for the processes of a host) of one transfer, taken
     by wrapping the transport's steps: node side pack (launch), gather ready (Outbox.get), send start / end;
-    decode side receive posted / completed, scatter start / end (end after a stream sync, as _settle does
-    right after it). Only with --trace, for the last repeat of each kv kind."""
+    decode side receive posted / completed, scatter start / end (checked and queued). Only with --trace, for the
+    last repeat of each kv kind."""
 
     events: list[tuple[str, int, float]] | None = None
 
@@ -131,11 +184,9 @@ class Trace:
             note("pack", msg.index)
             pack(plan, msg, *args)
 
-        def traced_scatter(plan, msg, rows, dst, buf):
-            note("scatter0", msg.index)
-            scatter(plan, msg, rows, dst, buf)
-            if buf.is_cuda:
-                torch.cuda.current_stream(buf.device).synchronize()
+        def traced_scatter(plan, msg, rows, dst, buf, stream=None):
+            note("scatter0", msg.index)  # the check (one copy to the host) and the copies queued
+            scatter(plan, msg, rows, dst, buf, stream)
             note("scatter1", msg.index)
 
         async def traced_send(ep, buf, tag):
@@ -200,29 +251,16 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
             return
         plan = plan_for(pool, message_bytes, transfer_id, plan_pages(what, dsts))
         transport.window = window_of(what, window)
+        wire._copy = copy_variant(what)
         Trace.events = [] if traced else None
-        if what.startswith("kv-ahead"):
-            async def ahead(port=port, plan=plan, src=srcs[what]):
-                # as a node does: its engine thread packs each message as soon as its layers ran, without
-                # waiting for the sends (the staging of the whole transfer is taken at once)
+        if what in srcs and what != "raw-runs":
+            async def kv(port=port, plan=plan, src=srcs[what]):
+                # as a node does: its engine thread packs each message as soon as its layers ran, without waiting
+                # for the sends (a producer that waited for them would measure its own polling, not the transport)
                 start = time.perf_counter()
                 outbox = transport.outbox(plan, dev)
                 push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
                 await asyncio.to_thread(outbox.pack, list(plan.messages), rows, src)
-                await push
-                return start
-            start = loop.run(ahead(), step_timeout)
-        elif what in srcs and what != "raw-runs":
-            async def kv(port=port, plan=plan, src=srcs[what]):
-                start = time.perf_counter()
-                outbox = transport.outbox(plan, dev)
-                push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
-                for msg in plan.messages:
-                    # packed just ahead of the sends, so the staging buffers stay within the pool and stay warm
-                    while msg.index > outbox.sent + transport.window:
-                        await asyncio.sleep(2e-4)
-                    outbox.pack([msg], rows, src)
-                    await asyncio.sleep(0)
                 await push
                 return start
             start = loop.run(kv(), step_timeout)
@@ -352,7 +390,8 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                         done = loop.submit(_recv_all(plan, bufs))
                     elif what in dsts:
                         transport.window = window_of(what, window)
-                        receive = loop.run(_post(transport, plan, rows, dsts[what], what), step_timeout)
+                        wire._copy = copy_variant(what)
+                        receive = loop.run(_post(transport, plan, rows, dsts[what]), step_timeout)
                         done = loop.submit(receive.wait())
                     else:
                         bufs = [_host_or_device(torch.zeros(m.nbytes, dtype=torch.uint8, device=dev))
@@ -454,51 +493,8 @@ async def _eh_listener():
     return listener
 
 
-async def _post(transport: UcxTransport, plan, rows, dst, what: str = "kv"):
-    if "p" in what.split("-")[2:]:
-        return PipelinedReceive(transport, plan, rows, dst, transport.window)
+async def _post(transport: UcxTransport, plan, rows, dst):
     return transport.receive(plan, rows, dst)
-
-
-class PipelinedReceive(UcxReceive):
-    """Candidate: each message checked on the engine's stream, scattered on a side stream with no host wait,
-    its buffer back to the pool once its scatter ran; one wait at the end of the transfer."""
-
-    async def _run(self) -> None:
-        plan = self._plan
-        count = len(plan.messages)
-        cuda = self._dst.is_cuda
-        stream = torch.cuda.Stream(self._dst.device) if cuda else None
-        for index in range(min(self._window, count)):
-            self._post(index)
-        pending: deque = deque()
-        for index, msg in enumerate(plan.messages):
-            buf = await self._take(index)
-            if self._cancelled:
-                return
-            while pending and pending[0][0].query():
-                self._transport.pool.give(pending.popleft()[1])
-            if index + self._window < count:
-                self._post(index + self._window)
-            try:
-                wire.check(plan, msg, buf)
-            except wire.WireError as e:
-                raise TransportError(str(e)) from e
-            idx = self._dst[msg.page_start:msg.page_start + msg.page_count]
-            runs = wire._runs(idx) if plan.runs is None else wire._message_runs(plan.runs, msg)
-            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                wire._move(msg, self._rows, buf, idx, runs, into_pool=True)
-                done = torch.cuda.Event() if cuda else None
-                if cuda:
-                    done.record(stream)
-            if cuda:
-                pending.append((done, buf))
-            else:
-                self._transport.pool.give(buf)
-        if cuda:
-            stream.synchronize()
-        for _, buf in pending:
-            self._transport.pool.give(buf)
 
 
 def perftest(message_bytes: int, iterations: int, flags: tuple[str, ...]) -> float:
@@ -538,7 +534,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--gpus", default="0,1", help="sender GPU, receiver GPU (physical ids)")
     parser.add_argument("--kinds", nargs="+", help="what to measure (default: kv kv-staged kv-scattered raw, and "
-                        "raw-eh on a CPU); also kv-ahead, kv-ahead-w8, raw-w4, raw-runs")
+                        "raw-eh on a CPU); also raw-w4, raw-runs, and kv kinds with a window (kv-w8) or another "
+                        "piece copy (kv-foreach, kv-triton)")
     parser.add_argument("--trace", action="store_true", help="per-message timeline of the last repeat of kv kinds")
     parser.add_argument("--out", type=Path, help="append the rows to OUT/disagg.jsonl")
     parser.add_argument("--step-timeout", type=float, default=60.0, help="seconds any one wait may take")

@@ -175,6 +175,10 @@ def _worker() -> Any:
     return ucxx.core._get_ctx().worker
 
 
+def _using(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 def _settle(buf: torch.Tensor) -> None:
     """Wait for this thread's queued work on `buf`'s device (a no-op on a CPU)."""
     if buf.is_cuda:
@@ -189,7 +193,14 @@ async def _send(ep: Any, buf: Any, tag: int) -> None:
 
 
 class UcxReceive:
-    """One transfer's receiving side: `window` messages posted at once, each checked then scattered."""
+    """One transfer's receiving side: `window` messages posted at once, each checked then scattered.
+
+    On GPUs two streams of the transfer's own: posts and checks (a zeroed trailer slot, a header and trailer
+    copied to the host: the only host waits, so they see nothing of the engine's queued steps) on one, the
+    scatters on the other, queued without a host wait, so the next message's check and post do not wait for
+    them. The scatters start after the work the engine queued before the transfer (its pages were freed before:
+    a step in flight then may still write them). A buffer goes back to the pool once its scatter ran; the
+    transfer counts as done (and a cancel returns) only after every scatter ran."""
 
     def __init__(self, transport: UcxTransport, plan: TransferPlan, rows: list[list[torch.Tensor]],
                  dst_pages: torch.Tensor, window: int):
@@ -197,6 +208,12 @@ class UcxReceive:
         self._window = window
         # tag -> (buffer, its receive, the message): everything posted and not yet taken
         self._posted: dict[int, tuple[torch.Tensor, asyncio.Future, MessageSpec]] = {}
+        cuda = dst_pages.is_cuda
+        self._io = torch.cuda.Stream(dst_pages.device) if cuda else None
+        self._copy = torch.cuda.Stream(dst_pages.device) if cuda else None
+        if cuda:
+            self._copy.wait_stream(torch.cuda.current_stream(dst_pages.device))
+        self._scattering: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()  # queued on self._copy
         self._cancelled = False
         self._task = asyncio.ensure_future(self._run())
 
@@ -205,8 +222,9 @@ class UcxReceive:
 
         msg = self._plan.messages[index]
         buf = self._transport.pool.take(msg.nbytes, self._dst.device)
-        wire.arm(buf)
-        _settle(buf)  # UCX writes on its own streams: the zeroed trailer (and the last scatter) must land first
+        with _using(self._io):
+            wire.arm(buf)
+            _settle(buf)  # UCX writes on its own streams: the zeroed trailer must land first
         tag = self._plan.tag(index)
         self._posted[tag] = (buf, asyncio.ensure_future(ucxx.recv(_ucx_buffer(buf), tag)), msg)
 
@@ -222,6 +240,26 @@ class UcxReceive:
             del self._posted[tag]
         return buf
 
+    def _scatter(self, msg: MessageSpec, buf: torch.Tensor) -> None:
+        try:
+            with _using(self._io):
+                wire.scatter(self._plan, msg, self._rows, self._dst, buf, self._copy)
+        except wire.WireError as e:
+            raise TransportError(str(e)) from e
+        if self._copy is None:  # a CPU scatter is done when it returns
+            self._transport.pool.give(buf)
+            return
+        done = torch.cuda.Event()
+        done.record(self._copy)
+        self._scattering.append((done, buf))
+
+    def _release(self, wait: bool) -> None:
+        """Buffers whose scatter ran go back to the pool; `wait`: all of them, waiting for their scatters."""
+        while self._scattering and (wait or self._scattering[0][0].query()):
+            done, buf = self._scattering.popleft()
+            done.synchronize()
+            self._transport.pool.give(buf)
+
     async def _run(self) -> None:
         plan = self._plan
         count = len(plan.messages)
@@ -231,14 +269,11 @@ class UcxReceive:
             buf = await self._take(index)
             if self._cancelled:
                 return
+            self._release(wait=False)
             if index + self._window < count:
                 self._post(index + self._window)  # before the scatter, so UCX can fill it meanwhile
-            try:
-                wire.scatter(plan, msg, self._rows, self._dst, buf)
-            except wire.WireError as e:
-                raise TransportError(str(e)) from e
-            _settle(buf)  # the pages are in place before the transfer counts as done (the engine's own stream)
-            self._transport.pool.give(buf)
+            self._scatter(msg, buf)
+        self._release(wait=True)  # the pages are in place before the transfer counts as done
 
     async def wait(self) -> None:
         try:
@@ -272,6 +307,7 @@ class UcxReceive:
         self._task.cancel()
         with contextlib.suppress(BaseException):
             await self._task
+        self._release(wait=True)  # scatters already queued finish before the caller may reuse the pages
 
 
 class UcxTransport:
