@@ -53,7 +53,8 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
         for _ in range(2):
             await asyncio.gather(*[one(p, WARM_UP_TOKENS or max_tokens) for p in prompts[:2 * concurrency]])
         before = engine.stats()
-        with profiled(profile) as prof, host_phases(engine, profile) as phases, step_times(engine) as times:
+        with (profiled(profile) as prof, host_phases(engine, profile or PHASES) as phases,
+              step_times(engine) as times):
             start = time.perf_counter()
             outputs = await asyncio.gather(*[one(p) for p in prompts])
             seconds = time.perf_counter() - start
@@ -61,12 +62,19 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
         steps = stats["steps"] - before["steps"]
         stats["graph_share"] = round((stats["graph_steps"] - before["graph_steps"]) / max(steps, 1), 3)
         stats["window_steps"] = steps
-        # where the window went: median step, and the slow steps (a Triton compile, an eager prefill step)
-        times.sort()
-        slow = [t for t in times if t > SLOW_STEP_S]
-        stats["step_ms_median"] = round(1e3 * times[len(times) // 2], 3) if times else 0.0
+        # where the window went: step time percentiles, by what the step launched (a prefill chunk, decode or
+        # verify rows only, nothing), and the slow steps (a Triton compile, an eager prefill step)
+        durations = sorted(t for t, _ in times)
+        slow = [t for t in durations if t > SLOW_STEP_S]
+        stats["step_ms_median"] = percentile_ms(durations, 0.5)
+        stats["step_ms"] = {f"p{q}": percentile_ms(durations, q / 100) for q in (10, 50, 90, 99)}
+        stats["step_kinds"] = {kind: [len(ts), round(sum(ts), 4), percentile_ms(ts, 0.5), percentile_ms(ts, 0.9)]
+                               for kind in ("decode", "prefill", "idle")
+                               if (ts := sorted(t for t, k in times if k == kind))}
         stats["slow_steps"], stats["slow_steps_s"] = len(slow), round(sum(slow), 3)
-        stats["step_s_total"] = round(sum(times), 3)
+        stats["step_s_total"] = round(sum(durations), 3)
+        if PHASES:
+            stats["host_ms_per_step"] = {k: round(1e3 * v / max(steps, 1), 3) for k, v in phases.items()}
         if prof is not None:
             name = speculative or ("plain" if overlap is None else "plain-no-overlap")
             row = dict(**device_time(prof, sum(len(o) for o in outputs), seconds, name, concurrency),
@@ -97,28 +105,39 @@ def profiled(on: bool):
 SLOW_STEP_S = 0.010  # a step this long is a compile or an eager step, not a replayed one (m3-tiny: ~1-2 ms)
 
 
+def percentile_ms(sorted_s: list[float], q: float) -> float:
+    return round(1e3 * sorted_s[min(int(q * len(sorted_s)), len(sorted_s) - 1)], 3) if sorted_s else 0.0
+
+
 @contextlib.contextmanager
 def step_times(engine: Engine):
-    """Wall seconds of each engine step (`EngineCore.step`) in the window (benchmark instrumentation on the engine's
-    core, restored after)."""
+    """(wall seconds, kind) of each engine step (`EngineCore.step`) in the window; kind is what the step scheduled:
+    "prefill" (a chunk longer than a verify step), "decode" (decode or verify rows only) or "idle". Benchmark
+    instrumentation on the engine's core, restored after."""
     core, times = engine._core, []
-    step, own = core.step, "step" in core.__dict__  # (host_phases may have wrapped it already)
+    saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr in ((core, "step"), (core.scheduler, "schedule"))]
+    step, schedule, longest = core.step, core.scheduler.schedule, [0]  # (host_phases may have wrapped them)
+    verify = 1 + (core.spec.k if core.spec is not None else 0)
+
+    def scheduled():
+        plan = schedule()
+        longest[0] = max((s.num_new_tokens for s in plan.scheduled), default=0)
+        return plan
 
     def timed():
+        longest[0] = 0
         t0 = time.perf_counter()
         try:
             return step()
         finally:
-            times.append(time.perf_counter() - t0)
+            kind = "prefill" if longest[0] > verify else "decode" if longest[0] else "idle"
+            times.append((time.perf_counter() - t0, kind))
 
-    core.step = timed
+    core.step, core.scheduler.schedule = timed, scheduled
     try:
         yield times
     finally:
-        if own:
-            core.step = step
-        else:
-            del core.step
+        restore(saved)
 
 
 @contextlib.contextmanager
@@ -153,11 +172,16 @@ def host_phases(engine: Engine, on: bool):
     try:
         yield totals
     finally:
-        for obj, attr, old in saved:
-            if old is None:
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, old)
+        restore(saved)
+
+
+def restore(saved: list[tuple[object, str, object]]) -> None:
+    """Put back what benchmark wrappers replaced: an instance attribute, or none (the class's method)."""
+    for obj, attr, old in saved:
+        if old is None:
+            delattr(obj, attr)
+        else:
+            setattr(obj, attr, old)
 
 
 def device_time(prof, tokens: int, seconds: float, name: str, concurrency: int) -> dict:
@@ -177,6 +201,7 @@ def device_time(prof, tokens: int, seconds: float, name: str, concurrency: int) 
 OUT = None  # the --out file
 SPEC_GRAPHS = True  # --spec-eager turns CUDA graphs off for the speculative engines only
 WARM_UP_TOKENS = 0  # --warm-up-tokens (0: --max-tokens)
+PHASES = False  # --phases: host time per phase in every row (cheap wrappers, no profiler)
 
 
 def cell(value: float | None, fmt: str, unit: str = "") -> str:
@@ -204,13 +229,15 @@ def main() -> None:
     ap.add_argument("--plain-modes", default="overlap,sync",
                     help="plain engines to time: overlap (the engine's default on a GPU), sync (overlap off)")
     ap.add_argument("--spec-eager", action="store_true", help="no CUDA graphs for the speculative engines")
+    ap.add_argument("--phases", action="store_true", help="host ms per step by phase in every row (no profiler)")
     ap.add_argument("--warm-up-tokens", type=int, default=0,
                     help="tokens per warm-up request (0: --max-tokens); fewer make a large batch's run shorter")
     args = ap.parse_args()
-    global OUT, SPEC_GRAPHS, WARM_UP_TOKENS
+    global OUT, SPEC_GRAPHS, WARM_UP_TOKENS, PHASES
     OUT = open(args.out, "a") if args.out else None  # noqa: SIM115 - open for the whole run
     SPEC_GRAPHS = not args.spec_eager
     WARM_UP_TOKENS = args.warm_up_tokens
+    PHASES = args.phases
     record(run="spec_speedup", argv=sys.argv[1:])
     if args.check_prompts:
         prompts = held_out_prompts(args.check_prompts, args.prompt_tokens)
@@ -264,6 +291,9 @@ def main() -> None:
                    step_ms_median={m: r[2]["step_ms_median"] for m, r in runs.items()},
                    slow_steps={m: [r[2]["slow_steps"], r[2]["slow_steps_s"], r[2]["step_s_total"]]
                                for m, r in runs.items()},
+                   step_ms={m: r[2]["step_ms"] for m, r in runs.items()},
+                   step_kinds={m: r[2]["step_kinds"] for m, r in runs.items()},
+                   host_ms_per_step={m: r[2].get("host_ms_per_step") for m, r in runs.items()},
                    seconds={m: round(r[1], 3) for m, r in runs.items()})
         record(**row)
         shares = " / ".join(cell(row["graph_share"].get(m), ".0%") for m in ("overlap", "sync", "spec"))
