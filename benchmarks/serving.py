@@ -594,7 +594,7 @@ def step_table(args) -> None:
     print("| tp | conc | overlap | graphs | out tok/s | TPOT med/p99 ms | ITL med/p99 ms | TTFT med/p99 ms | steps |")
     for r in rows:
         if r["step"] == "engine":
-            tp = f"{r['tp']}{'' if r.get('expert_parallel', True) or r['tp'] == 1 else ' no-EP'}"
+            tp = f"{r['tp']}{' EP' if r.get('expert_parallel') and r['tp'] > 1 else ''}"
             print(f"| {tp} | {r['concurrency']} | {r['overlap']} | {r['graphs']} | {r['output_throughput']:.0f} "
                   f"| {r['median_tpot_ms']:.2f}/{r['p99_tpot_ms']:.2f} "
                   f"| {r['median_itl_ms']:.2f}/{r['p99_itl_ms']:.2f} "
@@ -608,7 +608,7 @@ def step_table(args) -> None:
             print(json.dumps({k: v for k, v in r.items() if k != "step_time"})[:300])
     for r in rows:
         if r["step"] in ("decode_profile", "engine_step"):
-            ep = "" if r.get("expert_parallel", True) or r["tp"] == 1 else " no-EP"
+            ep = " EP" if r.get("expert_parallel") and r["tp"] > 1 else ""
             what = (f"{r['step']} tp{r['tp']}{ep} {r.get('quantization', '')} {r['batch']}x{r['context']} {r['mode']}"
                     + (f" {r['ms']:.3f} ms" if "ms" in r else ""))
             if "error" in r:
@@ -659,8 +659,8 @@ def main() -> None:
     p.add_argument("--quantization", default="none", help="load_model's: none | fp8 (decode step)")
     p.add_argument("--profile", action="store_true", help="decode: kernel profile of each point (graph and "
                    "eager); engine: the loaded engine's decode step at the largest concurrency, timed and profiled")
-    p.add_argument("--no-expert-parallel", dest="expert_parallel", action="store_false",
-                   help="tensor parallel: split every expert's width instead of whole experts per rank")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="tensor parallel: whole experts per rank instead of every expert's width split")
     p.add_argument("--hf-batches", default="1,16")
     p.add_argument("--tp", type=lambda v: [int(x) for x in v.split(",")], default=[1], help="engine: e.g. 1,2")
     p.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64])

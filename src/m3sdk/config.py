@@ -56,9 +56,11 @@ class EngineConfig:
     # {"method", "num_speculative_tokens", "model", ...}; normalized to a SpecConfig (m3sdk/spec/base.py).
     speculative: SpecConfig | str | dict | None = None
     # Tensor parallel over this many ranks (processes; one GPU each, or gloo on a CPU), docs/serving.md.
-    # expert_parallel: whole experts per rank (needs num_experts % ranks == 0), else every expert's width is split.
+    # expert_parallel: whole experts per rank (needs num_experts % ranks == 0), else every expert's width is split
+    # (the default: pairs routed to another rank's experts still run as weight-0 pairs on a local expert, so whole
+    # experts measured 1.12x slower per TP=2 batch-64 decode step on the H200, docs/perf.md).
     tensor_parallel_size: int = 1
-    expert_parallel: bool = True
+    expert_parallel: bool = False
     # Replay decode and verify steps from captured CUDA graphs; None: on for a CUDA device with the triton backend.
     cuda_graphs: bool | None = None
     # Overlap host scheduling with the device step (docs/engine.md): while step N runs, schedule and launch step
