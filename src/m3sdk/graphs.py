@@ -109,9 +109,9 @@ class DecodeGraphs:
         self.rows = torch.arange(nq, **i64)
         # host staging for `stage`: a few pinned copies of the byte buffer, used in turn (an upload may still be
         # queued behind the step in flight when the next step is staged), each with the event of its last upload
-        pin = device.type == "cuda"
-        self._staging = [torch.zeros(self.inputs.shape, dtype=torch.uint8, pin_memory=pin) for _ in range(3)]
-        self._staged: list[torch.cuda.Event | None] = [None] * len(self._staging)
+        cuda = device.type == "cuda"
+        self._staging = [torch.zeros(self.inputs.shape, dtype=torch.uint8, pin_memory=cuda) for _ in range(3)]
+        self._uploaded = [torch.cuda.Event() if cuda else None for _ in self._staging]
         self._turn = 0
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         # every batch bucket of every query length at the smallest context bucket now (padding-only steps), so
@@ -166,9 +166,9 @@ class DecodeGraphs:
         Every padding row writes nowhere; a padded sequence's extra rows sit after its tokens, in positions."""
         bucket, _, q = key
         b, n = len(counts), self.buckets[-1]
-        host, done = self._staging[self._turn], self._staged[self._turn]
-        if done is not None:
-            done.synchronize()  # its last upload has run (three steps ago: in practice never a wait)
+        host, uploaded = self._staging[self._turn], self._uploaded[self._turn]
+        if uploaded is not None:
+            uploaded.synchronize()  # its last upload has run (three steps ago: in practice never a wait)
         h8 = host.numpy()
         h64, h32 = h8[:self._off32].view(np.int64), h8[self._off32:].view(np.int32)
         nq = self.input_ids.shape[0]
@@ -198,9 +198,8 @@ class DecodeGraphs:
         extra_h[:len(extra)] = extra
         used = self._off32 + (n + bucket * self.width) * 4
         self.inputs[:used].copy_(host[:used], non_blocking=True)
-        if self.device.type == "cuda":
-            self._staged[self._turn] = torch.cuda.Event()
-            self._staged[self._turn].record()
+        if uploaded is not None:
+            uploaded.record()
         self._turn = (self._turn + 1) % len(self._staging)
         return self.scratch[:len(extra)]
 
