@@ -24,7 +24,16 @@ import torch
 from gpu_timing import bench, read_bandwidth
 
 from m3sdk_kernels.arch import TILES, current_arch
-from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, h_row, mx_fp8, quantize_experts, to_planes
+from m3sdk_kernels.moe import (
+    Experts,
+    fused_moe,
+    fused_moe_ref,
+    h_row,
+    mx_fp8,
+    mx_to_fp8,
+    quantize_experts,
+    to_planes,
+)
 
 DEV = "cuda"
 E, H, I, TOP_K, SCALE = 128, 6144, 3072, 4, 2.0
@@ -49,7 +58,9 @@ PLANES_SWEEP = [dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, n
                 dict(PLANES_SWAP=0, GU_BLOCK_N=32, DN_BLOCK_N=32, num_warps=4, num_stages=3),
                 dict(PLANES_SWAP=0, GU_BLOCK_N=16, DN_BLOCK_N=16, num_warps=2, num_stages=3),
                 dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=3, DECODE_MAX_TOKENS=0),
-                dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=3, PLANES_XPERM=1)]
+                dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=3, PLANES_XPERM=1),
+                dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, num_stages=4, PLANES_XPERM=1),
+                dict(PLANES_SWAP=1, GU_BLOCK_N=128, DN_BLOCK_N=128, num_warps=8, num_stages=3, PLANES_XPERM=1)]
 # `--prefill-sweep`: moe_prefill (8K tokens) for the --prefill-formats arms: the kept tiles first, then the fp8
 # intermediate per row (H_ROW: the down GEMM's MMAs chain over K tiles of 128), gate|up as one interleaved MMA
 # (FUSED_GU), MXFP4 converted to fp8 once per step (MX_CONVERT) instead of per token tile
@@ -59,7 +70,11 @@ PREFILL_SWEEP = [dict(_P),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, num_stages=4),
-                 dict(_P, H_ROW=1, DN_BLOCK_K=128, MX_CONVERT=1)]
+                 dict(_P, H_ROW=1, DN_BLOCK_K=128, MX_CONVERT=1),
+                 dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, GU_BLOCK_N=128),
+                 dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, DN_BLOCK_N=256)]
+# `--convert-sweep`: mx_to_fp8 tiles (the whole 129-expert stack, both layouts)
+CONVERT_SWEEP = [dict(BLOCK_N=32, num_warps=4), dict(BLOCK_N=64, num_warps=4), dict(BLOCK_N=32, num_warps=8)]
 
 
 def mm_rate(dtype: torch.dtype) -> float:
@@ -84,7 +99,8 @@ def routing(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def expert_bytes(ex: Experts, touched: int) -> int:
     per = sum(t[0].numel() * t.element_size() for t in (ex.gate_up, ex.down))
-    per += sum(t[0].numel() * t.element_size() for t in (ex.gate_up_scale, ex.down_scale) if t is not None)
+    per += sum(t[0].numel() * t.element_size() for t in (ex.gate_up_scale, ex.down_scale, ex.gate_up_row, ex.down_row)
+               if t is not None)
     return per * touched
 
 
@@ -171,6 +187,34 @@ def prefill_sweep(experts: dict, arms: list[str], jsonl: str | None) -> None:
     print(f"prefill sweep: keep {best[1] if best else None}")
 
 
+def convert_sweep(stacks: dict, jsonl: str | None) -> None:
+    """Time `mx_to_fp8` of the whole stack (checkpoint and planes layouts) for CONVERT_SWEEP: ms and TB/s moved
+    (MXFP4 bytes read + fp8 bytes and row scales written); keep the config fastest on their sum."""
+    table = TILES["mx_to_fp8"][current_arch().name]
+    base, best = dict(table), None
+    for cfg in CONVERT_SWEEP:
+        table.update(cfg)
+        rec = dict(bench="mx_to_fp8", config=cfg, ms={}, tbps={})
+        for name in ("mxfp4", "planes"):
+            if name in stacks:
+                ex = stacks[name]
+                # read the stack, write one fp8 byte per weight (32 per scale group)
+                moved = expert_bytes(ex, ex.num_experts) + 32 * (ex.gate_up_scale.numel() + ex.down_scale.numel())
+                rec["ms"][name] = bench(lambda ex=ex: mx_to_fp8(ex), REP)
+                rec["tbps"][name] = moved / rec["ms"][name] / 1e9
+        print(f"convert sweep {cfg}: " + " ".join(f"{n} {v:.2f} ms ({rec['tbps'][n]:.2f} TB/s)"
+                                                  for n, v in rec["ms"].items()), flush=True)
+        if jsonl:
+            with open(jsonl, "a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+        if best is None or sum(rec["ms"].values()) < best[0]:
+            best = (sum(rec["ms"].values()), cfg)
+        table.clear()
+        table.update(base)
+    table.update(best[1])
+    print(f"convert sweep: keep {best[1]}")
+
+
 def run(arm: str, x, ids, w, ex: Experts) -> torch.Tensor:
     path = arm.partition(":")[2]
     with forced_mx_fp8(FORCED[path]) if path in FORCED else nullcontext():
@@ -250,7 +294,8 @@ def main() -> None:
     ap.add_argument("--rep", type=int, default=100, help="ms of graph replays per timing sample")
     ap.add_argument("--prefill-sweep", nargs="?", const="all", help="sweep the moe_prefill tiles first (8K tokens,"
                     " the --prefill-formats arms; a value: the PREFILL_SWEEP indices to time)")
-    ap.add_argument("--check-ts", default="2,40,300", help="token counts of the correctness check (planes: <= 256)")
+    ap.add_argument("--convert-sweep", action="store_true", help="time mx_to_fp8 tiles first (the MXFP4 stacks)")
+    ap.add_argument("--check-ts", default="2,40,300", help="token counts of the correctness check")
     ap.add_argument("--planes-sweep", nargs="?", const="all", help="sweep the planes tiles first (needs mxfp4:planes;"
                     " a value: the PLANES_SWEEP indices to time, e.g. 0,3)")
     args = ap.parse_args()
@@ -272,12 +317,12 @@ def main() -> None:
     stacks = {f.split(":")[0]: None for f in formats}
     stacks = {f: quantize_experts(w_gate_up, w_down, f) for f in stacks}
     if "mxfp4:planes" in formats:
-        stacks["planes"] = to_planes(stacks["mxfp4"])
+        stacks["planes"] = to_planes(stacks["mxfp4"] if "mxfp4" in stacks else quantize_experts(w_gate_up, w_down,
+                                                                                              "mxfp4"))
     experts = {f: stacks["planes" if f == "mxfp4:planes" else f.split(":")[0]] for f in formats}
     for f, ex in list(experts.items()):
         try:  # an arm that fails its check (or does not compile) is reported and not timed; the others still are
-            check_ts = tuple(int(t) for t in args.check_ts.split(","))
-            err = check(f, ex, tuple(t for t in check_ts if t <= 256) if f == "mxfp4:planes" else check_ts)
+            err = check(f, ex, tuple(int(t) for t in args.check_ts.split(",")))
             print(f"correctness {f}: rel err vs reference {err:.2e}", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"correctness {f}: FAILED, not timed: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -290,10 +335,14 @@ def main() -> None:
         if args.planes_sweep != "all":
             PLANES_SWEEP[:] = [PLANES_SWEEP[int(i)] for i in args.planes_sweep.split(",")]
         planes_sweep(experts["mxfp4:planes"], args.jsonl, lambda x, ids, w: grouped_mm_moe(x, ids, w, gu_t, dn_t))
+    if args.convert_sweep:
+        convert_sweep(stacks, args.jsonl)
     if args.prefill_sweep:
         if args.prefill_sweep != "all":
             PREFILL_SWEEP[:] = [PREFILL_SWEEP[int(i)] for i in args.prefill_sweep.split(",")]
-        prefill_sweep(experts, [f for f in prefill_formats if f in experts], args.jsonl)
+        # the fp8 and MX arms (planes run the same fp8 kernels once converted; bf16 is timed in the table)
+        prefill_sweep(experts, [f for f in prefill_formats if f in experts and f not in ("mxfp4:planes", "bf16")],
+                      args.jsonl)
     if args.sweep:
         for fam, configs in SWEEP.items():
             t = 1 if fam == "moe_decode" else 16
