@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from m3sdk.errors import CheckpointError
-from m3sdk.sampler import _HostCopy
 
 if TYPE_CHECKING:
     from torch import nn
@@ -93,19 +92,16 @@ class DraftRequest:
 
 
 class DeviceDrafts:
-    """Draft tokens [B, k] a drafter launched on the device, copied to pinned host memory without waiting for
-    them. The target's forward can read them where they are (`Proposal.pending`); `rows()` waits for the host
-    copy only (not for whatever the stream queued after it, e.g. that forward) and reads them once."""
+    """Draft tokens [B, k] a drafter launched on the device and did not read: the verify forward takes them from
+    there (`Proposal.pending`), and the host reads them with the verify's own result (spec/decoding.py), so nothing
+    waits for the drafter. Valid until the drafter's next step of the same shape overwrites them."""
 
     def __init__(self, drafts: torch.Tensor):
         self.drafts = drafts
-        self._copy = _HostCopy(drafts)
-        self._rows: list[list[int]] | None = None
 
-    def rows(self) -> list[list[int]]:
-        if self._rows is None:
-            self._rows = self._copy.get()[0].tolist()
-        return self._rows
+    def host(self) -> list[list[int]]:
+        """Read them (waits for the drafter)."""
+        return self.drafts.tolist()
 
 
 @dataclass
@@ -114,20 +110,13 @@ class Proposal:
     (`[len(tokens), vocab]`); None means each draft is deterministic (a point mass), which the verifier
     handles exactly too.
 
-    `pending`: the drafts are row `row` of these device drafts, not read on the host yet; `tokens` then holds
-    one placeholder per draft (their count is known), the verify forward takes the tokens from the device and
-    `resolve()` fills them in after it was launched (so the host never waits for the drafter)."""
+    `pending`: the drafts are row `row` of these device drafts, not read on the host; `tokens` then holds one
+    placeholder per draft (their count is known) until the verify step reads them."""
 
     tokens: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None
     pending: DeviceDrafts | None = None
     row: int = 0
-
-    def resolve(self) -> list[int]:
-        if self.pending is not None:
-            self.tokens[:] = self.pending.rows()[self.row][:len(self.tokens)]
-            self.pending = None
-        return self.tokens
 
 
 @runtime_checkable

@@ -49,7 +49,7 @@ class ChainDrafter(ABC):
         self.num_speculative_tokens = num_speculative_tokens
         self._seqs: dict[str, DraftSeq] = {}
         # the last observe's drafts: the only ones still where its replay left them (the next replay of the same
-        # graph overwrites them), so the only ones a verify forward may read on the device
+        # graph overwrites them)
         self._latest: DeviceDrafts | None = None
 
     # -- the network (subclass) --
@@ -156,9 +156,9 @@ class ChainDrafter(ABC):
     def read_ahead(self, ctxs: list[DraftContext], counts: list[int], token_ids: list[int],
                    features: list[torch.Tensor], positions: list[int]) -> DeviceDrafts | None:
         """`read` and the whole chain after it, launched on the device without waiting for it: k drafts per
-        context, read on the host by the next `propose` (so the engine's bookkeeping of the step runs while the
-        device drafts). `features`: each context's rows. None: not supported here, `read` then runs (the
-        default)."""
+        context, which the next `propose` hands over still on the device (so the engine's bookkeeping of the step
+        runs while the device drafts). `features`: each context's rows. None: not supported here, `read` then runs
+        (the default)."""
         return None
 
     def read(self, ctxs: list[DraftContext], counts: list[int], token_ids: list[int], features: torch.Tensor,
@@ -185,12 +185,12 @@ class ChainDrafter(ABC):
                 else:
                     out[i].tokens.append(seq.next_token)
                     live.append((i, seq, k))
-        for i, seq, k in ahead:  # drafted at an observe
+        for i, seq, k in ahead:  # drafted at an observe, still on the device: the verify forward reads them there
             drafts, row = seq.ahead
-            if drafts is self._latest:  # still on the device: the verify forward reads them there
+            # (only the last observe's: an earlier one's were overwritten by the drafter's later steps; a request
+            # that sat out a step goes without drafts once, and its next step's observe drafts again)
+            if drafts is self._latest:
                 out[i] = Proposal([PLACEHOLDER] * k, pending=drafts, row=row)
-            else:  # an earlier observe's (a request that sat out a step): copied to the host long ago
-                out[i].tokens.extend(drafts.rows()[row][:k])
         if not live:
             return out
         steps = max(k for _, _, k in live) - 1

@@ -35,7 +35,7 @@ from m3sdk.runner import Carry
 from m3sdk.sampler import SampledToken, Sampler
 from m3sdk.scheduler.base import Scheduled, StepPlan
 from m3sdk.spec.base import DraftRequest, Proposal, SpeculativeDecoder, TargetStates
-from m3sdk.spec.verify import VerifyRow, verify
+from m3sdk.spec.verify import VerifyRow, verify, verify_greedy
 
 if TYPE_CHECKING:
     from m3sdk.cache.manager import CacheManager
@@ -52,6 +52,7 @@ class Launched:
     logits: torch.Tensor | None
     hidden: torch.Tensor
     aux: torch.Tensor | None
+    carry: Carry | None  # the drafts it read on the device (Proposal.pending)
 
 
 class Speculation:
@@ -96,8 +97,8 @@ class Speculation:
     # -- 3: one forward (launched), then sample / verify, observe --
 
     def launch(self, plan: StepPlan, runner: ModelRunner) -> Launched:
-        """Queue the step's forward on the device (logits at every scheduled position of a speculating entry) and
-        fill in the drafts it reads on the device from their host copy; `finish` reads its results."""
+        """Queue the step's forward on the device (logits at every scheduled position of a speculating entry; drafts
+        still on the device are read there); `finish` reads its results."""
         num_logits, spec, pending = [], [], []
         for request, n, samples in plan.scheduled:
             is_spec = request.request_id in self._drafts
@@ -105,30 +106,21 @@ class Speculation:
             num_logits.append(n if is_spec else int(samples))
             if is_spec and self._drafts[request.request_id][1].pending is not None:
                 pending.append(request)
-        logits, hidden, aux = runner.forward(plan, num_logits, self.drafter.aux_layers, carry=self._carry(pending))
-        for request in pending:  # their drafts' host copy (it was queued before the forward: no wait for that)
-            _, proposal, real = self._drafts[request.request_id]
-            request.token_ids[real:real + len(proposal.tokens)] = proposal.resolve()
-        return Launched(plan, num_logits, spec, logits, hidden, aux)
+        carry = self._carry(pending)
+        logits, hidden, aux = runner.forward(plan, num_logits, self.drafter.aux_layers, carry=carry)
+        return Launched(plan, num_logits, spec, logits, hidden, aux, carry)
 
     def finish(self, step: Launched) -> list[tuple[Request, list[SampledToken]]]:
         """A launched step's emitted tokens, per request that emits, in plan order. Requests finished since it was
         launched (aborted while it ran) are skipped: their pages and drafts are gone already."""
         plan, num_logits, spec, logits = step.plan, step.num_logits, step.spec, step.logits
-        plain_rows, plain_reqs, verify_rows, verify_reqs, verify_at = [], [], [], [], []
+        plain_rows, plain_reqs, verify_reqs, verify_at = [], [], [], []
         row = 0
         for (request, n, _), m, is_spec in zip(plan.scheduled, num_logits, spec, strict=True):
-            if request.is_finished:  # aborted while the forward ran: its row is not read
-                row += m
-                continue
-            if is_spec:
-                proposal = self._drafts[request.request_id][1]
-                # the scheduled drafts (the token budget may cut some) and, if sampled, their distributions
-                q = None if proposal.probs is None else proposal.probs[: n - 1]
-                verify_reqs.append(request)
-                verify_rows.append(VerifyRow(request.sampling, proposal.tokens[: n - 1], q))
+            if is_spec and not request.is_finished:  # (one aborted while the forward ran: its rows are not read)
+                verify_reqs.append((request, n))
                 verify_at.extend(range(row, row + m))
-            elif m:
+            elif m and not request.is_finished:
                 plain_reqs.append(request)
                 plain_rows.append(row)
             row += m
@@ -136,10 +128,34 @@ class Speculation:
         if plain_rows:
             sampled = self.sampler.sample(logits[plain_rows], [r.sampling for r in plain_reqs])
             emitted.update((r.request_id, [t]) for r, t in zip(plain_reqs, sampled, strict=True))
-        if verify_rows:
+        if verify_reqs:
             # (a step of verify rows only reads every logits row: no gather)
             rows = logits if len(verify_at) == logits.shape[0] else logits[verify_at]
-            for r, vr, toks in zip(verify_reqs, verify_rows, verify(rows, verify_rows), strict=True):
+            # greedy rows without penalties or logprobs need each position's argmax alone: one host read brings
+            # it with the drafts that stayed on the device
+            greedy = all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
+                         for r, _ in verify_reqs)
+            argmax, drafts = [], []
+            if greedy:
+                argmax_t = rows.argmax(dim=1)
+                both = torch.cat([argmax_t, step.carry.tokens]) if step.carry is not None else argmax_t
+                read = both.tolist()
+                argmax, drafts = read[:len(verify_at)], read[len(verify_at):]
+            elif step.carry is not None:
+                drafts = step.carry.tokens.tolist()
+            verify_rows = []
+            for request, n in verify_reqs:
+                _, proposal, real = self._drafts[request.request_id]
+                if proposal.pending is not None:  # its placeholders get the drafts the forward read
+                    first = step.carry.rows[id(request)]
+                    proposal.tokens[:] = drafts[first:first + len(proposal.tokens)]
+                    proposal.pending = None
+                    request.token_ids[real:real + len(proposal.tokens)] = proposal.tokens
+                # the scheduled drafts (the token budget may cut some) and, if sampled, their distributions
+                q = None if proposal.probs is None else proposal.probs[: n - 1]
+                verify_rows.append(VerifyRow(request.sampling, proposal.tokens[: n - 1], q))
+            results = verify_greedy(argmax, verify_rows) if greedy else verify(rows, verify_rows)
+            for (r, _), vr, toks in zip(verify_reqs, verify_rows, results, strict=True):
                 emitted[r.request_id] = toks
                 self._count(len(vr.drafts), len(toks) - 1)
 

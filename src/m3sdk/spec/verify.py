@@ -92,19 +92,22 @@ def accept_sampled(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
     return drafts[:n] + [token]
 
 
+def verify_greedy(argmax: list[int], rows: Sequence[VerifyRow]) -> list[list[SampledToken]]:
+    """`verify` for greedy rows without penalties or logprobs, from each position's argmax (read on the host with
+    whatever else the step reads; the logits' argmax is the plain sampler's token there). Their logprobs are not
+    reported, so not computed: NaN."""
+    out, start = [], 0
+    for row in rows:
+        n = len(row.drafts) + 1
+        out.append([SampledToken(t, math.nan, None) for t in accept_greedy(argmax[start:start + n], row.drafts)])
+        start += n
+    return out
+
+
 @torch.inference_mode()
 def verify(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[list[SampledToken]]:
     """logits [sum(len(drafts) + 1), V], rows in the same order -> the emitted tokens of each row (between 1 and
-    len(drafts) + 1), with the logprobs the sampler would report for them (NaN when no row of the step reports
-    logprobs: greedy rows without penalties then need the argmax alone, one op and one host read)."""
-    if all(r.state.params.greedy and not r.state.params.has_penalties and r.state.params.logprobs is None
-           for r in rows):
-        argmax, out, start = logits.argmax(dim=1).tolist(), [], 0
-        for row in rows:
-            n = len(row.drafts) + 1
-            out.append([SampledToken(t, math.nan, None) for t in accept_greedy(argmax[start:start + n], row.drafts)])
-            start += n
-        return out
+    len(drafts) + 1), with the logprobs the sampler would report for them."""
     states = [st for row in rows for st in _position_states(row)]
     assert logits.shape[0] == len(states), f"{logits.shape[0]} logits rows for {len(states)} verify positions"
     # penalties and temperature work in place: a copy only when one applies (greedy rows without penalties
