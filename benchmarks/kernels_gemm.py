@@ -44,8 +44,7 @@ SWEEP = {
                         dict(_DECODE, SPLIT_PROGRAMS=528),
                         dict(_DECODE, SPLIT_PROGRAMS=792),
                         dict(_DECODE, num_stages=4),
-                        dict(_DECODE, BLOCK_K=128, num_stages=6, SPLIT_PROGRAMS=792),
-                        dict(_DECODE, num_stages=4, SPLIT_PROGRAMS=264)],
+                        dict(_DECODE, BLOCK_K=128, num_stages=6, SPLIT_PROGRAMS=792)],
     "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
                      dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)],
