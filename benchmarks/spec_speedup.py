@@ -229,6 +229,7 @@ def main() -> None:
     ap.add_argument("--plain-modes", default="overlap,sync",
                     help="plain engines to time: overlap (the engine's default on a GPU), sync (overlap off)")
     ap.add_argument("--spec-eager", action="store_true", help="no CUDA graphs for the speculative engines")
+    ap.add_argument("--min-requests", type=int, default=8, help="requests per timed window: max(2 c, this)")
     ap.add_argument("--phases", action="store_true", help="host ms per step by phase in every row (no profiler)")
     ap.add_argument("--warm-up-tokens", type=int, default=0,
                     help="tokens per warm-up request (0: --max-tokens); fewer make a large batch's run shorter")
@@ -269,7 +270,7 @@ def main() -> None:
     overlaps = {"overlap": None, "sync": False}  # plain engine modes: the engine's default (on), and off
     modes = [m for m in overlaps if m in args.plain_modes.split(",")]
     for c in (int(x) for x in args.concurrency.split(",")):
-        prompts = held_out_prompts(max(2 * c, 8), args.prompt_tokens)
+        prompts = held_out_prompts(max(2 * c, args.min_requests), args.prompt_tokens)
         runs = {m: asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, None, overlap=overlaps[m]))
                 for m in modes}
         spec, t_spec, stats = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, "eagle3"))
