@@ -11,8 +11,9 @@ second, each process with its own GPU listed first in CUDA_VISIBLE_DEVICES (ucxx
 
 Two processes on 127.0.0.1 move the same bytes each way (--kinds picks; a "-wN" suffix on a kv kind runs it
 with transport window N, e.g. kv-w8; "-foreach" / "-triton" with another copy of the pages, copy_variant):
-  kv            UcxTransport: a prefill node's pages packed into messages (Outbox, all of them at once from another
-                thread, as a node's engine thread packs them while it computes), pushed, checked and put into the
+  kv            UcxTransport: a prefill node's pages packed into messages (Outbox, from another thread, as a node's
+                engine thread packs them while it computes; `window` messages ahead of the sends, "kv-ahead": all
+                at once), pushed, checked and put into the
                 decode side's KVPool pages (what a remote prefill costs beyond compute), page tables of
                 consecutive pages on both sides (a fresh engine's): each message's runs of pages move as one
                 _foreach_copy_ on each side (wire.py)
@@ -254,13 +255,29 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
         wire._copy = copy_variant(what)
         Trace.events = [] if traced else None
         if what in srcs and what != "raw-runs":
-            async def kv(port=port, plan=plan, src=srcs[what]):
-                # as a node does: its engine thread packs each message as soon as its layers ran, without waiting
-                # for the sends (a producer that waited for them would measure its own polling, not the transport)
+            ahead = "ahead" in what.split("-")
+
+            async def kv(port=port, plan=plan, src=srcs[what], ahead=ahead):
+                # packed in another thread, as a node's engine thread packs while it computes: `window` messages
+                # ahead of the sends (woken by each completed send), so the staging stays within the transport's
+                # pool (on a CPU a fresh buffer pays a page fault per 4 KiB); "-ahead": all at once
                 start = time.perf_counter()
                 outbox = transport.outbox(plan, dev)
+                sent, count = asyncio.Event(), outbox.count_sent
+
+                def counted(send: asyncio.Future) -> None:
+                    count(send)
+                    sent.set()
+
+                outbox.count_sent = counted
                 push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
-                await asyncio.to_thread(outbox.pack, list(plan.messages), rows, src)
+                if ahead:
+                    await asyncio.to_thread(outbox.pack, list(plan.messages), rows, src)
+                for msg in () if ahead else plan.messages:
+                    while msg.index > outbox.sent + transport.window:
+                        sent.clear()
+                        await sent.wait()
+                    await asyncio.to_thread(outbox.pack, [msg], rows, src)
                 await push
                 return start
             start = loop.run(kv(), step_timeout)
