@@ -88,19 +88,20 @@ class DecodeGraphs:
         self.query_lens = tuple(sorted(set(query_lens)))
         self.aux_layers = tuple(aux_layers)
         n, width, qmax = max_num_seqs, -(-max_model_len // PAGE_SIZE), self.query_lens[-1]
-        self.width, nq = width, n * qmax
+        nq = n * qmax
         i64 = dict(dtype=torch.int64, device=device)
         # the static inputs, typed views of one byte buffer: int64 [ids | positions | slots | scratch (4 nq: a step's
-        # index lists)], then int32 [context lens (n) | page table (n x width)]; a step fills a prefix of it
+        # index lists)], then int32 [context lens (n) | page table]; a step fills a prefix of it. The page table's
+        # rows are as wide as the graph's context bucket needs (`table`), so a short-context step uploads (and
+        # tensor parallel broadcasts) its pages, not max_model_len's
         self._off32 = 7 * nq * 8
         self.inputs = torch.zeros(self._off32 + (n + n * width) * 4, dtype=torch.uint8, device=device)
         whole64 = self.inputs[:self._off32].view(torch.int64)
         whole32 = self.inputs[self._off32:].view(torch.int32)
         self.input_ids, self.positions, self.slots, self.scratch = whole64.split([nq, nq, nq, 4 * nq])
         self.slots.fill_(-1)
-        self.context_lens, table = whole32.split([n, n * width])
+        self.context_lens, self._tables = whole32.split([n, n * width])
         self.context_lens.fill_(1)
-        self.page_table = table.view(n, width)
         # per query length q: the fixed cu_seqlens (every sequence has q tokens) and the padding positions 0..q-1
         self.cu_seqlens = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
                            for q in self.query_lens}
@@ -146,9 +147,17 @@ class DecodeGraphs:
         pages than the static table holds."""
         q = next((q for q in self.query_lens if q >= max_seqlen_q), None)
         if (q is None or max_seqlen_q < 1 or tuple(aux_layers) != self.aux_layers or batch > self.buckets[-1]
-                or max_context_len + q - 1 > self.max_model_len or width > self.width):
+                or max_context_len + q - 1 > self.max_model_len):
             return None
-        return next(s for s in self.buckets if s >= batch), self._context_bucket(max_context_len + q - 1), q
+        context = self._context_bucket(max_context_len + q - 1)
+        if width > -(-context // PAGE_SIZE):
+            return None
+        return next(s for s in self.buckets if s >= batch), context, q
+
+    def table(self, context: int) -> torch.Tensor:
+        """The static page table [max_num_seqs, pages of `context`] the graphs of context bucket `context` read."""
+        w = -(-context // PAGE_SIZE)
+        return self._tables[:self.buckets[-1] * w].view(-1, w)
 
     def query_len(self, meta: AttentionMetadata, aux_layers: Sequence[int] = ()) -> int | None:
         """`key`'s q for a step given as device metadata (None: it does not fit)."""
@@ -164,8 +173,8 @@ class DecodeGraphs:
         goes to row i * q + j (`run`'s padded layout) and sequences past the batch are padding. `extra` int64
         values ride along: -> their device copy (`scratch`'s prefix), for index lists the step needs there.
         Every padding row writes nowhere; a padded sequence's extra rows sit after its tokens, in positions."""
-        bucket, _, q = key
-        b, n = len(counts), self.buckets[-1]
+        bucket, context, q = key
+        b, n, w = len(counts), self.buckets[-1], -(-context // PAGE_SIZE)
         host, uploaded = self._staging[self._turn], self._uploaded[self._turn]
         if uploaded is not None:
             uploaded.synchronize()  # its last upload has run (three steps ago: in practice never a wait)
@@ -173,7 +182,7 @@ class DecodeGraphs:
         h64, h32 = h8[:self._off32].view(np.int64), h8[self._off32:].view(np.int32)
         nq = self.input_ids.shape[0]
         ids_h, pos_h, slot_h, extra_h = h64[:nq], h64[nq:2 * nq], h64[2 * nq:3 * nq], h64[3 * nq:]
-        ctx_h, table_h = h32[:n], h32[n:].reshape(n, self.width)
+        ctx_h, table_h = h32[:n], h32[n:n + n * w].reshape(n, w)
         padded_ids, positions, slots = [], [], []
         k = 0
         for c, ctx, pages in zip(counts, context_lens, tables, strict=True):
@@ -196,7 +205,7 @@ class DecodeGraphs:
         for i, pages in enumerate(tables):  # entries past a sequence's pages stay stale: never read
             table_h[i, :len(pages)] = pages
         extra_h[:len(extra)] = extra
-        used = self._off32 + (n + bucket * self.width) * 4
+        used = self.used_inputs(key).shape[0]
         self.inputs[:used].copy_(host[:used], non_blocking=True)
         if uploaded is not None:
             uploaded.record()
@@ -214,7 +223,8 @@ class DecodeGraphs:
 
     def used_inputs(self, key: tuple[int, int, int]) -> torch.Tensor:
         """The prefix of the static input bytes that graph `key` reads (tensor parallel broadcasts it)."""
-        return self.inputs[:self._off32 + (self.buckets[-1] + key[0] * self.width) * 4]
+        bucket, context, _ = key
+        return self.inputs[:self._off32 + (self.buckets[-1] + bucket * -(-context // PAGE_SIZE)) * 4]
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, q: int | None = None,
             dest: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None
@@ -243,7 +253,7 @@ class DecodeGraphs:
             self.positions[dest] = meta.positions
             self.slots[dest] = meta.slot_mapping
             self.context_lens[:b].copy_(meta.context_lens + q - meta.cu_seqlens_q.diff())
-        self.page_table[:b, :meta.page_table.shape[1]].copy_(meta.page_table)
+        self.table(context)[:b, :meta.page_table.shape[1]].copy_(meta.page_table)
         self._pad(b, bucket, q)
         hidden, logits, *aux = self.replay((bucket, context, q))
         if dest is None:
@@ -265,5 +275,5 @@ class DecodeGraphs:
         t = bucket * q
         meta = AttentionMetadata(positions=self.positions[:t], slot_mapping=self.slots[:t],
                                  cu_seqlens_q=self.cu_seqlens[q][:bucket + 1], context_lens=self.context_lens[:bucket],
-                                 page_table=self.page_table[:bucket], max_seqlen_q=q, max_context_len=context)
+                                 page_table=self.table(context)[:bucket], max_seqlen_q=q, max_context_len=context)
         return self.model(self.input_ids[:t], meta, self.kv, self.rows[:t], self.aux_layers)
