@@ -166,7 +166,7 @@ def prefill_sweep(experts: dict, arms: list[str], jsonl: str | None) -> None:
     best = None
     for cfg in PREFILL_SWEEP:
         table.update(cfg)
-        rec = dict(bench="moe_prefill_sweep", config=cfg, us={}, rel_err={})
+        rec = dict(bench="moe_prefill_sweep", config=cfg, table=dict(table), us={}, rel_err={})
         try:
             for arm in arms:
                 rec["rel_err"][arm] = check(arm, experts[arm], ts=(300,))
@@ -239,7 +239,8 @@ def planes_sweep(ex: Experts, jsonl: str | None, peer) -> None:
             t.update({k: v for k, v in cfg.items() if k != "DECODE_MAX_TOKENS"})
         if "DECODE_MAX_TOKENS" in cfg:
             tables[0]["MAX_TOKENS"] = cfg["DECODE_MAX_TOKENS"]
-        rec = dict(bench="moe_planes_sweep", config=cfg, us={}, grouped_mm_us=peer_us)
+        rec = dict(bench="moe_planes_sweep", config=cfg, tables=[dict(t) for t in tables], us={},
+                   grouped_mm_us=peer_us)
         try:
             rec["rel_err"] = check("mxfp4:planes", ex, ts=(2, 40))
             for t in DECODE_T:
