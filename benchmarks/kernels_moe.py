@@ -63,7 +63,8 @@ PLANES_SWEEP = [dict(PLANES_SWAP=1, GU_BLOCK_N=64, DN_BLOCK_N=64, num_warps=4, n
                 dict(PLANES_SWAP=1, GU_BLOCK_N=128, DN_BLOCK_N=128, num_warps=8, num_stages=3, PLANES_XPERM=1)]
 # `--prefill-sweep`: moe_prefill (8K tokens) for the --prefill-formats arms: the kept tiles first, then the fp8
 # intermediate per row (H_ROW: the down GEMM's MMAs chain over K tiles of 128), gate|up as one interleaved MMA
-# (FUSED_GU), MXFP4 converted to fp8 once per step (MX_CONVERT) instead of per token tile
+# (FUSED_GU), MXFP4 converted to fp8 once per step (MX_CONVERT) instead of per token tile (2: the down weights on a
+# side stream, overlapping the gate_up GEMM)
 _P = dict(FUSED_GU=0, H_ROW=0, MX_CONVERT=0, GU_BLOCK_N=64, GU_BLOCK_K=64, DN_BLOCK_K=64, num_stages=3)
 PREFILL_SWEEP = [dict(_P),
                  dict(_P, H_ROW=1, DN_BLOCK_K=128),
@@ -72,7 +73,8 @@ PREFILL_SWEEP = [dict(_P),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, num_stages=4),
                  dict(_P, H_ROW=1, DN_BLOCK_K=128, MX_CONVERT=1),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, GU_BLOCK_N=128),
-                 dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, DN_BLOCK_N=256)]
+                 dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, DN_BLOCK_N=256),
+                 dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=2)]
 # `--convert-sweep`: mx_to_fp8 tiles (the whole 129-expert stack, both layouts)
 CONVERT_SWEEP = [dict(BLOCK_N=32, num_warps=4), dict(BLOCK_N=64, num_warps=4), dict(BLOCK_N=32, num_warps=8)]
 

@@ -206,7 +206,8 @@ TILES.update({
                                     "num_stages": 2, "PLANES_SWAP": 1}},
     # sm90 prefill (H200, session 12 window 1, 8K tokens): the per-row FP8 intermediate (H_ROW) with K tiles of 128 and
     # the fused gate|up MMA (FUSED_GU) took FP8 experts from 10.25 to 8.23 ms; MXFP4 converted to FP8 once per step
-    # (MX_CONVERT) 11.39 ms against 12.91 converting per token tile
+    # (MX_CONVERT) 11.39 ms against 12.91 converting per token tile (MX_CONVERT 2: the down weights convert on a side
+    # stream while the gate_up GEMM runs)
     "moe_prefill": {
         a: {"BLOCK_M": 128, "GU_BLOCK_N": 64, "GU_BLOCK_K": 128 if a == "sm90" else 64, "DN_BLOCK_N": 128,
             "DN_BLOCK_K": 128 if a == "sm90" else 64, "num_warps": 8, "num_stages": 3 if a == "sm90" else 2,

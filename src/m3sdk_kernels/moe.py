@@ -33,6 +33,7 @@ Weight formats (`Experts.fmt`):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -475,31 +476,58 @@ def _quad(x):
     return c0, c1, c2, c3
 
 
-def mx_to_fp8(experts: Experts) -> Experts:
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
+
+def mx_to_fp8(experts: Experts, down_stream: torch.cuda.Stream | None = None) -> Experts:
     """MXFP4 experts (checkpoint or planes layout) -> fp8 experts with the same values as the fp8 path multiplies
     them (`dequantize_experts(.., mx_fp8=True)`: exact, the groups under `MX_FP8_OCTAVES` flushed): e4m3fn plus a
     float32 scale per row. Prefill converts once per step where the tile table says MX_CONVERT, instead of once
-    per token tile inside the GEMMs."""
+    per token tile inside the GEMMs. `down_stream`: the down weights convert there (after the current stream's
+    work so far), for the caller to overlap with its gate_up GEMM and wait for before the down GEMM."""
     if experts.fmt != "mxfp4":
         raise ValueError("mx_to_fp8 takes MXFP4 experts")
     cfg = tiles("mx_to_fp8", current_arch(experts.gate_up.device))
     out = []
     for w, sc, r in ((experts.gate_up, experts.gate_up_scale, experts.gate_up_row),
                      (experts.down, experts.down_scale, experts.down_row)):
-        e, n, k = w.shape[0], w.shape[1], w.shape[2] * (8 if experts.planes else 2)
-        q = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=w.device)
-        qs = torch.empty((e, n), dtype=torch.float32, device=w.device)
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]), e)
-        if experts.planes:
-            _planes_to_fp8_kernel[grid](w, sc, r, q, qs, n, k, w.stride(0), w.stride(1), sc.stride(0), sc.stride(1),
-                                        r.stride(0), q.stride(0), q.stride(1), qs.stride(0), BLOCK_N=cfg["BLOCK_N"],
-                                        num_warps=cfg["num_warps"])
-        else:
-            _mx_to_fp8_kernel[grid](w, sc, q, qs, n, k, w.stride(0), w.stride(1), sc.stride(0), sc.stride(1),
-                                    q.stride(0), q.stride(1), qs.stride(0), BLOCK_N=cfg["BLOCK_N"],
-                                    BLOCK_K=min(cfg["BLOCK_K"], k & -k), num_warps=cfg["num_warps"])
-        out += [q, qs]
+        out += _mx_to_fp8_stack(w, sc, r, experts.planes, cfg, down_stream if w is experts.down else None)
     return Experts("fp8", out[0], out[2], out[1], out[3])
+
+
+def _mx_to_fp8_stack(w: torch.Tensor, sc: torch.Tensor, r: torch.Tensor | None, planes: bool, cfg: dict,
+                     stream: torch.cuda.Stream | None) -> list[torch.Tensor]:
+    # one MXFP4 stack [E, N, K (packed)] -> (e4m3fn [E, N, K], float32 row scales [E, N]). The outputs belong to
+    # the current stream (their memory returns to it, so no cross-stream bookkeeping); `stream` writes them, after
+    # the current stream's work so far (which may still use that memory's previous tenant)
+    e, n, k = w.shape[0], w.shape[1], w.shape[2] * (8 if planes else 2)
+    q = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    qs = torch.empty((e, n), dtype=torch.float32, device=w.device)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(w.device))
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        _mx_to_fp8_launch(w, sc, r, q, qs, planes, cfg)
+    return [q, qs]
+
+
+def _mx_to_fp8_launch(w: torch.Tensor, sc: torch.Tensor, r: torch.Tensor | None, q: torch.Tensor, qs: torch.Tensor,
+                      planes: bool, cfg: dict) -> None:
+    e, n, k = q.shape
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), e)
+    if planes:
+        _planes_to_fp8_kernel[grid](w, sc, r, q, qs, n, k, w.stride(0), w.stride(1), sc.stride(0), sc.stride(1),
+                                    r.stride(0), q.stride(0), q.stride(1), qs.stride(0), BLOCK_N=cfg["BLOCK_N"],
+                                    num_warps=cfg["num_warps"])
+    else:
+        _mx_to_fp8_kernel[grid](w, sc, q, qs, n, k, w.stride(0), w.stride(1), sc.stride(0), sc.stride(1),
+                                q.stride(0), q.stride(1), qs.stride(0), BLOCK_N=cfg["BLOCK_N"],
+                                BLOCK_K=min(cfg["BLOCK_K"], k & -k), num_warps=cfg["num_warps"])
 
 
 @triton.jit
@@ -889,8 +917,10 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     planes = experts.planes
     cfg, sort = moe_tiles(t, arch, "planes" if planes else None)
     use_mx_fp8 = mx_fp8(fmt, t, arch, planes)
+    side = None  # MX_CONVERT 2: the down weights convert on a side stream while the gate_up GEMM runs
     if use_mx_fp8 and cfg.get("MX_CONVERT", 0):  # the whole stack to fp8 once, then the fp8 experts' path
-        experts, fmt, use_mx_fp8, planes = mx_to_fp8(experts), "fp8", False, False
+        side = _side_stream(dev) if cfg["MX_CONVERT"] == 2 and dev.type == "cuda" else None
+        experts, fmt, use_mx_fp8, planes = mx_to_fp8(experts, side), "fp8", False, False
         cfg, sort = moe_tiles(t, arch)
     act_fp8 = fmt == "fp8" or use_mx_fp8
     row_q = act_fp8 and bool(cfg.get("H_ROW", 0))
@@ -940,6 +970,8 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         BLOCK_K=gu_bk, FP8_MAX=fp8_max, INTERPRET=INTERPRET, **common)
     if row_q:
         h, h_scale = quantize_fp8_per_token(h, fp8)
+    if side is not None:
+        torch.cuda.current_stream(dev).wait_stream(side)
 
     w, s, r, swe, swn, sse, ssn, sre = _weight_args(experts.down, experts.down_scale, experts.down_row)
     y = torch.empty((n_pairs, hdim), dtype=hidden.dtype, device=dev) if sort else out
