@@ -99,8 +99,8 @@ def test_pages_arrive_intact_in_their_pages(node):
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 def test_pack_and_scatter_put_each_page_where_the_plan_says(kv_dtype):
-    """wire alone, every way pages move: runs of pages (one _foreach_copy_ per message) or by index, on each side,
-    with messages cut inside a run; pages outside the transfer stay untouched."""
+    """wire alone, every way pages move: runs of pages (contiguous pieces, one _foreach_copy_ per message on a CPU)
+    or by index, on each side, with messages cut inside a run; pages outside the transfer stay untouched."""
     src_pool, dst_pool = KVPool(spec(kv_dtype)), KVPool(spec(kv_dtype))
     src_rows, dst_rows = wire.page_rows(src_pool), wire.page_rows(dst_pool)
     gen = torch.Generator().manual_seed(3)
@@ -115,7 +115,7 @@ def test_pack_and_scatter_put_each_page_where_the_plan_says(kv_dtype):
         assert (plan.runs is not None) == (dst is runs) and len(plan.messages) == 4
         for msg in plan.messages:
             buf = torch.empty(msg.nbytes, dtype=torch.uint8)
-            wire.pack(plan, msg, src_rows, torch.tensor(src), buf)
+            wire.pack(plan, msg, src_rows, torch.tensor(src), buf, wire.frames(plan, "cpu"))
             wire.scatter(plan, msg, dst_rows, torch.tensor(dst), buf)
         untouched = sorted(set(range(64)) - set(dst))
         for src_layer, dst_layer in zip(src_rows, dst_rows, strict=True):
@@ -136,7 +136,7 @@ def test_host_and_device_pools_share_one_plan_and_an_older_wire_version_is_refus
     assert host.runs == ((0, 8, 32),) and len(host.messages) == 11  # 3 pages of both layers per 64 KiB
     msg = host.messages[1]
     buf = torch.empty(msg.nbytes, dtype=torch.uint8)
-    wire.pack(host, msg, rows("cpu"), torch.tensor(pages), buf)
+    wire.pack(host, msg, rows("cpu"), torch.tensor(pages), buf, wire.frames(host, "cpu"))
     wire.check(host, msg, buf)
     buf[4:6] = torch.tensor([3, 0], dtype=torch.uint8)  # the version field, little-endian
     with pytest.raises(wire.WireError, match=r"version=3 \(expected 4\)"):

@@ -95,6 +95,7 @@ class Outbox:
 
     def __init__(self, plan: TransferPlan, device: torch.device, pool: BufferPool):
         self.plan, self.device, self._pool = plan, torch.device(device), pool
+        self._frames = wire.frames(plan, self.device)
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[int, torch.Tensor, Any]] = asyncio.Queue()
         self.sent = 0  # messages the decode side has taken (their sends completed)
@@ -107,7 +108,7 @@ class Outbox:
         with torch.inference_mode(False):
             for msg in messages:
                 buf = self._pool.take(msg.nbytes, self.device)
-                wire.pack(self.plan, msg, rows, src_pages, buf)
+                wire.pack(self.plan, msg, rows, src_pages, buf, self._frames)
                 ready = None
                 if buf.is_cuda:  # UCX reads the buffer on its own streams: the gather must be done first
                     ready = torch.cuda.Event()
