@@ -96,6 +96,7 @@ class Outbox:
     def __init__(self, plan: TransferPlan, device: torch.device, pool: BufferPool):
         self.plan, self.device, self._pool = plan, torch.device(device), pool
         self._frames = wire.frames(plan, self.device)
+        self._pages: tuple[torch.Tensor, torch.Tensor | None] | None = None  # source ids: host, on the GPU
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[int, torch.Tensor, Any]] = asyncio.Queue()
         self.sent = 0  # messages the decode side has taken (their sends completed)
@@ -106,9 +107,14 @@ class Outbox:
         GPU: once the current stream passed this point; `push` waits for it before sending)."""
         # the engine calls this from its forward (inference mode): pooled buffers must stay ordinary tensors
         with torch.inference_mode(False):
+            if self.device.type == "cuda" and (self._pages is None or self._pages[0] is not src_pages):
+                # scattered pages are indexed on the device: their ids go there once per transfer, not per message
+                scattered = wire._runs(src_pages) is None
+                self._pages = (src_pages, src_pages.pin_memory().to(self.device, non_blocking=True) if scattered
+                               else None)
             for msg in messages:
                 buf = self._pool.take(msg.nbytes, self.device)
-                wire.pack(self.plan, msg, rows, src_pages, buf, self._frames)
+                wire.pack(self.plan, msg, rows, src_pages, buf, self._frames, self._pages and self._pages[1])
                 ready = None
                 if buf.is_cuda:  # UCX reads the buffer on its own streams: the gather must be done first
                     ready = torch.cuda.Event()

@@ -273,16 +273,19 @@ def frames(plan: TransferPlan, device: torch.device | str) -> torch.Tensor:
 
 
 def pack(plan: TransferPlan, msg: MessageSpec, rows: list[list[torch.Tensor]], src_pages: torch.Tensor,
-         out: torch.Tensor, framing: torch.Tensor) -> None:
+         out: torch.Tensor, framing: torch.Tensor, device_pages: torch.Tensor | None = None) -> None:
     """Gather message `msg`'s pages (`src_pages`: int64, the transfer's source page ids; on a CPU their runs are
     found, on a device they are indexed) into `out`, with its header and trailer from `framing` (`frames`, on
-    `out`'s device). Queued on the current stream, never waited for."""
+    `out`'s device). `device_pages`: the same ids already on `out`'s device, for pages without runs (else each
+    message's ids go there from pinned memory). Queued on the current stream, never waited for."""
     if out.dtype != torch.uint8 or out.numel() != msg.nbytes:
         raise ValueError(f"message {msg.index} needs a uint8 buffer of {msg.nbytes} bytes")
-    idx = src_pages[msg.page_start:msg.page_start + msg.page_count]
+    cut = slice(msg.page_start, msg.page_start + msg.page_count)
     out[:HEADER_BYTES].copy_(framing[msg.index, :HEADER_BYTES], non_blocking=True)
     out[-TRAILER_BYTES:].copy_(framing[msg.index, HEADER_BYTES:], non_blocking=True)
-    _move(msg, rows, out, idx, _runs(idx), into_pool=False)
+    runs = _runs(src_pages[cut])
+    idx = device_pages[cut] if runs is None and device_pages is not None else src_pages[cut]
+    _move(msg, rows, out, idx, runs, into_pool=False)
 
 
 def cancel_message(plan: TransferPlan, msg: MessageSpec) -> bytes:
