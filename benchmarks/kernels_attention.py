@@ -634,20 +634,23 @@ def decode_inputs(inputs: dict, key: tuple) -> None:
 
 
 def sweep_gather(rows: list, read_bw: float, var: dict, inputs: dict, results: str) -> None:
-    """The read floor of MSA FP8 decode's access pattern (`_gather_kernel`) on the inputs of the MSA variants at
-    the same context (made here when none were): {"mode": "gather", "ctx", "splits", "scales", "num_warps",
-    "num_stages"}."""
-    ctx = var["ctx"]
-    key = ("sparse", "fp8", ctx, 64)
+    """The read floor of FP8 decode's access pattern (`_gather_kernel`) on the inputs of the decode variants at the
+    same context (made here when none were): {"mode": "gather", "ctx", "splits", "scales", "num_warps",
+    "num_stages", "dense"}: MSA's selected blocks, or with "dense" every block of every sequence."""
+    ctx, dense = var["ctx"], var.get("dense", False)
+    key = ("dense" if dense else "sparse", "fp8", ctx, 64)
     decode_inputs(inputs, key)
     _, _, _, sel, k, v, ks, vs, table, _, _ = inputs[key]
+    if dense:
+        sel = torch.arange(ctx // BS, device=DEV, dtype=torch.int32).expand(HKV, 64, ctx // BS).contiguous()
     t = timings(gather_read(k, v, ks, vs, table, sel, var.get("splits", 1), var.get("scales", True),
                             var.get("num_warps", 4), var.get("num_stages", 3)))
-    nbytes = 64 * HKV * TOPK * BS * 2 * (D + (4 if var.get("scales", True) else 0))
-    r = {"kernel": "MSA FP8 decode reads alone", "shape": f"b64 ctx {ctx // 1024}K top16", "kv": "fp8",
-         "layout": "plain", "ms": t["ms"], "floor_ms": nbytes / read_bw / 1e9, "TB/s": nbytes / t["graph_ms"] / 1e9,
-         "graph_ms": t["graph_ms"], "host_us": t["host_us"], "graph_of_floor": nbytes / read_bw / 1e9 / t["graph_ms"],
-         "peer": "-", "peer_ms": float("nan"), "tiles": json.dumps({k: v for k, v in var.items() if k != "mode"})}
+    nbytes = 64 * HKV * sel.shape[-1] * BS * 2 * (D + (4 if var.get("scales", True) else 0))
+    r = {"kernel": f"{'dense' if dense else 'MSA'} FP8 decode reads alone", "shape": f"b64 ctx {ctx // 1024}K",
+         "kv": "fp8", "layout": "plain", "ms": t["ms"], "floor_ms": nbytes / read_bw / 1e9,
+         "TB/s": nbytes / t["graph_ms"] / 1e9, "graph_ms": t["graph_ms"], "host_us": t["host_us"],
+         "graph_of_floor": nbytes / read_bw / 1e9 / t["graph_ms"], "peer": "-", "peer_ms": float("nan"),
+         "tiles": json.dumps({k: v for k, v in var.items() if k != "mode"})}
     rows.append(r)
     record_row(r, results)
     print(f"gather fp8 {ctx // 1024:4}K graph {t['graph_ms']:.4f} ({r['graph_of_floor']:.0%} floor, "
