@@ -425,7 +425,8 @@ async def _engine_runs(args, tp: int) -> None:
     async with Engine(**config) as e:
         core = e._core
         graphs = core.runner.graphs
-        record(step="engine_load", tp=tp, expert_parallel=args.expert_parallel, seconds=time.perf_counter() - t,
+        record(step="engine_load", slice=args.slice.name, tp=tp, expert_parallel=args.expert_parallel,
+               seconds=time.perf_counter() - t,
                warm_up_seconds=core.warm_up_seconds,
                graphs=graphs is not None, lm_head_rows=core.runner.model.lm_head.weight.shape[0])
         greedy = SamplingParams(temperature=0, ignore_eos=True)
@@ -495,7 +496,8 @@ async def _engine_runs(args, tp: int) -> None:
                 # stalls: inter-token gaps over 100 ms, by the output position they end at (a compile shows once per
                 # run, something per-wave or per-finish at the same position in many requests)
                 slow = Counter(i + 1 for r in results for i, g in enumerate(r.itl) if g > 0.1)
-                record(step="engine", tp=tp, expert_parallel=args.expert_parallel, concurrency=concurrency,
+                record(step="engine", slice=args.slice.name, tp=tp, expert_parallel=args.expert_parallel,
+                       concurrency=concurrency,
                        overlap=overlap, graphs=g is not None,
                        input_len=args.input_len, output_len=args.output_len, requests=len(requests),
                        steps=after["steps"] - before["steps"], graph_steps=after["graph_steps"] - before["graph_steps"],
@@ -507,10 +509,10 @@ async def _engine_runs(args, tp: int) -> None:
         core.runner.graphs = graphs
         if args.profile:
             await _idle(e)
-            engine_step_profile(core, tp, max(args.concurrency), args.input_len + args.output_len)
+            engine_step_profile(core, tp, max(args.concurrency), args.input_len + args.output_len, args.slice.name)
 
 
-def engine_step_profile(core, tp: int, batch: int, context: int) -> None:
+def engine_step_profile(core, tp: int, batch: int, context: int, slice_name: str) -> None:
     """The loaded engine's own decode step at (batch, context), outside its loop (which is idle): the graph replay
     (mirrored to the workers under tensor parallel) and the eager forward, timed and kernel-profiled like `decode`,
     on random pages of its KV pool (it writes one slot per sequence there: run after the engine's last load)."""
@@ -534,8 +536,8 @@ def engine_step_profile(core, tp: int, batch: int, context: int) -> None:
             prof = kernel_profile(fn)
         except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the timing
             prof = {"error": repr(exc)[:300]}
-        record(step="engine_step", tp=tp, expert_parallel=core.config.expert_parallel, batch=batch, context=context,
-               mode=mode, ms=ms, tok_s=batch / ms * 1e3, **prof)
+        record(step="engine_step", slice=slice_name, tp=tp, expert_parallel=core.config.expert_parallel, batch=batch,
+               context=context, mode=mode, ms=ms, tok_s=batch / ms * 1e3, **prof)
 
 
 def step_engine(args) -> None:
@@ -594,7 +596,7 @@ def step_table(args) -> None:
     print("| tp | conc | overlap | graphs | out tok/s | TPOT med/p99 ms | ITL med/p99 ms | TTFT med/p99 ms | steps |")
     for r in rows:
         if r["step"] == "engine":
-            tp = f"{r['tp']}{' EP' if r.get('expert_parallel') and r['tp'] > 1 else ''}"
+            tp = f"{r.get('slice', '')} {r['tp']}{' EP' if r.get('expert_parallel') and r['tp'] > 1 else ''}"
             print(f"| {tp} | {r['concurrency']} | {r['overlap']} | {r['graphs']} | {r['output_throughput']:.0f} "
                   f"| {r['median_tpot_ms']:.2f}/{r['p99_tpot_ms']:.2f} "
                   f"| {r['median_itl_ms']:.2f}/{r['p99_itl_ms']:.2f} "
@@ -609,7 +611,8 @@ def step_table(args) -> None:
     for r in rows:
         if r["step"] in ("decode_profile", "engine_step"):
             ep = " EP" if r.get("expert_parallel") and r["tp"] > 1 else ""
-            what = (f"{r['step']} tp{r['tp']}{ep} {r.get('quantization', '')} {r['batch']}x{r['context']} {r['mode']}"
+            what = (f"{r['step']} {r.get('slice', '')} tp{r['tp']}{ep} {r.get('quantization', '')} "
+                    f"{r['batch']}x{r['context']} {r['mode']}"
                     + (f" {r['ms']:.3f} ms" if "ms" in r else ""))
             if "error" in r:
                 print(what, r["error"][:200])
