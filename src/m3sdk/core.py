@@ -373,23 +373,45 @@ class EngineCore:
         """Finish the verify step the call before launched (verify waits for its forward; its tokens are accepted,
         which decides who finished), then propose, schedule and launch the next one and return the finished
         step's deltas: the engine loop emits them and reads its inbox while the device runs the new step (and
-        the event loop's work on them overlaps it). A request aborted meanwhile is skipped when its step is read."""
-        chunks = []
+        the event loop's work on them overlaps it). Tokens that cannot end their request are detokenized after the
+        launch too. A request aborted meanwhile is skipped when its step is read."""
+        chunks, later = [], []
         if self._verifying is not None:
             step, self._verifying = self._verifying, None
             emitted = self.spec.finish(step)
             self.scheduler.update(step.plan)
             self.spec.finish_step()
-            chunks = [self._accept_all(request, tokens) for request, tokens in emitted]
+            for request, tokens in emitted:
+                if self._text_only(request, tokens):  # recorded now (the next step is scheduled from them)
+                    for token in tokens:
+                        self._record(request, token)
+                    later.append((request, tokens))
+                else:
+                    chunks.append(self._accept_all(request, tokens))
         self.spec.propose(self.scheduler.live_requests())
         plan = self.scheduler.schedule()
         self.spec.scheduled(plan)
         if plan:
             self._counters["steps"] += 1
             self._verifying = self.spec.launch(plan, self.runner)
-        elif not chunks:
+        elif not (chunks or later):
             return self._nothing_scheduled(plan)
-        return chunks
+        # their text while the device runs the step just launched
+        return chunks + [self._text_chunk(request, tokens) for request, tokens in later]
+
+    def _text_only(self, request: Request, tokens: list[SampledToken]) -> bool:
+        """Whether these tokens leave nothing but their text to work out: none can end the request (no stop string
+        to match, no eos or stop token, short of max_tokens), so their chunk can be built after the next launch."""
+        params = request.params
+        return (not params.stop and request.num_tokens + len(tokens) < request.max_total_tokens
+                and not any((t.token_id in self.eos_token_ids and not params.ignore_eos)
+                            or t.token_id in params.stop_token_ids for t in tokens))
+
+    def _text_chunk(self, request: Request, tokens: list[SampledToken]) -> Chunk:
+        """The chunk of recorded tokens that `_text_only` said cannot end the request."""
+        text = "".join(request.text.push(t.token_id)[0] for t in tokens)
+        logprobs = list(tokens) if request.params.logprobs is not None else None
+        return Chunk(request.request_id, text, [t.token_id for t in tokens], None, logprobs)
 
     def _nothing_scheduled(self, plan: StepPlan) -> list[Chunk]:
         if plan.preempted or not (self.scheduler.num_running or self.scheduler.num_waiting):
@@ -458,10 +480,7 @@ class EngineCore:
         """Append a sampled token (or put it at `at`, its PLACEHOLDER); detokenize; decide whether the request is
         done."""
         tid = token.token_id
-        request.append_token(tid, at)
-        self._counters["generation_tokens"] += 1
-        if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
+        self._record(request, token, at)
         params = request.params
         logprobs = [token] if params.logprobs is not None else None
         reason: FinishReason | None = None
@@ -477,6 +496,13 @@ class EngineCore:
         if reason is None:
             return Chunk(request.request_id, text, [tid], None, logprobs)
         return self._finish(request, reason, text + request.text.finish(), [tid], logprobs)
+
+    def _record(self, request: Request, token: SampledToken, at: int | None = None) -> None:
+        """Append a sampled token (or put it at `at`, its PLACEHOLDER) and count it."""
+        request.append_token(token.token_id, at)
+        self._counters["generation_tokens"] += 1
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
 
     def _finish(self, request: Request, reason: FinishReason, text: str, token_ids: list[int],
                 logprobs: list[SampledToken] | None = None, error: Exception | None = None) -> Chunk:

@@ -61,7 +61,7 @@ async def test_drafts_read_on_the_device_change_no_greedy_token(monkeypatch):
 
 async def test_streamed_text_stop_string_and_logprobs_equal_plain():
     """A verify step's tokens reach the stream as one chunk: the streamed text up to a stop string that ends
-    inside a step, the tokens and their logprobs are plain decoding's."""
+    inside a step (or to max_tokens), the tokens and their logprobs are plain decoding's."""
     async def go(stop=None, **overrides):
         async with Engine(device="cpu", **overrides) as e:
             chunks = [c async for c in e.stream(PROMPTS[0], max_tokens=24, temperature=0, ignore_eos=True,
@@ -77,10 +77,14 @@ async def test_streamed_text_stop_string_and_logprobs_equal_plain():
     spec, stats = await go([stop], speculative="eagle3")
     assert stats["spec_accepted_tokens"] > 0
     assert "".join(c.text for c in spec) == "".join(c.text for c in plain) == text[:at]
-    assert [t for c in spec for t in c.token_ids] == [t for c in plain for t in c.token_ids]
     assert spec[-1].finish_reason == plain[-1].finish_reason == "stop"
-    lps = [[lp.logprob for c in run for lp in c.logprobs] for run in (spec, plain)]
-    assert lps[0] == pytest.approx(lps[1], abs=1e-4)
+    # and without the stop string (each step's text built after the next step's launch)
+    spec_full, _ = await go(speculative="eagle3")
+    assert "".join(c.text for c in spec_full) == text and spec_full[-1].finish_reason == "length"
+    for got, want in ((spec, plain), (spec_full, full)):
+        assert [t for c in got for t in c.token_ids] == [t for c in want for t in c.token_ids]
+        lps = [[lp.logprob for c in run for lp in c.logprobs] for run in (got, want)]
+        assert lps[0] == pytest.approx(lps[1], abs=1e-4)
 
 
 async def test_streams_left_while_a_verify_step_runs_leave_nothing_behind(monkeypatch):
