@@ -23,6 +23,8 @@ with transport window N, e.g. kv-w8; "-foreach" / "-triton" with another copy of
   ucxx raw      ucxx tag send/recv of the same message sizes on endpoints like the transport's (no UCX peer error
                 handling: shared memory between the two processes); receive buffers posted and touched beforehand
   raw-w4        the same, at most 4 messages in flight each way (the transport's window)
+  kv-direct     each message packed as kv packs it, its (layer, tensor) blocks sent as UCX messages of their own
+                straight into the receiver's pages (consecutive page tables; no scatter, no framing checks)
   raw-runs      ucxx straight from the sender's pool into the receiver's, one message per (layer, tensor) (what
                 sending and receiving in place would cost at best: no copies, no framing), every byte checked
   ucxx raw, EH  the same on ucxx's public create_endpoint/create_listener endpoints (peer error handling: TCP)
@@ -104,6 +106,12 @@ def window_of(what: str, default: int) -> int:
     """The transport window a kind runs with ("-w8": 8)."""
     found = re.search(r"-w(\d+)$", what)
     return int(found.group(1)) if found else default
+
+
+def direct_parts(msg: wire.MessageSpec, rows: list[list[torch.Tensor]], buf: torch.Tensor) -> list[torch.Tensor]:
+    """A packed message's payload cut into its (layer, tensor) blocks, in payload order."""
+    sizes = [msg.page_count * t.shape[1] for layer in msg.layers for t in rows[layer]]
+    return list(buf[wire.HEADER_BYTES:msg.nbytes - wire.TRAILER_BYTES].split(sizes))
 
 
 def pool_runs(rows: list[list[torch.Tensor]]) -> list:
@@ -254,7 +262,26 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
         transport.window = window_of(what, window)
         wire._copy = copy_variant(what)
         Trace.events = [] if traced else None
-        if what in srcs and what != "raw-runs":
+        if what == "kv-direct":
+            async def direct(port=port, plan=plan, src=srcs[what]):
+                # candidate: each message gathered into staging as kv does, then sent as one UCX message per
+                # (layer, tensor) block of its payload straight into the receiver's pool pages (no scatter)
+                start = time.perf_counter()
+                ep = transport._endpoint("127.0.0.1", port)
+                framing, sends = wire.frames(plan, dev), []
+                for msg in plan.messages:
+                    buf = transport.pool.take(msg.nbytes, dev)
+                    await asyncio.to_thread(wire.pack, plan, msg, rows, src, buf, framing)
+                    if dev.type == "cuda":
+                        ready = torch.cuda.Event()
+                        ready.record()
+                        await asyncio.to_thread(ready.synchronize)
+                    sends += [asyncio.ensure_future(_send(ep, _host_or_device(part), plan.tag(len(sends) + i)))
+                              for i, part in enumerate(direct_parts(msg, rows, buf))]
+                await asyncio.gather(*sends)
+                return start
+            start = loop.run(direct(), step_timeout)
+        elif what in srcs and what != "raw-runs":
             ahead = "ahead" in what.split("-")
 
             async def kv(port=port, plan=plan, src=srcs[what], ahead=ahead):
@@ -401,7 +428,11 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                         for layer in rows:
                             for t in layer:
                                 t.zero_()
-                    if what == "raw-runs":  # straight into the pool's tensors, one message per (layer, tensor)
+                    if what == "kv-direct":  # each message's (layer, tensor) blocks straight into their pages
+                        bufs = [_host_or_device(t[m.page_start:m.page_start + m.page_count].view(-1))
+                                for m in plan.messages for layer in m.layers for t in rows[layer]]
+                        done = loop.submit(_recv_all(plan, bufs))
+                    elif what == "raw-runs":  # straight into the pool's tensors, one message per (layer, tensor)
                         bufs = pool_runs(rows)
                         nbytes = sum(b.nbytes for b in bufs)
                         done = loop.submit(_recv_all(plan, bufs))
