@@ -189,8 +189,10 @@ def kernel_profile(fn, calls: int = 20) -> dict:
             fn()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / calls
+    # "nccl:all_reduce" and the like are the profiler's device-side annotations of a collective, not kernels: the
+    # ncclDevKernel_* under them are counted
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA)
+                   if e.device_type == DeviceType.CUDA and not e.name.startswith("nccl:"))
     by_name: dict[str, list[float]] = {}
     busy, end = 0.0, float("-inf")
     for a, b, name in spans:

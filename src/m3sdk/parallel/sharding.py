@@ -210,14 +210,17 @@ class VocabParallelHead(torch.nn.Module):
                                          requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the local logits transposed, [m, N]: gathered rank-major they are [ranks * m, N], the whole vocabulary in
-        # order, so one copy turns them into float32 [N, V] (the model's .float() is then a no-op), where [N, m]
-        # pieces took a bf16 transpose copy and then the float copy
-        local = torch.matmul(self.weight, x.T)
-        m, n = local.shape
-        gathered = local.new_empty(self.world * m, n)
-        _all_gather_single(gathered, local)
-        return torch.empty((n, self.vocab), dtype=torch.float32, device=x.device).copy_(gathered[:self.vocab].T)
+        local = torch.nn.functional.linear(x, self.weight)
+        n, m = local.shape
+        gathered = local.new_empty(self.world, n, m)  # one collective into one buffer, rank-major
+        _all_gather_single(gathered.view(self.world * n, m), local)
+        # each rank's piece straight into its columns of float32 [N, V] (rows stay contiguous: coalesced copies;
+        # the model's .float() is then a no-op), instead of a bf16 [N, V] transpose copy and then the float copy
+        out = torch.empty((n, self.vocab), dtype=torch.float32, device=x.device)
+        for r in range(self.world):
+            width = min(m, self.vocab - r * m)
+            out[:, r * m:r * m + width].copy_(gathered[r, :, :width])
+        return out
 
 
 def build_local_model(config: ModelConfig, shard: Shard, dtype: torch.dtype, attn_backend: str
