@@ -10,7 +10,7 @@ second, each process with its own GPU listed first in CUDA_VISIBLE_DEVICES (ucxx
 (no perftest, no "EH" rows). The first round checks every received page byte for byte before anything is timed.
 
 Two processes on 127.0.0.1 move the same bytes each way (--kinds picks; a "-wN" suffix on a kv kind runs it
-with transport window N, e.g. kv-w8; "-foreach" / "-triton" with another copy of the pages, copy_variant):
+with transport window N, e.g. kv-w8):
   kv            UcxTransport: a prefill node's pages packed into messages (Outbox, from another thread, as a node's
                 engine thread packs them while it computes; `window` messages ahead of the sends, "kv-ahead": all
                 at once), pushed, checked and put into the
@@ -23,8 +23,6 @@ with transport window N, e.g. kv-w8; "-foreach" / "-triton" with another copy of
   ucxx raw      ucxx tag send/recv of the same message sizes on endpoints like the transport's (no UCX peer error
                 handling: shared memory between the two processes); receive buffers posted and touched beforehand
   raw-w4        the same, at most 4 messages in flight each way (the transport's window)
-  kv-direct     each message packed as kv packs it, its (layer, tensor) blocks sent as UCX messages of their own
-                straight into the receiver's pages (consecutive page tables; no scatter, no framing checks)
   raw-runs      ucxx straight from the sender's pool into the receiver's, one message per (layer, tensor) (what
                 sending and receiving in place would cost at best: no copies, no framing), every byte checked
   ucxx raw, EH  the same on ucxx's public create_endpoint/create_listener endpoints (peer error handling: TCP)
@@ -108,63 +106,9 @@ def window_of(what: str, default: int) -> int:
     return int(found.group(1)) if found else default
 
 
-def direct_parts(msg: wire.MessageSpec, rows: list[list[torch.Tensor]], buf: torch.Tensor) -> list[torch.Tensor]:
-    """A packed message's payload cut into its (layer, tensor) blocks, in payload order."""
-    sizes = [msg.page_count * t.shape[1] for layer in msg.layers for t in rows[layer]]
-    return list(buf[wire.HEADER_BYTES:msg.nbytes - wire.TRAILER_BYTES].split(sizes))
-
-
 def pool_runs(rows: list[list[torch.Tensor]]) -> list:
     """Every pool tensor as one flat run (the pages of a fresh engine: one run per (layer, tensor))."""
     return [_host_or_device(t.view(-1)) for layer in rows for t in layer]
-
-
-def copy_variant(what: str):
-    """The piece copy (wire._copy) a kind runs with, in both processes: "-foreach" one _foreach_copy_ (session
-    11's, on GPUs too), "-triton" one Triton kernel for all pieces of a message; otherwise the transport's."""
-    parts = what.split("-")
-    if "foreach" in parts:
-        return torch._foreach_copy_
-    if "triton" in parts:
-        return _triton_copy
-    return _TRANSPORT_COPY
-
-
-_TRANSPORT_COPY = wire._copy
-_SEGMENTS = None
-
-
-def _triton_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """Every piece in one launch: a table of (source address, destination address, elements) on the device, a
-    program per (piece, slice of it). CPU pieces take _foreach_copy_."""
-    global _SEGMENTS
-    if not dst[0].is_cuda:
-        torch._foreach_copy_(dst, src)
-        return
-    if _SEGMENTS is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def segments(table, WORDS: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
-            piece, part = tl.program_id(0), tl.program_id(1)
-            if WORDS:
-                source = tl.load(table + piece * 3).to(tl.pointer_type(tl.int64))
-                target = tl.load(table + piece * 3 + 1).to(tl.pointer_type(tl.int64))
-            else:
-                source = tl.load(table + piece * 3).to(tl.pointer_type(tl.uint8))
-                target = tl.load(table + piece * 3 + 1).to(tl.pointer_type(tl.uint8))
-            n = tl.load(table + piece * 3 + 2)
-            offs = tl.arange(0, BLOCK)
-            for start in tl.range(part * BLOCK, n, SPLIT * BLOCK):
-                idx = start + offs
-                keep = idx < n
-                tl.store(target + idx, tl.load(source + idx, mask=keep), mask=keep)
-
-        _SEGMENTS = segments
-    rows = [(s.data_ptr(), d.data_ptr(), s.numel()) for d, s in zip(dst, src, strict=True)]
-    table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(dst[0].device, non_blocking=True)
-    _SEGMENTS[(len(rows), 32)](table, WORDS=dst[0].element_size() == 8, BLOCK=2048, SPLIT=32, num_warps=4)
 
 
 class Trace:
@@ -260,28 +204,8 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
             return
         plan = plan_for(pool, message_bytes, transfer_id, plan_pages(what, dsts))
         transport.window = window_of(what, window)
-        wire._copy = copy_variant(what)
         Trace.events = [] if traced else None
-        if what == "kv-direct":
-            async def direct(port=port, plan=plan, src=srcs[what]):
-                # candidate: each message gathered into staging as kv does, then sent as one UCX message per
-                # (layer, tensor) block of its payload straight into the receiver's pool pages (no scatter)
-                start = time.perf_counter()
-                ep = transport._endpoint("127.0.0.1", port)
-                framing, sends = wire.frames(plan, dev), []
-                for msg in plan.messages:
-                    buf = transport.pool.take(msg.nbytes, dev)
-                    await asyncio.to_thread(wire.pack, plan, msg, rows, src, buf, framing)
-                    if dev.type == "cuda":
-                        ready = torch.cuda.Event()
-                        ready.record()
-                        await asyncio.to_thread(ready.synchronize)
-                    sends += [asyncio.ensure_future(_send(ep, _host_or_device(part), plan.tag(len(sends) + i)))
-                              for i, part in enumerate(direct_parts(msg, rows, buf))]
-                await asyncio.gather(*sends)
-                return start
-            start = loop.run(direct(), step_timeout)
-        elif what in srcs and what != "raw-runs":
+        if what in srcs and what != "raw-runs":
             ahead = "ahead" in what.split("-")
 
             async def kv(port=port, plan=plan, src=srcs[what], ahead=ahead):
@@ -428,17 +352,12 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                         for layer in rows:
                             for t in layer:
                                 t.zero_()
-                    if what == "kv-direct":  # each message's (layer, tensor) blocks straight into their pages
-                        bufs = [_host_or_device(t[m.page_start:m.page_start + m.page_count].view(-1))
-                                for m in plan.messages for layer in m.layers for t in rows[layer]]
-                        done = loop.submit(_recv_all(plan, bufs))
-                    elif what == "raw-runs":  # straight into the pool's tensors, one message per (layer, tensor)
+                    if what == "raw-runs":  # straight into the pool's tensors, one message per (layer, tensor)
                         bufs = pool_runs(rows)
                         nbytes = sum(b.nbytes for b in bufs)
                         done = loop.submit(_recv_all(plan, bufs))
                     elif what in dsts:
                         transport.window = window_of(what, window)
-                        wire._copy = copy_variant(what)
                         receive = loop.run(_post(transport, plan, rows, dsts[what]), step_timeout)
                         done = loop.submit(receive.wait())
                     else:
@@ -573,6 +492,64 @@ def perftest(message_bytes: int, iterations: int, flags: tuple[str, ...]) -> flo
     return float(final.group(1)) * 2**20 / 1e9 if final else float("nan")  # perftest MB are 2^20 bytes
 
 
+def probe(message_bytes: int) -> list[dict]:
+    """Host and device time of a message's copies on one GPU, before and after UCX starts (its progress thread
+    and ucxx's notifier thread run from then on): a small copy_ and an event record (host us per call), then the
+    36 pieces of an FP8 pool message of `message_bytes` by one _foreach_copy_ and by a copy_ each (host ms to
+    queue them, device ms from events, GB/s of the device time)."""
+    spec = pool_spec(8 * message_bytes, "cuda")
+    rows = wire.page_rows(KVPool(spec))
+    plan = wire.TransferPlan.build(rows, 1, spec.num_pages, spec.num_layers, message_bytes)
+    msg = plan.messages[0]
+    buf = torch.empty(msg.nbytes, dtype=torch.uint8, device="cuda")
+    payload = buf[wire.HEADER_BYTES:msg.nbytes - wire.TRAILER_BYTES].view(torch.int64)
+    pool = [t.view(torch.int64)[:msg.page_count].reshape(-1) for layer in msg.layers for t in rows[layer]]
+    pieces = list(payload.split([p.numel() for p in pool]))
+    small, small_out = torch.ones(1 << 20, dtype=torch.uint8, device="cuda"), torch.empty(1 << 20, dtype=torch.uint8,
+                                                                                          device="cuda")
+    rows_out: list[dict] = []
+
+    def measure_phase(phase: str) -> None:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(200):
+            small_out.copy_(small, non_blocking=True)
+        copy_us = (time.perf_counter() - t) / 200 * 1e6
+        t = time.perf_counter()
+        for _ in range(200):
+            torch.cuda.Event().record()
+        event_us = (time.perf_counter() - t) / 200 * 1e6
+        torch.cuda.synchronize()
+        row = {"bench": "transport-probe", "phase": phase, "message_mib": message_bytes >> 20, "pieces": len(pool),
+               "small_copy_us": round(copy_us, 1), "event_record_us": round(event_us, 1)}
+        for name, run in (("foreach", lambda: torch._foreach_copy_(pieces, pool)),
+                          ("copy_each", lambda: [d.copy_(s, non_blocking=True) for d, s in zip(pieces, pool,
+                                                                                                strict=True)])):
+            host, device = [], []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t = time.perf_counter()
+                a.record()
+                run()
+                b.record()
+                host.append((time.perf_counter() - t) * 1e3)
+                b.synchronize()
+                device.append(a.elapsed_time(b))
+            row[name] = {"host_ms": round(statistics.median(host), 3), "device_ms": round(statistics.median(device), 3),
+                         "gbps": round(msg.payload_bytes / statistics.median(device) / 1e6, 1)}
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+
+    measure_phase("before UCX")
+    transport = UcxTransport()
+    loop.run(transport.start(listen=True), 30)
+    time.sleep(0.5)
+    measure_phase("UCX started")
+    loop.run(transport.close(), 30)
+    return rows_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--total-mib", type=int, default=256)
@@ -582,9 +559,9 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--gpus", default="0,1", help="sender GPU, receiver GPU (physical ids)")
     parser.add_argument("--kinds", nargs="+", help="what to measure (default: kv kv-staged kv-scattered raw, and "
-                        "raw-eh on a CPU); also raw-w4, raw-runs, and kv kinds with a window (kv-w8) or another "
-                        "piece copy (kv-foreach, kv-triton)")
+                        "raw-eh on a CPU); also kv-ahead, raw-w4, raw-runs, and kv kinds with a window (kv-w8)")
     parser.add_argument("--trace", action="store_true", help="per-message timeline of the last repeat of kv kinds")
+    parser.add_argument("--probe", action="store_true", help="only the copy probe (one GPU, first --message-mib)")
     parser.add_argument("--out", type=Path, help="append the rows to OUT/disagg.jsonl")
     parser.add_argument("--step-timeout", type=float, default=60.0, help="seconds any one wait may take")
     args = parser.parse_args()
@@ -592,6 +569,12 @@ def main() -> None:
     torch.set_num_threads(1)
     sizes = [m << 20 for m in args.message_mib]
     gpus = tuple(args.gpus.split(","))
+    if args.probe:
+        rows = probe(sizes[0])
+        if args.out is not None:
+            with open(args.out / "disagg.jsonl", "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        return
     kinds = args.kinds or ["kv", "kv-staged", "kv-scattered", "raw"] + ([] if args.device == "cuda" else ["raw-eh"])
     rates, traces = measure(args.total_mib << 20, sizes, args.repeats, args.window, args.device, gpus, kinds,
                             args.step_timeout, args.trace)

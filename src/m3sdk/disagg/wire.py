@@ -14,9 +14,9 @@ Every message travels as one UCX message, received into a staging buffer; its he
 against the plan before a single page is written (a message cut short, from another transfer or misplaced never
 reaches the cache), then its pages are scattered into the pool. Where the destination pages form runs of
 `MIN_RUN` pages or more on average (a fresh engine's page tables do), the plan carries them and the scatter (like
-the node's gather, whose source runs it finds itself) copies one contiguous piece per (layer, tensor, run): one
-`torch._foreach_copy_` on a CPU, a device memcpy each on a GPU; otherwise one index kernel per tensor. No host
-sync but the header and trailer check (one copy to the host).
+the node's gather, whose source runs it finds itself) copies one contiguous piece per (layer, tensor, run), all
+in one `torch._foreach_copy_`; otherwise one index kernel per tensor. No host sync but the header and trailer
+check (one copy to the host).
 
 Receiving each (layer, tensor, run) straight into the pool's pages ("direct" messages, wire versions 2 and 3 on
 CPUs) was measured and dropped: it takes out the decode side's copy, but each part is a UCX message of its own
@@ -204,8 +204,9 @@ def _move(msg: MessageSpec, rows: list[list[torch.Tensor]], buf: torch.Tensor, i
           runs: list[tuple[int, int, int]] | None, into_pool: bool) -> None:
     """Copy message `msg`'s pages between the pool `rows` (pages `idx`, or the message-relative `runs` of them)
     and the payload of `buf`: into the pool (scatter) or out of it (gather). Runs move as contiguous pieces, one
-    per (layer, tensor, run), by `_copy` (slice copies on a CPU, about 27 GB/s here against 5-13 GB/s for
-    index_copy_ on the same rows); other pages as one index kernel per tensor."""
+    per (layer, tensor, run), all by one `_foreach_copy_` (slice copies on a CPU, about 27 GB/s here against 5-13
+    GB/s for index_copy_ on the same rows; one multi-tensor kernel on a GPU: a `copy_` per piece measured slower
+    on two H200s, session 12 window 2); other pages as one index kernel per tensor."""
     if runs is None:
         idx = _on(idx, buf.device)
         for t, block in _blocks(msg, rows, buf):
@@ -231,21 +232,9 @@ def _move(msg: MessageSpec, rows: list[list[torch.Tensor]], buf: torch.Tensor, i
             sizes.append(length * width)
     pieces = list((payload.view(torch.int64) if unit == 8 else payload).split(sizes))
     if into_pool:
-        _copy(pool, pieces)
+        torch._foreach_copy_(pool, pieces)
     else:
-        _copy(pieces, pool)
-
-
-def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """Each contiguous piece of `src` into its piece of `dst`. On a CPU one `_foreach_copy_` (C++ slice copies,
-    about 27 GB/s here); on a GPU one `copy_` each, a device memcpy at memory speed: `_foreach_copy_`'s kernel
-    moved a 256 MiB message's 36 pieces at 0.3-0.4 TB/s on an H200 (session 12, window 1), the NVLink's rate,
-    so the node's gather and the decode side's scatter each took as long as the transfer itself."""
-    if dst[0].is_cuda:
-        for d, s in zip(dst, src, strict=True):
-            d.copy_(s, non_blocking=True)
-    else:
-        torch._foreach_copy_(dst, src)
+        torch._foreach_copy_(pieces, pool)
 
 
 def _blocks(msg: MessageSpec, rows: list[list[torch.Tensor]],
