@@ -124,38 +124,9 @@ def _sel_tile(blks, jb, i, pages_ptr, kv_end, TILES_PER: tl.constexpr, SEL_BLOCK
 
 
 @triton.jit
-def _e4m3_rows(base, row, ok, HEAD_DIM: tl.constexpr, V_WORDS: tl.constexpr):
-    """Plain-layout e4m3fn rows as fp16 [A, B, HEAD_DIM], for the rows at element offsets `row` [A, B] (multiples
-    of 4, `ok` masks them), decoded from 32-bit words: V_WORDS 2 by
-    sm90's cvt.rn.f16x2.e4m3x2 (exact values), 1 by integer ops anywhere (the interpreter too), giving value / 256
-    (e4m3fn's sign, exponent and mantissa land in fp16's fields shifted by 7; bias 7 against 15 makes the factor
-    2^-8, subnormals included; finite bytes only, as caches hold). Why: the P.V dot reduces over keys, across V's
-    rows, and sm90 has no transposing shared-memory load for 8-bit elements, so fp8 V given to the dot (even
-    through .to(fp16), which the compiler hoists onto the shared-memory read) is read one byte per element: 128
-    ld.shared.b8 per thread per 128 x 128 tile. Decoded from words first (the join below keeps the compiler from
-    hoisting), V reaches the dot as fp16 through ldmatrix.trans."""
-    w_ptr = base.to(tl.pointer_type(tl.int32), bitcast=True)
-    w = tl.load(w_ptr + (row // 4)[:, :, None] + tl.arange(0, HEAD_DIM // 4)[None, None, :], mask=ok[:, :, None],
-                other=0)
-    if V_WORDS == 2:
-        b0, b1, b2, b3 = tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
-            "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
-            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
-    else:
-        b0 = (((w & 0x7F) << 7) | ((w & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-        b1 = (((w >> 1) & 0x3F80) | (w & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
-        b2 = (((w >> 9) & 0x3F80) | ((w >> 8) & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
-        b3 = (((w >> 17) & 0x3F80) | ((w >> 16) & 0x8000)).to(tl.int16).to(tl.float16, bitcast=True)
-    # [..., x, y] flattens to byte 2x + y of the word
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [row.shape[0], row.shape[1], HEAD_DIM])
-
-
-@triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
-                 SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-                 V_WORDS: tl.constexpr):
+                 SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end)."""
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
@@ -189,9 +160,6 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         v = tl.load(v_base + tl.max_contiguous(tl.multiple_of(vo, [1, X]), [1, X]), mask=in_pages[None, :],
                     other=0.0)
         v = tl.trans(v)
-    elif V_WORDS:
-        row = page * stride_cp + off * HEAD_DIM
-        v = tl.reshape(_e4m3_rows(v_base, row[None, :], key_ok[None, :], HEAD_DIM, V_WORDS), [BLOCK_N, HEAD_DIM])
     else:
         v = tl.load(v_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X,
                                                                        SHUFFLE, True), mask=key_ok[:, None], other=0.0)
@@ -207,48 +175,6 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
 
 
 @triton.jit
-def _attend_tile_w(acc, m_i, l_i, qb, start, kv_end, k_base, v_base, ks_base, vs_base, page, qk_scale, stride_cp,
-                   stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr, FP8: tl.constexpr,
-                   V_MUL: tl.constexpr, DOT: tl.constexpr, V_WORDS: tl.constexpr):
-    """Decode's `_attend_tile` (plain pages, one query: each row sees every key < kv_end) with the tile's keys in W
-    groups, one per warp: acc [W, rows, HEAD_DIM], m_i / l_i [W, rows], qb = q broadcast to [W, rows, HEAD_DIM].
-    Each warp runs its own online softmax over its keys (the caller merges the W states once at the end). Why:
-    with the 16 rows of one query as the dots' M, the 2-D tile splits the warps over N, so every tile P went
-    through shared memory to become the P.V operand, q was re-read from shared memory for every tile, and the row
-    max / sum crossed warps; here P stays in its warp's registers and q in registers across tiles."""
-    KW: tl.constexpr = BLOCK_N // W
-    n = start + tl.reshape(tl.arange(0, BLOCK_N), [W, KW])
-    d = tl.arange(0, HEAD_DIM)
-    key_ok = n < kv_end
-    page = tl.reshape(page, [W, KW]).to(tl.int64)
-    off = n % PAGE
-    row = page * stride_cp + off * HEAD_DIM
-    k = tl.load(k_base + row[:, :, None] + d[None, None, :], mask=key_ok[:, :, None], other=0.0)
-    s = tl.dot(qb, tl.trans(k.to(DOT), (0, 2, 1)))  # [W, rows, KW]
-    if FP8:
-        s *= (tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0) * qk_scale)[:, None, :]
-    else:
-        s *= qk_scale
-    s = tl.where(key_ok[:, None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 2))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, :, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 2)
-    if V_WORDS:
-        v = _e4m3_rows(v_base, row, key_ok, HEAD_DIM, V_WORDS)
-    else:
-        v = tl.load(v_base + row[:, :, None] + d[None, None, :], mask=key_ok[:, :, None], other=0.0)
-    if FP8:
-        vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
-        pv = tl.dot((p * (vs * V_MUL)[:, None, :]).to(DOT), v.to(DOT))
-    else:
-        pv = tl.dot(p.to(DOT), v.to(DOT))
-    acc = acc * alpha[:, :, None] + pv
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _attn_kernel(
         q_ptr, k_cache, v_cache, k_scale, v_scale, page_table, cu_q, ctx_lens, sel_ptr, out_ptr, part_o, part_lse,
         qk_scale, num_seqs, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_cp, stride_ch,
@@ -257,7 +183,7 @@ def _attn_kernel(
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-        PAGE_AHEAD: tl.constexpr, V_WORDS: tl.constexpr, KEY_GROUPS: tl.constexpr):
+        PAGE_AHEAD: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -280,15 +206,9 @@ def _attn_kernel(
         ks_base = k_scale + h * stride_sh
         vs_base = v_scale + h * stride_sh
         pages_ptr = page_table + seq.to(tl.int64) * stride_pt
-        if KEY_GROUPS > 1:  # decode, keys split over warps (`_attend_tile_w`)
-            qb = tl.broadcast_to(q[None, :, :], (KEY_GROUPS, BLOCK_M, HEAD_DIM))
-            acc = tl.zeros([KEY_GROUPS, BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            m_i = tl.full([KEY_GROUPS, BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([KEY_GROUPS, BLOCK_M], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         if SPARSE and BLOCK_Q == 1:
             # decode: the token's own selection in list order (the online softmax does not care), a fixed slice
             # of it per split; -1 entries are fully masked tiles. Without PAGE_AHEAD each tile loads its block
@@ -313,14 +233,9 @@ def _attn_kernel(
                     start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
                     end = tl.where(blk >= 0, kv_end, 0)
                     page = _tile_pages(pages_ptr, start, end, BLOCK_N)
-                if KEY_GROUPS > 1:
-                    acc, m_i, l_i = _attend_tile_w(acc, m_i, l_i, qb, start, end, k_base, v_base, ks_base, vs_base,
-                                                   page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N,
-                                                   KEY_GROUPS, FP8, V_MUL, DOT, V_WORDS)
-                else:
-                    acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base,
-                                                 ks_base, vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM,
-                                                 BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, V_WORDS)
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
+                                             vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
+                                             SHUFFLE, FP8, V_MUL, DOT)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -344,8 +259,7 @@ def _attn_kernel(
                             page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
                             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
                                                          v_base, ks_base, vs_base, page, qk_scale, stride_cp,
-                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
-                                                         V_WORDS)
+                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -363,23 +277,12 @@ def _attn_kernel(
                     nxt = _tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
                 else:
                     page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
-                if KEY_GROUPS > 1:
-                    acc, m_i, l_i = _attend_tile_w(acc, m_i, l_i, qb, t * BLOCK_N, kv_end, k_base, v_base, ks_base,
-                                                   vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N,
-                                                   KEY_GROUPS, FP8, V_MUL, DOT, V_WORDS)
-                else:
-                    acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base,
-                                                 v_base, ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
-                                                 HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, V_WORDS)
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
+                                             ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
+                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT)
                 if PAGE_AHEAD:
                     page = nxt
-        if KEY_GROUPS > 1:  # merge the warps' softmax states
-            m_all = tl.max(m_i, 0)
-            scale = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])
-            l_i = tl.sum(l_i * scale, 0)
-            acc = tl.sum(acc * scale[:, :, None], 0)
-            m_i = m_all
-        o = acc / (tl.where(l_i > 0, l_i, 1.0) * (V_MUL / 256 if V_WORDS == 1 else V_MUL))[:, None]
+        o = acc / (tl.where(l_i > 0, l_i, 1.0) * V_MUL)[:, None]
         if NUM_SPLITS == 1:
             tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -422,14 +325,6 @@ def dot_dtype(kv_dtype: torch.dtype) -> tl.dtype:
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[kv_dtype]
 
 
-def v_words(mode: int, v_dtype: torch.dtype, layout: str) -> int:
-    """The V decode of a launch (`_e4m3_rows`): the table's mode for plain e4m3fn pages, else 0 (the dot's own
-    conversion); the PTX decode (2) becomes the integer one (1) in the interpreter."""
-    if v_dtype != torch.float8_e4m3fn or layout != "plain":
-        return 0
-    return 1 if mode == 2 and interpreting() else mode
-
-
 def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: int,
                    max_context_len: int, sparse: bool, topk: int, block_size: int, fp8: bool = False,
                    arch: Arch | None = None) -> dict:
@@ -446,10 +341,7 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     splits = min(1 << (want.bit_length() - 1), triton.next_power_of_2(max_splits))
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-            "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "V_WORDS": cfg.get("V_WORDS", 0),
-            # key groups of at least 16 keys (the P.V dot's K), decode only
-            "KEY_GROUPS": cfg.get("KEY_GROUPS", 1) if block_q == 1 and block_n // cfg.get("KEY_GROUPS", 1) >= 16
-            else 1}
+            "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0)}
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -494,9 +386,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle",
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
-        PAGE_AHEAD=plan["PAGE_AHEAD"], V_WORDS=v_words(plan["V_WORDS"], v_cache.dtype, layout),
-        KEY_GROUPS=plan["KEY_GROUPS"] if layout == "plain" else 1,
-        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+        PAGE_AHEAD=plan["PAGE_AHEAD"], num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if splits > 1:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                      HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
@@ -534,10 +424,7 @@ def aot_variants(arch: Arch) -> list:
                         "X": 16 if kv == "fp8" else 8, "SHUFFLE": layout == "shuffle", "FP8": kv == "fp8",
                         "SPARSE": sparse, "TOPK": m["topk"], "TOPK_PAD": m["topk"], "SEL_BLOCK": m["block_size"],
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
-                        "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
-                        "V_WORDS": v_words(plan["V_WORDS"], arch.fp8_dtype if kv == "fp8" else torch.bfloat16,
-                                           layout),
-                        "KEY_GROUPS": plan["KEY_GROUPS"] if layout == "plain" else 1},
+                        "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))
