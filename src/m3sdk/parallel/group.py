@@ -108,10 +108,12 @@ def release_graphs(graphs: DecodeGraphs) -> None:
 class TensorParallel:
     """Rank 0's side: the worker processes, their pipes, and the hook that mirrors each forward to them."""
 
-    def __init__(self, model: MiniMaxM3ForCausalLM, conns: list[Connection], procs: list[subprocess.Popen]):
+    def __init__(self, model: MiniMaxM3ForCausalLM, conns: list[Connection], procs: list[subprocess.Popen],
+                 store: dist.Store):
         self.model = model
         self.conns = conns
         self.procs = procs
+        self._store = store  # the rendezvous rank 0 hosts: alive until every worker has left the group
         self._kv: KVPool | None = None
         self._closed = False
         self._mirroring = True  # off while rank 0's DecodeGraphs calls the model (the workers run their own)
@@ -156,7 +158,7 @@ class TensorParallel:
         except BaseException:
             _stop(conns, procs)
             raise
-        return cls(model, conns, procs)
+        return cls(model, conns, procs, store)
 
     def _mirror(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if not self._mirroring:
@@ -202,9 +204,13 @@ class TensorParallel:
         self._closed = True
         if self.graphs is not None:
             release_graphs(self.graphs)
-        _stop(self.conns, self.procs)
+        # the workers are told first and all ranks then leave the group together: NCCL's communicator teardown
+        # waits for its peers, so leaving only after the workers had exited made every GPU shutdown wait out
+        # the workers' 10 s kill (and, with the peer killed, hang in the teardown)
+        _send_stop(self.conns)
         if dist.is_initialized():
             dist.destroy_process_group()
+        _stop(self.conns, self.procs)
 
 
 def _worker_env() -> dict[str, str]:
@@ -230,12 +236,16 @@ def _expect(conns: list[Connection], procs: list[subprocess.Popen], kind: str) -
             raise RuntimeError(f"tensor-parallel rank {rank} sent {message[0]!r}, expected {kind!r}")
 
 
-def _stop(conns: list[Connection], procs: list[subprocess.Popen]) -> None:
+def _send_stop(conns: list[Connection]) -> None:
     for conn in conns:
         try:
             conn.send((STOP, None))
         except OSError:
             pass  # already gone
+
+
+def _stop(conns: list[Connection], procs: list[subprocess.Popen]) -> None:
+    _send_stop(conns)
     for proc in procs:
         try:
             proc.wait(timeout=10)
