@@ -161,7 +161,7 @@ def arm_h_row(arm: str, t: int) -> bool:
 def prefill_sweep(experts: dict, arms: list[str], jsonl: str | None) -> None:
     """Time PREFILL_SWEEP at 8K tokens for `arms` (each config checked per arm at 300 tokens first); keep the
     config with the smallest sum over the arms in the moe_prefill table."""
-    table = TILES["moe_prefill"][current_arch().name]
+    table = TILES["moe_prefill:fp8"].setdefault(current_arch().name, {})
     base = dict(table)
     w, ids = routing(PREFILL_T, PREFILL_T)
     x = torch.randn(PREFILL_T, H, device=DEV, dtype=torch.bfloat16)

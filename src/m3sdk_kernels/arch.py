@@ -162,7 +162,8 @@ TILES.update({
     "router": {a: {"BLOCK_T": 16, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "moe_align": {a: {"CHUNK": 256, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     # MXFP4 -> fp8 experts once per prefill step (moe.mx_to_fp8, where a moe_* table sets MX_CONVERT)
-    "mx_to_fp8": {"sm90": {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}},
+    # H200 session 12 window 2: 3.2 / 3.1 ms for M3's 129-expert stack (checkpoint / planes layout), 3.5 / 3.6 TB/s
+    "mx_to_fp8": {"sm90": {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}},
     # decode: split K until SPLIT_PROGRAMS programs stream the weight (about the resident CTAs: split_k in quant.py),
     # STAGGER the K order per column block (spreads the shared activation reads over L2); SWAP_AB (sm90): weight
     # rows as the MMA's M, so 64 x 16 fp8 wgmma straight from shared memory (no f16 upcast, no mma.sync)
@@ -206,17 +207,19 @@ TILES.update({
     "moe_small:planes": {"sm90": {"PLANES_SWAP": 1, "PLANES_XPERM": 1}},
     "moe_prefill:planes": {"sm90": {"BLOCK_M": 64, "GU_BLOCK_N": 64, "DN_BLOCK_N": 64, "num_warps": 4,
                                     "num_stages": 2, "PLANES_SWAP": 1}},
-    # sm90 prefill (H200, session 12 window 1, 8K tokens): the per-row FP8 intermediate (H_ROW) with K tiles of 128 and
-    # the fused gate|up MMA (FUSED_GU) took FP8 experts from 10.25 to 8.23 ms; MXFP4 converted to FP8 once per step
-    # (MX_CONVERT) 11.39 ms against 12.91 converting per token tile (MX_CONVERT 2: the down weights convert on a side
-    # stream while the gate_up GEMM runs)
+    # bf16 and the tl.dot_scaled formats: two 128 x 64 accumulators (gate, up), K tiles of 64
     "moe_prefill": {
-        a: {"BLOCK_M": 128, "GU_BLOCK_N": 64, "GU_BLOCK_K": 128 if a == "sm90" else 64, "DN_BLOCK_N": 128,
-            "DN_BLOCK_K": 128 if a == "sm90" else 64, "num_warps": 8, "num_stages": 3 if a == "sm90" else 2,
-            "MX_FP8": int(a == "sm90"), "FUSED_GU": int(a == "sm90"), "H_ROW": int(a == "sm90"),
-            "MX_CONVERT": int(a == "sm90")}
+        a: {"BLOCK_M": 128, "GU_BLOCK_N": 64, "GU_BLOCK_K": 64, "DN_BLOCK_N": 128, "DN_BLOCK_K": 64,
+            "num_warps": 8, "num_stages": 3 if a == "sm90" else 2, "MX_FP8": int(a == "sm90")}
         for a in ("sm90", "gfx942", "gfx950")
     },
+    # fp8 activations (fp8 experts, MXFP4 through the fp8 tensor cores), H200 session 12 (8K tokens, docs/perf.md):
+    # the per-row fp8 intermediate (H_ROW) with K tiles of 128, gate|up as one 256-wide interleaved MMA (FUSED_GU,
+    # GU_BLOCK_N 128: 2 x 128 weight rows), MXFP4 converted to fp8 once per step (MX_CONVERT): fp8 experts 10.25 ->
+    # 7.08 ms, MXFP4 16.8 -> 10.0 ms (converting per token tile: 12.9; MX_CONVERT 2, the down weights on a side
+    # stream, did not help: 11.56 vs 11.43 at GU_BLOCK_N 64)
+    "moe_prefill:fp8": {"sm90": {"GU_BLOCK_N": 128, "GU_BLOCK_K": 128, "DN_BLOCK_K": 128, "FUSED_GU": 1, "H_ROW": 1,
+                                 "MX_CONVERT": 1}},
 })
 
 

@@ -884,8 +884,9 @@ def mx_fp8(fmt: str, num_tokens: int, arch: Arch, planes: bool = False) -> bool:
     fp8 tensor cores (MXFP4 converted to e4m3 in registers or, MX_CONVERT, once per step; activations fp8): the
     tile table's MX_FP8 (not on gfx950, whose matrix cores take MX, nor on gfx942, whose fp8 is e4m3fnuz). Planes
     take the fp8 path only converted once; else their own fp16 GEMMs."""
-    cfg = moe_tiles(num_tokens, arch, "planes" if planes else None)[0]
-    return fmt == "mxfp4" and bool(cfg.get("MX_FP8", 0)) and (not planes or bool(cfg.get("MX_CONVERT", 0)))
+    if fmt != "mxfp4" or not moe_tiles(num_tokens, arch)[0].get("MX_FP8", 0):
+        return False
+    return not planes or bool(moe_tiles(num_tokens, arch, "fp8")[0].get("MX_CONVERT", 0))
 
 
 def planes_order(x: torch.Tensor) -> torch.Tensor:
@@ -898,7 +899,7 @@ def planes_order(x: torch.Tensor) -> torch.Tensor:
 def h_row(fmt: str, num_tokens: int, arch: Arch, planes: bool = False) -> bool:
     """Whether `fused_moe` quantizes the fp8 intermediate per row (the tile table's H_ROW; `fused_moe_ref`'s h_row)
     for `fmt` experts (`planes`: in the planes layout) and `num_tokens` tokens."""
-    cfg = moe_tiles(num_tokens, arch, "planes" if planes else None)[0]
+    cfg = moe_tiles(num_tokens, arch, "fp8")[0]
     return (fmt == "fp8" or mx_fp8(fmt, num_tokens, arch, planes)) and bool(cfg.get("H_ROW", 0))
 
 
@@ -917,11 +918,12 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     planes = experts.planes
     cfg, sort = moe_tiles(t, arch, "planes" if planes else None)
     use_mx_fp8 = mx_fp8(fmt, t, arch, planes)
+    if fmt == "fp8" or use_mx_fp8:  # fp8 activations: the tables' "family:fp8" entries
+        cfg, sort = moe_tiles(t, arch, "fp8")
     side = None  # MX_CONVERT 2: the down weights convert on a side stream while the gate_up GEMM runs
     if use_mx_fp8 and cfg.get("MX_CONVERT", 0):  # the whole stack to fp8 once, then the fp8 experts' path
         side = _side_stream(dev) if cfg["MX_CONVERT"] == 2 and dev.type == "cuda" else None
         experts, fmt, use_mx_fp8, planes = mx_to_fp8(experts, side), "fp8", False, False
-        cfg, sort = moe_tiles(t, arch)
     act_fp8 = fmt == "fp8" or use_mx_fp8
     row_q = act_fp8 and bool(cfg.get("H_ROW", 0))
     # K tiles: the table's, or the largest power of two dividing K when K is smaller (small models); planes step
@@ -1021,8 +1023,8 @@ def aot_variants(arch: Arch) -> list:
     for family, sort in (("moe_decode", False), ("moe_small", True), ("moe_prefill", True)):
         for fmt, (wt, st) in w_types.items():
             planes = fmt == "mxfp4_planes"
-            cfg = tiles(family, arch, "planes" if planes else None)
-            mxf = fmt == "mxfp4" and bool(cfg.get("MX_FP8", 0))
+            mxf = fmt == "mxfp4" and bool(tiles(family, arch).get("MX_FP8", 0))
+            cfg = tiles(family, arch, "planes" if planes else "fp8" if fmt == "fp8" or mxf else None)
             act = fp8 if fmt == "fp8" or mxf else "*fp16" if planes else "*bf16"
             row_q = act == fp8 and bool(cfg.get("H_ROW", 0))
             common = {"TOP_K": 5, "SORTED": sort, "W_FMT": codes[fmt], "MX_FP8": mxf, "ACT_FP8": act == fp8,

@@ -84,7 +84,7 @@ def test_prefill_fused_gate_up_row_scaled_intermediate(weights, fmt, monkeypatch
     # K tiles of 128 in the down GEMM; MXFP4 converted to fp8 experts once (MX_CONVERT) and inside the GEMMs
     monkeypatch.setitem(TILES["moe_small"]["sm90"], "MAX_TOKENS", 8)
     for key, value in dict(FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128).items():
-        monkeypatch.setitem(TILES["moe_prefill"]["sm90"], key, value)
+        monkeypatch.setitem(TILES["moe_prefill:fp8"]["sm90"], key, value)
     experts = moe.quantize_experts(*weights, fmt, FP8)
     w, ids = routing(40, seed=4)
     x = torch.randn(40, H, generator=torch.Generator().manual_seed(8)).bfloat16()
@@ -92,7 +92,7 @@ def test_prefill_fused_gate_up_row_scaled_intermediate(weights, fmt, monkeypatch
     assert moe.h_row(fmt, 40, arch) and not moe.h_row("bf16", 40, arch) and not moe.h_row(fmt, 2, arch)
     ref = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT, mx_fp8=moe.mx_fp8(fmt, 40, arch), h_row=True)
     for convert in (0, 1) if fmt == "mxfp4" else (0,):
-        monkeypatch.setitem(TILES["moe_prefill"]["sm90"], "MX_CONVERT", convert)
+        monkeypatch.setitem(TILES["moe_prefill:fp8"]["sm90"], "MX_CONVERT", convert)
         assert rel(moe.fused_moe(x, ids, w, experts, ALPHA, LIMIT), ref) < 8e-3
     # per row vs per 64 columns: both within fp8 rounding of each other
     per64 = moe.fused_moe_ref(x, ids, w, experts, ALPHA, LIMIT, mx_fp8=moe.mx_fp8(fmt, 40, arch))
@@ -155,7 +155,7 @@ def test_planes_fused_moe(wide_weights, t, swap, xperm, monkeypatch):
 def test_planes_prefill(wide_weights, convert, monkeypatch):
     # planes at prefill: their own fp16 GEMMs, or (MX_CONVERT) converted to fp8 experts once
     monkeypatch.setitem(TILES["moe_small"]["sm90"], "MAX_TOKENS", 8)
-    monkeypatch.setitem(TILES["moe_prefill"]["sm90"], "MX_CONVERT", convert)
+    monkeypatch.setitem(TILES["moe_prefill:fp8"]["sm90"], "MX_CONVERT", convert)
     arch = ARCHS["sm90"]
     assert moe.mx_fp8("mxfp4", 40, arch, planes=True) == bool(convert) and moe.mx_fp8("mxfp4", 40, arch)
     experts = moe.to_planes(moe.quantize_experts(*wide_weights, "mxfp4"))
