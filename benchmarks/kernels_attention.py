@@ -349,7 +349,7 @@ def tiles_indexer(rows: list, read_bw: float) -> None:
     (FP8 keys; bf16 too for the table). One line per row as it comes."""
     name = current_arch().name
     fp8 = "indexer_scan:fp8"  # the FP8-key scan's own entry (over indexer_scan's)
-    variants = (({}, True), ({fp8: {"SPLIT_PROGRAMS": 792}}, False), ({fp8: {"SPLIT_PROGRAMS": 660}}, False),
+    variants = (({}, True), ({fp8: {"SPLIT_PROGRAMS": 792}}, False), ({fp8: {"SPLIT_PROGRAMS": 528}}, False),
                 ({fp8: {"num_stages": 4}}, False), ({fp8: {"PAGE_AHEAD": 0, "SPLIT_PROGRAMS": 1056}}, False))
     ONLY.update(kv="fp8")
     for i, (change, ragged_check) in enumerate(variants):

@@ -131,9 +131,9 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
         "gfx950": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 2048},
     },
     # FP8 keys on the H200 (docs/perf.md, session 12): page ids carried one block ahead (two 16 KB key tiles in
-    # flight per program) and 512 programs at b64, all resident at once (1024 made 1.5 waves): the scan went from
-    # 0.316 to 0.279 ms at b64 128K
-    "indexer_scan:fp8": {"sm90": {"SPLIT_PROGRAMS": 528, "PAGE_AHEAD": 1}},
+    # flight per program) and every program resident at once (5 per SM: 640 at b64; 1024 made 1.5 waves, 768
+    # 1.2): the scan went from 0.316 to 0.278 ms at b64 128K
+    "indexer_scan:fp8": {"sm90": {"SPLIT_PROGRAMS": 660, "PAGE_AHEAD": 1}},
     "indexer_prefill": {
         "sm90": {"BLOCK_Q": 16, "num_warps": 4, "num_stages": 3, "SPLIT_PROGRAMS": 1056},
         "gfx942": {"BLOCK_Q": 16, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 2432},
