@@ -175,7 +175,9 @@ TILES.update({
         "gfx950": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
                    "SPLIT_PROGRAMS": 1024, "STAGGER": 1},
     },
-    # decode GEMMs with N <= quant.NARROW_N (o_proj, the dense down: 96 column tiles of 64) take these over the above
+    # decode GEMMs with N <= quant.NARROW_N (o_proj, the dense down: 96 column tiles of 64) take these over the above;
+    # H200 session 12 window 2: the above stay best for them (528 / 792 programs, 4 stages, K 128 x 6 stages: 1-2.5 us
+    # slower at o_proj's 15.9 / 17.1 us)
     "fp8_gemm_decode:narrow": {"sm90": {}},
     "fp8_gemm_mid": {
         "sm90": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
