@@ -49,6 +49,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -546,6 +547,28 @@ def probe(message_bytes: int) -> list[dict]:
     loop.run(transport.start(listen=True), 30)
     time.sleep(0.5)
     measure_phase("UCX started")
+    stop = threading.Event()
+
+    async def churn() -> int:  # 256 MiB CUDA messages to itself, back to back, while the phase measures
+        import ucxx
+
+        ep = _api().UCXEndpoint.create(_worker(), "127.0.0.1", transport.port, False)
+        a = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
+        b = torch.empty_like(a)
+        torch.cuda.synchronize()
+        moved = 0
+        while not stop.is_set():
+            received = asyncio.ensure_future(ucxx.recv(b, 99))
+            await _send(ep, a, 99)
+            await received
+            moved += 1
+        return moved
+
+    moving = loop.submit(churn())
+    time.sleep(0.2)
+    measure_phase("UCX moving data")
+    stop.set()
+    rows_out[-1]["churn_messages"] = moving.result(10)
     loop.run(transport.close(), 30)
     return rows_out
 
