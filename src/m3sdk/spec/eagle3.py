@@ -493,12 +493,15 @@ class Eagle3Drafter(ChainDrafter):
         tok, pos, slot, idx, src = ints[:5 * rows].view(5, rows)
         last = ints[5 * rows:]
         out, first = self._read(tok, self._features[src], pos, slot, idx, last, self.capacity)
+        drafts = self._drafts_out[:bucket]
         if self.num_speculative_tokens == 1:
-            return first[:, None]
+            return drafts.copy_(first[:, None])
         # the chain's entries follow each context's last read entry (padding contexts: on the scratch row)
         rest = self._chain(first, out, pos[last] + 1, slot[last], idx[last] + 1, self.num_speculative_tokens - 1,
                            self.capacity)
-        return torch.cat([first[:, None], rest], dim=1)
+        # into a buffer made outside every capture: the drafts stay on the device while the chain graph may replay
+        # (after an eager read), and memory a graph allocated in the shared pool can be another graph's scratch
+        return drafts.copy_(torch.cat([first[:, None], rest], dim=1))
 
     @torch.inference_mode()
     def read_ahead(self, ctxs: list[DraftKV], counts: list[int], token_ids: list[int],
@@ -576,6 +579,7 @@ class Eagle3Drafter(ChainDrafter):
         features = 3 * c.target_hidden_size if c.use_aux_hidden_state else c.hidden_size
         self._features = torch.zeros(n * (k + 1), features, dtype=self.dtype, device=self.device)
         self._chain_hidden = torch.zeros(n, 2 * c.hidden_size, dtype=self.dtype, device=self.device)
+        self._drafts_out = torch.zeros(n, k, **i64)  # the read graphs' drafts (`_draft_ahead`)
         self._read_static, self._static = {}, {}
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         with torch.inference_mode():
