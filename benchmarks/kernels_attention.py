@@ -403,10 +403,10 @@ def flex_decode(rows: list, read_bw: float, ctx: int, batch: int = 64) -> None:
     rows.append(row)
 
 
-def sparse_prefill(rows: list, ctx: int, selection: str, flex: bool) -> None:
-    """One sequence of `ctx` new tokens: the indexer selects (timed too), then MSA prefill. `selection`: "random"
-    (random index keys: neighbouring queries share almost no blocks) or "smooth" (`smooth_index`: locality).
-    Peers: dense causal SDPA, and with `flex` FlexAttention with the selection's BlockMask (output checked)."""
+def prefill_inputs(ctx: int, selection: str) -> tuple:
+    """One sequence of `ctx` FP8 plain pages and its indexer selection: `selection` "random" (random index keys:
+    neighbouring queries share almost no blocks) or "smooth" (`smooth_index`: locality).
+    Returns (cu, lens, k, v, k_scale, v_scale, table, index_q, index_cache, selection)."""
     cu = torch.tensor([0, ctx], device=DEV, dtype=torch.int32)
     lens = torch.tensor([ctx], device=DEV, dtype=torch.int32)
     k, v, ks, vs, table = make_kv(1, ctx, "fp8", "plain")
@@ -418,6 +418,14 @@ def sparse_prefill(rows: list, ctx: int, selection: str, flex: bool) -> None:
     icache = torch.empty(ctx // PAGE_SIZE, PAGE_SIZE, DI, device=DEV, dtype=k.dtype)
     icache[table[0].long()] = keys.view(-1, PAGE_SIZE, DI).to(k.dtype)  # logical page p lives at table[0, p]
     sel = indexer_topk(iq, icache, table, cu, lens, BS, TOPK, 1, max_seqlen_q=ctx, max_context_len=ctx)
+    return cu, lens, k, v, ks, vs, table, iq, icache, sel
+
+
+def sparse_prefill(rows: list, ctx: int, selection: str, flex: bool) -> None:
+    """One sequence of `ctx` new tokens: the indexer selects (timed too), then MSA prefill. `selection`: "random"
+    (random index keys: neighbouring queries share almost no blocks) or "smooth" (`smooth_index`: locality).
+    Peers: dense causal SDPA, and with `flex` FlexAttention with the selection's BlockMask (output checked)."""
+    cu, lens, k, v, ks, vs, table, iq, icache, sel = prefill_inputs(ctx, selection)
     t_idx = bench(lambda: indexer_topk(iq, icache, table, cu, lens, BS, TOPK, 1, max_seqlen_q=ctx,
                                        max_context_len=ctx))
     q = torch.randn(ctx, HQ, D, device=DEV, dtype=torch.bfloat16)
@@ -664,17 +672,7 @@ def sweep_prefill(rows: list, var: dict, inputs: dict, results: str) -> None:
     if key not in inputs:
         inputs.clear()
         torch.cuda.empty_cache()
-        cu = torch.tensor([0, ctx], device=DEV, dtype=torch.int32)
-        lens = torch.tensor([ctx], device=DEV, dtype=torch.int32)
-        k, v, ks, vs, table = make_kv(1, ctx, "fp8", "plain")
-        if selection == "smooth":
-            iq, keys = smooth_index(ctx)
-        else:
-            iq = torch.randn(ctx, HIDX, DI, device=DEV, dtype=torch.bfloat16)
-            keys = torch.randn(ctx, DI, device=DEV)
-        icache = torch.empty(ctx // PAGE_SIZE, PAGE_SIZE, DI, device=DEV, dtype=k.dtype)
-        icache[table[0].long()] = keys.view(-1, PAGE_SIZE, DI).to(k.dtype)
-        sel = indexer_topk(iq, icache, table, cu, lens, BS, TOPK, 1, max_seqlen_q=ctx, max_context_len=ctx)
+        cu, lens, k, v, ks, vs, table, _, _, sel = prefill_inputs(ctx, selection)
         q = torch.randn(ctx, HQ, D, device=DEV, dtype=torch.bfloat16)
         inputs[key] = {"args": (q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS), "ref": None,
                        "flex_ms": float("nan"), "note": ""}
