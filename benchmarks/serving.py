@@ -84,19 +84,23 @@ def fill_cache(kv, seed: int = 0) -> None:
                 t.uniform_(0.005, 0.05, generator=g)
 
 
-def decode_meta(batch: int, context: int, pages_per_seq: int, perm: torch.Tensor, device):
+def decode_step(batch: int, context: int, pages_per_seq: int, perm: torch.Tensor, device):
+    """A decode step of `batch` sequences at `context` on random pages (`perm`): (its page tables as host lists,
+    its device metadata for the eager forward)."""
     from m3sdk.attention.base import PAGE_SIZE, AttentionMetadata
 
-    table = perm[: batch * pages_per_seq].view(batch, pages_per_seq).to(torch.int32)
-    last = context - 1
-    table = table[:, : -(-context // PAGE_SIZE)].contiguous()
-    slots = table[:, last // PAGE_SIZE].long() * PAGE_SIZE + last % PAGE_SIZE
-    meta = AttentionMetadata(positions=torch.full((batch,), last, dtype=torch.int64, device=device),
-                             slot_mapping=slots.to(device),
-                             cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device),
-                             context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
-                             page_table=table.to(device), max_seqlen_q=1, max_context_len=context)
-    return meta
+    tables = perm[: batch * pages_per_seq].view(batch, pages_per_seq)[:, : -(-context // PAGE_SIZE)].tolist()
+    return tables, AttentionMetadata.build([1] * batch, [context] * batch, tables, device=device)
+
+
+def staged_replay(graphs, ids: list[int], context: int, tables: list[list[int]]):
+    """Stage a decode step into `graphs` the way the engine does (one upload from host lists) -> a call that
+    replays it (the timed part: the graph alone, on inputs that stay staged), or None when it fits no graph."""
+    key = graphs.key(len(ids), 1, context, len(tables[0]))
+    if key is None:
+        return None
+    graphs.stage(key, ids, [1] * len(ids), [context] * len(ids), tables)
+    return lambda: graphs.replay(key)
 
 
 def distinct_experts(model, input_ids, meta, kv) -> dict[int, int]:
@@ -256,16 +260,16 @@ def step_decode(args) -> None:
         record(step="capture", tp=tp_size, buckets=graphs.buckets, seconds=time.perf_counter() - t)
         gen = torch.Generator(device=dev).manual_seed(1)
         for batch, context in points:
-            meta = decode_meta(batch, context, pages_per_seq, perm, dev)
+            tables, meta = decode_step(batch, context, pages_per_seq, perm, dev)
             ids = torch.randint(0, model.config.vocab_size, (batch,), device=dev, generator=gen)
             rows = torch.arange(batch, device=dev)
             experts = distinct_experts(model, ids, meta, kv)
             _, eager_logits = model(ids, meta, kv, rows)
-            graph_logits = graphs.run(ids, meta)[1]
+            replay = staged_replay(graphs, ids.tolist(), context, tables)
+            graph_logits = replay()[1][:batch]
             err = ((graph_logits - eager_logits).norm() / eager_logits.norm()).item()
             agree = (graph_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item()
-            t_graph = triton.testing.do_bench(lambda: graphs.run(ids, meta), warmup=10, rep=200,  # noqa: B023
-                                              return_mode="median")
+            t_graph = triton.testing.do_bench(replay, warmup=10, rep=200, return_mode="median")
             t_eager = triton.testing.do_bench(lambda: model(ids, meta, kv, rows), warmup=5, rep=100,  # noqa: B023
                                               return_mode="median")
             need = step_bytes(model, kv, batch, context, experts)  # this rank's bytes under tensor parallel
@@ -276,7 +280,7 @@ def step_decode(args) -> None:
                    bandwidth_fraction=floor_ms / t_graph, bytes=need, distinct_experts=experts,
                    graph_vs_eager_rel_err=err, graph_vs_eager_argmax_agree=agree, tok_s=batch / t_graph * 1e3)
             if args.profile:
-                for mode, fn in (("graph", lambda: graphs.run(ids, meta)),  # noqa: B023
+                for mode, fn in (("graph", replay),
                                  ("eager", lambda: model(ids, meta, kv, rows))):  # noqa: B023
                     try:
                         prof = kernel_profile(fn)
@@ -525,13 +529,13 @@ def engine_step_profile(core, tp: int, batch: int, context: int, slice_name: str
     pages_per_seq = min(-(-context // 16) + 1, kv.spec.num_pages // batch)
     context = min(context, (pages_per_seq - 1) * 16)
     perm = torch.randperm(kv.spec.num_pages, generator=torch.Generator().manual_seed(0))
-    meta = decode_meta(batch, context, pages_per_seq, perm, dev)
+    tables, meta = decode_step(batch, context, pages_per_seq, perm, dev)
     ids = torch.randint(0, core.vocab_size, (batch,), device=dev)
     rows = torch.arange(batch, device=dev)
-    graphs = runner.graphs
     fns = {"eager": lambda: runner.model(ids, meta, kv, rows)}
-    if graphs is not None and graphs.query_len(meta) == 1:
-        fns = {"graph": lambda: graphs.run(ids, meta), **fns}
+    replay = None if runner.graphs is None else staged_replay(runner.graphs, ids.tolist(), context, tables)
+    if replay is not None:
+        fns = {"graph": replay, **fns}
     for mode, fn in fns.items():
         ms = triton.testing.do_bench(fn, warmup=10, rep=200, return_mode="median")
         try:

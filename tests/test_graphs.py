@@ -23,6 +23,19 @@ def since(before: dict, after: dict) -> dict:
     return {**after, **{k: after[k] - before[k] for k in ("steps", "graph_steps")}}
 
 
+def replay_step(graphs: DecodeGraphs, ids: list[int], counts: list[int], context_lens: list[int],
+                tables: list[list[int]], aux_layers: tuple[int, ...] = ()) -> tuple:
+    """(hidden, logits, aux) of every real token of a step run as the engine runs it (`stage` from host lists, then
+    `replay`), in the step's token order; sequence i's token j sits at row i * q + j of the graph's outputs."""
+    key = graphs.key(len(counts), max(counts), max(context_lens), max(map(len, tables)), aux_layers)
+    assert key is not None
+    graphs.stage(key, ids, counts, context_lens, tables)
+    hidden, logits, *aux = graphs.replay(key)
+    q = key[2]
+    rows = torch.tensor([i * q + j for i, c in enumerate(counts) for j in range(c)], device=logits.device)
+    return hidden[rows], logits[rows], aux[0][rows] if aux else None
+
+
 def test_batch_buckets():
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert batch_buckets(5) == [1, 2, 4, 5]
@@ -58,13 +71,13 @@ def test_replay_matches_eager_and_padding_writes_nowhere(tmp_path):
     after_capture = [t.clone() for t in (*kv.k, *kv.v, *kv.k_scale, *kv.v_scale, kv.index_k[1])]
     assert all(torch.equal(a, b) for a, b in zip(before, after_capture, strict=True))
 
-    step = AttentionMetadata.build([1, 1, 1], [n + 1 for n in lengths], tables, device=dev)
-    ids = torch.tensor([5, 6, 7], device=dev)
-    assert graphs.query_len(step) == 1
-    _, eager = model(ids, step, kv, torch.arange(3, device=dev))
+    context_lens = [n + 1 for n in lengths]
+    step = AttentionMetadata.build([1, 1, 1], context_lens, tables, device=dev)
+    ids = [5, 6, 7]
+    _, eager = model(torch.tensor(ids, device=dev), step, kv, torch.arange(3, device=dev))
     eager = eager.clone()
     written = [t.clone() for t in (*kv.k, *kv.v, *kv.k_scale, *kv.v_scale, kv.index_k[1])]
-    replay = graphs.run(ids, step)[1]
+    replay = replay_step(graphs, ids, [1, 1, 1], context_lens, tables)[1]
     err = ((replay - eager).norm() / eager.norm()).item()
     assert err < 2e-2 and torch.equal(replay.argmax(-1), eager.argmax(-1))
     # the replay wrote the same K/V as the eager step at the same slots, and nothing else anywhere
@@ -95,23 +108,25 @@ def test_verify_replay_matches_eager_with_aux(tmp_path, monkeypatch):
                                                                                       device=dev), kv)
     graphs = DecodeGraphs(model, kv, max_num_seqs=8, max_model_len=1024, device=dev, query_lens=(1, q),
                           aux_layers=aux_layers)
-    step = AttentionMetadata.build([q] * 3, [n + q for n in lengths], tables, device=dev)
-    ids = torch.randint(0, 1000, (3 * q,), device=dev)
-    assert graphs.query_len(step, aux_layers) == q and graphs.query_len(step) is None
-    hidden, eager, aux = (t.clone() for t in model(ids, step, kv, torch.arange(3 * q, device=dev), aux_layers))
-    g_hidden, replay, g_aux = graphs.run(ids, step)
+    context_lens = [n + q for n in lengths]
+    step = AttentionMetadata.build([q] * 3, context_lens, tables, device=dev)
+    ids = torch.randint(0, 1000, (3 * q,)).tolist()
+    assert graphs.key(3, q, max(context_lens), len(tables[1])) is None  # verify graphs come with their aux layers
+    hidden, eager, aux = (t.clone() for t in model(torch.tensor(ids, device=dev), step, kv,
+                                                   torch.arange(3 * q, device=dev), aux_layers))
+    g_hidden, replay, g_aux = replay_step(graphs, ids, [q] * 3, context_lens, tables, aux_layers)
     for a, b in ((replay, eager), (g_aux, aux), (g_hidden, hidden)):
         assert a.shape == b.shape and ((a - b).norm() / b.norm()).item() < 1e-4
     assert torch.equal(replay.argmax(-1), eager.argmax(-1))
 
     # a mixed step (a plain decode row, a verify row, a verify row with 1 draft) padded to q inside the graph
-    counts, rows = [1, q, 2], [0, 1, 2, 3, 4, 6]
-    step = AttentionMetadata.build(counts, [n + c for n, c in zip(lengths, counts, strict=True)], tables, device=dev)
-    ids = torch.randint(0, 1000, (sum(counts),), device=dev)
-    assert graphs.query_len(step, aux_layers) == q and graphs.query_len(step) is None
-    hidden, eager, aux = (t.clone() for t in model(ids, step, kv, torch.tensor(rows, device=dev), aux_layers))
-    dest = torch.tensor([0, 4, 5, 6, 7, 8, 9], device=dev)
-    g_hidden, replay, g_aux = graphs.run(ids, step, q, dest, torch.tensor(rows, device=dev))
+    counts = [1, q, 2]
+    context_lens = [n + c for n, c in zip(lengths, counts, strict=True)]
+    step = AttentionMetadata.build(counts, context_lens, tables, device=dev)
+    ids = torch.randint(0, 1000, (sum(counts),)).tolist()
+    hidden, eager, aux = (t.clone() for t in model(torch.tensor(ids, device=dev), step, kv,
+                                                   torch.arange(sum(counts), device=dev), aux_layers))
+    g_hidden, replay, g_aux = replay_step(graphs, ids, counts, context_lens, tables, aux_layers)
     for a, b in ((replay, eager), (g_aux, aux), (g_hidden, hidden)):
         assert a.shape == b.shape and ((a - b).norm() / b.norm()).item() < 1e-4
     assert torch.equal(replay.argmax(-1), eager.argmax(-1))

@@ -3,7 +3,8 @@ captured at start or on first use and replayed after, so a step costs one launch
 
 A step where every sequence adds at most q tokens (q = 1: plain decode; q = 1 + k: a speculative verify step, the
 last token plus up to k drafts, or a mix of those and plain decode rows) is copied into static buffers, each
-sequence padded to q tokens (`run` says how) and the batch padded up to the batch bucket. Padding sequences write
+sequence padded to q tokens at its end (its context grows by the padding, so its real queries keep their positions
+and causal masks) and the batch padded up to the batch bucket. Padding tokens and sequences write
 nowhere (slot -1: the cache-write kernels skip negative slots) and attend to their own q positions 0 .. q - 1 of a
 real page (context q, whatever page their stale page-table row names), so they stay finite and touch no real
 sequence; their rows are dropped. The host ints that pick kernel grids (`max_seqlen_q` = q, `max_context_len`) are
@@ -13,10 +14,10 @@ those layers' inputs. Graphs share one memory pool; they never run concurrently,
 read before the next one. Off CUDA each step runs eagerly on the static buffers (`Replay`), so CPU tests check the
 padded path (and tensor parallel's lockstep of graph steps, parallel/graphs.py).
 
-The engine's steps reach the graphs from host lists (`stage`): one pinned upload per step fills every static input
-(token ids, positions, slots, context lengths, page table, each step's index lists) at once, because on the serving
-host every torch call costs tens of microseconds and the old path (a device tensor per field, then a copy per field)
-made a batch-64 step host-bound. The static inputs are typed views of one byte buffer, so tensor parallel mirrors
+Steps reach the graphs only from host lists (`stage`, then `replay`): one pinned upload per step fills every static
+input (token ids, positions, slots, context lengths, page table, each step's index lists) at once, because on the
+serving host every torch call costs tens of microseconds and a copy per field from device metadata made a batch-64
+step host-bound. The static inputs are typed views of one byte buffer, so tensor parallel mirrors
 a step with one broadcast of that buffer's used prefix (parallel/graphs.py).
 
 A forward can be captured only if none of its ops syncs the host: the triton attention backend (its kernels take
@@ -159,18 +160,12 @@ class DecodeGraphs:
         w = -(-context // PAGE_SIZE)
         return self._tables[:self.buckets[-1] * w].view(-1, w)
 
-    def query_len(self, meta: AttentionMetadata, aux_layers: Sequence[int] = ()) -> int | None:
-        """`key`'s q for a step given as device metadata (None: it does not fit)."""
-        key = self.key(meta.context_lens.shape[0], meta.max_seqlen_q, meta.max_context_len, meta.page_table.shape[1],
-                       aux_layers)
-        return None if key is None else key[2]
-
     def stage(self, key: tuple[int, int, int], ids: Sequence[int], counts: Sequence[int],
               context_lens: Sequence[int], tables: Sequence[Sequence[int]], extra: Sequence[int] = ()
               ) -> torch.Tensor:
         """Fill the static inputs for graph `key` from a step's host lists, in one upload: per sequence i its
         `counts[i]` new tokens `ids` (flattened), its context after the step and its pages; sequence i's token j
-        goes to row i * q + j (`run`'s padded layout) and sequences past the batch are padding. `extra` int64
+        goes to row i * q + j (the graph's padded layout) and sequences past the batch are padding. `extra` int64
         values ride along: -> their device copy (`scratch`'s prefix), for index lists the step needs there.
         Every padding row writes nowhere; a padded sequence's extra rows sit after its tokens, in positions."""
         bucket, context, q = key
@@ -225,45 +220,6 @@ class DecodeGraphs:
         """The prefix of the static input bytes that graph `key` reads (tensor parallel broadcasts it)."""
         bucket, context, _ = key
         return self.inputs[:self._off32 + (self.buckets[-1] + bucket * -(-context // PAGE_SIZE)) * 4]
-
-    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata, q: int | None = None,
-            dest: torch.Tensor | None = None, logits_rows: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(hidden [T, H], logits [N, V], aux [T, len(aux_layers) * H] or None) of a step whose `query_len` is q
-        (default: every sequence has meta.max_seqlen_q tokens and every token gets logits).
-
-        A sequence with fewer than q tokens is padded at its end: `dest` [T] names each token's row in the padded
-        layout (sequence i's rows are i * q .. i * q + q - 1) and its context grows by the padding, so its real
-        queries keep their positions (context - q + j) and causal masks; the padding tokens write nothing and
-        their rows are dropped. `logits_rows` [N]: the tokens (of the T) that get logits (None: all). With
-        neither, the outputs are views of the graph's buffers, valid until the next replay."""
-        b, t = meta.context_lens.shape[0], meta.positions.shape[0]
-        q = q or meta.max_seqlen_q
-        bucket = next(s for s in self.buckets if s >= b)
-        context = self._context_bucket(meta.max_context_len + q - 1)
-        if dest is None:
-            self.input_ids[:t].copy_(input_ids)
-            self.positions[:t].copy_(meta.positions)
-            self.slots[:t].copy_(meta.slot_mapping)
-            self.context_lens[:b].copy_(meta.context_lens)
-        else:
-            # padding tokens keep stale ids and positions (finite, dropped) and write nowhere
-            self.slots[:b * q].fill_(-1)
-            self.input_ids[dest] = input_ids
-            self.positions[dest] = meta.positions
-            self.slots[dest] = meta.slot_mapping
-            self.context_lens[:b].copy_(meta.context_lens + q - meta.cu_seqlens_q.diff())
-        self.table(context)[:b, :meta.page_table.shape[1]].copy_(meta.page_table)
-        self._pad(b, bucket, q)
-        hidden, logits, *aux = self.replay((bucket, context, q))
-        if dest is None:
-            rows = logits_rows
-            hidden, aux = hidden[:t], [a[:t] for a in aux]
-        else:
-            rows = dest if logits_rows is None else dest[logits_rows]
-            hidden, aux = hidden[dest], [a[dest] for a in aux]
-        logits = logits[:t] if rows is None else logits[rows]
-        return hidden, logits, aux[0] if aux else None
 
     def _pad(self, b: int, bucket: int, q: int) -> None:
         """Sequences b .. bucket - 1 are padding: no writes, q tokens at positions 0 .. q - 1, context q."""
