@@ -55,6 +55,7 @@ class AotVariant:
     num_warps: int = 4
     num_stages: int = 2
     aligned: tuple[str, ...] = field(default=())
+    maxnreg: int | None = None  # a register cap per thread (NVIDIA only: more programs resident per SM)
 
     def source(self):
         import triton
@@ -137,7 +138,8 @@ def compile_variant(variant: AotVariant, arch: Arch) -> dict:
         compiled = triton.compile(
             variant.source(),
             target=arch.gpu_target(),
-            options={"num_warps": variant.num_warps, "num_stages": variant.num_stages},
+            options={"num_warps": variant.num_warps, "num_stages": variant.num_stages}
+            | ({"maxnreg": variant.maxnreg} if variant.maxnreg else {}),
         )
         row.update(_report_hip(compiled.asm) if arch.backend == "hip" else _report_cuda(compiled.asm, arch))
         row["shared_bytes"] = compiled.metadata.shared

@@ -63,7 +63,8 @@ def selected_keys_mask(block_sel: torch.Tensor, length: int, block_size: int) ->
 # One kernel serves dense and MSA attention, decode and (chunked) prefill. A program owns BLOCK_Q consecutive
 # query tokens of one sequence and the GROUP query heads of one KV head: its BLOCK_Q x BLOCK_H rows are the M of
 # every tl.dot, so the 16 heads of an M3 GQA group share each K/V tile load. Split-KV (flash-decoding) runs
-# NUM_SPLITS programs over disjoint key ranges and a merge kernel combines their partial outputs by LSE.
+# NUM_SPLITS programs over disjoint key ranges, and a merge kernel combines their partial outputs by LSE, or
+# (MERGE_LAST) the last of a tile's programs to finish does, counted by an atomic (no second launch).
 # Dense programs walk their keys in BLOCK_N tiles; MSA programs walk the sorted union of their tokens' selected
 # blocks, so a block chosen by several tokens of the tile is loaded once for all of them (block-major inside a
 # query tile), and each row only sees the blocks its own token chose. Softmax is base 2 (scale * log2 e folded).
@@ -177,13 +178,13 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
 @triton.jit
 def _attn_kernel(
         q_ptr, k_cache, v_cache, k_scale, v_scale, page_table, cu_q, ctx_lens, sel_ptr, out_ptr, part_o, part_lse,
-        qk_scale, num_seqs, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_cp, stride_ch,
-        stride_sp, stride_sh, stride_sel_h, stride_sel_t,
+        arrivals, qk_scale, num_seqs, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_cp,
+        stride_ch, stride_sp, stride_sh, stride_sel_h, stride_sel_t,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-        PAGE_AHEAD: tl.constexpr):
+        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -291,6 +292,42 @@ def _attn_kernel(
             row = (split * num_tokens + tok.to(tl.int64)) * NUM_HEADS + head
             tl.store(part_o + row[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None])
             tl.store(part_lse + row, lse, mask=row_ok)
+            if MERGE_LAST:
+                # the last of the tile's NUM_SPLITS programs to arrive merges them all, in place of a second launch:
+                # every program's partial stores precede (barrier, then a release add) its arrival, and the last one
+                # reads them after its acquiring add saw all arrivals. It puts the counter back to 0 for the next call
+                # (so a CUDA graph replays with the same buffer), which no other program of this launch touches again.
+                count = arrivals + pid * tl.num_programs(1) + h
+                tl.debug_barrier()
+                if tl.atomic_add(count, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                    tl.debug_barrier()
+                    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                             _merge_rows(part_o, part_lse, tok.to(tl.int64) * NUM_HEADS + head, num_tokens,
+                                         row_ok, NUM_HEADS, HEAD_DIM, NUM_SPLITS, BLOCK_M).to(out_ptr.dtype.element_ty),
+                             mask=row_ok[:, None])
+                    tl.store(count, 0)
+
+
+@triton.jit
+def _merge_rows(part_o, part_lse, row0, num_tokens, row_ok, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """LSE-weighted mean of the NUM_SPLITS normalized partial outputs of rows `row0` (token * heads + head) of a
+    MERGE_LAST program's tile; L2 loads (.cg): the partials were written by other programs of this launch."""
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.load(part_lse + row0, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+    for s in tl.static_range(1, NUM_SPLITS):
+        m = tl.maximum(m, tl.load(part_lse + s * num_tokens * NUM_HEADS + row0, mask=row_ok, other=float("-inf"),
+                                  cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    o = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        row = s * num_tokens * NUM_HEADS + row0
+        w = tl.exp2(tl.load(part_lse + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m)
+        o += w[:, None] * tl.load(part_o + row[:, None] * HEAD_DIM + d[None, :], mask=(w > 0)[:, None], other=0.0,
+                                  cache_modifier=".cg")
+        w_sum += w
+    return o / tl.maximum(w_sum, 1e-30)[:, None]
 
 
 @triton.jit
@@ -341,7 +378,26 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     splits = min(1 << (want.bit_length() - 1), triton.next_power_of_2(max_splits))
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-            "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0)}
+            "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "MERGE_LAST": cfg.get("MERGE_LAST", 0) if splits > 1 else 0,
+            "maxnreg": cfg.get("maxnreg")}
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n int32 zeros that MERGE_LAST programs count their arrivals in, one per (query tile, KV head); each call leaves
+    them at zero again, so one buffer per device serves every call (calls on a device run in stream order: two
+    launches must not run concurrently on different streams). Made eagerly, never inside a CUDA graph capture: a
+    buffer first zeroed by a captured memset would hold garbage for eager calls, so a capture that needs a larger
+    one gets its own, zeroed by the graph at each replay."""
+    have = _ARRIVALS.get(device)
+    if have is not None and have.numel() >= n:
+        return have
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    _ARRIVALS[device] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+    return _ARRIVALS[device]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -377,8 +433,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     fp8 = k_scale is not None
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     sel = block_sel if sparse else page_table
+    arrivals = arrival_counters(q.device, plan["q_blocks"] * hkv) if plan["MERGE_LAST"] else out  # unread without
+    limits = {"maxnreg": plan["maxnreg"]} if plan["maxnreg"] else {}
     _attn_kernel[(plan["q_blocks"], hkv, splits)](
-        q, k_cache, v_cache, ks, vs, page_table, cu_seqlens_q, context_lens, sel, out, part_o, part_lse,
+        q, k_cache, v_cache, ks, vs, page_table, cu_seqlens_q, context_lens, sel, out, part_o, part_lse, arrivals,
         scale * 1.4426950408889634, num_seqs, t_total, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         page_table.stride(0), k_cache.stride(0), k_cache.stride(1), ks.stride(0), ks.stride(1),
         sel.stride(0) if sparse else 0, sel.stride(1) if sparse else 0,
@@ -386,8 +444,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle",
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
-        PAGE_AHEAD=plan["PAGE_AHEAD"], num_warps=plan["num_warps"], num_stages=plan["num_stages"])
-    if splits > 1:
+        PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], num_warps=plan["num_warps"],
+        num_stages=plan["num_stages"], **limits)
+    if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                      HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
                                      num_warps=tiles("attn_merge")["num_warps"])
@@ -414,7 +473,7 @@ def aot_variants(arch: Arch) -> list:
         kv_type = arch.fp8_triton if kv == "fp8" else "bf16"
         types = {"q_ptr": "*bf16", "k_cache": f"*{kv_type}", "v_cache": f"*{kv_type}", "k_scale": "*fp32",
                  "v_scale": "*fp32", "page_table": "*i32", "cu_q": "*i32", "ctx_lens": "*i32", "sel_ptr": "*i32",
-                 "out_ptr": "*bf16", "part_o": "*fp32", "part_lse": "*fp32", "qk_scale": "fp32"}
+                 "out_ptr": "*bf16", "part_o": "*fp32", "part_lse": "*fp32", "arrivals": "*i32", "qk_scale": "fp32"}
         types |= {name: "i32" for name in _attn_kernel.arg_names if name not in types}
         variants.append(AotVariant(
             name=f"attention.{'sparse' if sparse else 'dense'}_{'decode' if decode else 'prefill'}_{kv}_{layout}",
@@ -424,8 +483,9 @@ def aot_variants(arch: Arch) -> list:
                         "X": 16 if kv == "fp8" else 8, "SHUFFLE": layout == "shuffle", "FP8": kv == "fp8",
                         "SPARSE": sparse, "TOPK": m["topk"], "TOPK_PAD": m["topk"], "SEL_BLOCK": m["block_size"],
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
-                        "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"]},
-            num_warps=plan["num_warps"], num_stages=plan["num_stages"],
+                        "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
+                        "MERGE_LAST": plan["MERGE_LAST"]},
+            num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))
     variants.append(AotVariant(

@@ -10,7 +10,12 @@ from attn_cases import DTYPES, make_step, poisoned  # noqa: E402
 
 from m3sdk_kernels import arch  # noqa: E402
 from m3sdk_kernels.indexer import indexer_topk_ref  # noqa: E402
-from m3sdk_kernels.paged_attention import attention_plan, paged_attention, paged_attention_ref  # noqa: E402
+from m3sdk_kernels.paged_attention import (  # noqa: E402
+    arrival_counters,
+    attention_plan,
+    paged_attention,
+    paged_attention_ref,
+)
 
 HKV, GROUP, D = 2, 16, 32  # M3's 16 query heads per KV head, small head dim
 # (ctx after the step, new tokens): decode across page edges, a chunk in the middle of a prompt, a whole prompt
@@ -62,17 +67,23 @@ def test_sparse_matches_reference_and_drops_blocks(monkeypatch, case, kv_dtype, 
     assert (ref - dense).abs().max() > 0.05  # the selection changed the result: something was dropped
 
 
-def test_splits_and_gqa_padding(monkeypatch):
-    """Split-KV + LSE merge (many splits, some empty), a group of 4 heads padded to 16 rows, fp32 KV."""
+@pytest.mark.parametrize("merge_last", [0, 1], ids=["merge-kernel", "merge-last"])
+def test_splits_and_gqa_padding(monkeypatch, merge_last):
+    """Split-KV + LSE merge (many splits, some empty), a group of 4 heads padded to 16 rows, fp32 KV; merged by a
+    second kernel, or (MERGE_LAST) by each tile's last program to arrive, whose counters are back at 0 after the
+    call (a second call gives the same result)."""
     monkeypatch.setitem(arch.TILES["attn_decode"], "sm90", {**arch.TILES["attn_decode"]["sm90"], "BLOCK_N": 16,
-                                                            "SPLIT_PROGRAMS": 1 << 12})
+                                                            "SPLIT_PROGRAMS": 1 << 12, "MERGE_LAST": merge_last})
     ctx, new = [3, 100, 47], [1, 1, 1]
     plan = attention_plan(3, 3, HKV, 4, 1, max(ctx), False, 1, 128)
-    assert plan["NUM_SPLITS"] >= 2 and plan["BLOCK_H"] == 16
+    assert plan["NUM_SPLITS"] >= 2 and plan["BLOCK_H"] == 16 and plan["MERGE_LAST"] == merge_last
     step = make_step(ctx, new, HKV, D, "fp32", "plain")
     q = torch.randn(3, HKV * 4, D)
     got, ref = run(step, q, 0.3)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    if merge_last:
+        assert not arrival_counters(q.device, 3 * HKV)[: 3 * HKV].any()
+        torch.testing.assert_close(run(step, q, 0.3)[0], got, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("page_ahead", [0, 1])
@@ -92,15 +103,17 @@ def test_dense_fp8_decode_many_tiles_per_split(monkeypatch, programs, page_ahead
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("layout,ahead", [("shuffle", 0), ("plain", 1)], ids=["shuffle", "plain-ahead"])
+@pytest.mark.parametrize("layout,ahead,merge_last", [("shuffle", 0, 0), ("plain", 1, 0), ("plain", 1, 1)],
+                         ids=["shuffle", "plain-ahead", "plain-ahead-merge-last"])
 @pytest.mark.parametrize("programs", [1 << 12, 8], ids=["4-splits", "2-splits"])
-def test_sparse_decode_splits_and_unsorted_selection(monkeypatch, programs, layout, ahead):
+def test_sparse_decode_splits_and_unsorted_selection(monkeypatch, programs, layout, ahead, merge_last):
     """Selections in any order (valid entries first, -1 padded) split over programs, two 8-key tiles per block:
     block and page ids loaded in each tile's iteration, or (PAGE_AHEAD, plain pages) the split's block ids read
-    once and each tile's page ids carried from the previous iteration."""
+    once and each tile's page ids carried from the previous iteration; splits merged by a second kernel or in the
+    last program of each (token, KV head) (MERGE_LAST, sm90's FP8 default)."""
     fp8 = arch.TILES["sparse_decode:fp8"]["sm90"]  # the FP8 entry overrides the family's
     monkeypatch.setitem(arch.TILES["sparse_decode:fp8"], "sm90", {**fp8, "BLOCK_N": 8, "SPLIT_PROGRAMS": programs,
-                                                                  "PAGE_AHEAD": ahead})
+                                                                  "PAGE_AHEAD": ahead, "MERGE_LAST": merge_last})
     assert attention_plan(2, 2, HKV, GROUP, 1, 100, True, 4, 16, fp8=True)["NUM_SPLITS"] == (4 if programs > 8 else 2)
     ctx, new = [100, 40], [1, 1]
     step = make_step(ctx, new, HKV, D, "fp8", layout)
