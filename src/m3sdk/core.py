@@ -402,10 +402,13 @@ class EngineCore:
     def _text_only(self, request: Request, tokens: list[SampledToken]) -> bool:
         """Whether these tokens leave nothing but their text to work out: none can end the request (no stop string
         to match, no eos or stop token, short of max_tokens), so their chunk can be built after the next launch."""
+        return (not request.params.stop and request.num_tokens + len(tokens) < request.max_total_tokens
+                and not any(self._is_stop_token(request, t.token_id) for t in tokens))
+
+    def _is_stop_token(self, request: Request, token_id: int) -> bool:
+        """Whether this token ends the request by itself (eos unless ignored, or one of its stop tokens)."""
         params = request.params
-        return (not params.stop and request.num_tokens + len(tokens) < request.max_total_tokens
-                and not any((t.token_id in self.eos_token_ids and not params.ignore_eos)
-                            or t.token_id in params.stop_token_ids for t in tokens))
+        return (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids
 
     def _text_chunk(self, request: Request, tokens: list[SampledToken]) -> Chunk:
         """The chunk of recorded tokens that `_text_only` said cannot end the request."""
@@ -485,7 +488,7 @@ class EngineCore:
         logprobs = [token] if params.logprobs is not None else None
         reason: FinishReason | None = None
         text = ""
-        if (tid in self.eos_token_ids and not params.ignore_eos) or tid in params.stop_token_ids:
+        if self._is_stop_token(request, tid):
             reason = "stop"  # stop tokens are not text
         else:
             text, stopped = request.text.push(tid)
