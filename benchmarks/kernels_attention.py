@@ -611,7 +611,12 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
             # again after the graph replays and eager loops: a kernel whose state (MERGE_LAST's arrival counters)
             # outlived a call would time fast and be wrong from its second call on
             return err, rel_err(ours(), ref), t  # noqa: B023
-        err, err_after, t = with_tiles(change, measure)
+        try:
+            err, err_after, t = with_tiles(change, measure)
+        except Exception as e:  # noqa: BLE001 (one variant failing to build or launch must not lose the others)
+            print(f"{mode:6} {kv:4} {ctx // 1024:4}K FAILED {type(e).__name__}: {str(e)[:150]} {json.dumps(change)}",
+                  flush=True)
+            continue
         if mode == "sparse":
             nbytes = batch * HKV * TOPK * BS * 2 * (D * k.element_size() + (4 if kv == "fp8" else 0))
         else:
