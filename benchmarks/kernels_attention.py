@@ -70,8 +70,10 @@ def read_bandwidth() -> tuple[float, float]:
     return n / t_sum / 1e9, 2 * n / t_copy / 1e9
 
 
-def make_kv(batch: int, ctx: int, kv: str, layout: str):
-    """Random paged K/V for `batch` sequences of `ctx` tokens, pages shuffled across the pool."""
+def make_kv(batch: int, ctx: int, kv: str, layout: str, inline_scales: bool = False):
+    """Random paged K/V for `batch` sequences of `ctx` tokens, pages shuffled across the pool. `inline_scales` (FP8
+    plain): each (page, KV head)'s 16 scales stored right after its 16 K (V) rows in one allocation, so a page's
+    scales share its rows' DRAM page; K/V and the scales are strided views of it (the kernels take strides)."""
     pages_per = ctx // PAGE_SIZE
     num_pages = batch * pages_per
     fp8 = kv == "fp8"
@@ -82,6 +84,18 @@ def make_kv(batch: int, ctx: int, kv: str, layout: str):
     if fp8:
         ks = torch.rand(num_pages, HKV, PAGE_SIZE, device=DEV) * 0.01 + 1e-3
         vs = torch.rand(num_pages, HKV, PAGE_SIZE, device=DEV) * 0.01 + 1e-3
+    if fp8 and inline_scales:
+        assert layout == "plain"
+        row = PAGE_SIZE * D  # bytes of one (page, head)'s rows
+        views = []
+        for rows, scales in ((k, ks), (v, vs)):
+            raw = torch.empty(num_pages, HKV, row + PAGE_SIZE * 4, dtype=torch.uint8, device=DEV)
+            x = raw[..., :row].view(dtype).view(num_pages, HKV, PAGE_SIZE, D)
+            x.copy_(rows)
+            sc = raw[..., row:].view(torch.float32)
+            sc.copy_(scales)
+            views += [x, sc]
+        k, ks, v, vs = views
     table = torch.randperm(num_pages, device=DEV, dtype=torch.int32).view(batch, pages_per)
     return k, v, ks, vs, table
 
@@ -595,7 +609,7 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
             continue
         mode, kv, ctx, batch = var["mode"], var["kv"], var["ctx"], var.get("batch", 64)
         change = best[(mode, kv)][1] if var["tiles"] == "best" else var["tiles"]
-        key = (mode, kv, ctx, batch)
+        key = (mode, kv, ctx, batch, var.get("inline", False))
         decode_inputs(inputs, key)
         cu, lens, q, sel, k, v, ks, vs, table, ref, peer = inputs[key]
 
@@ -628,31 +642,31 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
              "graph_ms": t["graph_ms"], "host_us": t["host_us"], "graph_of_floor": floor / t["graph_ms"],
              "peer": "SDPA " + ("pre-gathered selected bf16 KV" if mode == "sparse" else "contiguous bf16"),
              "peer_ms": peer["ms"], "peer_graph_ms": peer["graph_ms"], "peer_host_us": peer["host_us"],
-             "tiles": json.dumps(change), "rel_err": err, "rel_err_after": err_after}
+             "tiles": json.dumps(change), "inline_scales": key[-1], "rel_err": err, "rel_err_after": err_after}
         rows.append(r)
         record_row(r, results)
         print(f"{mode:6} {kv:4} {ctx // 1024:4}K err {err:.1e}/{err_after:.1e} eager {t['ms']:.4f} "
               f"graph {t['graph_ms']:.4f} "
               f"({r['graph_of_floor']:.0%} floor, {peer['graph_ms'] / t['graph_ms']:.2f}x SDPA graph "
               f"{peer['graph_ms']:.4f}; eager {peer['ms'] / t['ms']:.2f}x) host {t['host_us']:.0f}us "
-              f"{json.dumps(change)}", flush=True)
+              f"{json.dumps(change)}{' inline scales' if key[-1] else ''}", flush=True)
         if not math.isnan(t["graph_ms"]) and ((mode, kv) not in best or t["graph_ms"] < best[(mode, kv)][0]):
             best[(mode, kv)] = (t["graph_ms"], change)
 
 
 def decode_inputs(inputs: dict, key: tuple) -> None:
-    """inputs[key] for a decode sweep variant, key = (mode, kv, ctx, batch): the metadata, q, the selection (MSA),
-    the pages, the reference output and SDPA's timings; the previous shape's are dropped (128K FP8 pages are 8.6
-    GB)."""
+    """inputs[key] for a decode sweep variant, key = (mode, kv, ctx, batch, inline scales): the metadata, q, the
+    selection (MSA), the pages, the reference output and SDPA's timings; the previous shape's are dropped (128K FP8
+    pages are 8.6 GB)."""
     if key in inputs:
         return
-    mode, kv, ctx, batch = key
+    mode, kv, ctx, batch, inline = key
     inputs.clear()
     torch.cuda.empty_cache()
     cu, lens = decode_meta(batch, ctx)
     q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
     sel = random_selection(batch, ctx) if mode == "sparse" else None
-    k, v, ks, vs, table = make_kv(batch, ctx, kv, "plain")
+    k, v, ks, vs, table = make_kv(batch, ctx, kv, "plain", inline)
     ref = paged_attention_ref(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS)
     n = TOPK * BS if mode == "sparse" else ctx
     kc = torch.randn(batch, HKV, n, D, device=DEV, dtype=torch.bfloat16)
@@ -666,7 +680,7 @@ def sweep_gather(rows: list, read_bw: float, var: dict, inputs: dict, results: s
     same context (made here when none were): {"mode": "gather", "ctx", "splits", "scales", "num_warps",
     "num_stages", "dense"}: MSA's selected blocks, or with "dense" every block of every sequence."""
     ctx, dense = var["ctx"], var.get("dense", False)
-    key = ("dense" if dense else "sparse", "fp8", ctx, 64)
+    key = ("dense" if dense else "sparse", "fp8", ctx, 64, var.get("inline", False))
     decode_inputs(inputs, key)
     _, _, _, sel, k, v, ks, vs, table, _, _ = inputs[key]
     if dense:
