@@ -122,7 +122,6 @@ class Trace:
 
     @classmethod
     def install(cls) -> None:
-        import ucxx
 
         from m3sdk.disagg import transport as tr
 
@@ -132,15 +131,15 @@ class Trace:
             if cls.events is not None:
                 cls.events.append((event, index, time.perf_counter()))
 
-        pack, scatter, send, recv, get = wire.pack, wire.scatter, tr._send, ucxx.recv, tr.Outbox.get
+        pack, scatter, send, recv, get = wire.pack, wire.scatter, tr._send, tr._recv, tr.Outbox.get
 
         def traced_pack(plan, msg, *args):
             note("pack", msg.index)
             pack(plan, msg, *args)
 
-        def traced_scatter(plan, msg, rows, dst, buf, stream=None):
+        def traced_scatter(plan, msg, *args):
             note("scatter0", msg.index)  # the check (one copy to the host) and the copies queued
-            scatter(plan, msg, rows, dst, buf, stream)
+            scatter(plan, msg, *args)
             note("scatter1", msg.index)
 
         async def traced_send(ep, buf, tag):
@@ -159,7 +158,7 @@ class Trace:
             note("ready", index)
             return index, buf
 
-        wire.pack, wire.scatter, tr._send, ucxx.recv, tr.Outbox.get = (traced_pack, traced_scatter, traced_send,
+        wire.pack, wire.scatter, tr._send, tr._recv, tr.Outbox.get = (traced_pack, traced_scatter, traced_send,
                                                                        traced_recv, traced_get)
 
 
@@ -210,27 +209,30 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
             ahead = "ahead" in what.split("-")
 
             async def kv(port=port, plan=plan, src=srcs[what], ahead=ahead):
-                # packed in another thread, as a node's engine thread packs while it computes: `window` messages
-                # ahead of the sends (woken by each completed send), so the staging stays within the transport's
-                # pool (on a CPU a fresh buffer pays a page fault per 4 KiB); "-ahead": all at once
+                # packed in one producer thread, as a node's engine thread packs while it computes: `window`
+                # messages ahead of the completed sends, so the staging stays within the transport's pool (on a
+                # CPU a fresh buffer pays a page fault per 4 KiB); "-ahead": all at once
                 start = time.perf_counter()
                 outbox = transport.outbox(plan, dev)
-                sent, count = asyncio.Event(), outbox.count_sent
+                credits, count = threading.Semaphore(transport.window + 1), outbox.count_sent
 
                 def counted(send: asyncio.Future) -> None:
                     count(send)
-                    sent.set()
+                    credits.release()
 
                 outbox.count_sent = counted
                 push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
-                if ahead:
-                    await asyncio.to_thread(outbox.pack, list(plan.messages), rows, src)
-                for msg in () if ahead else plan.messages:
-                    while msg.index > outbox.sent + transport.window:
-                        sent.clear()
-                        await sent.wait()
-                    await asyncio.to_thread(outbox.pack, [msg], rows, src)
-                await push
+
+                def produce() -> None:
+                    if ahead:
+                        outbox.pack(list(plan.messages), rows, src)
+                        return
+                    for msg in plan.messages:
+                        if not credits.acquire(timeout=step_timeout):
+                            return  # the push failed: it says why
+                        outbox.pack([msg], rows, src)
+
+                await asyncio.gather(asyncio.to_thread(produce), push)
                 return start
             start = loop.run(kv(), step_timeout)
         elif what.startswith("raw"):

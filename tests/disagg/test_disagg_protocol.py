@@ -113,10 +113,13 @@ def test_pack_and_scatter_put_each_page_where_the_plan_says(kv_dtype):
             t.zero_()
         plan = wire.TransferPlan.build(dst_rows, 7, 25, 2, 64 << 10, dst)
         assert (plan.runs is not None) == (dst is runs) and len(plan.messages) == 4
+        packing, placing = wire.Layout(plan, src_rows, torch.tensor(src)), wire.Layout(plan, dst_rows,
+                                                                                        torch.tensor(dst), plan.runs)
+        assert (packing.runs is not None) == (src is runs) and (placing.runs is not None) == (dst is runs)
         for msg in plan.messages:
             buf = torch.empty(msg.nbytes, dtype=torch.uint8)
-            wire.pack(plan, msg, src_rows, torch.tensor(src), buf, wire.frames(plan, "cpu"))
-            wire.scatter(plan, msg, dst_rows, torch.tensor(dst), buf)
+            wire.pack(plan, msg, packing, buf, wire.frames(plan, "cpu"))
+            wire.scatter(plan, msg, placing, buf)
         untouched = sorted(set(range(64)) - set(dst))
         for src_layer, dst_layer in zip(src_rows, dst_rows, strict=True):
             for a, b in zip(src_layer, dst_layer, strict=True):
@@ -136,7 +139,7 @@ def test_host_and_device_pools_share_one_plan_and_an_older_wire_version_is_refus
     assert host.runs == ((0, 8, 32),) and len(host.messages) == 11  # 3 pages of both layers per 64 KiB
     msg = host.messages[1]
     buf = torch.empty(msg.nbytes, dtype=torch.uint8)
-    wire.pack(host, msg, rows("cpu"), torch.tensor(pages), buf, wire.frames(host, "cpu"))
+    wire.pack(host, msg, wire.Layout(host, rows("cpu"), torch.tensor(pages)), buf, wire.frames(host, "cpu"))
     wire.check(host, msg, buf)
     buf[4:6] = torch.tensor([3, 0], dtype=torch.uint8)  # the version field, little-endian
     with pytest.raises(wire.WireError, match=r"version=3 \(expected 4\)"):

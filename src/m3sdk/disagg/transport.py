@@ -96,7 +96,7 @@ class Outbox:
     def __init__(self, plan: TransferPlan, device: torch.device, pool: BufferPool):
         self.plan, self.device, self._pool = plan, torch.device(device), pool
         self._frames = wire.frames(plan, self.device)
-        self._pages: tuple[torch.Tensor, torch.Tensor | None] | None = None  # source ids: host, on the GPU
+        self._layout: wire.Layout | None = None  # where the messages' pages are in the producer's pool
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[int, torch.Tensor, Any]] = asyncio.Queue()
         self.sent = 0  # messages the decode side has taken (their sends completed)
@@ -107,14 +107,11 @@ class Outbox:
         GPU: once the current stream passed this point; `push` waits for it before sending)."""
         # the engine calls this from its forward (inference mode): pooled buffers must stay ordinary tensors
         with torch.inference_mode(False):
-            if self.device.type == "cuda" and (self._pages is None or self._pages[0] is not src_pages):
-                # scattered pages are indexed on the device: their ids go there once per transfer, not per message
-                scattered = wire._runs(src_pages) is None
-                self._pages = (src_pages, src_pages.pin_memory().to(self.device, non_blocking=True) if scattered
-                               else None)
+            if self._layout is None or self._layout.pages is not src_pages or self._layout.rows is not rows:
+                self._layout = wire.Layout(self.plan, rows, src_pages)  # once per transfer
             for msg in messages:
                 buf = self._pool.take(msg.nbytes, self.device)
-                wire.pack(self.plan, msg, rows, src_pages, buf, self._frames, self._pages and self._pages[1])
+                wire.pack(self.plan, msg, self._layout, buf, self._frames)
                 ready = None
                 if buf.is_cuda:  # UCX reads the buffer on its own streams: the gather must be done first
                     ready = torch.cuda.Event()
@@ -165,9 +162,25 @@ class KVTransport(Protocol):
     async def close(self) -> None: ...
 
 
+class _CudaBytes:
+    """A CUDA tensor's bytes as ucxx takes them (`__cuda_array_interface__`), without torch's Python property
+    (a dozen Python steps per message on each side)."""
+
+    __slots__ = ("__cuda_array_interface__", "tensor")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t  # kept alive while UCX uses its memory
+        self.__cuda_array_interface__ = {"data": (t.data_ptr(), False), "shape": (t.numel() * t.element_size(),),
+                                         "typestr": "|u1", "strides": None, "version": 2}
+
+
 def _ucx_buffer(t: torch.Tensor) -> Any:
     # ucxx takes the buffer protocol (numpy for host memory) or __cuda_array_interface__ (CUDA tensors)
-    return t if t.is_cuda else t.numpy()
+    if t.is_cuda:
+        if not t.is_contiguous():
+            raise ValueError("UCX moves contiguous buffers only")
+        return _CudaBytes(t)
+    return t.numpy()
 
 
 def _api() -> Any:
@@ -186,12 +199,6 @@ def _using(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManage
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def _settle(buf: torch.Tensor) -> None:
-    """Wait for this thread's queued work on `buf`'s device (a no-op on a CPU)."""
-    if buf.is_cuda:
-        torch.cuda.current_stream(buf.device).synchronize()
-
-
 async def _send(ep: Any, buf: Any, tag: int) -> None:
     from ucxx._lib.arr import Array
     from ucxx.types import Tag
@@ -199,19 +206,30 @@ async def _send(ep: Any, buf: Any, tag: int) -> None:
     await ep.tag_send(Array(buf), Tag(tag)).wait()
 
 
+async def _recv(buf: Any, tag: int) -> None:
+    """A tag receive on the worker (what `ucxx.recv` does, without formatting its debug line every call)."""
+    from ucxx._lib.arr import Array
+    from ucxx.types import Tag
+
+    await _worker().tag_recv(Array(buf), Tag(tag)).wait()
+
+
 class UcxReceive:
     """One transfer's receiving side: `window` messages posted at once, each checked then scattered.
 
-    On GPUs two streams of the transfer's own: posts and checks (a zeroed trailer slot, a header and trailer
-    copied to the host: the only host waits, so they see nothing of the engine's queued steps) on one, the
+    On GPUs two streams of the transfer's own: arming and checks (a zeroed trailer slot, a header and trailer
+    copied to the host: the only host wait, so it sees nothing of the engine's queued steps) on one, the
     scatters on the other, queued without a host wait, so the next message's check and post do not wait for
     them. The scatters start after the work the engine queued before the transfer (its pages were freed before:
     a step in flight then may still write them). A buffer goes back to the pool once its scatter ran; the
-    transfer counts as done (and a cancel returns) only after every scatter ran."""
+    transfer counts as done (and a cancel returns) only after every scatter ran. Where each message goes in the
+    pool is worked out once, before the first post (wire.Layout), and per message the loop makes a few calls:
+    host time per message paced the GPU transfer (session 12)."""
 
     def __init__(self, transport: UcxTransport, plan: TransferPlan, rows: list[list[torch.Tensor]],
                  dst_pages: torch.Tensor, window: int):
-        self._transport, self._plan, self._rows, self._dst = transport, plan, rows, dst_pages
+        self._transport, self._plan, self._dst = transport, plan, dst_pages
+        self._layout = wire.Layout(plan, rows, dst_pages, plan.runs)
         self._window = window
         # tag -> (buffer, its receive, the message): everything posted and not yet taken
         self._posted: dict[int, tuple[torch.Tensor, asyncio.Future, MessageSpec]] = {}
@@ -224,16 +242,17 @@ class UcxReceive:
         self._cancelled = False
         self._task = asyncio.ensure_future(self._run())
 
-    def _post(self, index: int) -> None:
-        import ucxx
-
-        msg = self._plan.messages[index]
-        buf = self._transport.pool.take(msg.nbytes, self._dst.device)
+    def _arm(self, index: int) -> torch.Tensor:
+        """A buffer for message `index`, its trailer slot zeroed (on a GPU queued on the io stream: it must have
+        run before the buffer is posted, since UCX writes on streams of its own)."""
+        buf = self._transport.pool.take(self._plan.messages[index].nbytes, self._dst.device)
         with _using(self._io):
             wire.arm(buf)
-            _settle(buf)  # UCX writes on its own streams: the zeroed trailer must land first
+        return buf
+
+    def _post(self, index: int, buf: torch.Tensor) -> None:
         tag = self._plan.tag(index)
-        self._posted[tag] = (buf, asyncio.ensure_future(ucxx.recv(_ucx_buffer(buf), tag)), msg)
+        self._posted[tag] = (buf, asyncio.ensure_future(_recv(_ucx_buffer(buf), tag)), self._plan.messages[index])
 
     async def _take(self, index: int) -> torch.Tensor:
         tag = self._plan.tag(index)
@@ -249,8 +268,8 @@ class UcxReceive:
 
     def _scatter(self, msg: MessageSpec, buf: torch.Tensor) -> None:
         try:
-            with _using(self._io):
-                wire.scatter(self._plan, msg, self._rows, self._dst, buf, self._copy)
+            with _using(self._io):  # the check's wait covers the io stream: also the trailers armed before it
+                wire.scatter(self._plan, msg, self._layout, buf, self._copy)
         except wire.WireError as e:
             raise TransportError(str(e)) from e
         if self._copy is None:  # a CPU scatter is done when it returns
@@ -270,16 +289,22 @@ class UcxReceive:
     async def _run(self) -> None:
         plan = self._plan
         count = len(plan.messages)
-        for index in range(min(self._window, count)):
-            self._post(index)
+        self._layout.prepare()
+        first = [self._arm(index) for index in range(min(self._window, count))]
+        if self._io is not None:
+            self._io.synchronize()
+        for index, buf in enumerate(first):
+            self._post(index, buf)
         for index, msg in enumerate(plan.messages):
             buf = await self._take(index)
             if self._cancelled:
                 return
             self._release(wait=False)
-            if index + self._window < count:
-                self._post(index + self._window)  # before the scatter, so UCX can fill it meanwhile
-            self._scatter(msg, buf)
+            following = index + self._window
+            armed = self._arm(following) if following < count else None
+            self._scatter(msg, buf)  # its check waited for the io stream: `armed` may be posted now
+            if armed is not None:
+                self._post(following, armed)
         self._release(wait=True)  # the pages are in place before the transfer counts as done
 
     async def wait(self) -> None:

@@ -26,6 +26,7 @@ CPUs) was measured and dropped: it takes out the decode side's copy, but each pa
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import struct
 from collections.abc import Iterator, Sequence
@@ -173,17 +174,6 @@ def _runs(pages: torch.Tensor) -> list[tuple[int, int, int]] | None:
     return [(a, page, b - a) for a, b, page in zip(starts, ends, pages[starts].tolist(), strict=True)]
 
 
-def _message_runs(runs: tuple[tuple[int, int, int], ...], msg: MessageSpec) -> list[tuple[int, int, int]]:
-    """A plan's runs (offsets into the transfer) cut to message `msg` (offsets into the message)."""
-    end = msg.page_start + msg.page_count
-    cut = []
-    for at, page, length in runs:
-        lo, hi = max(at, msg.page_start), min(at + length, end)
-        if lo < hi:
-            cut.append((lo - msg.page_start, page + lo - at, hi - lo))
-    return cut
-
-
 def _words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two byte-row tensors of one width, both viewed as 8-byte words where the width and both addresses allow:
     gathers and scatters of uint8 rows run a byte at a time on CPUs (index_copy_ about 0.8 GB/s measured here,
@@ -200,41 +190,71 @@ def _on(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
     return idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx.to(device)
 
 
-def _move(msg: MessageSpec, rows: list[list[torch.Tensor]], buf: torch.Tensor, idx: torch.Tensor,
-          runs: list[tuple[int, int, int]] | None, into_pool: bool) -> None:
-    """Copy message `msg`'s pages between the pool `rows` (pages `idx`, or the message-relative `runs` of them)
-    and the payload of `buf`: into the pool (scatter) or out of it (gather). Runs move as contiguous pieces, one
-    per (layer, tensor, run), all by one `_foreach_copy_` (slice copies on a CPU, about 27 GB/s here against 5-13
-    GB/s for index_copy_ on the same rows; one multi-tensor kernel on a GPU: a `copy_` per piece measured slower
-    on two H200s, session 12 window 2); other pages as one index kernel per tensor."""
-    if runs is None:
-        idx = _on(idx, buf.device)
-        for t, block in _blocks(msg, rows, buf):
-            t, block = _words(t, block)
-            if into_pool:
-                t.index_copy_(0, idx, block)
-            else:
-                torch.index_select(t, 0, idx, out=block)
-        return
-    # built with few Python calls per piece (a few microseconds each, 36 pieces per message of an 8-layer pool):
-    # the payload cut by one split, each pool piece one slice of its tensor's flat view; 8-byte words throughout
-    # where every width and the buffer allow. Runs cover the message's pages in order, so a tensor's block is its
-    # runs back to back
-    tensors = [t for layer in msg.layers for t in rows[layer]]
-    unit = 8 if buf.data_ptr() % 8 == 0 and all(t.shape[1] % 8 == 0 and t.data_ptr() % 8 == 0
-                                               for t in tensors) else 1
-    payload = buf[HEADER_BYTES:msg.nbytes - TRAILER_BYTES]
-    pool, sizes = [], []
-    for t in tensors:
-        flat, width = (t.view(torch.int64) if unit == 8 else t).view(-1), t.shape[1] // unit
-        for _, page, length in runs:
-            pool.append(flat[page * width:(page + length) * width])
-            sizes.append(length * width)
-    pieces = list((payload.view(torch.int64) if unit == 8 else payload).split(sizes))
-    if into_pool:
-        torch._foreach_copy_(pool, pieces)
-    else:
-        torch._foreach_copy_(pieces, pool)
+class Layout:
+    """Where each message of one transfer lives in one side's pool (`rows` at `pages`, the transfer's page ids on
+    this side), worked out once per transfer, so that moving a message costs a few Python calls whatever its
+    number of pieces: host time per message, not bytes, paced the GPU transfer (about 1 ms of Python per message
+    while UCX ran, most of it building the message's ~36 slices; session 12, docs/perf.md).
+
+    With runs (`runs`, else found in host `pages`; 8 pages or more on average: a fresh engine's page tables):
+    a message is one contiguous piece per (layer, tensor, run) of the pool tensors' flat views, in payload order,
+    all cut for a group of layers by one `split` per (tensor, run), and it moves with its header and trailer as
+    one `torch._foreach_copy_` (one multi-tensor kernel on a GPU; slice copies on a CPU, about 27 GB/s against 5-13
+    for index_copy_ on the same rows; a `copy_` per piece measured slower on two H200s). 8-byte words throughout
+    where every width and address allow. Without runs: one index kernel per tensor, the page ids on the pool's
+    device once per transfer."""
+
+    def __init__(self, plan: TransferPlan, rows: list[list[torch.Tensor]], pages: torch.Tensor,
+                 runs: Sequence[tuple[int, int, int]] | None = None):
+        if len(pages) != plan.num_pages:
+            raise ValueError(f"{len(pages)} page ids for a transfer of {plan.num_pages} pages")
+        self.plan, self.rows, self.pages = plan, rows, pages
+        self.runs = runs if runs is not None else _runs(pages)
+        tensors = [t for layer in rows for t in layer]
+        self.unit = 8 if all(t.shape[1] % 8 == 0 and t.data_ptr() % 8 == 0 for t in tensors) else 1
+        self.index = None if self.runs is not None else _on(pages, tensors[0].device)
+        self._pieces: dict[int, tuple[list[torch.Tensor], list[int]]] = {}  # message -> pool pieces, their sizes
+
+    def prepare(self) -> None:
+        """Work out every message now (else each group of layers when its first message moves)."""
+        if self.runs is not None:
+            for first in sorted({m.first_layer for m in self.plan.messages}):
+                self._build(first)
+
+    def _build(self, first_layer: int) -> None:
+        group = [m for m in self.plan.messages if m.first_layer == first_layer]
+        starts = [m.page_start for m in group]
+        pieces: dict[int, tuple[list[torch.Tensor], list[int]]] = {m.index: ([], []) for m in group}
+        for layer in group[0].layers:
+            for t in self.rows[layer]:
+                flat, width = _as(t, self.unit).view(-1), t.shape[1] // self.unit
+                for at, page, length in self.runs:
+                    # the run cut where a message of the group starts inside it
+                    cuts = [at, *starts[bisect.bisect_right(starts, at):bisect.bisect_left(starts, at + length)],
+                            at + length]
+                    parts = flat[page * width:(page + length) * width].split(
+                        [(b - a) * width for a, b in zip(cuts, cuts[1:], strict=False)])
+                    for a, part in zip(cuts, parts, strict=False):
+                        pool, sizes = pieces[group[bisect.bisect_right(starts, a) - 1].index]
+                        pool.append(part)
+                        sizes.append(part.numel())
+        self._pieces.update(pieces)
+
+    def pieces(self, msg: MessageSpec, buf: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor,
+                                                                     list[torch.Tensor]]:
+        """(pool pieces, `buf` in words, `buf`'s payload cut into the same pieces) of message `msg` (runs only)."""
+        if msg.index not in self._pieces:
+            self._build(msg.first_layer)
+        pool, sizes = self._pieces[msg.index]
+        if buf.data_ptr() % self.unit:
+            raise ValueError(f"message buffers must be {self.unit}-byte aligned")
+        words = _as(buf, self.unit)
+        payload = words[HEADER_BYTES // self.unit:(msg.nbytes - TRAILER_BYTES) // self.unit]
+        return pool, words, list(payload.split(sizes))
+
+
+def _as(t: torch.Tensor, unit: int) -> torch.Tensor:
+    return t.view(torch.int64) if unit == 8 else t
 
 
 def _blocks(msg: MessageSpec, rows: list[list[torch.Tensor]],
@@ -261,20 +281,23 @@ def frames(plan: TransferPlan, device: torch.device | str) -> torch.Tensor:
     return table
 
 
-def pack(plan: TransferPlan, msg: MessageSpec, rows: list[list[torch.Tensor]], src_pages: torch.Tensor,
-         out: torch.Tensor, framing: torch.Tensor, device_pages: torch.Tensor | None = None) -> None:
-    """Gather message `msg`'s pages (`src_pages`: int64, the transfer's source page ids; on a CPU their runs are
-    found, on a device they are indexed) into `out`, with its header and trailer from `framing` (`frames`, on
-    `out`'s device). `device_pages`: the same ids already on `out`'s device, for pages without runs (else each
-    message's ids go there from pinned memory). Queued on the current stream, never waited for."""
+def pack(plan: TransferPlan, msg: MessageSpec, layout: Layout, out: torch.Tensor, framing: torch.Tensor) -> None:
+    """Gather message `msg`'s pages (where `layout`, the sending side's, says) into `out`, with its header and
+    trailer from `framing` (`frames`, on `out`'s device). Queued on the current stream, never waited for."""
     if out.dtype != torch.uint8 or out.numel() != msg.nbytes:
         raise ValueError(f"message {msg.index} needs a uint8 buffer of {msg.nbytes} bytes")
-    cut = slice(msg.page_start, msg.page_start + msg.page_count)
-    out[:HEADER_BYTES].copy_(framing[msg.index, :HEADER_BYTES], non_blocking=True)
-    out[-TRAILER_BYTES:].copy_(framing[msg.index, HEADER_BYTES:], non_blocking=True)
-    runs = _runs(src_pages[cut])
-    idx = device_pages[cut] if runs is None and device_pages is not None else src_pages[cut]
-    _move(msg, rows, out, idx, runs, into_pool=False)
+    if layout.runs is None:
+        out[:HEADER_BYTES].copy_(framing[msg.index, :HEADER_BYTES], non_blocking=True)
+        out[-TRAILER_BYTES:].copy_(framing[msg.index, HEADER_BYTES:], non_blocking=True)
+        idx = layout.index[msg.page_start:msg.page_start + msg.page_count]
+        for t, block in _blocks(msg, layout.rows, out):
+            t, block = _words(t, block)
+            torch.index_select(t, 0, idx, out=block)
+        return
+    pool, words, payload = layout.pieces(msg, out)
+    frame, head = _as(framing[msg.index], layout.unit), HEADER_BYTES // layout.unit
+    tail = words.numel() - TRAILER_BYTES // layout.unit
+    torch._foreach_copy_([words[:head], *payload, words[tail:]], [frame[:head], *pool, frame[head:]])
 
 
 def cancel_message(plan: TransferPlan, msg: MessageSpec) -> bytes:
@@ -313,13 +336,18 @@ def _check_trailer(plan: TransferPlan, msg: MessageSpec, tail: bytes) -> None:
         raise WireError(f"message {msg.index} of transfer {plan.transfer_id}: bad trailer (cut short?)")
 
 
-def scatter(plan: TransferPlan, msg: MessageSpec, rows: list[list[torch.Tensor]], dst_pages: torch.Tensor,
-            buf: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
-    """Check `buf` against the plan (its copy to the host on the current stream), then write its pages into the
-    pool (`dst_pages`: int64, the transfer's; the plan's runs of them, known on the host, spare a device plan the
-    index kernels), queued on `stream` when given (the caller waits for it before the pages or `buf` are used)."""
+def scatter(plan: TransferPlan, msg: MessageSpec, layout: Layout, buf: torch.Tensor,
+            stream: torch.cuda.Stream | None = None) -> None:
+    """Check `buf` against the plan (its copy to the host on the current stream, the only host wait), then write
+    its pages into the pool where `layout` (the receiving side's) says, queued on `stream` when given (the caller
+    waits for it before the pages or `buf` are used)."""
     check(plan, msg, buf)
-    idx = dst_pages[msg.page_start:msg.page_start + msg.page_count]
-    runs = _runs(idx) if plan.runs is None else _message_runs(plan.runs, msg)
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        _move(msg, rows, buf, idx, runs, into_pool=True)
+        if layout.runs is None:
+            idx = layout.index[msg.page_start:msg.page_start + msg.page_count]
+            for t, block in _blocks(msg, layout.rows, buf):
+                t, block = _words(t, block)
+                t.index_copy_(0, idx, block)
+            return
+        pool, _, payload = layout.pieces(msg, buf)
+        torch._foreach_copy_(pool, payload)
