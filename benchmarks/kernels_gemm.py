@@ -1,21 +1,23 @@
 """FP8 W8A8 GEMM (per-token activation quantization included) at MiniMax-M3 shapes: ours vs torch vs the floor.
 
     PYTHONPATH=src python benchmarks/kernels_gemm.py [--json PATH] [--jsonl PATH] [--sweep [FAMILY,..]] [--ms 1,16]
-        [--arms ours,gemm,norm,torch,bf16] [--rep MS]
+        [--arms ours,sep,gemm,norm,torch,bf16] [--rep MS] [--shapes PREFIX,..]
 
 Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 6144, the dense MLP 6144 -> 24576
 (gate|up) and 12288 -> 6144 (down); M = 1 .. 8192 tokens. Arms, same inputs:
-- ours: `quantize_fp8_per_token` + `fp8_gemm` (two launches; in the model the quantization is fused into the
-  RMSNorm before the projection, so `gemm only` is the model's cost)
+- ours: `fp8_linear` on the bf16 activation, as the model calls it for o_proj and the dense down (at decode sizes
+  the quantization runs inside the GEMM's launch where the tile table says FUSE_QUANT; above, a separate launch)
+- sep: `quantize_fp8_per_token` + `fp8_gemm` (two launches); gemm: `fp8_gemm` alone on a quantized activation
 - torch: per-token quantization in eager torch + `torch._scaled_mm` rowwise (CUTLASS), and `_scaled_mm` alone
 - bf16 `torch.mm`: the "is FP8 worth it" bar
-- the model's path: `add_rms_norm(..., fp8_dtype)` (residual add + norm + per-token quantization, one launch) +
+- the norm path: `add_rms_norm(..., fp8_dtype)` (residual add + norm + per-token quantization, one launch) +
   `fp8_gemm`, beside the bf16 `add_rms_norm` it replaces: their difference is what FP8 costs in front of the GEMM
 Floor: max(weight + activation bytes / read bandwidth, FLOPs / the fp8 matmul rate measured by `_scaled_mm` at
 8192^3). Decode shapes rotate 4 weight copies (> L2) so every call streams its weight from HBM.
 `--sweep` times a few tile configs per M bucket first and keeps the fastest (printed; copy into arch.py); the decode
-family is timed GEMM-only at M = 1 and 16 on every shape and kept by the sum. `--arms` picks the timed columns
-(others print nan), `--rep` the ms of graph replays per timing sample (10 samples each).
+families are timed as `fp8_linear` on bf16 activations (quantization included) at M = 1 and 16 on every shape they
+serve and kept by the sum. `--arms` picks the timed columns (others print nan), `--rep` the ms of graph replays per
+timing sample (10 samples each).
 """
 
 from __future__ import annotations
@@ -28,23 +30,36 @@ from gpu_timing import bench, read_bandwidth
 
 from m3sdk_kernels.arch import TILES, current_arch
 from m3sdk_kernels.norm import add_rms_norm
-from m3sdk_kernels.quant import NARROW_N, fp8_gemm, fp8_gemm_ref, quantize_fp8_per_token, quantize_fp8_weight
+from m3sdk_kernels.quant import (
+    NARROW_N,
+    fp8_gemm,
+    fp8_gemm_ref,
+    fp8_linear,
+    fp8_linear_ref,
+    quantize_fp8_per_token,
+    quantize_fp8_weight,
+)
 
 DEV = "cuda"
 SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144),
           "dense gate_up 6144->24576": (6144, 24576), "dense down 12288->6144": (12288, 6144)}
 MS = (1, 16, 256, 1024, 8192)
-ARMS = ("ours", "gemm", "norm", "torch", "bf16")
+ARMS = ("ours", "sep", "gemm", "norm", "torch", "bf16")
 # decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K to about
-# the resident CTAs (the kept one first), then more programs / deeper pipelines for o_proj's short K runs (8192 / 4
-# splits: 8 K tiles per program, where the pipeline's fill and the split's reduction weigh most)
-_DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=396)
+# the resident CTAs; the activation quantized by a separate launch (the kept one before session 13 first), then
+# inside the GEMM's launch (FUSE_QUANT) with the weight reads that need no activation started before the GEMM
+# programs wait for the quantized rows: none, PREFETCH tiles into L2, or PRELOAD steps peeled with their weight tiles
+# in flight (they take a stage's shared memory: 80 KB, 2 programs per SM instead of 3, so also with 2 stages)
+_DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=396, FUSE_QUANT=1,
+               PRELOAD=0, PREFETCH=0)
 SWEEP = {
-    "fp8_gemm_decode": [dict(_DECODE),
-                        dict(_DECODE, SPLIT_PROGRAMS=528),
-                        dict(_DECODE, SPLIT_PROGRAMS=792),
-                        dict(_DECODE, num_stages=4),
-                        dict(_DECODE, BLOCK_K=128, num_stages=6, SPLIT_PROGRAMS=792)],
+    "fp8_gemm_decode": [dict(_DECODE, FUSE_QUANT=0),
+                        dict(_DECODE),
+                        dict(_DECODE, PREFETCH=2),
+                        dict(_DECODE, PREFETCH=4),
+                        dict(_DECODE, PRELOAD=2),
+                        dict(_DECODE, PRELOAD=2, num_stages=2),
+                        dict(_DECODE, PREFETCH=2, BLOCK_N=128, BLOCK_K=128, num_stages=4)],
     "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
                      dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)],
@@ -85,7 +100,8 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
     def rotated(one) -> float:
         return bench(lambda: [one(w, s) for w, s in weights], rep) / len(weights)
 
-    ours = rotated(lambda w, s: fp8_gemm(*quantize_fp8_per_token(x, fp8), w, s)) if "ours" in arms else nan
+    ours = rotated(lambda w, s: fp8_linear(x, w, s)) if "ours" in arms else nan
+    sep = rotated(lambda w, s: fp8_gemm(*quantize_fp8_per_token(x, fp8), w, s)) if "sep" in arms else nan
     gemm = rotated(lambda w, s: fp8_gemm(xq, xs, w, s)) if "gemm" in arms else nan
     res, nw = torch.randn_like(x), torch.randn(k, device=DEV, dtype=torch.bfloat16) * 0.1
 
@@ -107,15 +123,19 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
     bf16 = bench(lambda: x @ wbf.T, rep) if "bf16" in arms else nan
     byts = n * k + m * k * 2 + m * n * 2
     floor = max(byts / bw / 1e6, 2 * m * n * k / rate / 1e9)  # ms
-    return dict(bench="fp8_gemm", shape=name, M=m, ours_ms=ours, gemm_ms=gemm, norm_fp8_gemm_ms=fused,
+    return dict(bench="fp8_gemm", shape=name, M=m, ours_ms=ours, sep_ms=sep, gemm_ms=gemm, norm_fp8_gemm_ms=fused,
                 norm_bf16_ms=norm_bf16, torch_ms=peer, scaled_mm_ms=peer_mm, bf16_ms=bf16, floor_ms=floor,
                 weight_gbps=n * k / gemm / 1e6, tflops=2 * m * n * k / ours / 1e9)
 
 
 def sweep(fam: str, arch, fp8: torch.dtype, rep: int) -> list[dict]:
-    """Time SWEEP[fam] and keep the fastest in TILES (GEMM only; decode: M = 1 and 16 on every shape, by the sum).
-    A config whose output misses the reference is reported and skipped. Returns one record per config."""
-    if fam.startswith("fp8_gemm_decode"):  # the shapes each decode table serves
+    """Time SWEEP[fam] and keep the fastest in TILES (decode: `fp8_linear` on bf16 activations at M = 1 and 16 on
+    every shape, by the sum; mid / prefill: the GEMM alone). Each config is checked before it is timed: against the
+    reference, and at decode also bit for bit against the separate quantization launch + GEMM and against its own
+    second launch (the in-launch synchronization resets its counters); a config off the reference is reported and
+    skipped. Returns one record per config."""
+    decode = fam.startswith("fp8_gemm_decode")
+    if decode:  # the shapes each decode table serves
         cases = [(shape, m) for shape, (_, n) in SHAPES.items() for m in (1, 16)
                  if (n <= NARROW_N) == fam.endswith(":narrow")]
     else:
@@ -127,28 +147,36 @@ def sweep(fam: str, arch, fp8: torch.dtype, rep: int) -> list[dict]:
         k, n = SHAPES[shape]
         if shape not in data:
             data[shape] = [quantize_fp8_weight(torch.randn(n, k, device=DEV) * 0.02, fp8) for _ in range(4)]
-        data[shape, m] = quantize_fp8_per_token(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), fp8)
+        data[shape, m] = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     base = dict(TILES[fam][arch.name])
     best, records = None, []
     for cfg in SWEEP[fam]:
         TILES[fam][arch.name].update(cfg)
-        times, errs = [], []
+        times, errs, same = [], [], True
         for shape, m in cases:
-            (xq, xs), ws_ = data[shape, m], data[shape]
-            ref = fp8_gemm_ref(xq, xs, *ws_[0])  # each config checked before it is timed
-            errs.append(((fp8_gemm(xq, xs, *ws_[0]).float() - ref.float()).norm() / ref.float().norm()).item())
+            x, ws_ = data[shape, m], data[shape]
+            xq, xs = quantize_fp8_per_token(x, fp8)
+            if decode:
+                out = fp8_linear(x, *ws_[0])
+                same &= torch.equal(out, fp8_gemm(xq, xs, *ws_[0])) and torch.equal(out, fp8_linear(x, *ws_[0]))
+                ref = fp8_linear_ref(x, *ws_[0])
+            else:
+                out, ref = fp8_gemm(xq, xs, *ws_[0]), fp8_gemm_ref(xq, xs, *ws_[0])
+            errs.append(((out.float() - ref.float()).norm() / ref.float().norm()).item())
             if errs[-1] >= 1e-2:
                 break
-            times.append(bench(lambda xq=xq, xs=xs, ws_=ws_: [fp8_gemm(xq, xs, w, s) for w, s in ws_], rep) / 4)
+            run = (lambda x=x, ws_=ws_: [fp8_linear(x, w, s) for w, s in ws_]) if decode else \
+                (lambda xq=xq, xs=xs, ws_=ws_: [fp8_gemm(xq, xs, w, s) for w, s in ws_])
+            times.append(bench(run, rep) / 4)
         records.append(dict(bench="fp8_gemm_sweep", family=fam, config=dict(TILES[fam][arch.name]),
                             cases=[f"{s.split()[0]}/M{m}" for s, m in cases], us=[t * 1e3 for t in times],
-                            max_rel_err=max(errs)))
+                            max_rel_err=max(errs), bitwise_as_separate=same))
         if max(errs) >= 1e-2:
             print(f"sweep {fam} {cfg}: FAIL rel err {max(errs):.2e} vs the reference, skipped")
         else:
             print(f"sweep {fam} {cfg}: " + " ".join(f"{c} {t * 1e3:.1f}" for c, t in
                                                      zip(records[-1]["cases"], times, strict=True))
-                  + f" | sum {sum(times) * 1e3:.1f} us")
+                  + f" | sum {sum(times) * 1e3:.1f} us" + ("" if same else " | NOT bitwise == separate launch"))
             if best is None or sum(times) < best[0]:
                 best = (sum(times), dict(TILES[fam][arch.name]))
         TILES[fam][arch.name].clear()
@@ -195,14 +223,17 @@ def main() -> None:
                     fh.write(json.dumps(rec) + "\n")
     for name, (k, n) in SHAPES.items():
         wq, ws = quantize_fp8_weight(torch.randn(n, k, device=DEV) * 0.02, fp8)
-        for m in (1, 3, 300):
+        for m in (1, 3, 16, 300):
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             xq, xs = quantize_fp8_per_token(x, fp8)
             qr, sr = torch_quant_ref(x, fp8)
             assert torch.allclose(xs, sr, rtol=1e-6) and (xq.float() - qr.float()).abs().max() <= 32, (name, m)
             ref = fp8_gemm_ref(xq, xs, wq, ws)
-            err = ((fp8_gemm(xq, xs, wq, ws).float() - ref.float()).norm() / ref.float().norm()).item()
+            out = fp8_gemm(xq, xs, wq, ws)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             assert err < 1e-2, (name, m, err)
+            # the model's entry on the bf16 activation (quantized inside the launch at decode sizes): the same bits
+            assert torch.equal(fp8_linear(x, wq, ws), out) and torch.equal(fp8_linear(x, wq, ws), out), (name, m)
         # the fused norm's fp8 output feeds the GEMM: against norm -> quantize -> GEMM in plain torch
         x, res = (torch.randn(16, k, device=DEV, dtype=torch.bfloat16) for _ in range(2))
         nw = torch.randn(k, device=DEV, dtype=torch.bfloat16) * 0.1
@@ -212,8 +243,8 @@ def main() -> None:
                                             * (1 + nw.float()), fp8), wq, ws)
         err = ((fp8_gemm(y, ys, wq, ws).float() - ref.float()).norm() / ref.float().norm()).item()
         assert err < 2e-2, (name, "norm+gemm", err)
-    print("correctness: quantize_fp8_per_token == torch, fp8_gemm == fp8_gemm_ref at every shape; "
-          "add_rms_norm(fp8) + fp8_gemm == torch")
+    print("correctness: quantize_fp8_per_token == torch, fp8_gemm == fp8_gemm_ref at every shape, fp8_linear(bf16) "
+          "== quantize + fp8_gemm bit for bit (twice); add_rms_norm(fp8) + fp8_gemm == torch")
 
     rows = []
     for name, (k, n) in SHAPES.items():
@@ -226,16 +257,18 @@ def main() -> None:
                 with open(args.jsonl, "a") as fh:
                     fh.write(json.dumps(dict(r, read_gbps=bw, fp8_tflops=rate,
                                              tiles={f: TILES[f][arch.name] for f in SWEEP})) + "\n")
-            print(f"{name:28} M={m:5} ours {r['ours_ms'] * 1e3:8.1f} us (gemm {r['gemm_ms'] * 1e3:8.1f}, norm+gemm "
+            print(f"{name:28} M={m:5} ours {r['ours_ms'] * 1e3:8.1f} us (sep {r['sep_ms'] * 1e3:.1f}, gemm "
+                  f"{r['gemm_ms'] * 1e3:.1f}, norm+gemm "
                   f"{r['norm_fp8_gemm_ms'] * 1e3:.1f} vs bf16 norm {r['norm_bf16_ms'] * 1e3:.1f})  torch "
                   f"{r['torch_ms'] * 1e3:8.1f} (_scaled_mm {r['scaled_mm_ms'] * 1e3:8.1f})  bf16 "
                   f"{r['bf16_ms'] * 1e3:8.1f}  floor {r['floor_ms'] * 1e3:7.1f}")
-    print("\n| shape | M | ours quant+gemm (us) | gemm only (us) | torch quant+_scaled_mm (us) | _scaled_mm (us) "
-          "| bf16 mm (us) | floor (us) | torch/ours | floor/ours | floor/gemm | norm(fp8)+gemm (us) | bf16 norm (us) "
-          "| floor/(norm+gemm-bf16 norm) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| shape | M | ours quant+gemm (us) | sep quant + gemm (us) | gemm only (us) | torch quant+_scaled_mm (us) "
+          "| _scaled_mm (us) | bf16 mm (us) | floor (us) | torch/ours | floor/ours | floor/gemm | norm(fp8)+gemm (us) "
+          "| bf16 norm (us) | floor/(norm+gemm-bf16 norm) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['M']} | {r['ours_ms'] * 1e3:.1f} | {r['gemm_ms'] * 1e3:.1f} | "
+        print(f"| {r['shape']} | {r['M']} | {r['ours_ms'] * 1e3:.1f} | {r['sep_ms'] * 1e3:.1f} | "
+              f"{r['gemm_ms'] * 1e3:.1f} | "
               f"{r['torch_ms'] * 1e3:.1f} | {r['scaled_mm_ms'] * 1e3:.1f} | {r['bf16_ms'] * 1e3:.1f} | "
               f"{r['floor_ms'] * 1e3:.1f} | {r['torch_ms'] / r['ours_ms']:.2f}x | {r['floor_ms'] / r['ours_ms']:.0%} | "
               f"{r['floor_ms'] / r['gemm_ms']:.0%} | {r['norm_fp8_gemm_ms'] * 1e3:.1f} | "

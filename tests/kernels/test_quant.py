@@ -106,6 +106,26 @@ def test_fp8_gemm_decode_split_k(m, k, swap_ab, monkeypatch):
     assert torch.equal(quant.fp8_gemm(xq, xs, wq, ws), out)
 
 
+@pytest.mark.parametrize("swap_ab,preload", [(1, 0), (1, 2), (0, 2)])
+@pytest.mark.parametrize("m,k", [(1, 1536), (16, 1400), (3, 512)])  # K 512: splits shorter than PRELOAD
+def test_fp8_linear_quantizes_inside_the_decode_gemm(m, k, swap_ab, preload, monkeypatch):
+    """FUSE_QUANT: a bf16 activation quantized per token inside the GEMM's launch (one program per row, the GEMM
+    programs wait for them, with PRELOAD steps peeled): the same bits as the separate quantization launch + GEMM,
+    again on a second launch (the in-launch counters are back to zero)."""
+    t = TILES["fp8_gemm_decode"]["sm90"] | {"SWAP_AB": swap_ab, "SPLIT_PROGRAMS": 12, "STAGGER": 1, "FUSE_QUANT": 1,
+                                            "PRELOAD": preload, "QUANT_BLOCK": 512}  # rows in several steps
+    monkeypatch.setitem(TILES["fp8_gemm_decode"], "sm90", t)
+    torch.manual_seed(m + k)
+    n = 3 * t["BLOCK_N"] - 5
+    wq, ws = quant.quantize_fp8_weight(torch.randn(n, k) * 0.05, FP8)
+    x = torch.randn(m, k).bfloat16() * torch.logspace(-2, 1, m)[:, None].bfloat16()  # rows of different scale
+    out = quant.fp8_linear(x, wq, ws)
+    assert torch.equal(out, quant.fp8_gemm(*quant.quantize_fp8_per_token(x, FP8), wq, ws))
+    assert rel(out, quant.fp8_linear_ref(x, wq, ws)) < 1e-2
+    assert not quant._counters(out.device).any()
+    assert torch.equal(quant.fp8_linear(x, wq, ws), out)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The model with quantization="fp8" / "mxfp4" against the unquantized model (oracle checkpoint, CPU references)
 
