@@ -152,9 +152,13 @@ def host_phases(engine: Engine, on: bool):
     core = engine._core
     targets = [(core, "step"), (core.scheduler, "schedule"), (core.scheduler, "update"), (core.runner, "forward"),
                (core.sampler, "sample"), (core.sampler, "launch"), (core, "_resolve"), (core, "_accept")]
+    if core.runner.graphs is not None:  # the graph step's host upload, and its replay (the launch alone)
+        targets += [(core.runner.graphs, "stage"), (core.runner.graphs, "replay")]
     if core.spec is not None:
         targets += [(core.spec.drafter, "propose"), (core.spec.drafter, "observe"), (spec_decoding, "verify"),
                     (core.spec, "launch"), (core.spec, "finish")]
+        if hasattr(core.spec.drafter, "read_ahead"):
+            targets.append((core.spec.drafter, "read_ahead"))
 
     def timed(name: str, fn):
         def call(*args, **kwargs):

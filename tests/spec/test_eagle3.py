@@ -206,14 +206,11 @@ def test_fixed_shape_chain_matches_eager_chain(tmp_path):
     eager = drafter.chain(seqs, 3)
     assert [[s.next_token] + e for s, e in zip(seqs, eager, strict=True)] == want
     assert [s.ctx.length for s in seqs] == [9, 17, 4]  # the chain's entries are not kept
-    pad = 1
-    tok = torch.tensor([s.next_token for s in seqs] + [0] * pad)
-    pos = torch.tensor([s.ctx.end for s in seqs] + [0] * pad)
-    slot = torch.tensor([s.ctx.slot for s in seqs] + [drafter.scratch] * pad)
-    idx = torch.tensor([s.ctx.length for s in seqs] + [0] * pad)
-    out = torch.cat([torch.stack([s.hidden for s in seqs]), torch.zeros(pad, seqs[0].hidden.shape[0])])
+    # the graph's layout: one padding context (on the scratch row), every context reading the pool's whole span
+    ints = torch.tensor(drafter._chain_ints(seqs, len(seqs) + 1, 3))
+    hidden = torch.cat([torch.stack([s.hidden for s in seqs]), torch.zeros(1, seqs[0].hidden.shape[0])])
     with torch.inference_mode():
-        fixed = drafter._chain(tok, out, pos, slot, idx, 3, drafter.capacity).tolist()
+        fixed = torch.stack(drafter._chain_from(ints, hidden, len(seqs) + 1, 3, drafter.capacity), 1).tolist()
     assert fixed[:3] == eager
 
 

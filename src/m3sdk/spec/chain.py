@@ -61,16 +61,17 @@ class ChainDrafter(ABC):
     def drop_context(self, ctx: DraftContext) -> None:  # noqa: B027 (optional hook: most contexts hold nothing)
         """Give back what the context holds."""
 
-    @abstractmethod
     def run(self, ctxs: list[DraftContext], counts: list[int], token_ids: torch.Tensor, hidden: torch.Tensor,
             positions: torch.Tensor, from_target: bool) -> torch.Tensor:
         """One draft forward over flat entries (counts[i] of them appended to ctxs[i]): token ids [N], hidden
         inputs [N, *] (the target's states when `from_target`, else the draft's outputs), absolute positions
-        [N] -> output hidden [N, H] (what `tokens` reads and the chain feeds back)."""
+        [N] -> output hidden [N, H] (what `tokens` reads and the chain feeds back). The default `read` and `chain`
+        run the network through this and `tokens`; a subclass that overrides both needs neither."""
+        raise NotImplementedError
 
-    @abstractmethod
     def tokens(self, out: torch.Tensor) -> list[int]:
         """Greedy draft tokens (target vocabulary ids) from output hidden rows [M, H]."""
+        raise NotImplementedError
 
     def has_room(self, ctx: DraftContext, n: int) -> bool:
         """Whether the context can take n more entries (a fixed-size draft cache says no near its end)."""

@@ -378,9 +378,16 @@ class Eagle3Drafter(ChainDrafter):
     """Drafts a chain of k tokens per request, greedily (the verifier treats each as a point mass). The first
     entry of each observed position reads fc(aux states); chain entries read the head's pre-norm output.
 
-    The draft KV cache is one pool [slots + 1, capacity, Hkv, D] (a row per request, the last row scratch for
-    padding), so a draft step attends for every request in one batched op, and the k - 1 chain steps of
-    `propose` are one fixed-shape function that `capture_graphs` records as a CUDA graph per batch bucket."""
+    The draft KV cache is one pool [slots + 1, Hkv, capacity, D] (a row per request, the last row scratch for
+    padding), so a draft step attends for every request in one batched op, and the read of a verify step's
+    entries with the k - 1 chain steps after it is one fixed-shape function that `capture_graphs` records as a
+    CUDA graph per batch bucket.
+
+    On a GPU each op of a draft step is a kernel of a few microseconds whatever its size, so the step is written
+    for few ops: the head's weights are fused once for inference (`_fuse`), a read computes its outputs only at
+    each context's last entry (the other entries only need their keys and values in the cache), and the chain
+    attends over float32 working copies of the contexts' keys and values, into which its own entries go (they
+    are dropped after proposing anyway, so they never touch the pool)."""
 
     method = "eagle3"
 
@@ -390,7 +397,6 @@ class Eagle3Drafter(ChainDrafter):
         self.head = head
         c = head.config
         self.aux_layers = head.aux_layers if c.use_aux_hidden_state else ()
-        self.scale = 1.0 / math.sqrt(c.head_dim)
         self.dtype = head.midlayer.self_attn.q_proj.weight.dtype
         self.device = head.midlayer.self_attn.q_proj.weight.device
         self.capacity = capacity or c.max_position_embeddings
@@ -398,13 +404,35 @@ class Eagle3Drafter(ChainDrafter):
         # fixed-shape steps by batch bucket (capture_graphs): the chain's, and read's
         self._graphs: dict[int, Replay] = {}
         self._read_graphs: dict[int, Replay] = {}
+        self._fuse()
         self._grow(max(max_num_seqs, 1))
+
+    def _fuse(self) -> None:
+        """Inference-only forms of the head's weights (the head keeps the checkpoint's tensors, which the training
+        script trains): q | k | v and gate | up as one GEMM each, q's rows scaled by 1 / sqrt(D) (the attention
+        then has no scale op), o_proj and down_proj transposed for `addmm` (the residual add inside the GEMM),
+        RoPE's cos / sin of every position the pool can hold as one table (a step looks its rows up: one op),
+        draft -> target ids as one lookup."""
+        c, att, mlp = self.head.config, self.head.midlayer.self_attn, self.head.midlayer.mlp
+        d = c.head_dim
+        with torch.no_grad():
+            self._w_qkv = torch.cat([att.q_proj.weight * (1.0 / math.sqrt(d)), att.k_proj.weight, att.v_proj.weight])
+            self._w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            self._w_o, self._w_down = att.o_proj.weight.t(), mlp.down_proj.weight.t()
+            self._ids = torch.arange(c.draft_vocab_size, device=self.device) + self.head.d2t
+            # rows: positions 0 .. capacity - 1 (`has_room` keeps every entry, chain entries included, below it)
+            inv = 1.0 / c.rope_theta ** (torch.arange(0, d, 2, device=self.device, dtype=torch.float32) / d)
+            ang = torch.arange(self.capacity, device=self.device, dtype=torch.float32)[:, None] * inv
+            cos, sin = ang.cos(), ang.sin()
+            # x * [cos | cos] + roll(x, D / 2) * [-sin | sin]: rotate-half RoPE in two ops
+            self._rope = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], 1)[:, :, None]
+            self._span = torch.arange(self.capacity, device=self.device)
 
     def _grow(self, slots: int) -> None:
         """(Re)size the pool to `slots` request rows + the scratch row, keeping the rows in use. Zero-filled: a
         masked key's weight is exactly 0, but 0 * NaN is not."""
         c = self.head.config
-        k = torch.zeros(slots + 1, self.capacity, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
+        k = torch.zeros(slots + 1, c.num_kv_heads, self.capacity, c.head_dim, dtype=self.dtype, device=self.device)
         v = torch.zeros_like(k)
         used = 0
         if hasattr(self, "k_cache"):
@@ -412,6 +440,7 @@ class Eagle3Drafter(ChainDrafter):
             k[:used], v[:used] = self.k_cache[:used], self.v_cache[:used]
             self._graphs, self._read_graphs = {}, {}  # they captured the old pool's addresses
         self.k_cache, self.v_cache = k, v
+        self._rows = torch.arange(slots + 1, device=self.device)  # context rows of the chain's working copies
         self._free += range(used, slots)
         self.scratch = slots
 
@@ -424,127 +453,98 @@ class Eagle3Drafter(ChainDrafter):
         self._free.append(ctx.slot)
 
     def has_room(self, ctx: DraftKV, n: int) -> bool:
-        return ctx.length + n <= self.capacity
+        # positions bound the entries too (the RoPE table's rows): a context starting past 0 ends before capacity
+        return ctx.end + n <= self.capacity
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, idx: torch.Tensor,
-                width: int, span: int) -> torch.Tensor:
-        """Write k, v [N, Hkv, D] at (slot, idx) [N] and attend q [N, Hq, D] causally to indices 0 .. idx of the
-        row's context -> [N, Hq * D]. Rows come in runs of `width` per context (N = B * width), the run's first
-        row real (its slot is the context's); a fixed span of the pool is read, later indices masked. The keys are
-        gathered once per context, not per row: per row, a prefill chunk of n tokens read n copies of its context."""
-        self.k_cache[slot, idx] = k
-        self.v_cache[slot, idx] = v
-        n, hq, d = q.shape
-        ctx_slot = slot.view(-1, width)[:, 0]
-        keys = self.k_cache[ctx_slot, :span].transpose(1, 2).float()  # [B, Hkv, span, D]
-        vals = self.v_cache[ctx_slot, :span].transpose(1, 2).float()
-        visible = torch.arange(span, device=q.device)[None, None, :] <= idx.view(-1, width)[:, :, None]
-        out = F.scaled_dot_product_attention(q.float().view(-1, width, hq, d).transpose(1, 2), keys, vals,
-                                             attn_mask=visible[:, None], scale=self.scale, enable_gqa=True)
-        return out.transpose(1, 2).to(q.dtype).reshape(n, hq * d)
+    # -- one draft step, at fixed shapes (no host sync): the eager paths and the graphs run these --
 
-    def run(self, ctxs: list[DraftKV], counts: list[int], token_ids: torch.Tensor, hidden: torch.Tensor,
-            positions: torch.Tensor, from_target: bool) -> torch.Tensor:
-        head = self.head
-        # outputs are [final-normed | pre-norm]: the chain feeds back the pre-norm half
-        hidden = head.combine(hidden.to(self.dtype)) if from_target else hidden[:, head.config.hidden_size:]
-        q, k, v, residual = head.project(head.embed(token_ids), hidden, positions)
-        # each context's rows padded to the longest run (padding rows: index 0 of the scratch row, dropped)
-        width = max(counts)
-        slots, idx, dest = [self.scratch] * (len(ctxs) * width), [0] * (len(ctxs) * width), []
-        for i, (ctx, n) in enumerate(zip(ctxs, counts, strict=True)):
-            r = i * width
-            slots[r:r + n], idx[r:r + n] = [ctx.slot] * n, range(ctx.length, ctx.length + n)
-            dest += range(r, r + n)
-            ctx.length += n
-        where = torch.tensor(slots + idx + dest, dtype=torch.long).to(q.device)
-        rows, at = len(slots), where[2 * len(slots):]
+    def _enter(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Entries from token ids [N] (target vocabulary), hidden inputs [N, H] (fc of the target's features, or
+        the draft's own pre-norm output) and their RoPE rows [N, 2, 1, D] -> q [N, Hq, D] (scaled) and k
+        [N, Hkv, D], both roped, in float32, v [N, Hkv, D] in the head's dtype, residual [N, H]."""
+        c, layer = self.head.config, self.head.midlayer
+        if c.norm_before_residual:
+            h = residual = layer.hidden_norm(hidden)
+        else:
+            residual, h = hidden, layer.hidden_norm(hidden)
+        x = torch.cat([layer.input_layernorm(self.head.embed(tokens)), h], dim=-1)
+        qkv = F.linear(x, self._w_qkv).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        qk = qkv[:, :c.num_heads + c.num_kv_heads].float()
+        cos, sin = rope.unbind(1)
+        qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)
+        return qk[:, :c.num_heads], qk[:, c.num_heads:], qkv[:, c.num_heads + c.num_kv_heads:], residual
 
-        def padded(x: torch.Tensor) -> torch.Tensor:
-            return x if rows == x.shape[0] else x.new_zeros(rows, *x.shape[1:]).index_copy_(0, at, x)
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, hide: torch.Tensor) -> torch.Tensor:
+        """One query per context: q [B, Hq, D] over its context's keys, vals [B, Hkv, S, D] (float32) but those
+        where hide [B, S] -> [B, Hq * D] in the head's dtype. (Written out: SDPA with a mask, float32 and grouped
+        heads falls back to its many-kernel math path on a GPU.)"""
+        b, hq, d = q.shape
+        s = torch.matmul(q.reshape(b, keys.shape[1], -1, d), keys.transpose(-1, -2))
+        s.masked_fill_(hide[:, None, None], float("-inf"))
+        return torch.matmul(s.softmax(-1), vals).view(b, hq * d).to(self.dtype)
 
-        attn = self._attend(padded(q), padded(k), padded(v), where[:rows], where[rows:2 * rows], width,
-                            max(ctx.length for ctx in ctxs))
-        return torch.cat(head.finish(attn if rows == q.shape[0] else attn[at], residual), dim=-1)
+    def _exit(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention output [B, Hq * D] -> (pre-norm output [B, H]: the next entry's hidden input, its draft
+        token ids [B] (target vocabulary))."""
+        layer, head = self.head.midlayer, self.head
+        residual = torch.addmm(residual, attn, self._w_o)
+        gate, up = F.linear(layer.post_attention_layernorm(residual), self._w_gate_up).chunk(2, dim=-1)
+        residual = torch.addmm(residual, F.silu(gate) * up, self._w_down)
+        lm = head.lm_head if head.lm_head is not None else head.shared_lm_head
+        # (argmax over the logits in the head's dtype: their float32 copy holds the same values)
+        return residual, self._ids[lm(head.norm(residual)).argmax(-1)]
 
-    def tokens(self, out: torch.Tensor) -> list[int]:
-        return self._tokens(out).tolist()
+    def _read(self, tokens: torch.Tensor, features: torch.Tensor, rope: torch.Tensor, slot: torch.Tensor,
+              idx: torch.Tensor, last: torch.Tensor, ctx_slot: torch.Tensor, hide: torch.Tensor, span: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Committed entries [N] (token ids, target features [N, F], RoPE rows) written to the pool at (slot, idx)
+        [N]; the output at each context's last entry `last` [B] (context pool rows `ctx_slot` [B], keys past its
+        entry hidden by `hide` [B, span]) -> its draft ids [B], its pre-norm output [B, H], and the contexts'
+        keys and values as float32 working copies [B, Hkv, span, D] (the chain's)."""
+        q, k, v, residual = self._enter(tokens, self.head.combine(features), rope)
+        self.k_cache[slot, :, idx] = k.to(self.dtype)
+        self.v_cache[slot, :, idx] = v
+        keys, vals = self.k_cache[ctx_slot, :, :span].float(), self.v_cache[ctx_slot, :, :span].float()
+        residual, first = self._exit(self._attend(q[last], keys, vals, hide), residual[last])
+        return first, residual, keys, vals
 
-    def _tokens(self, out: torch.Tensor) -> torch.Tensor:
-        normed = out[:, : self.head.config.hidden_size]
-        return self.head.to_target(self.head.logits(normed).argmax(-1))
+    def _chain(self, tokens: torch.Tensor, residual: torch.Tensor, rope: torch.Tensor, keys: torch.Tensor,
+               vals: torch.Tensor, idx: torch.Tensor, hide: torch.Tensor) -> list[torch.Tensor]:
+        """Chain entries from each context's last entry (its draft ids tokens [B], pre-norm output residual
+        [B, H]): entry s at RoPE rows rope[s] [B, 2, 1, D] goes into the working copies keys, vals at idx[s] [B]
+        and sees what hide[s] [B, span] does not hide -> the draft ids of each entry, [B] each."""
+        rows, drafted = self._rows[:tokens.shape[0]], []
+        for s in range(idx.shape[0]):
+            q, k, v, residual = self._enter(tokens, residual, rope[s])
+            keys[rows, :, idx[s]] = k
+            vals[rows, :, idx[s]] = v.float()
+            residual, tokens = self._exit(self._attend(q, keys, vals, hide[s]), residual)
+            drafted.append(tokens)
+        return drafted
 
-    def _read(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
-              idx: torch.Tensor, last: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`read` at fixed shapes (no host sync): entry rows [N] (token, target features, position, cache slot and
-        index) -> the output rows at `last` [B, 2H] and the first drafts read there [B]."""
-        head = self.head
-        q, k, v, residual = head.project(head.embed(tokens), head.combine(features), positions)
-        width = self.num_speculative_tokens + 1  # rows per context (`read_ahead`'s layout)
-        out = torch.cat(head.finish(self._attend(q, k, v, slot, idx, width, span), residual), dim=-1)[last]
-        return out, self._tokens(out)
-
-    def _draft_ahead(self, ints: torch.Tensor, bucket: int) -> torch.Tensor:
-        """The read graph's body: `_read` over `bucket` contexts of k + 1 rows, then the chain from each context's
-        last entry, all on the device -> drafts [bucket, k]. `ints` packs each row's token, position, cache slot,
-        index and feature row (in `_features`, which holds the step's features unpadded) ([5, rows]) and each
-        context's last row [bucket]: one upload and one copy of the features feed the whole step."""
-        rows = bucket * (self.num_speculative_tokens + 1)
-        tok, pos, slot, idx, src = ints[:5 * rows].view(5, rows)
-        last = ints[5 * rows:]
-        out, first = self._read(tok, self._features[src], pos, slot, idx, last, self.capacity)
-        drafts = self._drafts_out[:bucket]
-        if self.num_speculative_tokens == 1:
-            return drafts.copy_(first[:, None])
-        # the chain's entries follow each context's last read entry (padding contexts: on the scratch row)
-        rest = self._chain(first, out, pos[last] + 1, slot[last], idx[last] + 1, self.num_speculative_tokens - 1,
-                           self.capacity)
-        # into a buffer made outside every capture: the drafts stay on the device while the chain graph may replay
-        # (after an eager read), and memory a graph allocated in the shared pool can be another graph's scratch
-        return drafts.copy_(torch.cat([first[:, None], rest], dim=1))
+    # -- the ChainDrafter steps --
 
     @torch.inference_mode()
-    def read_ahead(self, ctxs: list[DraftKV], counts: list[int], token_ids: list[int],
-                   features: list[torch.Tensor], positions: list[int]) -> DeviceDrafts | None:
-        """The read graph, whose chain runs on the device from the read's outputs: one upload, one copy of the
-        features, one replay, and a copy of the drafts to pinned host memory that the next `propose` waits for
-        (nothing waits here)."""
-        b, width = len(ctxs), self.num_speculative_tokens + 1
-        bucket = next((g for g in self._read_graphs if g >= b), None)
-        if bucket is None or max(counts) > width:  # a prefill, or no graphs: `read` runs eagerly
-            return None
-        # each context's entries padded to `width` rows; padding rows (and padding contexts) write to the
-        # scratch row and are dropped
-        rows = bucket * width
-        tok, pos, slot, idx, src = [0] * rows, [0] * rows, [self.scratch] * rows, [0] * rows, [0] * rows
-        last = list(range(0, rows, width))
-        at = 0
-        for i, (ctx, n) in enumerate(zip(ctxs, counts, strict=True)):
-            r = i * width
-            tok[r:r + n], pos[r:r + n] = token_ids[at:at + n], positions[at:at + n]
-            slot[r:r + n], idx[r:r + n] = [ctx.slot] * n, range(ctx.length, ctx.length + n)
-            src[r:r + n] = range(at, at + n)
-            last[i] = r + n - 1
+    def read(self, ctxs: list[DraftKV], counts: list[int], token_ids: list[int], features: torch.Tensor,
+             positions: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Eager (a prefill's entries, or no graphs): one upload of the entries' and contexts' ints, `_read`."""
+        slot, idx, last, at = [], [], [], 0
+        for ctx, n in zip(ctxs, counts, strict=True):
+            slot += [ctx.slot] * n
+            idx += range(ctx.length, ctx.length + n)
             ctx.length += n
             at += n
-        # (pinned and non-blocking: a plain host tensor's copy would wait for the whole stream, the verify step)
-        self._read_static[bucket].copy_(_pinned(tok + pos + slot + idx + src + last), non_blocking=True)
-        torch.cat(features, out=self._features[:at])
-        return DeviceDrafts(self._read_graphs[bucket]()[:b])
-
-    def _chain(self, tokens: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
-               idx: torch.Tensor, steps: int, span: int) -> torch.Tensor:
-        """`steps` chain entries per row, all on the device (no host sync, fixed shapes): token [B] at position
-        [B], the previous entry's output [B, 2H], cache (slot, idx) [B] -> draft tokens [B, steps]. The entries
-        are written past each request's length: the next `run` overwrites them."""
-        head, drafted = self.head, []
-        hidden = out[:, head.config.hidden_size:]
-        for s in range(steps):
-            q, k, v, residual = head.project(head.embed(tokens), hidden, positions + s)
-            normed, hidden = head.finish(self._attend(q, k, v, slot, idx + s, 1, span), residual)
-            tokens = self._tokens(normed)
-            drafted.append(tokens)
-        return torch.stack(drafted, dim=1)
+            last.append(at - 1)
+        n, b = len(token_ids), len(ctxs)
+        ints = to_device(token_ids + positions + slot + idx + last + [c.slot for c in ctxs]
+                         + [idx[r] for r in last], torch.long, self.device)
+        tok, pos, slot_t, idx_t = ints[:4 * n].view(4, n)
+        last_t, ctx_slot, q_idx = ints[4 * n:].view(3, b)
+        span = max(c.length for c in ctxs)
+        first, residual, _, _ = self._read(tok, features.to(self.dtype), self._rope[pos], slot_t, idx_t, last_t,
+                                           ctx_slot, self._span[:span] > q_idx[:, None], span)
+        return residual, first.tolist()
 
     @torch.inference_mode()
     def chain(self, seqs: list[DraftSeq], steps: int) -> list[list[int]]:
@@ -552,19 +552,101 @@ class Eagle3Drafter(ChainDrafter):
         # the graphs run k - 1 steps: fewer (requests near their end) read the first `steps` columns
         bucket = next((g for g in self._graphs if g >= b), None)
         if bucket is None:
-            host = to_device([[s.next_token for s in seqs], [s.ctx.end for s in seqs], [s.ctx.slot for s in seqs],
-                              [s.ctx.length for s in seqs]], torch.long, self.device)
+            ints = to_device(self._chain_ints(seqs, b, steps), torch.long, self.device)
             span = max(s.ctx.length for s in seqs) + steps
-            return self._chain(host[0], torch.stack([s.hidden for s in seqs]), host[1], host[2], host[3], steps,
-                               span).tolist()
-        ints, hid = self._static[bucket], self._chain_hidden
-        # padding rows: token 0 at position 0, written to the scratch row
-        pad = bucket - b
-        ints.copy_(_pinned([s.next_token for s in seqs] + [0] * pad + [s.ctx.end for s in seqs] + [0] * pad
-                           + [s.ctx.slot for s in seqs] + [self.scratch] * pad
-                           + [s.ctx.length for s in seqs] + [0] * pad), non_blocking=True)
-        torch.stack([s.hidden for s in seqs], out=hid[:b])
+            return torch.stack(self._chain_from(ints, torch.stack([s.hidden for s in seqs]), b, steps, span),
+                               dim=1).tolist()
+        self._upload(self._static[bucket], self._chain_ints(seqs, bucket, self.num_speculative_tokens - 1))
+        torch.stack([s.hidden for s in seqs], out=self._chain_hidden[:b])
         return self._graphs[bucket]()[:b, :steps].tolist()
+
+    def _chain_ints(self, seqs: list[DraftSeq], bucket: int, steps: int) -> list[int]:
+        """The chain's packed ints: first drafts [bucket], pool rows [bucket], then per step the entries' positions
+        and working-copy indices [steps, bucket] each; padding contexts: token 0 at position 0 on the scratch
+        row."""
+        pad = [0] * (bucket - len(seqs))
+        out = [s.next_token for s in seqs] + pad + [s.ctx.slot for s in seqs] + [self.scratch] * len(pad)
+        for s in range(steps):
+            out += [q.ctx.end + s for q in seqs] + pad
+        for s in range(steps):
+            out += [q.ctx.length + s for q in seqs] + pad
+        return out
+
+    def _chain_from(self, ints: torch.Tensor, hidden: torch.Tensor, bucket: int, steps: int, span: int
+                    ) -> list[torch.Tensor]:
+        """The chain alone (after an eager read), from `_chain_ints` and the last entries' pre-norm outputs."""
+        tok, ctx_slot = ints[:2 * bucket].view(2, bucket)
+        pos, idx = ints[2 * bucket:].view(2, steps, bucket)
+        keys, vals = self.k_cache[ctx_slot, :, :span].float(), self.v_cache[ctx_slot, :, :span].float()
+        return self._chain(tok, hidden, self._rope[pos], keys, vals, idx, self._span[:span] > idx[..., None])
+
+    @torch.inference_mode()
+    def read_ahead(self, ctxs: list[DraftKV], counts: list[int], token_ids: list[int],
+                   features: list[torch.Tensor], positions: list[int]) -> DeviceDrafts | None:
+        """The read graph, whose chain runs on the device from the read's outputs: one upload, one copy of the
+        features, one replay (nothing waits here)."""
+        b, width = len(ctxs), self.num_speculative_tokens + 1
+        bucket = next((g for g in self._read_graphs if g >= b), None)
+        if bucket is None or max(counts) > width:  # a prefill, or no graphs: `read` runs eagerly
+            return None
+        # each context's entries padded to `width` rows; padding rows (and padding contexts) write to the
+        # scratch row and are dropped
+        rows, steps = bucket * width, self.num_speculative_tokens - 1
+        tok, pos, slot, idx, src = [0] * rows, [0] * rows, [self.scratch] * rows, [0] * rows, [0] * rows
+        last = list(range(0, rows, width))
+        chain_pos, chain_idx = [0] * (steps * bucket), [0] * (self.num_speculative_tokens * bucket)
+        at = 0
+        for i, (ctx, n) in enumerate(zip(ctxs, counts, strict=True)):
+            r = i * width
+            tok[r:r + n], pos[r:r + n] = token_ids[at:at + n], positions[at:at + n]
+            slot[r:r + n], idx[r:r + n] = [ctx.slot] * n, range(ctx.length, ctx.length + n)
+            src[r:r + n] = range(at, at + n)
+            last[i] = r + n - 1
+            # the read's last entry and the chain's after it: working-copy indices, positions
+            chain_idx[i::bucket] = range(ctx.length + n - 1, ctx.length + n + steps)
+            chain_pos[i::bucket] = range(positions[at + n - 1] + 1, positions[at + n - 1] + 1 + steps)
+            ctx.length += n
+            at += n
+        ctx_slot = [c.slot for c in ctxs] + [self.scratch] * (bucket - b)
+        self._upload(self._read_static[bucket], tok + src + slot + idx + pos + chain_pos + last + ctx_slot
+                     + chain_idx)
+        torch.cat(features, out=self._features[:at])
+        return DeviceDrafts(self._read_graphs[bucket]()[:b])
+
+    def _draft_ahead(self, ints: torch.Tensor, bucket: int) -> torch.Tensor:
+        """The read graph's body: `_read` over `bucket` contexts of k + 1 rows, then the chain from each context's
+        last entry, all on the device -> drafts [bucket, k]. `ints` (read_ahead's layout) packs each row's token,
+        feature row (in `_features`, which holds the step's features unpadded), cache slot and index, the
+        positions of the rows and then of the chain's entries, each context's last row and pool row, and the
+        working-copy indices of its last row and chain entries: one upload and one copy of the features feed the
+        whole step."""
+        k, width = self.num_speculative_tokens, self.num_speculative_tokens + 1
+        rows, chain = bucket * width, (k - 1) * bucket
+        tok, src, slot, idx = ints[:4 * rows].view(4, rows)
+        rope = self._rope[ints[4 * rows:5 * rows + chain]]  # the rows' and the chain's, one lookup
+        last, ctx_slot = ints[5 * rows + chain:5 * rows + chain + 2 * bucket].view(2, bucket)
+        q_idx = ints[5 * rows + chain + 2 * bucket:].view(k, bucket)
+        hide = self._span > q_idx[..., None]  # [k, bucket, capacity]: the read's last entry, then the chain's
+        first, residual, keys, vals = self._read(tok, self._features[src], rope[:rows], slot, idx, last, ctx_slot,
+                                                 hide[0], self.capacity)
+        drafts = [first]
+        if k > 1:
+            drafts += self._chain(first, residual, rope[rows:].view(k - 1, bucket, *rope.shape[1:]), keys, vals,
+                                  q_idx[1:], hide[1:])
+        # into a buffer made outside every capture: the drafts stay on the device while the chain graph may replay
+        # (after an eager read), and memory a graph allocated in the shared pool can be another graph's scratch
+        return torch.stack(drafts, dim=1, out=self._drafts_out[:bucket])
+
+    def _upload(self, static: torch.Tensor, values: list[int]) -> None:
+        """Fill a graph's packed static ints from host values: one non-blocking copy from a pinned staging buffer
+        (a pageable upload would wait for the whole stream), reused once its last copy has run."""
+        stage, done = self._staging[static.data_ptr()]
+        if done is not None:
+            done.synchronize()  # its copy of the step before (long done: the host has read a verify since)
+        stage.numpy()[:len(values)] = values
+        static.copy_(stage, non_blocking=True)
+        if done is not None:
+            done.record()
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         """CUDA graphs per batch bucket, captured now (serving never stalls on a capture): `read` of up to k + 1
@@ -578,34 +660,38 @@ class Eagle3Drafter(ChainDrafter):
         i64 = dict(dtype=torch.long, device=self.device)
         features = 3 * c.target_hidden_size if c.use_aux_hidden_state else c.hidden_size
         self._features = torch.zeros(n * (k + 1), features, dtype=self.dtype, device=self.device)
-        self._chain_hidden = torch.zeros(n, 2 * c.hidden_size, dtype=self.dtype, device=self.device)
+        self._chain_hidden = torch.zeros(n, c.hidden_size, dtype=self.dtype, device=self.device)
         self._drafts_out = torch.zeros(n, k, **i64)  # the read graphs' drafts (`_draft_ahead`)
-        self._read_static, self._static = {}, {}
-        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self._read_static, self._static, self._staging = {}, {}, {}
+        cuda = self.device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if cuda else None
         with torch.inference_mode():
             for b in batch_buckets(n):
                 m = b * (k + 1)
                 # padding: token 0 at position 0 on the scratch row (its values never reach a real request)
-                ints = self._read_static[b] = torch.zeros(5 * m + b, **i64)
-                ints[2 * m:3 * m] = self.scratch
+                ints = self._read_static[b] = torch.zeros(5 * m + (k - 1) * b + 2 * b + k * b, **i64)
+                ints[2 * m:3 * m] = ints[5 * m + (k - 1) * b + b:5 * m + (k - 1) * b + 2 * b] = self.scratch
+                self._staging[ints.data_ptr()] = self._stage_for(ints, cuda)
                 self._read_graphs[b] = Replay(lambda b=b, ints=ints: self._draft_ahead(ints, b), pool, self.device)
                 if k > 1:
-                    ints = self._static[b] = torch.zeros(4 * b, **i64)
-                    ints[2 * b:3 * b] = self.scratch
+                    ints = self._static[b] = torch.zeros(2 * b + 2 * (k - 1) * b, **i64)
+                    ints[b:2 * b] = self.scratch
+                    self._staging[ints.data_ptr()] = self._stage_for(ints, cuda)
                     self._graphs[b] = Replay(lambda b=b, ints=ints: self._chain_fixed(ints, b), pool, self.device)
 
+    @staticmethod
+    def _stage_for(static: torch.Tensor, cuda: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A host staging buffer for `static` (pinned on CUDA, with the event of its last copy), holding its
+        current values."""
+        stage = torch.empty(static.shape, dtype=static.dtype, pin_memory=cuda)
+        stage.copy_(static)
+        return stage, torch.cuda.Event() if cuda else None
+
     def _chain_fixed(self, ints: torch.Tensor, bucket: int) -> torch.Tensor:
-        """The chain graph's body: `ints` packs each row's token, position, cache slot and index ([4, bucket]), the
-        entry outputs are in `_chain_hidden`."""
-        tok, pos, slot, idx = ints.view(4, bucket)
-        return self._chain(tok, self._chain_hidden[:bucket], pos, slot, idx, self.num_speculative_tokens - 1,
-                           self.capacity)
-
-
-def _pinned(values: list[int]) -> torch.Tensor:
-    """A host int64 tensor a non-blocking copy can read from (pinned when CUDA is there to pin for)."""
-    t = torch.tensor(values, dtype=torch.long)
-    return t.pin_memory() if torch.cuda.is_available() else t
+        """The chain graph's body: `ints` in `_chain_ints`' layout, the last entries' pre-norm outputs in
+        `_chain_hidden`."""
+        steps = self.num_speculative_tokens - 1
+        return torch.stack(self._chain_from(ints, self._chain_hidden[:bucket], bucket, steps, self.capacity), dim=1)
 
 
 def bundled_head_path(target_checkpoint: str | None) -> Path | None:
