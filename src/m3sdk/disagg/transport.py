@@ -34,9 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
+import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -89,16 +92,49 @@ class BufferPool:
                 self._free.pop(0)
 
 
+class _Gathers:
+    """A thread per transport that waits, in the order they were packed, for the device gathers of packed messages
+    (UCX reads a buffer on its own streams: the gather must be done before the send starts) and hands each
+    message on to its outbox. Before, the push found a gather unfinished and waited for it in asyncio.to_thread:
+    a loop -> thread -> loop round trip per message, on the host time that paces the GPU transfer."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[torch.cuda.Event, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def put(self, ready: torch.cuda.Event, deliver: Callable[[], Any]) -> None:
+        """Call `deliver` (from this object's thread) once `ready` completed."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="m3sdk-kv-gathers", daemon=True)
+                self._thread.start()
+            self._queue.put((ready, deliver))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            ready, deliver = item
+            ready.synchronize()
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits for the message any more
+                deliver()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread = None
+
+
 class Outbox:
     """The packed messages of one transfer, from the producer (the prefill backend, any thread) to `push`, which
     sends them in plan order as they come. Create it on the disagg loop."""
 
-    def __init__(self, plan: TransferPlan, device: torch.device, pool: BufferPool):
-        self.plan, self.device, self._pool = plan, torch.device(device), pool
+    def __init__(self, plan: TransferPlan, device: torch.device, pool: BufferPool, gathers: _Gathers):
+        self.plan, self.device, self._pool, self._gathers = plan, torch.device(device), pool, gathers
         self._frames = wire.frames(plan, self.device)
         self._layout: wire.Layout | None = None  # where the messages' pages are in the producer's pool
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[tuple[int, torch.Tensor, Any]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, torch.Tensor]] = asyncio.Queue()
         self.sent = 0  # messages the decode side has taken (their sends completed)
 
     def pack(self, messages: list[MessageSpec], rows: list[list[torch.Tensor]], src_pages: torch.Tensor) -> None:
@@ -112,23 +148,21 @@ class Outbox:
             for msg in messages:
                 buf = self._pool.take(msg.nbytes, self.device)
                 wire.pack(self.plan, msg, self._layout, buf, self._frames)
-                ready = None
-                if buf.is_cuda:  # UCX reads the buffer on its own streams: the gather must be done first
+                deliver = functools.partial(self._loop.call_soon_threadsafe, self._queue.put_nowait, (msg.index, buf))
+                if buf.is_cuda:  # UCX reads the buffer on its own streams: sent once the gather is done
                     ready = torch.cuda.Event()
                     ready.record(torch.cuda.current_stream(buf.device))
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, (msg.index, buf, ready))
+                    self._gathers.put(ready, deliver)
+                else:
+                    deliver()
 
     def count_sent(self, send: asyncio.Future) -> None:
         if not send.cancelled() and send.exception() is None:
             self.sent += 1
 
     async def get(self) -> tuple[int, torch.Tensor]:
-        index, buf, ready = await self._queue.get()
-        if ready is not None and not ready.query():
-            # the gather still runs on the device: waited for in a thread (a poll with asyncio.sleep(1e-4) sleeps
-            # a whole millisecond on an idle loop, whose epoll timeout counts in milliseconds)
-            await asyncio.to_thread(ready.synchronize)
-        return index, buf
+        """The next packed message whose gather is done."""
+        return await self._queue.get()
 
 
 class Receive(Protocol):
@@ -361,6 +395,7 @@ class UcxTransport:
         self.window = window
         self.drain_timeout = drain_timeout
         self.pool = BufferPool(pool_bytes)
+        self._gathers = _Gathers()
         self._listener: Any = None
         self._accepted: list[Any] = []  # endpoints prefill nodes opened to us: kept alive with the transport
         self._endpoints: dict[tuple[str, int], Any] = {}
@@ -399,7 +434,7 @@ class UcxTransport:
         return UcxReceive(self, plan, rows, dst_pages, self.window)
 
     def outbox(self, plan: TransferPlan, device: torch.device) -> Outbox:
-        return Outbox(plan, device, self.pool)
+        return Outbox(plan, device, self.pool, self._gathers)
 
     async def send_to_self(self, data: bytes, tag: int) -> None:
         if self._self_ep is None:
@@ -474,6 +509,7 @@ class UcxTransport:
         self._accepted.clear()
         self._self_ep = None
         self._listener = None
+        self._gathers.close()
 
 
 TRANSPORTS = {"ucx": UcxTransport}
