@@ -75,6 +75,15 @@ PREFILL_SWEEP = [dict(_P),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, GU_BLOCK_N=128),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, DN_BLOCK_N=256),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=2)]
+# `--bf16-prefill-sweep`: moe_prefill:bf16 (8K tokens, bf16 experts): the kept tiles first, then gate|up as one
+# interleaved MMA (FUSED_GU: 128 wide; GU_BLOCK_N 128: 256 wide, 144 KB of shared memory at K tiles of 64 and 3
+# stages), down tiles 256 wide, 4 stages
+_B = dict(FUSED_GU=0, GU_BLOCK_N=64, GU_BLOCK_K=64, DN_BLOCK_N=128, DN_BLOCK_K=64, num_stages=3)
+BF16_PREFILL_SWEEP = [dict(_B),
+                      dict(_B, FUSED_GU=1),
+                      dict(_B, FUSED_GU=1, GU_BLOCK_N=128),
+                      dict(_B, FUSED_GU=1, GU_BLOCK_N=128, DN_BLOCK_N=256),
+                      dict(_B, FUSED_GU=1, DN_BLOCK_N=256, num_stages=4)]
 # `--convert-sweep`: mx_to_fp8 tiles (the whole 129-expert stack, both layouts)
 CONVERT_SWEEP = [dict(BLOCK_N=32, num_warps=4), dict(BLOCK_N=64, num_warps=4), dict(BLOCK_N=32, num_warps=8)]
 
@@ -158,15 +167,17 @@ def arm_h_row(arm: str, t: int) -> bool:
         return h_row(fmt, t, current_arch(), planes=path == "planes")
 
 
-def prefill_sweep(experts: dict, arms: list[str], jsonl: str | None) -> None:
-    """Time PREFILL_SWEEP at 8K tokens for `arms` (each config checked per arm at 300 tokens first); keep the
-    config with the smallest sum over the arms in the moe_prefill table."""
-    table = TILES["moe_prefill:fp8"].setdefault(current_arch().name, {})
+def prefill_sweep(experts: dict, arms: list[str], jsonl: str | None, family: str = "moe_prefill:fp8",
+                  configs: list[dict] = PREFILL_SWEEP) -> None:
+    """Time `configs` at 8K tokens for `arms` (each config checked per arm at 300 tokens first); keep the config
+    with the smallest sum over the arms in the `family` table."""
+    table = TILES[family].setdefault(current_arch().name, {})
     base = dict(table)
     w, ids = routing(PREFILL_T, PREFILL_T)
     x = torch.randn(PREFILL_T, H, device=DEV, dtype=torch.bfloat16)
+    defaults = _B if family == "moe_prefill:bf16" else _P
     best = None
-    for cfg in PREFILL_SWEEP:
+    for cfg in configs:
         table.update(cfg)
         rec = dict(bench="moe_prefill_sweep", config=cfg, table=dict(table), us={}, rel_err={})
         try:
@@ -175,7 +186,8 @@ def prefill_sweep(experts: dict, arms: list[str], jsonl: str | None) -> None:
                 rec["us"][arm] = bench(lambda arm=arm: run(arm, x, ids, w, experts[arm]), REP) * 1e3
         except Exception as e:  # noqa: BLE001
             rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-        print(f"prefill sweep {({k: v for k, v in cfg.items() if _P.get(k) != v})}: " + (rec.get("error", "")[:200] or
+        changed = {k: v for k, v in cfg.items() if defaults.get(k) != v}
+        print(f"prefill sweep {changed}: " + (rec.get("error", "")[:200] or
               " ".join(f"{a} {v:.0f}" for a, v in rec["us"].items()) + " us"), flush=True)
         if jsonl:
             with open(jsonl, "a") as fh:
@@ -297,6 +309,8 @@ def main() -> None:
     ap.add_argument("--rep", type=int, default=100, help="ms of graph replays per timing sample")
     ap.add_argument("--prefill-sweep", nargs="?", const="all", help="sweep the moe_prefill tiles first (8K tokens,"
                     " the --prefill-formats arms; a value: the PREFILL_SWEEP indices to time)")
+    ap.add_argument("--bf16-prefill-sweep", nargs="?", const="all", help="sweep the moe_prefill:bf16 tiles first "
+                    "(8K tokens, bf16 experts; a value: the BF16_PREFILL_SWEEP indices to time)")
     ap.add_argument("--convert-sweep", action="store_true", help="time mx_to_fp8 tiles first (the MXFP4 stacks)")
     ap.add_argument("--check-ts", default="2,40,300", help="token counts of the correctness check")
     ap.add_argument("--planes-sweep", nargs="?", const="all", help="sweep the planes tiles first (needs mxfp4:planes;"
@@ -346,6 +360,10 @@ def main() -> None:
         # the fp8 and MX arms (planes run the same fp8 kernels once converted; bf16 is timed in the table)
         prefill_sweep(experts, [f for f in prefill_formats if f in experts and f not in ("mxfp4:planes", "bf16")],
                       args.jsonl)
+    if args.bf16_prefill_sweep and "bf16" in experts:
+        if args.bf16_prefill_sweep != "all":
+            BF16_PREFILL_SWEEP[:] = [BF16_PREFILL_SWEEP[int(i)] for i in args.bf16_prefill_sweep.split(",")]
+        prefill_sweep(experts, ["bf16"], args.jsonl, "moe_prefill:bf16", BF16_PREFILL_SWEEP)
     if args.sweep:
         for fam, configs in SWEEP.items():
             t = 1 if fam == "moe_decode" else 16
@@ -404,7 +422,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(read_gbps=bw, bf16_tflops=rate_bf16, fp8_tflops=rate_fp8,
-                           tiles={k: TILES[k][arch.name] for k in ("moe_decode", "moe_small", "moe_prefill")},
+                           tiles={k: TILES[k][arch.name] for k in ("moe_decode", "moe_small", "moe_prefill",
+                                                                     "moe_prefill:bf16")},
                            rows=rows), fh, indent=1)
 
 

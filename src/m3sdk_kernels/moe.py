@@ -916,7 +916,7 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         return out
     arch = current_arch(dev)
     planes = experts.planes
-    cfg, sort = moe_tiles(t, arch, "planes" if planes else None)
+    cfg, sort = moe_tiles(t, arch, "planes" if planes else "bf16" if fmt == "bf16" else None)
     use_mx_fp8 = mx_fp8(fmt, t, arch, planes)
     if fmt == "fp8" or use_mx_fp8:  # fp8 activations: the tables' "family:fp8" entries
         cfg, sort = moe_tiles(t, arch, "fp8")
@@ -1024,7 +1024,8 @@ def aot_variants(arch: Arch) -> list:
         for fmt, (wt, st) in w_types.items():
             planes = fmt == "mxfp4_planes"
             mxf = fmt == "mxfp4" and bool(tiles(family, arch).get("MX_FP8", 0))
-            cfg = tiles(family, arch, "planes" if planes else "fp8" if fmt == "fp8" or mxf else None)
+            cfg = tiles(family, arch, "planes" if planes else "fp8" if fmt == "fp8" or mxf else
+                        "bf16" if fmt == "bf16" else None)
             act = fp8 if fmt == "fp8" or mxf else "*fp16" if planes else "*bf16"
             row_q = act == fp8 and bool(cfg.get("H_ROW", 0))
             common = {"TOP_K": 5, "SORTED": sort, "W_FMT": codes[fmt], "MX_FP8": mxf, "ACT_FP8": act == fp8,
