@@ -49,7 +49,8 @@ ARMS = ("ours", "sep", "gemm", "norm", "torch", "bf16")
 # the resident CTAs; the activation quantized by a separate launch (the kept one before session 13 first), then
 # inside the GEMM's launch (FUSE_QUANT) with the weight reads that need no activation started before the GEMM
 # programs wait for the quantized rows: none, PREFETCH tiles into L2, or PRELOAD steps peeled with their weight tiles
-# in flight (they take a stage's shared memory: 80 KB, 2 programs per SM instead of 3, so also with 2 stages)
+# in flight (they take a stage's shared memory: 80 KB, 2 programs per SM instead of 3, so also with 2 stages); then
+# 128-wide column tiles (half the activation reads at M = 16) and fewer, longer splits (2 programs per SM)
 _DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=396, FUSE_QUANT=1,
                PRELOAD=0, PREFETCH=0)
 SWEEP = {
@@ -59,7 +60,8 @@ SWEEP = {
                         dict(_DECODE, PREFETCH=4),
                         dict(_DECODE, PRELOAD=2),
                         dict(_DECODE, PRELOAD=2, num_stages=2),
-                        dict(_DECODE, PREFETCH=2, BLOCK_N=128, BLOCK_K=128, num_stages=4)],
+                        dict(_DECODE, PREFETCH=2, BLOCK_N=128, BLOCK_K=128, num_stages=4),
+                        dict(_DECODE, PREFETCH=2, SPLIT_PROGRAMS=264)],
     "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
                      dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)],
