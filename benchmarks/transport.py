@@ -131,15 +131,18 @@ class Trace:
             if cls.events is not None:
                 cls.events.append((event, index, time.perf_counter()))
 
-        pack, scatter, send, recv, get = wire.pack, wire.scatter, tr._send, tr._recv, tr.Outbox.get
+        pack, check, place, send, recv, get = wire.pack, wire.check, wire.place, tr._send, tr._recv, tr.Outbox.get
 
         def traced_pack(plan, msg, *args):
             note("pack", msg.index)
             pack(plan, msg, *args)
 
-        def traced_scatter(plan, msg, *args):
-            note("scatter0", msg.index)  # the check (one copy to the host) and the copies queued
-            scatter(plan, msg, *args)
+        def traced_check(plan, msg, *args):
+            note("scatter0", msg.index)  # from the check (one copy to the host) to the copies queued
+            check(plan, msg, *args)
+
+        def traced_place(msg, *args):
+            place(msg, *args)
             note("scatter1", msg.index)
 
         async def traced_send(ep, buf, tag):
@@ -158,8 +161,8 @@ class Trace:
             note("ready", index)
             return index, buf
 
-        wire.pack, wire.scatter, tr._send, tr._recv, tr.Outbox.get = (traced_pack, traced_scatter, traced_send,
-                                                                       traced_recv, traced_get)
+        wire.pack, wire.check, wire.place, tr._send, tr._recv, tr.Outbox.get = (
+            traced_pack, traced_check, traced_place, traced_send, traced_recv, traced_get)
 
 
 def plan_pages(what: str, dsts: dict[str, torch.Tensor]) -> torch.Tensor | None:

@@ -300,12 +300,15 @@ class UcxReceive:
             del self._posted[tag]
         return buf
 
-    def _scatter(self, msg: MessageSpec, buf: torch.Tensor) -> None:
+    def _check(self, msg: MessageSpec, buf: torch.Tensor) -> None:
         try:
-            with _using(self._io):  # the check's wait covers the io stream: also the trailers armed before it
-                wire.scatter(self._plan, msg, self._layout, buf, self._copy)
+            with _using(self._io):  # its host wait covers the io stream: the trailers armed before it too
+                wire.check(self._plan, msg, buf)
         except wire.WireError as e:
             raise TransportError(str(e)) from e
+
+    def _place(self, msg: MessageSpec, buf: torch.Tensor) -> None:
+        wire.place(msg, self._layout, buf, self._copy)
         if self._copy is None:  # a CPU scatter is done when it returns
             self._transport.pool.give(buf)
             return
@@ -336,9 +339,10 @@ class UcxReceive:
             self._release(wait=False)
             following = index + self._window
             armed = self._arm(following) if following < count else None
-            self._scatter(msg, buf)  # its check waited for the io stream: `armed` may be posted now
-            if armed is not None:
+            self._check(msg, buf)
+            if armed is not None:  # before the scatter, so UCX can fill it meanwhile
                 self._post(following, armed)
+            self._place(msg, buf)
         self._release(wait=True)  # the pages are in place before the transfer counts as done
 
     async def wait(self) -> None:

@@ -338,10 +338,14 @@ def _check_trailer(plan: TransferPlan, msg: MessageSpec, tail: bytes) -> None:
 
 def scatter(plan: TransferPlan, msg: MessageSpec, layout: Layout, buf: torch.Tensor,
             stream: torch.cuda.Stream | None = None) -> None:
-    """Check `buf` against the plan (its copy to the host on the current stream, the only host wait), then write
-    its pages into the pool where `layout` (the receiving side's) says, queued on `stream` when given (the caller
-    waits for it before the pages or `buf` are used)."""
+    """`check`, then `place`."""
     check(plan, msg, buf)
+    place(msg, layout, buf, stream)
+
+
+def place(msg: MessageSpec, layout: Layout, buf: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+    """Write the pages of `buf`, which `check` passed, into the pool where `layout` (the receiving side's) says,
+    queued on `stream` when given (the caller waits for it before the pages or `buf` are used)."""
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         if layout.runs is None:
             idx = layout.index[msg.page_start:msg.page_start + msg.page_count]
