@@ -38,6 +38,8 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
     graphs = None if speculative is None or SPEC_GRAPHS else False  # None: the engine's default (on for CUDA)
     async with Engine(device=device, dtype=dtype, max_num_seqs=concurrency, speculative=speculative,
                       cuda_graphs=graphs, overlap_scheduling=overlap) as engine:
+        if LATE_READ and engine._core.spec is not None:  # A/B: the drafter reads each step after the host has
+            engine._core.spec._read_unverified = lambda step: None
         gate = asyncio.Semaphore(concurrency)
 
         async def one(prompt: list[int], tokens: int = max_tokens) -> list[int]:
@@ -158,7 +160,7 @@ def host_phases(engine: Engine, on: bool):
         targets += [(core.spec.drafter, "propose"), (core.spec.drafter, "observe"), (spec_decoding, "verify"),
                     (core.spec, "launch"), (core.spec, "finish")]
         if hasattr(core.spec.drafter, "read_ahead"):
-            targets.append((core.spec.drafter, "read_ahead"))
+            targets += [(core.spec.drafter, "read_ahead"), (core.spec.drafter, "read_unverified")]
 
     def timed(name: str, fn):
         def call(*args, **kwargs):
@@ -206,6 +208,7 @@ OUT = None  # the --out file
 SPEC_GRAPHS = True  # --spec-eager turns CUDA graphs off for the speculative engines only
 WARM_UP_TOKENS = 0  # --warm-up-tokens (0: --max-tokens)
 PHASES = False  # --phases: host time per phase in every row (cheap wrappers, no profiler)
+LATE_READ = False  # --late-read: no drafter read launched behind a verify forward (Speculation._read_unverified)
 
 
 def cell(value: float | None, fmt: str, unit: str = "") -> str:
@@ -235,14 +238,17 @@ def main() -> None:
     ap.add_argument("--spec-eager", action="store_true", help="no CUDA graphs for the speculative engines")
     ap.add_argument("--min-requests", type=int, default=8, help="requests per timed window: max(2 c, this)")
     ap.add_argument("--phases", action="store_true", help="host ms per step by phase in every row (no profiler)")
+    ap.add_argument("--late-read", action="store_true",
+                    help="A/B: the drafter reads a verify step only after the host has read it (the session-12 order)")
     ap.add_argument("--warm-up-tokens", type=int, default=0,
                     help="tokens per warm-up request (0: --max-tokens); fewer make a large batch's run shorter")
     args = ap.parse_args()
-    global OUT, SPEC_GRAPHS, WARM_UP_TOKENS, PHASES
+    global OUT, SPEC_GRAPHS, WARM_UP_TOKENS, PHASES, LATE_READ
     OUT = open(args.out, "a") if args.out else None  # noqa: SIM115 - open for the whole run
     SPEC_GRAPHS = not args.spec_eager
     WARM_UP_TOKENS = args.warm_up_tokens
     PHASES = args.phases
+    LATE_READ = args.late_read
     record(run="spec_speedup", argv=sys.argv[1:])
     if args.check_prompts:
         prompts = held_out_prompts(args.check_prompts, args.prompt_tokens)
@@ -284,7 +290,7 @@ def main() -> None:
 
         rate = {m: round(tokens / r[1], 1) for m, r in runs.items()}
         gain = {m: round(r[1] / t_spec, 3) for m, r in runs.items()}
-        row = dict(dtype=args.dtype, spec_graphs=SPEC_GRAPHS, concurrency=c, requests=len(prompts),
+        row = dict(dtype=args.dtype, spec_graphs=SPEC_GRAPHS, late_read=LATE_READ, concurrency=c, requests=len(prompts),
                    max_tokens=args.max_tokens, warm_up_tokens=WARM_UP_TOKENS or args.max_tokens,
                    plain_tok_s=rate.get("overlap"), plain_no_overlap_tok_s=rate.get("sync"), spec_tok_s=rate["spec"],
                    speedup=gain.get("overlap"), speedup_vs_no_overlap=gain.get("sync"),

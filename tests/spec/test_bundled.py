@@ -9,6 +9,7 @@ import pytest
 from m3sdk import Engine
 from m3sdk.config import EngineConfig
 from m3sdk.graphs import DecodeGraphs
+from m3sdk.spec.chain import ChainDrafter
 from m3sdk.spec.decoding import Speculation
 
 PROMPTS = ["It was a truth well known in the neighbourhood that", "Emma could not help feeling that her friend"]
@@ -56,6 +57,32 @@ async def test_drafts_read_on_the_device_change_no_greedy_token(monkeypatch):
     spec, stats = await go(speculative="eagle3")
     assert spec[:3] == plain[:3] and len(spec[3]) == 24
     assert sum(carried) > 0 and stats["spec_accepted_tokens"] > 0
+    assert stats["pages_free"] == stats["pages_total"]
+
+
+async def test_reads_launched_before_the_verdict_change_no_greedy_token(monkeypatch):
+    """With the GPU's graph wiring, a batch of greedy rows verifying drafts still on the device has the drafter's
+    read launched right behind the verify forward (acceptance counted on the device, `ChainDrafter.settle` told
+    the host's count after): output equals plain decoding, and every page is free at the end."""
+    monkeypatch.setattr(EngineConfig, "resolve_cuda_graphs", lambda self, device: True)
+    monkeypatch.setattr(DecodeGraphs, "supported", staticmethod(lambda model: True))
+    settled, settle = [], ChainDrafter.settle
+
+    def counted(self, read, committed):
+        settled.append(len(committed))
+        return settle(self, read, committed)
+
+    monkeypatch.setattr(ChainDrafter, "settle", counted)
+
+    async def go(**overrides):
+        async with Engine(device="cpu", max_num_seqs=2, **overrides) as e:
+            done = await asyncio.gather(*[e.generate(p, max_tokens=32, temperature=0, ignore_eos=True)
+                                          for p in PROMPTS])
+            return [c.token_ids for c in done], e.stats()
+
+    plain, _ = await go()
+    spec, stats = await go(speculative="eagle3")
+    assert spec == plain and sum(settled) > 10
     assert stats["pages_free"] == stats["pages_total"]
 
 

@@ -258,3 +258,63 @@ def test_fixed_shape_steps_draft_like_eager_steps(tmp_path, k):
             tokens["c"] = torch.randint(0, VOCAB, (8,), generator=g).tolist()
             pending["c"] = (0, tokens["c"][1:], torch.randn(7, 3 * HT, generator=g))
     assert drafted_ahead >= 8  # every observe after the prefills (steps 1..5, two requests each but one)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_read_before_the_verdict_drafts_like_the_read_after_it(tmp_path, k):
+    """A greedy verify step's read launched before the host has read the step (`read_unverified`: the device
+    counts each request's accepted drafts from the step's argmax and the drafts it verified) leaves the drafter as
+    the read of the settled entries does: the same next drafts and context lengths, for requests accepting none,
+    some or all of their drafts, one verifying fewer than k (3 requests: a padding context in bucket 4)."""
+    W = published_tensors()
+    head = load_eagle3(write(tmp_path / "st", W), target_info())
+    after, before = (Eagle3Drafter(head, k, max_num_seqs=4, capacity=96) for _ in range(2))
+    for d in (after, before):
+        d.capture_graphs(4)
+    g = torch.Generator().manual_seed(5)
+    tokens = {rid: torch.randint(0, VOCAB, (n + 1,), generator=g).tolist() for rid, n in (("a", 12), ("b", 5),
+                                                                                           ("c", 9))}
+    # a prefill, then a verify-sized step read as usual: both hold the drafts of the next step on the device
+    for step in range(2):
+        items = []
+        for rid, t in tokens.items():
+            start = 0 if step == 0 else len(t) - 2
+            items.append((rid, TargetStates(start, t[start + 1:], torch.zeros(len(t) - 1 - start, HT),
+                                            torch.randn(len(t) - 1 - start, 3 * HT, generator=g))))
+        for d in (after, before):
+            d.observe(items)
+            d.propose([DraftRequest(rid, t, k) for rid, t in tokens.items()])
+        if step == 0:
+            for t in tokens.values():
+                t.append(int(torch.randint(0, VOCAB, (1,), generator=g)))
+    asks = [DraftRequest(rid, t, k if rid != "c" else max(k - 1, 1)) for rid, t in tokens.items()]
+    for _ in range(3):
+        proposals = before.propose(asks)
+        assert all(p.pending is not None for p in proposals)
+        verified = {a.request_id: p.pending.host()[p.row][:len(p.tokens)] for a, p in zip(asks, proposals,
+                                                                                           strict=True)}
+        items, argmax, states, settled, observed, row = [], [], [], {}, [], 0
+        for (rid, t), p in zip(tokens.items(), proposals, strict=True):
+            drafts = verified[rid]
+            accepted = int(torch.randint(0, len(drafts) + 1, (1,), generator=g))
+            bonus = (drafts[accepted] + 1) % VOCAB if accepted < len(drafts) else 7
+            n = 1 + len(drafts)
+            # past the rejected draft the argmax equals the drafts again: a count that went on would take them
+            rows = (drafts[:accepted] + [bonus] + drafts[accepted + 1:] + [5])[:n]
+            aux = torch.randn(n, 3 * HT, generator=g)
+            items.append((rid, len(t) - 1, n, row, p.row * k))
+            argmax += rows
+            states.append(aux)
+            settled[rid] = accepted + 1
+            observed.append((rid, TargetStates(len(t) - 1, rows[:accepted + 1], torch.zeros(accepted + 1, HT),
+                                               aux[:accepted + 1])))
+            t += rows[:accepted + 1]
+            row += n
+        after.observe(observed)
+        read = before.read_unverified(items, torch.tensor(argmax), torch.cat(states))
+        assert read is not None
+        before.settle(read, settled)
+        want = [p.pending.host()[p.row] if p.pending else p.tokens for p in after.propose(asks)]
+        got = [p.pending.host()[p.row] if p.pending else p.tokens for p in before.propose(asks)]
+        assert got == want
+        assert [s.ctx.length for s in before._seqs.values()] == [s.ctx.length for s in after._seqs.values()]

@@ -41,6 +41,15 @@ class DraftSeq:
     ahead: tuple[DeviceDrafts, int] | None = None
 
 
+@dataclass
+class Unverified:
+    """A verify step's draft read launched before the host read the step (`ChainDrafter.read_unverified`): its
+    drafts (context i is request_ids[i]'s)."""
+
+    drafts: DeviceDrafts
+    request_ids: list[str]
+
+
 class ChainDrafter(ABC):
     method: str
     aux_layers: tuple[int, ...] = ()
@@ -161,6 +170,40 @@ class ChainDrafter(ABC):
         runs while the device drafts). `features`: each context's rows. None: not supported here, `read` then runs
         (the default)."""
         return None
+
+    @torch.inference_mode()
+    def read_unverified(self, items: Sequence[tuple[str, int, int, int, int]], argmax: torch.Tensor,
+                        features: torch.Tensor) -> Unverified | None:
+        """The read of a greedy verify step launched right behind its forward, before the host has read the
+        verdict (the drafter works out on the device how many drafts each request accepted: `launch_unverified`),
+        so the device drafts the next step straight after verifying this one. `items`: per request (id, its
+        first verify position, tokens verified n, its first row in the step's argmax [T] and features [T, *],
+        the flat index of its first draft in the drafts the step verified, the latest `read_ahead`'s). All or
+        none: None where a request's context does not continue at that position or lacks room, or the drafter
+        cannot; the step is then observed as usual."""
+        ctxs = []
+        for rid, start, n, _, _ in items:
+            seq = self._seqs.get(rid)
+            if seq is None or seq.ctx.end != start or not self.has_room(seq.ctx, n + self.num_speculative_tokens):
+                return None
+            ctxs.append(seq.ctx)
+        drafts = self.launch_unverified(ctxs, items, argmax, features)
+        return None if drafts is None else Unverified(drafts, [item[0] for item in items])
+
+    def launch_unverified(self, ctxs: list[DraftContext], items: Sequence[tuple[str, int, int, int, int]],
+                          argmax: torch.Tensor, features: torch.Tensor) -> DeviceDrafts | None:
+        """`read_unverified`'s launch (None: not supported here, the default)."""
+        return None
+
+    def settle(self, read: Unverified, committed: dict[str, int]) -> None:
+        """The host's verdict on a step read by `read_unverified`: each request's committed entries (1 + its
+        accepted drafts, which the device counted alike); a request missing here finished meanwhile."""
+        self._latest = read.drafts
+        for i, rid in enumerate(read.request_ids):
+            seq = self._seqs.get(rid)
+            if seq is not None and rid in committed:
+                seq.ctx.length += committed[rid]
+                seq.ahead = (read.drafts, i)
 
     def read(self, ctxs: list[DraftContext], counts: list[int], token_ids: list[int], features: torch.Tensor,
              positions: list[int]) -> tuple[torch.Tensor, list[int]]:

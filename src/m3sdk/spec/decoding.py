@@ -32,7 +32,7 @@ import torch
 
 from m3sdk.request import Request, RequestStatus
 from m3sdk.runner import Carry
-from m3sdk.sampler import SampledToken, Sampler
+from m3sdk.sampler import SampledToken, Sampler, _HostCopy
 from m3sdk.scheduler.base import Scheduled, StepPlan
 from m3sdk.spec.base import DraftRequest, Proposal, SpeculativeDecoder, TargetStates
 from m3sdk.spec.verify import VerifyRow, verify, verify_greedy
@@ -40,6 +40,7 @@ from m3sdk.spec.verify import VerifyRow, verify, verify_greedy
 if TYPE_CHECKING:
     from m3sdk.cache.manager import CacheManager
     from m3sdk.runner import ModelRunner
+    from m3sdk.spec.chain import Unverified
 
 
 @dataclass
@@ -53,6 +54,10 @@ class Launched:
     hidden: torch.Tensor
     aux: torch.Tensor | None
     carry: Carry | None  # the drafts it read on the device (Proposal.pending)
+    # a greedy verify step whose drafts were all on the device: its argmax and those drafts on their way to the host,
+    # and the drafter's read of it launched behind it (`ChainDrafter.read_unverified`; None: observed as usual)
+    verdict: _HostCopy | None = None
+    read: Unverified | None = None
 
 
 class Speculation:
@@ -108,7 +113,23 @@ class Speculation:
                 pending.append(request)
         carry = self._carry(pending)
         logits, hidden, aux = runner.forward(plan, num_logits, self.drafter.aux_layers, carry=carry)
-        return Launched(plan, num_logits, spec, logits, hidden, aux, carry)
+        step = Launched(plan, num_logits, spec, logits, hidden, aux, carry)
+        if (carry is not None and len(pending) == len(plan.scheduled) and _greedy(pending)
+                and hasattr(self.drafter, "read_unverified")):
+            self._read_unverified(step)
+        return step
+
+    def _read_unverified(self, step: Launched) -> None:
+        """A step of greedy verify rows only, each verifying drafts still on the device: its argmax and those
+        drafts start for the host now (before the drafter's read overwrites them), and the drafter's read of the
+        step is launched behind it, so the device drafts the next step while the host reads this one."""
+        argmax = step.logits.argmax(dim=1)
+        step.verdict = _HostCopy(torch.cat([argmax, step.carry.tokens]))
+        items, row = [], 0
+        for request, n, _ in step.plan.scheduled:
+            items.append((request.request_id, request.num_computed_tokens, n, row, step.carry.rows[id(request)]))
+            row += n
+        step.read = self.drafter.read_unverified(items, argmax, step.aux)
 
     def finish(self, step: Launched) -> list[tuple[Request, list[SampledToken]]]:
         """A launched step's emitted tokens, per request that emits, in plan order. Requests finished since it was
@@ -133,10 +154,12 @@ class Speculation:
             rows = logits if len(verify_at) == logits.shape[0] else logits[verify_at]
             # greedy rows without penalties or logprobs need each position's argmax alone: one host read brings
             # it with the drafts that stayed on the device
-            greedy = all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
-                         for r, _ in verify_reqs)
+            greedy = _greedy(r for r, _ in verify_reqs)
             argmax, drafts = [], []
-            if greedy:
+            if step.verdict is not None:  # (read without waiting for the drafter's read launched behind it)
+                read = step.verdict.get()[0].tolist()
+                argmax, drafts = [read[i] for i in verify_at], read[logits.shape[0]:]
+            elif greedy:
                 argmax_t = rows.argmax(dim=1)
                 both = torch.cat([argmax_t, step.carry.tokens]) if step.carry is not None else argmax_t
                 read = both.tolist()
@@ -159,8 +182,9 @@ class Speculation:
                 emitted[r.request_id] = toks
                 self._count(len(vr.drafts), len(toks) - 1)
 
-        # rewrite speculating entries to their real tokens; observe what is now committed
-        observed, offset = [], 0
+        # rewrite speculating entries to their real tokens; observe what is now committed (or, for a step the
+        # drafter read already, tell it how much)
+        observed, settled, offset = [], {}, 0
         for i, (request, n, _) in enumerate(plan.scheduled):
             if request.is_finished:
                 offset += n
@@ -175,6 +199,10 @@ class Speculation:
             if toks:
                 self.decode_rows += 1
                 self.decode_tokens += len(toks)
+            if step.read is not None:
+                settled[request.request_id] = committed
+                offset += n
+                continue
             start = request.num_computed_tokens
             # the token after each committed position: in token_ids, and for the last one the emitted token
             # when the step emitted (else it is a prompt token still to compute)
@@ -184,7 +212,10 @@ class Speculation:
             observed.append((request.request_id, TargetStates(start, nxt, step.hidden[rows],
                                                               None if step.aux is None else step.aux[rows])))
             offset += n
-        self.drafter.observe(observed)
+        if step.read is not None:
+            self.drafter.settle(step.read, settled)
+        else:
+            self.drafter.observe(observed)
         return [(s.request, emitted[s.request.request_id]) for s in plan.scheduled
                 if s.request.request_id in emitted]
 
@@ -238,3 +269,7 @@ class Speculation:
             "spec_target_forwards_per_token": self.decode_rows / self.decode_tokens if self.decode_tokens else 0.0,
         }
 
+
+def _greedy(requests: Iterable[Request]) -> bool:
+    """Whether each request's verdict is the argmax alone (greedy, no penalties, no logprobs)."""
+    return all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None for r in requests)

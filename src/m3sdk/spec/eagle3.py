@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
@@ -556,7 +558,9 @@ class Eagle3Drafter(ChainDrafter):
             span = max(s.ctx.length for s in seqs) + steps
             return torch.stack(self._chain_from(ints, torch.stack([s.hidden for s in seqs]), b, steps, span),
                                dim=1).tolist()
-        self._upload(self._static[bucket], self._chain_ints(seqs, bucket, self.num_speculative_tokens - 1))
+        static = self._static[bucket]
+        self._stage(static)[:] = self._chain_ints(seqs, bucket, self.num_speculative_tokens - 1)
+        self._send(static)
         torch.stack([s.hidden for s in seqs], out=self._chain_hidden[:b])
         return self._graphs[bucket]()[:b, :steps].tolist()
 
@@ -583,67 +587,101 @@ class Eagle3Drafter(ChainDrafter):
     @torch.inference_mode()
     def read_ahead(self, ctxs: list[DraftKV], counts: list[int], token_ids: list[int],
                    features: list[torch.Tensor], positions: list[int]) -> DeviceDrafts | None:
-        """The read graph, whose chain runs on the device from the read's outputs: one upload, one copy of the
-        features, one replay (nothing waits here)."""
+        """The read graph over entries the host has settled (each context's n entries all committed), whose chain
+        runs on the device from the read's outputs: one upload, one copy of the features, one replay (nothing
+        waits here)."""
         b, width = len(ctxs), self.num_speculative_tokens + 1
         bucket = next((g for g in self._read_graphs if g >= b), None)
         if bucket is None or max(counts) > width:  # a prefill, or no graphs: `read` runs eagerly
             return None
-        # each context's entries padded to `width` rows; padding rows (and padding contexts) write to the
-        # scratch row and are dropped
-        rows, steps = bucket * width, self.num_speculative_tokens - 1
-        tok, pos, slot, idx, src = [0] * rows, [0] * rows, [self.scratch] * rows, [0] * rows, [0] * rows
-        last = list(range(0, rows, width))
-        chain_pos, chain_idx = [0] * (steps * bucket), [0] * (self.num_speculative_tokens * bucket)
-        at = 0
+        static = self._read_static[bucket]
+        ints, at = _ReadInts(self._stage(static), bucket, self.num_speculative_tokens), 0
         for i, (ctx, n) in enumerate(zip(ctxs, counts, strict=True)):
-            r = i * width
-            tok[r:r + n], pos[r:r + n] = token_ids[at:at + n], positions[at:at + n]
-            slot[r:r + n], idx[r:r + n] = [ctx.slot] * n, range(ctx.length, ctx.length + n)
-            src[r:r + n] = range(at, at + n)
-            last[i] = r + n - 1
-            # the read's last entry and the chain's after it: working-copy indices, positions
-            chain_idx[i::bucket] = range(ctx.length + n - 1, ctx.length + n + steps)
-            chain_pos[i::bucket] = range(positions[at + n - 1] + 1, positions[at + n - 1] + 1 + steps)
+            # all n entries committed: the device counts no accepted draft, `lim` says n - 1
+            self._read_context(ints, i, ctx, n, at, positions[at], lim=n - 1)
+            ints.verdict[at:at + n] = token_ids[at:at + n]
             ctx.length += n
             at += n
-        ctx_slot = [c.slot for c in ctxs] + [self.scratch] * (bucket - b)
-        self._upload(self._read_static[bucket], tok + src + slot + idx + pos + chain_pos + last + ctx_slot
-                     + chain_idx)
+        self._send(static)
         torch.cat(features, out=self._features[:at])
         return DeviceDrafts(self._read_graphs[bucket]()[:b])
 
+    @torch.inference_mode()
+    def launch_unverified(self, ctxs: list[DraftKV], items: Sequence[tuple[str, int, int, int, int]],
+                          argmax: torch.Tensor, features: torch.Tensor) -> DeviceDrafts | None:
+        """The read graph launched right behind a greedy verify step's forward: the verdict (how many drafts each
+        request accepted) is worked out on the device from the step's argmax and the drafts it verified (the
+        last read's, still in `_drafts_out`), so the host launches it before reading anything."""
+        b, k = len(ctxs), self.num_speculative_tokens
+        bucket = next((g for g in self._read_graphs if g >= b), None)
+        if bucket is None:
+            return None
+        static = self._read_static[bucket]
+        ints = _ReadInts(self._stage(static), bucket, k)
+        for i, (ctx, (_, start, n, row, first)) in enumerate(zip(ctxs, items, strict=True)):
+            self._read_context(ints, i, ctx, n, row, start, lim=0)
+            ints.drafts[i * k:i * k + n - 1] = range(first, first + n - 1)
+            ints.valid[i * k:i * k + n - 1] = 1
+        self._send(static)
+        t = argmax.shape[0]
+        static[-ints.verdict.shape[0]:][:t].copy_(argmax)  # the verdict region, after the upload (stream order)
+        self._features[:t].copy_(features)
+        return DeviceDrafts(self._read_graphs[bucket]()[:b])
+
+    def _read_context(self, ints: _ReadInts, i: int, ctx: DraftKV, n: int, row: int, start: int, lim: int) -> None:
+        """Context i's part of the read graph's ints: its n entries, whose features and tokens sit at the step's
+        rows row .. row + n - 1, at positions start .., padded to k + 1 on the scratch row; `lim` is added to the
+        accepted drafts the device counts."""
+        r = i * (self.num_speculative_tokens + 1)
+        ints.src[r:r + n] = range(row, row + n)
+        ints.slot[r:r + n] = ctx.slot
+        ints.idx[r:r + n] = range(ctx.length, ctx.length + n)
+        ints.pos[r:r + n] = range(start, start + n)
+        ints.ctx_slot[i], ints.lim[i] = ctx.slot, lim
+        ints.base[:, i] = r, ctx.length, start  # its first entry's row, working-copy index, position
+
     def _draft_ahead(self, ints: torch.Tensor, bucket: int) -> torch.Tensor:
-        """The read graph's body: `_read` over `bucket` contexts of k + 1 rows, then the chain from each context's
-        last entry, all on the device -> drafts [bucket, k]. `ints` (read_ahead's layout) packs each row's token,
-        feature row (in `_features`, which holds the step's features unpadded), cache slot and index, the
-        positions of the rows and then of the chain's entries, each context's last row and pool row, and the
-        working-copy indices of its last row and chain entries: one upload and one copy of the features feed the
-        whole step."""
-        k, width = self.num_speculative_tokens, self.num_speculative_tokens + 1
-        rows, chain = bucket * width, (k - 1) * bucket
-        tok, src, slot, idx = ints[:4 * rows].view(4, rows)
-        rope = self._rope[ints[4 * rows:5 * rows + chain]]  # the rows' and the chain's, one lookup
-        last, ctx_slot = ints[5 * rows + chain:5 * rows + chain + 2 * bucket].view(2, bucket)
-        q_idx = ints[5 * rows + chain + 2 * bucket:].view(k, bucket)
-        hide = self._span > q_idx[..., None]  # [k, bucket, capacity]: the read's last entry, then the chain's
-        first, residual, keys, vals = self._read(tok, self._features[src], rope[:rows], slot, idx, last, ctx_slot,
-                                                 hide[0], self.capacity)
-        drafts = [first]
+        """The read graph's body (`_ReadInts` layout): the verdict (accepted drafts a per context: the leading
+        valid drafts that equal the argmax before them, plus `lim`), then `_read` over `bucket` contexts of k + 1
+        entries whose output is read at entry a, then the chain from there, all on the device -> drafts
+        [bucket, k]. Each entry's token is the verdict region's value at its row: for a verify step the argmax
+        there, which is the token after the entry's position for every entry up to a (an accepted draft equals
+        it, and the one at a is the step's bonus token); entries past a are written where the next read
+        overwrites them, and no query here sees them. One upload and one copy of the features (and of a verify
+        step's argmax) feed the whole step."""
+        k, w = self.num_speculative_tokens, self.num_speculative_tokens + 1
+        p = _ReadInts(ints, bucket, k)
+        src = p.src.view(bucket, w)
+        accepted = (p.verdict[src[:, :k]] == self._drafts_out.view(-1)[p.drafts.view(bucket, k)]) * p.valid.view(
+            bucket, k)
+        a = accepted.cumprod(1).sum(1) + p.lim
+        last, q_idx, pos = (p.base + a).unbind(0)
+        q_idx = q_idx + self._steps  # [k, bucket]: the read's last entry's working-copy index, then the chain's
+        hide = self._span > q_idx[..., None]
+        first, residual, keys, vals = self._read(p.verdict[p.src], self._features[p.src], self._rope[p.pos], p.slot,
+                                                 p.idx, last, p.ctx_slot, hide[0], self.capacity)
+        out = [first]
         if k > 1:
-            drafts += self._chain(first, residual, rope[rows:].view(k - 1, bucket, *rope.shape[1:]), keys, vals,
-                                  q_idx[1:], hide[1:])
+            out += self._chain(first, residual, self._rope[pos + 1 + self._steps[:-1]], keys, vals, q_idx[1:],
+                               hide[1:])
         # into a buffer made outside every capture: the drafts stay on the device while the chain graph may replay
         # (after an eager read), and memory a graph allocated in the shared pool can be another graph's scratch
-        return torch.stack(drafts, dim=1, out=self._drafts_out[:bucket])
+        return torch.stack(out, dim=1, out=self._drafts_out[:bucket])
 
-    def _upload(self, static: torch.Tensor, values: list[int]) -> None:
-        """Fill a graph's packed static ints from host values: one non-blocking copy from a pinned staging buffer
-        (a pageable upload would wait for the whole stream), reused once its last copy has run."""
-        stage, done = self._staging[static.data_ptr()]
+    def _stage(self, static: torch.Tensor) -> np.ndarray:
+        """The host staging buffer of a graph's packed static ints, holding their defaults (padding), to fill and
+        `_send`; reused once its last copy has run."""
+        stage, done, defaults = self._staging[static.data_ptr()]
         if done is not None:
             done.synchronize()  # its copy of the step before (long done: the host has read a verify since)
-        stage.numpy()[:len(values)] = values
+        host = stage.numpy()
+        host[:] = defaults
+        return host
+
+    def _send(self, static: torch.Tensor) -> None:
+        """One non-blocking copy of the staging buffer into the static ints (pinned: a pageable upload would wait
+        for the whole stream)."""
+        stage, done, _ = self._staging[static.data_ptr()]
         static.copy_(stage, non_blocking=True)
         if done is not None:
             done.record()
@@ -662,15 +700,17 @@ class Eagle3Drafter(ChainDrafter):
         self._features = torch.zeros(n * (k + 1), features, dtype=self.dtype, device=self.device)
         self._chain_hidden = torch.zeros(n, c.hidden_size, dtype=self.dtype, device=self.device)
         self._drafts_out = torch.zeros(n, k, **i64)  # the read graphs' drafts (`_draft_ahead`)
+        self._steps = torch.arange(k, **i64)[:, None]  # a chain's entries after the read's last one
         self._read_static, self._static, self._staging = {}, {}, {}
         cuda = self.device.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if cuda else None
         with torch.inference_mode():
             for b in batch_buckets(n):
-                m = b * (k + 1)
                 # padding: token 0 at position 0 on the scratch row (its values never reach a real request)
-                ints = self._read_static[b] = torch.zeros(5 * m + (k - 1) * b + 2 * b + k * b, **i64)
-                ints[2 * m:3 * m] = ints[5 * m + (k - 1) * b + b:5 * m + (k - 1) * b + 2 * b] = self.scratch
+                defaults = np.zeros(_ReadInts.size(b, k), dtype=np.int64)
+                pad = _ReadInts(defaults, b, k)
+                pad.slot[:] = pad.ctx_slot[:] = self.scratch
+                ints = self._read_static[b] = torch.from_numpy(defaults).to(self.device)
                 self._staging[ints.data_ptr()] = self._stage_for(ints, cuda)
                 self._read_graphs[b] = Replay(lambda b=b, ints=ints: self._draft_ahead(ints, b), pool, self.device)
                 if k > 1:
@@ -680,18 +720,45 @@ class Eagle3Drafter(ChainDrafter):
                     self._graphs[b] = Replay(lambda b=b, ints=ints: self._chain_fixed(ints, b), pool, self.device)
 
     @staticmethod
-    def _stage_for(static: torch.Tensor, cuda: bool) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """A host staging buffer for `static` (pinned on CUDA, with the event of its last copy), holding its
-        current values."""
+    def _stage_for(static: torch.Tensor, cuda: bool) -> tuple[torch.Tensor, torch.cuda.Event | None, np.ndarray]:
+        """A host staging buffer for `static` (pinned on CUDA), the event of its last copy, and the static ints'
+        defaults (their values now)."""
         stage = torch.empty(static.shape, dtype=static.dtype, pin_memory=cuda)
-        stage.copy_(static)
-        return stage, torch.cuda.Event() if cuda else None
+        return stage, torch.cuda.Event() if cuda else None, static.cpu().numpy().copy()
 
     def _chain_fixed(self, ints: torch.Tensor, bucket: int) -> torch.Tensor:
         """The chain graph's body: `ints` in `_chain_ints`' layout, the last entries' pre-norm outputs in
         `_chain_hidden`."""
         steps = self.num_speculative_tokens - 1
         return torch.stack(self._chain_from(ints, self._chain_hidden[:bucket], bucket, steps, self.capacity), dim=1)
+
+
+class _ReadInts:
+    """The read graph's packed int64 inputs for one batch bucket, as named views of one buffer (host: numpy, device:
+    torch). Per entry row (bucket x (k + 1), context i's at i (k + 1) ..): the step row of its features and token
+    (`src`), its pool row and index, its position. Per context: the flat indices (in `_drafts_out`) of the drafts
+    a verify step verified and which of them count (`valid`, [bucket, k] each), its pool row, `lim`, and its first
+    entry's row, working-copy index and position (`base`, [3, bucket]). Then the verdict region: a token per step
+    row (the entries' next tokens, or a verify step's argmax)."""
+
+    def __init__(self, buf: np.ndarray | torch.Tensor, bucket: int, k: int):
+        rows = bucket * (k + 1)
+        self.src, self.slot, self.idx, self.pos, self.drafts, self.valid, self.ctx_slot, self.lim, base, \
+            self.verdict = (buf[a:b] for a, b in _runs(rows, bucket, k))
+        self.base = base.reshape(3, bucket)
+
+    @staticmethod
+    def size(bucket: int, k: int) -> int:
+        return _runs(bucket * (k + 1), bucket, k)[-1][1]
+
+
+def _runs(rows: int, bucket: int, k: int) -> list[tuple[int, int]]:
+    """`_ReadInts`' fields as (start, end) runs, in order."""
+    out, at = [], 0
+    for n in (rows, rows, rows, rows, bucket * k, bucket * k, bucket, bucket, 3 * bucket, rows):
+        out.append((at, at + n))
+        at += n
+    return out
 
 
 def bundled_head_path(target_checkpoint: str | None) -> Path | None:
