@@ -11,7 +11,9 @@ Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 
 - torch: per-token quantization in eager torch + `torch._scaled_mm` rowwise (CUTLASS), and `_scaled_mm` alone
 - bf16 `torch.mm`: the "is FP8 worth it" bar
 - the norm path: `add_rms_norm(..., fp8_dtype)` (residual add + norm + per-token quantization, one launch) +
-  `fp8_gemm`, beside the bf16 `add_rms_norm` it replaces: their difference is what FP8 costs in front of the GEMM
+  `fp8_gemm`, beside the bf16 `add_rms_norm` it replaces: their difference is what FP8 costs in front of the GEMM;
+  normq: the bf16 `add_rms_norm` + `fp8_linear` on its output (at decode the quantization in the GEMM's launch),
+  i.e. the GEMM behind a kernel that produces its input (the others rotate GEMMs back to back)
 Floor: max(weight + activation bytes / read bandwidth, FLOPs / the fp8 matmul rate measured by `_scaled_mm` at
 8192^3). Decode shapes rotate 4 weight copies (> L2) so every call streams its weight from HBM.
 `--sweep` times a few tile configs per M bucket first and keeps the fastest (printed; copy into arch.py); the decode
@@ -44,15 +46,16 @@ DEV = "cuda"
 SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144),
           "dense gate_up 6144->24576": (6144, 24576), "dense down 12288->6144": (12288, 6144)}
 MS = (1, 16, 256, 1024, 8192)
-ARMS = ("ours", "sep", "gemm", "norm", "torch", "bf16")
+ARMS = ("ours", "sep", "gemm", "norm", "normq", "torch", "bf16")
 # decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K to about
 # the resident CTAs; the activation quantized by a separate launch (the kept one before session 13 first), then
 # inside the GEMM's launch (FUSE_QUANT) with the weight reads that need no activation started before the GEMM
 # programs wait for the quantized rows: none, PREFETCH tiles into L2, or PRELOAD steps peeled with their weight tiles
 # in flight (they take a stage's shared memory: 80 KB, 2 programs per SM instead of 3, so also with 2 stages); then
-# 128-wide column tiles (half the activation reads at M = 16) and fewer, longer splits (2 programs per SM)
+# 128-wide column tiles (half the activation reads at M = 16), fewer, longer splits (2 programs per SM), and launched
+# as a programmatic dependent (PDL: the weight prefetch overlaps the previous kernel's tail; here the previous GEMM's)
 _DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=396, FUSE_QUANT=1,
-               PRELOAD=0, PREFETCH=0)
+               PRELOAD=0, PREFETCH=0, PDL=0)
 SWEEP = {
     "fp8_gemm_decode": [dict(_DECODE, FUSE_QUANT=0),
                         dict(_DECODE),
@@ -61,7 +64,8 @@ SWEEP = {
                         dict(_DECODE, PRELOAD=2),
                         dict(_DECODE, PRELOAD=2, num_stages=2),
                         dict(_DECODE, PREFETCH=2, BLOCK_N=128, BLOCK_K=128, num_stages=4),
-                        dict(_DECODE, PREFETCH=2, SPLIT_PROGRAMS=264)],
+                        dict(_DECODE, PREFETCH=2, SPLIT_PROGRAMS=264),
+                        dict(_DECODE, PREFETCH=2, PDL=1)],
     "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
                      dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)],
@@ -111,8 +115,13 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
         y, ys, _ = add_rms_norm(x, nw, 1e-6, res, fp8)
         return fp8_gemm(y, ys, w, s)
 
+    def norm_linear(w, s):
+        y, _, _ = add_rms_norm(x, nw, 1e-6, res)
+        return fp8_linear(y, w, s)
+
     fused = rotated(norm_gemm) if "norm" in arms else nan
-    norm_bf16 = bench(lambda: add_rms_norm(x, nw, 1e-6, res), rep) if "norm" in arms else nan
+    normq = rotated(norm_linear) if "normq" in arms else nan
+    norm_bf16 = bench(lambda: add_rms_norm(x, nw, 1e-6, res), rep) if "norm" in arms or "normq" in arms else nan
     peer = peer_mm = nan
     try:  # cuBLAS/CUTLASS fp8 may refuse some shapes
         if "torch" in arms:
@@ -126,6 +135,7 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
     byts = n * k + m * k * 2 + m * n * 2
     floor = max(byts / bw / 1e6, 2 * m * n * k / rate / 1e9)  # ms
     return dict(bench="fp8_gemm", shape=name, M=m, ours_ms=ours, sep_ms=sep, gemm_ms=gemm, norm_fp8_gemm_ms=fused,
+                norm_bf16_linear_ms=normq,
                 norm_bf16_ms=norm_bf16, torch_ms=peer, scaled_mm_ms=peer_mm, bf16_ms=bf16, floor_ms=floor,
                 weight_gbps=n * k / gemm / 1e6, tflops=2 * m * n * k / ours / 1e9)
 
@@ -260,7 +270,7 @@ def main() -> None:
                     fh.write(json.dumps(dict(r, read_gbps=bw, fp8_tflops=rate,
                                              tiles={f: TILES[f][arch.name] for f in SWEEP})) + "\n")
             print(f"{name:28} M={m:5} ours {r['ours_ms'] * 1e3:8.1f} us (sep {r['sep_ms'] * 1e3:.1f}, gemm "
-                  f"{r['gemm_ms'] * 1e3:.1f}, norm+gemm "
+                  f"{r['gemm_ms'] * 1e3:.1f}, normq {r['norm_bf16_linear_ms'] * 1e3:.1f}, norm+gemm "
                   f"{r['norm_fp8_gemm_ms'] * 1e3:.1f} vs bf16 norm {r['norm_bf16_ms'] * 1e3:.1f})  torch "
                   f"{r['torch_ms'] * 1e3:8.1f} (_scaled_mm {r['scaled_mm_ms'] * 1e3:8.1f})  bf16 "
                   f"{r['bf16_ms'] * 1e3:8.1f}  floor {r['floor_ms'] * 1e3:7.1f}")

@@ -306,16 +306,23 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, aq_ptr, w_ptr, w_scale_ptr, c_ptr, ws_p
                      stride_am, stride_aq, stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr,
                      SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, QUANT_A: tl.constexpr, QUANT_BLOCK: tl.constexpr,
-                     PRELOAD: tl.constexpr, PREFETCH: tl.constexpr, FP8_MAX: tl.constexpr,
+                     PRELOAD: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, FP8_MAX: tl.constexpr,
                      INTERPRET: tl.constexpr):
     # QUANT_A (decode): a is the bf16 activation, quantized per token inside this launch. Programs 0..M-1 each
     # quantize one row into aq (scale into a_scale) and count it in sync[0]; the GEMM programs after them fetch their
     # first PRELOAD weight tiles (which need no activation), then wait for sync[0] == M. They wait only on programs
     # with lower ids, which are dispatched first and never wait (the decoupled look-back premise; the interpreter
     # runs programs in order), so there is no deadlock even when the grid is not all resident.
+    # PDL (CUDA, launched as a programmatic dependent): this grid may start while the previous kernel finishes; it
+    # lets the next one start as soon as every program of this one runs, and reads nothing the previous kernel writes
+    # (nor the shared counters) before griddepcontrol.wait: only its weights (PREFETCH / PRELOAD) come earlier.
     pid = tl.program_id(0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if QUANT_A:
         if pid < M:
+            if PDL:
+                tl.extra.cuda.gdc_wait()
             _quant_row(a_ptr, aq_ptr, a_scale_ptr, pid.to(tl.int64), K, stride_am, stride_aq, FP8_MAX, QUANT_BLOCK,
                        INTERPRET)
             tl.debug_barrier()  # every thread's stores are issued before the (single-thread) release below
@@ -355,19 +362,22 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, aq_ptr, w_ptr, w_scale_ptr, c_ptr, ws_p
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     start = 0
+    # weight reads that need no activation start before the waits (for the previous kernel, PDL; for the quantized
+    # rows, QUANT_A): PREFETCH tiles into L2 (CUDA), or (QUANT_A) the first PRELOAD steps peeled with their weight
+    # tiles in flight (a step past a short split re-reads a valid tile and adds zeros: its activation is masked)
+    if (QUANT_A or PDL) and not INTERPRET:
+        for p in tl.static_range(PREFETCH):
+            _prefetch_l2(w_ptr, cols, (first + (p + pid_n * STAGGER) % count) * BLOCK_K, stride_wn, BLOCK_K)
     if QUANT_A:
-        # weight reads that need no activation start before the wait: PREFETCH tiles into L2 (CUDA), or the first
-        # PRELOAD steps peeled with their weight tiles in flight (a step past a short split re-reads a valid tile
-        # and adds zeros: its activation is masked)
-        if not INTERPRET:
-            for p in tl.static_range(PREFETCH):
-                _prefetch_l2(w_ptr, cols, (first + (p + pid_n * STAGGER) % count) * BLOCK_K, stride_wn, BLOCK_K)
         if PRELOAD > 0:
             ks0 = _k_tile(0, first, count, pid_n, offs_k, BLOCK_K, STAGGER)
             w0 = _w_tile(w_ptr, cols, ks0, stride_wn, K, SWAP_AB, EVEN_K)
         if PRELOAD > 1:
             ks1 = _k_tile(1 % count, first, count, pid_n, offs_k, BLOCK_K, STAGGER)
             w1 = _w_tile(w_ptr, cols, ks1, stride_wn, K, SWAP_AB, EVEN_K)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if QUANT_A:
         seen = tl.atomic_add(sync_ptr, 0, sem="acquire")
         while seen < M:
             seen = tl.atomic_add(sync_ptr, 0, sem="acquire")
@@ -469,6 +479,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w_q: torch.Tensor, w_sc
     ws = torch.empty(tiles_mn * split * t["BLOCK_M"] * t["BLOCK_N"] if split > 1 else 1, dtype=torch.float32,
                      device=a.device)
     quant_a = a_scale is None
+    pdl = bool(t.get("PDL", 0)) and a.is_cuda and not INTERPRET
     if quant_a:
         aq = torch.empty((m, k), dtype=w_q.dtype, device=a.device)
         a_scale = torch.empty((m,), dtype=torch.float32, device=a.device)
@@ -480,8 +491,9 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w_q: torch.Tensor, w_sc
         GROUP_M=t["GROUP_M"], SPLIT_K=split, STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0),
         EVEN_K=k % t["BLOCK_K"] == 0, QUANT_A=quant_a,
         QUANT_BLOCK=min(triton.next_power_of_2(k), t["QUANT_BLOCK"]) if quant_a else 0,
-        PRELOAD=t.get("PRELOAD", 0) if quant_a else 0, PREFETCH=t.get("PREFETCH", 0) if quant_a else 0,
-        FP8_MAX=torch.finfo(w_q.dtype).max, INTERPRET=INTERPRET, num_warps=t["num_warps"], num_stages=t["num_stages"])
+        PRELOAD=t.get("PRELOAD", 0) if quant_a else 0, PREFETCH=t.get("PREFETCH", 0) if quant_a or pdl else 0, PDL=pdl,
+        FP8_MAX=torch.finfo(w_q.dtype).max, INTERPRET=INTERPRET, num_warps=t["num_warps"], num_stages=t["num_stages"],
+        **({"launch_pdl": True} if pdl else {}))
     return out
 
 
@@ -538,8 +550,9 @@ def aot_variants(arch: Arch) -> list:
             {"BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"], "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"],
              "SPLIT_K": split, "STAGGER": t.get("STAGGER", 0), "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True,
              "QUANT_A": quant_a, "QUANT_BLOCK": min(triton.next_power_of_2(k), t["QUANT_BLOCK"]) if quant_a else 0,
-             "PRELOAD": t.get("PRELOAD", 0) if quant_a else 0, "PREFETCH": t.get("PREFETCH", 0) if quant_a else 0,
-             "FP8_MAX": arch.fp8_max, "INTERPRET": False},
+             "PRELOAD": t.get("PRELOAD", 0) if quant_a else 0, "PDL": bool(t.get("PDL", 0)),
+             "PREFETCH": t.get("PREFETCH", 0) if quant_a or t.get("PDL", 0) else 0, "FP8_MAX": arch.fp8_max,
+             "INTERPRET": False},
             num_warps=t["num_warps"], num_stages=t["num_stages"],
             aligned=("K", "stride_am", "stride_aq", "stride_wn", "stride_cm")))
     return out
