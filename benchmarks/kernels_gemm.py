@@ -51,7 +51,7 @@ ARMS = ("ours", "sep", "gemm", "norm", "normq", "torch", "bf16")
 # the resident CTAs; the activation quantized by a separate launch (the kept one before session 13 first), then
 # inside the GEMM's launch (FUSE_QUANT) with the weight reads that need no activation started before the GEMM
 # programs wait for the quantized rows: none, PREFETCH tiles into L2, or PRELOAD steps peeled with their weight tiles
-# in flight (they take a stage's shared memory: 80 KB, 2 programs per SM instead of 3, so also with 2 stages); then
+# in flight (they take a stage's shared memory: 80 KB, 2 programs per SM instead of 3); then
 # 128-wide column tiles (half the activation reads at M = 16), fewer, longer splits (2 programs per SM), and launched
 # as a programmatic dependent (PDL: the weight prefetch overlaps the previous kernel's tail; here the previous GEMM's)
 _DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=396, FUSE_QUANT=1,
@@ -62,7 +62,6 @@ SWEEP = {
                         dict(_DECODE, PREFETCH=2),
                         dict(_DECODE, PREFETCH=4),
                         dict(_DECODE, PRELOAD=2),
-                        dict(_DECODE, PRELOAD=2, num_stages=2),
                         dict(_DECODE, PREFETCH=2, BLOCK_N=128, BLOCK_K=128, num_stages=4),
                         dict(_DECODE, PREFETCH=2, SPLIT_PROGRAMS=264),
                         dict(_DECODE, PREFETCH=2, PDL=1)],
@@ -140,7 +139,7 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
                 weight_gbps=n * k / gemm / 1e6, tflops=2 * m * n * k / ours / 1e9)
 
 
-def sweep(fam: str, arch, fp8: torch.dtype, rep: int) -> list[dict]:
+def sweep(fam: str, arch, fp8: torch.dtype, rep: int, shapes: tuple[str, ...] = ("",)) -> list[dict]:
     """Time SWEEP[fam] and keep the fastest in TILES (decode: `fp8_linear` on bf16 activations at M = 1 and 16 on
     every shape, by the sum; mid / prefill: the GEMM alone). Each config is checked before it is timed: against the
     reference, and at decode also bit for bit against the separate quantization launch + GEMM and against its own
@@ -149,7 +148,7 @@ def sweep(fam: str, arch, fp8: torch.dtype, rep: int) -> list[dict]:
     decode = fam.startswith("fp8_gemm_decode")
     if decode:  # the shapes each decode table serves
         cases = [(shape, m) for shape, (_, n) in SHAPES.items() for m in (1, 16)
-                 if (n <= NARROW_N) == fam.endswith(":narrow")]
+                 if (n <= NARROW_N) == fam.endswith(":narrow") and shape.startswith(shapes)]
     else:
         cases = [("qkv_index 6144->9856", {"fp8_gemm_mid": 256, "fp8_gemm_prefill": 8192}[fam])]
     if not cases:
@@ -214,6 +213,7 @@ def main() -> None:
     ap.add_argument("--arms", default=",".join(ARMS), help="timed columns")
     ap.add_argument("--rep", type=int, default=100, help="ms of graph replays per timing sample")
     ap.add_argument("--shapes", help="only the shapes whose names start with one of these (comma-separated)")
+    ap.add_argument("--sweep-shapes", default="", help="the decode sweep only on these shapes (name prefixes)")
     args = ap.parse_args()
     if args.shapes:
         for name in list(SHAPES):
@@ -229,7 +229,7 @@ def main() -> None:
     # the sweep first (it checks each config itself), then correctness of the kept tiles at real shapes (GPU dots,
     # not the interpreter's) before the timed table
     for fam in filter(None, args.sweep.split(",")):
-        for rec in sweep(fam, arch, fp8, args.rep):
+        for rec in sweep(fam, arch, fp8, args.rep, tuple(args.sweep_shapes.split(","))):
             if args.jsonl:
                 with open(args.jsonl, "a") as fh:
                     fh.write(json.dumps(rec) + "\n")
