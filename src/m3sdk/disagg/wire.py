@@ -15,8 +15,8 @@ against the plan before a single page is written (a message cut short, from anot
 reaches the cache), then its pages are scattered into the pool. Where the destination pages form runs of
 `MIN_RUN` pages or more on average (a fresh engine's page tables do), the plan carries them and the scatter (like
 the node's gather, whose source runs it finds itself) copies one contiguous piece per (layer, tensor, run), all
-in one `torch._foreach_copy_`; otherwise one index kernel per tensor. No host sync but the header and trailer
-check (one copy to the host).
+in one `torch._foreach_copy_` with the header and trailer, the pieces worked out once per transfer (`Layout`);
+otherwise one index kernel per tensor. No host sync but the header and trailer check (one copy to the host).
 
 Receiving each (layer, tensor, run) straight into the pool's pages ("direct" messages, wire versions 2 and 3 on
 CPUs) was measured and dropped: it takes out the decode side's copy, but each part is a UCX message of its own
