@@ -126,6 +126,38 @@ def test_fp8_linear_quantizes_inside_the_decode_gemm(m, k, swap_ab, preload, mon
     assert torch.equal(quant.fp8_linear(x, wq, ws), out)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the in-launch wait and PDL on hardware)")
+@pytest.mark.parametrize("pdl", [0, 1])
+def test_gpu_fp8_linear_in_launch_quantization_and_pdl(pdl, monkeypatch):
+    """On the GPU, at M3's shapes: the in-launch quantization gives the separate launch's bits, also when a
+    CUDA graph replays two GEMMs back to back (the second reading the first's output), each launched as a
+    programmatic dependent (pdl)."""
+    from m3sdk_kernels.arch import current_arch
+
+    arch = current_arch()
+    if arch.name != "sm90":
+        pytest.skip("the fused path and PDL are sm90 table entries")
+    for fam in ("fp8_gemm_decode", "fp8_gemm_decode:narrow"):
+        monkeypatch.setitem(TILES[fam], "sm90", TILES[fam]["sm90"] | {"FUSE_QUANT": 1, "PDL": pdl})
+    fp8 = arch.fp8_dtype
+    torch.manual_seed(0)
+    w1 = quant.quantize_fp8_weight(torch.randn(9856, 6144, device="cuda") * 0.02, fp8)
+    w2 = quant.quantize_fp8_weight(torch.randn(6144, 8192, device="cuda") * 0.02, fp8)
+    for m in (1, 7, 16):
+        x = torch.randn(m, 6144, device="cuda", dtype=torch.bfloat16)
+        h = quant.fp8_linear(x, *w1)
+        assert torch.equal(h, quant.fp8_gemm(*quant.quantize_fp8_per_token(x, fp8), *w1))
+        want = quant.fp8_linear(h[:, :8192], *w2)  # rows 9856 apart: the in-launch quantization reads strided rows
+        assert rel(want, quant.fp8_linear_ref(h[:, :8192], *w2)) < 1e-2
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = quant.fp8_linear(quant.fp8_linear(x, *w1)[:, :8192], *w2)
+        for _ in range(3):
+            g.replay()
+            assert torch.equal(y, want)
+    assert not quant._counters(x.device).any()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The model with quantization="fp8" / "mxfp4" against the unquantized model (oracle checkpoint, CPU references)
 
