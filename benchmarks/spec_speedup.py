@@ -55,13 +55,20 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
         for _ in range(2):
             await asyncio.gather(*[one(p, WARM_UP_TOKENS or max_tokens) for p in prompts[:2 * concurrency]])
         before = engine.stats()
+        # CPU time of the engine thread and of this (the event loop's) thread: both need the GIL, and what the loop
+        # spends per step on the emitted chunks is host time the engine thread may wait for
+        engine_clock = time.pthread_getcpuclockid(engine._core._thread.ident)
+        cpu0 = time.clock_gettime(engine_clock), time.thread_time()
         with (profiled(profile) as prof, host_phases(engine, profile or PHASES) as phases,
               step_times(engine) as times):
             start = time.perf_counter()
             outputs = await asyncio.gather(*[one(p) for p in prompts])
             seconds = time.perf_counter() - start
+        cpu1 = time.clock_gettime(engine_clock), time.thread_time()
         stats = engine.stats()
         steps = stats["steps"] - before["steps"]
+        stats["cpu_ms_per_step"] = {name: round(1e3 * (b - a) / max(steps, 1), 3)
+                                    for name, a, b in zip(("engine", "loop"), cpu0, cpu1, strict=True)}
         stats["graph_share"] = round((stats["graph_steps"] - before["graph_steps"]) / max(steps, 1), 3)
         stats["window_steps"] = steps
         # where the window went: step time percentiles, by what the step launched (a prefill chunk, decode or
@@ -305,6 +312,7 @@ def main() -> None:
                    step_ms={m: r[2]["step_ms"] for m, r in runs.items()},
                    step_kinds={m: r[2]["step_kinds"] for m, r in runs.items()},
                    host_ms_per_step={m: r[2].get("host_ms_per_step") for m, r in runs.items()},
+                   cpu_ms_per_step={m: r[2]["cpu_ms_per_step"] for m, r in runs.items()},
                    seconds={m: round(r[1], 3) for m, r in runs.items()})
         record(**row)
         shares = " / ".join(cell(row["graph_share"].get(m), ".0%") for m in ("overlap", "sync", "spec"))
