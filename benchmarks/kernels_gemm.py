@@ -60,7 +60,6 @@ SWEEP = {
     "fp8_gemm_decode": [dict(_DECODE, FUSE_QUANT=0),
                         dict(_DECODE),
                         dict(_DECODE, PREFETCH=2),
-                        dict(_DECODE, PREFETCH=4),
                         dict(_DECODE, PRELOAD=2),
                         dict(_DECODE, PREFETCH=2, BLOCK_N=128, BLOCK_K=128, num_stages=4),
                         dict(_DECODE, PREFETCH=2, SPLIT_PROGRAMS=264),
