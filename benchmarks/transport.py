@@ -131,7 +131,8 @@ class Trace:
             if cls.events is not None:
                 cls.events.append((event, index, time.perf_counter()))
 
-        pack, check, place, send, recv, get = wire.pack, wire.check, wire.place, tr._send, tr._recv, tr.Outbox.get
+        pack, check, place, send, recv = wire.pack, wire.check, wire.place, tr._start_send, tr._start_recv
+        get = tr.Outbox.get
 
         def traced_pack(plan, msg, *args):
             note("pack", msg.index)
@@ -145,23 +146,24 @@ class Trace:
             place(msg, *args)
             note("scatter1", msg.index)
 
-        async def traced_send(ep, buf, tag):
+        def traced_send(ep, buf, tag):
             note("send0", tag & mask)
-            await send(ep, buf, tag)
-            note("send1", tag & mask)
+            done = send(ep, buf, tag)
+            done.add_done_callback(lambda _: note("send1", tag & mask))
+            return done
 
-        async def traced_recv(buf, tag):
+        def traced_recv(buf, tag):
             note("recv0", tag & mask)
-            out = await recv(buf, tag)
-            note("recv1", tag & mask)
-            return out
+            done = recv(buf, tag)
+            done.add_done_callback(lambda _: note("recv1", tag & mask))
+            return done
 
         async def traced_get(self):
             index, buf = await get(self)
             note("ready", index)
             return index, buf
 
-        wire.pack, wire.check, wire.place, tr._send, tr._recv, tr.Outbox.get = (
+        wire.pack, wire.check, wire.place, tr._start_send, tr._start_recv, tr.Outbox.get = (
             traced_pack, traced_check, traced_place, traced_send, traced_recv, traced_get)
 
 

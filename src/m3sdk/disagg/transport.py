@@ -233,19 +233,33 @@ def _using(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManage
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
+def _held(req: Any, buf: Any) -> asyncio.Future:
+    """`req`'s asyncio future (set by ucxx's notifier; an exception on UCX errors), holding the request and its
+    buffer until it completes, whoever else lets go of them (a receive left to UCX after a cancel may still be
+    written). The future itself, not a coroutine awaiting it in a task of its own: a completion reaches the code
+    that waits for it a loop pass earlier, at no task's cost."""
+    fut = req.future
+    fut.add_done_callback(lambda _, held=(req, buf): None)
+    return fut
+
+
+def _start_send(ep: Any, buf: Any, tag: int) -> asyncio.Future:
+    from ucxx._lib.arr import Array
+    from ucxx.types import Tag
+
+    return _held(ep.tag_send(Array(buf), Tag(tag)), buf)
+
+
+def _start_recv(buf: Any, tag: int) -> asyncio.Future:
+    """Post a tag receive on the worker (what `ucxx.recv` does, without formatting its debug line every call)."""
+    from ucxx._lib.arr import Array
+    from ucxx.types import Tag
+
+    return _held(_worker().tag_recv(Array(buf), Tag(tag)), buf)
+
+
 async def _send(ep: Any, buf: Any, tag: int) -> None:
-    from ucxx._lib.arr import Array
-    from ucxx.types import Tag
-
-    await ep.tag_send(Array(buf), Tag(tag)).wait()
-
-
-async def _recv(buf: Any, tag: int) -> None:
-    """A tag receive on the worker (what `ucxx.recv` does, without formatting its debug line every call)."""
-    from ucxx._lib.arr import Array
-    from ucxx.types import Tag
-
-    await _worker().tag_recv(Array(buf), Tag(tag)).wait()
+    await _start_send(ep, buf, tag)
 
 
 class UcxReceive:
@@ -286,7 +300,7 @@ class UcxReceive:
 
     def _post(self, index: int, buf: torch.Tensor) -> None:
         tag = self._plan.tag(index)
-        self._posted[tag] = (buf, asyncio.ensure_future(_recv(_ucx_buffer(buf), tag)), self._plan.messages[index])
+        self._posted[tag] = (buf, _start_recv(_ucx_buffer(buf), tag), self._plan.messages[index])
 
     async def _take(self, index: int) -> torch.Tensor:
         tag = self._plan.tag(index)
@@ -478,7 +492,7 @@ class UcxTransport:
                     raise TransportError(f"transfer {plan.transfer_id}: message {index} queued before {expected}")
                 if len(in_flight) >= self.window:
                     await self._finish(in_flight, host, port, plan)
-                send = asyncio.ensure_future(_send(ep, _ucx_buffer(buf), plan.tag(index)))
+                send = _start_send(ep, _ucx_buffer(buf), plan.tag(index))
                 send.add_done_callback(outbox.count_sent)
                 in_flight.append((send, buf))
             while in_flight:
