@@ -12,6 +12,7 @@ from torch import nn
 
 from m3sdk.errors import CheckpointError
 from m3sdk.runner import PLACEHOLDER
+from m3sdk.spec import eagle3
 from m3sdk.spec.base import DraftRequest, TargetInfo, TargetStates
 from m3sdk.spec.eagle3 import Eagle3Drafter, load_eagle3
 
@@ -210,7 +211,7 @@ def test_fixed_shape_chain_matches_eager_chain(tmp_path):
     ints = torch.tensor(drafter._chain_ints(seqs, len(seqs) + 1, 3))
     hidden = torch.cat([torch.stack([s.hidden for s in seqs]), torch.zeros(1, seqs[0].hidden.shape[0])])
     with torch.inference_mode():
-        fixed = torch.stack(drafter._chain_from(ints, hidden, len(seqs) + 1, 3, drafter.capacity), 1).tolist()
+        fixed = drafter._chain_from(ints, hidden, len(seqs) + 1, 3, drafter.capacity).tolist()
     assert fixed[:3] == eager
 
 
@@ -260,15 +261,19 @@ def test_fixed_shape_steps_draft_like_eager_steps(tmp_path, k):
     assert drafted_ahead >= 8  # every observe after the prefills (steps 1..5, two requests each but one)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_read_before_the_verdict_drafts_like_the_read_after_it(tmp_path, k):
+@pytest.mark.parametrize(("k", "table"), [(1, True), (3, True), (3, False)])
+def test_read_before_the_verdict_drafts_like_the_read_after_it(tmp_path, monkeypatch, k, table):
     """A greedy verify step's read launched before the host has read the step (`read_unverified`: the device
     counts each request's accepted drafts from the step's argmax and the drafts it verified) leaves the drafter as
     the read of the settled entries does: the same next drafts and context lengths, for requests accepting none,
-    some or all of their drafts, one verifying fewer than k (3 requests: a padding context in bucket 4)."""
+    some or all of their drafts, one verifying fewer than k (3 requests: a padding context in bucket 4); with and
+    without the draft vocabulary's embedding table."""
+    if not table:
+        monkeypatch.setattr(eagle3, "DRAFT_EMBED_TABLE_BYTES", 0)
     W = published_tensors()
     head = load_eagle3(write(tmp_path / "st", W), target_info())
     after, before = (Eagle3Drafter(head, k, max_num_seqs=4, capacity=96) for _ in range(2))
+    assert (before._draft_embeds is not None) == table
     for d in (after, before):
         d.capture_graphs(4)
     g = torch.Generator().manual_seed(5)

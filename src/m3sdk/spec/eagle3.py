@@ -46,6 +46,8 @@ from m3sdk.spec.chain import ChainDrafter, DraftSeq
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 BUNDLED_HEAD_DIR = "m3-tiny-eagle3"  # next to the bundled target in m3sdk/assets
+# the drafter keeps the draft vocabulary's normed embeddings as a table up to this size (m3-tiny's head: 0.5 MiB)
+DRAFT_EMBED_TABLE_BYTES = 64 << 20
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
@@ -429,26 +431,32 @@ class Eagle3Drafter(ChainDrafter):
             # x * [cos | cos] + roll(x, D / 2) * [-sin | sin]: rotate-half RoPE in two ops
             self._rope = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], 1)[:, :, None]
             self._span = torch.arange(self.capacity, device=self.device)
+            # the chain's tokens are draft ids: their normed embeddings as one table where it is small (one lookup a
+            # step instead of three ops)
+            size = c.draft_vocab_size * c.hidden_size * self.dtype.itemsize
+            self._draft_embeds = self._embed(self._ids) if size <= DRAFT_EMBED_TABLE_BYTES else None
 
     def _grow(self, slots: int) -> None:
-        """(Re)size the pool to `slots` request rows + the scratch row, keeping the rows in use. Zero-filled: a
+        """(Re)size the pool [slots + 1, Hkv, 2 (key, value), capacity, D] to `slots` request rows + the scratch
+        row, keeping the rows in use (keys and values side by side: one write and one gather each for both, and a
+        context's keys are still one stride per (context, head) for the attention's batched GEMMs). Zero-filled: a
         masked key's weight is exactly 0, but 0 * NaN is not."""
         c = self.head.config
-        k = torch.zeros(slots + 1, c.num_kv_heads, self.capacity, c.head_dim, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
+        kv = torch.zeros(slots + 1, c.num_kv_heads, 2, self.capacity, c.head_dim, dtype=self.dtype,
+                         device=self.device)
         used = 0
-        if hasattr(self, "k_cache"):
-            used = self.k_cache.shape[0] - 1
-            k[:used], v[:used] = self.k_cache[:used], self.v_cache[:used]
+        if hasattr(self, "kv_cache"):
+            used = self.kv_cache.shape[0] - 1
+            kv[:used] = self.kv_cache[:used]
             self._graphs, self._read_graphs = {}, {}  # they captured the old pool's addresses
-        self.k_cache, self.v_cache = k, v
+        self.kv_cache = kv
         self._rows = torch.arange(slots + 1, device=self.device)  # context rows of the chain's working copies
         self._free += range(used, slots)
         self.scratch = slots
 
     def new_context(self, first: int, device: torch.device) -> DraftKV:
         if not self._free:
-            self._grow(2 * (self.k_cache.shape[0] - 1))
+            self._grow(2 * (self.kv_cache.shape[0] - 1))
         return DraftKV(first, self._free.pop())
 
     def drop_context(self, ctx: DraftKV) -> None:
@@ -460,70 +468,87 @@ class Eagle3Drafter(ChainDrafter):
 
     # -- one draft step, at fixed shapes (no host sync): the eager paths and the graphs run these --
 
-    def _enter(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: torch.Tensor
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Normed embeddings [N, H] of target token ids [N] (the first half of q/k/v's input)."""
+        return self.head.midlayer.input_layernorm(self.head.embed(tokens))
+
+    def _embed_draft(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """`_embed` of draft-vocabulary ids."""
+        if self._draft_embeds is not None:
+            return self._draft_embeds[draft_ids]
+        return self._embed(self._ids[draft_ids])
+
+    def _enter(self, embedded: torch.Tensor, hidden: torch.Tensor, rope: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Entries from token ids [N] (target vocabulary), hidden inputs [N, H] (fc of the target's features, or
-        the draft's own pre-norm output) and their RoPE rows [N, 2, 1, D] -> q [N, Hq, D] (scaled) and k
-        [N, Hkv, D], both roped, in float32, v [N, Hkv, D] in the head's dtype, residual [N, H]."""
+        """Entries from their tokens' normed embeddings [N, H], hidden inputs [N, H] (fc of the target's features,
+        or the draft's own pre-norm output) and RoPE rows [N, 2, 1, D] -> q [N, Hq, D] (scaled) and k [N, Hkv, D],
+        both roped, in float32, v [N, Hkv, D] in the head's dtype, residual [N, H]."""
         c, layer = self.head.config, self.head.midlayer
         if c.norm_before_residual:
             h = residual = layer.hidden_norm(hidden)
         else:
             residual, h = hidden, layer.hidden_norm(hidden)
-        x = torch.cat([layer.input_layernorm(self.head.embed(tokens)), h], dim=-1)
-        qkv = F.linear(x, self._w_qkv).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
-        qk = qkv[:, :c.num_heads + c.num_kv_heads].float()
+        qkv = F.linear(torch.cat([embedded, h], dim=-1), self._w_qkv).view(
+            -1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        qk = qkv[:, :c.num_heads + c.num_kv_heads]
         cos, sin = rope.unbind(1)
+        # (the head's dtype times float32 promotes: the rotation is computed in float32, as the head was trained)
         qk = torch.addcmul(qk * cos, qk.roll(c.head_dim // 2, -1), sin)
         return qk[:, :c.num_heads], qk[:, c.num_heads:], qkv[:, c.num_heads + c.num_kv_heads:], residual
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, hide: torch.Tensor) -> torch.Tensor:
-        """One query per context: q [B, Hq, D] over its context's keys, vals [B, Hkv, S, D] (float32) but those
-        where hide [B, S] -> [B, Hq * D] in the head's dtype. (Written out: SDPA with a mask, float32 and grouped
-        heads falls back to its many-kernel math path on a GPU.)"""
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, hide: torch.Tensor) -> torch.Tensor:
+        """One query per context: q [B, Hq, D] over its context's keys and values kv [B, Hkv, 2, S, D] (float32)
+        but those where hide [B, S] -> [B, Hq * D] in the head's dtype. (Written out: SDPA with a mask, float32
+        and grouped heads falls back to its many-kernel math path on a GPU.)"""
         b, hq, d = q.shape
-        s = torch.matmul(q.reshape(b, keys.shape[1], -1, d), keys.transpose(-1, -2))
+        s = torch.matmul(q.reshape(b, kv.shape[1], -1, d), kv[:, :, 0].transpose(-1, -2))
         s.masked_fill_(hide[:, None, None], float("-inf"))
-        return torch.matmul(s.softmax(-1), vals).view(b, hq * d).to(self.dtype)
+        return torch.matmul(s.softmax(-1), kv[:, :, 1]).view(b, hq * d).to(self.dtype)
 
     def _exit(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention output [B, Hq * D] -> (pre-norm output [B, H]: the next entry's hidden input, its draft
-        token ids [B] (target vocabulary))."""
+        token [B] as a draft-vocabulary id)."""
         layer, head = self.head.midlayer, self.head
         residual = torch.addmm(residual, attn, self._w_o)
         gate, up = F.linear(layer.post_attention_layernorm(residual), self._w_gate_up).chunk(2, dim=-1)
         residual = torch.addmm(residual, F.silu(gate) * up, self._w_down)
         lm = head.lm_head if head.lm_head is not None else head.shared_lm_head
         # (argmax over the logits in the head's dtype: their float32 copy holds the same values)
-        return residual, self._ids[lm(head.norm(residual)).argmax(-1)]
+        return residual, lm(head.norm(residual)).argmax(-1)
 
     def _read(self, tokens: torch.Tensor, features: torch.Tensor, rope: torch.Tensor, slot: torch.Tensor,
               idx: torch.Tensor, last: torch.Tensor, ctx_slot: torch.Tensor, hide: torch.Tensor, span: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Committed entries [N] (token ids, target features [N, F], RoPE rows) written to the pool at (slot, idx)
-        [N]; the output at each context's last entry `last` [B] (context pool rows `ctx_slot` [B], keys past its
-        entry hidden by `hide` [B, span]) -> its draft ids [B], its pre-norm output [B, H], and the contexts'
-        keys and values as float32 working copies [B, Hkv, span, D] (the chain's)."""
-        q, k, v, residual = self._enter(tokens, self.head.combine(features), rope)
-        self.k_cache[slot, :, idx] = k.to(self.dtype)
-        self.v_cache[slot, :, idx] = v
-        keys, vals = self.k_cache[ctx_slot, :, :span].float(), self.v_cache[ctx_slot, :, :span].float()
-        residual, first = self._exit(self._attend(q[last], keys, vals, hide), residual[last])
-        return first, residual, keys, vals
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Committed entries [N] (target token ids, target features [N, F], RoPE rows) written to the pool at
+        (slot, idx) [N]; the output at each context's last entry `last` [B] (context pool rows `ctx_slot` [B], keys
+        past its entry hidden by `hide` [B, span]) -> its draft ids [B] (draft vocabulary), its pre-norm output
+        [B, H], and the contexts' keys and values as a float32 working copy [B, Hkv, 2, span, D] (the chain's)."""
+        q, k, v, residual = self._enter(self._embed(tokens), self.head.combine(features), rope)
+        self.kv_cache[slot, :, :, idx] = torch.stack([k, v], dim=2).to(self.dtype)
+        kv = self.kv_cache[ctx_slot, :, :, :span].float()
+        residual, first = self._exit(self._attend(q[last], kv, hide), residual[last])
+        return first, residual, kv
 
-    def _chain(self, tokens: torch.Tensor, residual: torch.Tensor, rope: torch.Tensor, keys: torch.Tensor,
-               vals: torch.Tensor, idx: torch.Tensor, hide: torch.Tensor) -> list[torch.Tensor]:
-        """Chain entries from each context's last entry (its draft ids tokens [B], pre-norm output residual
-        [B, H]): entry s at RoPE rows rope[s] [B, 2, 1, D] goes into the working copies keys, vals at idx[s] [B]
-        and sees what hide[s] [B, span] does not hide -> the draft ids of each entry, [B] each."""
-        rows, drafted = self._rows[:tokens.shape[0]], []
+    def _chain(self, embedded: torch.Tensor, residual: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor,
+               idx: torch.Tensor, hide: torch.Tensor) -> list[torch.Tensor]:
+        """Chain entries from each context's last entry (its draft's normed embedding [B, H], pre-norm output
+        residual [B, H]): entry s at RoPE rows rope[s] [B, 2, 1, D] goes into the working copy kv at idx[s] [B]
+        and sees what hide[s] [B, span] does not hide -> the draft ids (draft vocabulary) of each entry, [B] each."""
+        rows, drafted = self._rows[:embedded.shape[0]], []
         for s in range(idx.shape[0]):
-            q, k, v, residual = self._enter(tokens, residual, rope[s])
-            keys[rows, :, idx[s]] = k
-            vals[rows, :, idx[s]] = v.float()
-            residual, tokens = self._exit(self._attend(q, keys, vals, hide[s]), residual)
-            drafted.append(tokens)
+            q, k, v, residual = self._enter(embedded, residual, rope[s])
+            kv[rows, :, :, idx[s]] = torch.stack([k, v], dim=2)
+            residual, ids = self._exit(self._attend(q, kv, hide[s]), residual)
+            drafted.append(ids)
+            if s + 1 < idx.shape[0]:
+                embedded = self._embed_draft(ids)
         return drafted
+
+    def _targets(self, draft_ids: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft-vocabulary ids, [B] each -> target ids [B, len(draft_ids)] (into `out` if given)."""
+        ids = torch.stack(draft_ids, dim=1)
+        return torch.index_select(self._ids, 0, ids.view(-1), out=None if out is None else out.view(-1)).view(
+            ids.shape)
 
     # -- the ChainDrafter steps --
 
@@ -544,9 +569,9 @@ class Eagle3Drafter(ChainDrafter):
         tok, pos, slot_t, idx_t = ints[:4 * n].view(4, n)
         last_t, ctx_slot, q_idx = ints[4 * n:].view(3, b)
         span = max(c.length for c in ctxs)
-        first, residual, _, _ = self._read(tok, features.to(self.dtype), self._rope[pos], slot_t, idx_t, last_t,
-                                           ctx_slot, self._span[:span] > q_idx[:, None], span)
-        return residual, first.tolist()
+        first, residual, _ = self._read(tok, features.to(self.dtype), self._rope[pos], slot_t, idx_t, last_t,
+                                        ctx_slot, self._span[:span] > q_idx[:, None], span)
+        return residual, self._ids[first].tolist()
 
     @torch.inference_mode()
     def chain(self, seqs: list[DraftSeq], steps: int) -> list[list[int]]:
@@ -556,8 +581,7 @@ class Eagle3Drafter(ChainDrafter):
         if bucket is None:
             ints = to_device(self._chain_ints(seqs, b, steps), torch.long, self.device)
             span = max(s.ctx.length for s in seqs) + steps
-            return torch.stack(self._chain_from(ints, torch.stack([s.hidden for s in seqs]), b, steps, span),
-                               dim=1).tolist()
+            return self._chain_from(ints, torch.stack([s.hidden for s in seqs]), b, steps, span).tolist()
         static = self._static[bucket]
         self._stage(static)[:] = self._chain_ints(seqs, bucket, self.num_speculative_tokens - 1)
         self._send(static)
@@ -577,12 +601,14 @@ class Eagle3Drafter(ChainDrafter):
         return out
 
     def _chain_from(self, ints: torch.Tensor, hidden: torch.Tensor, bucket: int, steps: int, span: int
-                    ) -> list[torch.Tensor]:
-        """The chain alone (after an eager read), from `_chain_ints` and the last entries' pre-norm outputs."""
+                    ) -> torch.Tensor:
+        """The chain alone (after an eager read), from `_chain_ints` (the first drafts as target ids) and the last
+        entries' pre-norm outputs -> target ids [bucket, steps]."""
         tok, ctx_slot = ints[:2 * bucket].view(2, bucket)
         pos, idx = ints[2 * bucket:].view(2, steps, bucket)
-        keys, vals = self.k_cache[ctx_slot, :, :span].float(), self.v_cache[ctx_slot, :, :span].float()
-        return self._chain(tok, hidden, self._rope[pos], keys, vals, idx, self._span[:span] > idx[..., None])
+        kv = self.kv_cache[ctx_slot, :, :, :span].float()
+        return self._targets(self._chain(self._embed(tok), hidden, self._rope[pos], kv, idx,
+                                         self._span[:span] > idx[..., None]))
 
     @torch.inference_mode()
     def read_ahead(self, ctxs: list[DraftKV], counts: list[int], token_ids: list[int],
@@ -658,15 +684,15 @@ class Eagle3Drafter(ChainDrafter):
         last, q_idx, pos = (p.base + a).unbind(0)
         q_idx = q_idx + self._steps  # [k, bucket]: the read's last entry's working-copy index, then the chain's
         hide = self._span > q_idx[..., None]
-        first, residual, keys, vals = self._read(p.verdict[p.src], self._features[p.src], self._rope[p.pos], p.slot,
-                                                 p.idx, last, p.ctx_slot, hide[0], self.capacity)
+        first, residual, kv = self._read(p.verdict[p.src], self._features[p.src], self._rope[p.pos], p.slot, p.idx,
+                                         last, p.ctx_slot, hide[0], self.capacity)
         out = [first]
         if k > 1:
-            out += self._chain(first, residual, self._rope[pos + 1 + self._steps[:-1]], keys, vals, q_idx[1:],
-                               hide[1:])
+            out += self._chain(self._embed_draft(first), residual, self._rope[pos + 1 + self._steps[:-1]], kv,
+                               q_idx[1:], hide[1:])
         # into a buffer made outside every capture: the drafts stay on the device while the chain graph may replay
         # (after an eager read), and memory a graph allocated in the shared pool can be another graph's scratch
-        return torch.stack(out, dim=1, out=self._drafts_out[:bucket])
+        return self._targets(out, out=self._drafts_out[:bucket])
 
     def _stage(self, static: torch.Tensor) -> np.ndarray:
         """The host staging buffer of a graph's packed static ints, holding their defaults (padding), to fill and
@@ -692,7 +718,7 @@ class Eagle3Drafter(ChainDrafter):
         (`_draft_ahead`), and the chain alone (k - 1 draft steps, after a read that ran eagerly). Each bucket reads
         one packed static int buffer, filled by one upload. Off CUDA, the same fixed-shape steps run eagerly on
         the same static buffers."""
-        if self.k_cache.shape[0] - 1 < max_num_seqs:
+        if self.kv_cache.shape[0] - 1 < max_num_seqs:
             self._grow(max_num_seqs)
         c, n, k = self.head.config, max_num_seqs, self.num_speculative_tokens
         i64 = dict(dtype=torch.long, device=self.device)
@@ -730,7 +756,7 @@ class Eagle3Drafter(ChainDrafter):
         """The chain graph's body: `ints` in `_chain_ints`' layout, the last entries' pre-norm outputs in
         `_chain_hidden`."""
         steps = self.num_speculative_tokens - 1
-        return torch.stack(self._chain_from(ints, self._chain_hidden[:bucket], bucket, steps, self.capacity), dim=1)
+        return self._chain_from(ints, self._chain_hidden[:bucket], bucket, steps, self.capacity)
 
 
 class _ReadInts:
