@@ -31,14 +31,15 @@ from m3sdk import Engine
 
 
 async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, device: str, dtype: str,
-              speculative: str | None, profile: bool = False, overlap: bool | None = None
+              speculative: str | None, profile: bool = False, overlap: bool | None = None, late: bool = False
               ) -> tuple[list[list[int]], float, dict]:
     """(outputs, seconds, stats) of the timed window; stats' `graph_share` is the share of its steps replayed from
-    CUDA graphs. `overlap` None: the engine's default (on for CUDA without speculation)."""
+    CUDA graphs. `overlap` None: the engine's default (on for CUDA without speculation). `late`: the drafter reads
+    each verify step after the host has read it (A/B against the read launched behind the verify forward)."""
     graphs = None if speculative is None or SPEC_GRAPHS else False  # None: the engine's default (on for CUDA)
     async with Engine(device=device, dtype=dtype, max_num_seqs=concurrency, speculative=speculative,
                       cuda_graphs=graphs, overlap_scheduling=overlap) as engine:
-        if LATE_READ and engine._core.spec is not None:  # A/B: the drafter reads each step after the host has
+        if late and engine._core.spec is not None:
             engine._core.spec._read_unverified = lambda step: None
         gate = asyncio.Semaphore(concurrency)
 
@@ -215,7 +216,6 @@ OUT = None  # the --out file
 SPEC_GRAPHS = True  # --spec-eager turns CUDA graphs off for the speculative engines only
 WARM_UP_TOKENS = 0  # --warm-up-tokens (0: --max-tokens)
 PHASES = False  # --phases: host time per phase in every row (cheap wrappers, no profiler)
-LATE_READ = False  # --late-read: no drafter read launched behind a verify forward (Speculation._read_unverified)
 
 
 def cell(value: float | None, fmt: str, unit: str = "") -> str:
@@ -245,17 +245,18 @@ def main() -> None:
     ap.add_argument("--spec-eager", action="store_true", help="no CUDA graphs for the speculative engines")
     ap.add_argument("--min-requests", type=int, default=8, help="requests per timed window: max(2 c, this)")
     ap.add_argument("--phases", action="store_true", help="host ms per step by phase in every row (no profiler)")
-    ap.add_argument("--late-read", action="store_true",
-                    help="A/B: the drafter reads a verify step only after the host has read it (the session-12 order)")
+    ap.add_argument("--spec-modes", default="early",
+                    help="speculative engines to time: early (the drafter's read launched behind each greedy verify "
+                         "forward, the default), late (read after the host has read the step: the session-12 order)")
+    ap.add_argument("--repeat", type=int, default=1, help="time every engine this many times (rows each)")
     ap.add_argument("--warm-up-tokens", type=int, default=0,
                     help="tokens per warm-up request (0: --max-tokens); fewer make a large batch's run shorter")
     args = ap.parse_args()
-    global OUT, SPEC_GRAPHS, WARM_UP_TOKENS, PHASES, LATE_READ
+    global OUT, SPEC_GRAPHS, WARM_UP_TOKENS, PHASES
     OUT = open(args.out, "a") if args.out else None  # noqa: SIM115 - open for the whole run
     SPEC_GRAPHS = not args.spec_eager
     WARM_UP_TOKENS = args.warm_up_tokens
     PHASES = args.phases
-    LATE_READ = args.late_read
     record(run="spec_speedup", argv=sys.argv[1:])
     if args.check_prompts:
         prompts = held_out_prompts(args.check_prompts, args.prompt_tokens)
@@ -282,52 +283,61 @@ def main() -> None:
               f"{p_stats['graph_share']:.0%}, eagle3 {stats['graph_share']:.0%})", flush=True)
 
     print("| dtype | conc | requests | plain tok/s (overlap) | plain tok/s (no overlap) | eagle3 tok/s | speed-up "
-          "vs overlap | vs no overlap | identical | accepted len | graph steps plain / no-ov / eagle3 |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+          "vs overlap | vs no overlap | identical | accepted len | graph steps plain / no-ov / eagle3 | read |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
     overlaps = {"overlap": None, "sync": False}  # plain engine modes: the engine's default (on), and off
     modes = [m for m in overlaps if m in args.plain_modes.split(",")]
+    orders = {"early": False, "late": True}  # speculative engine modes: the `late` flag of `run`
+    spec_modes = [m for m in orders if m in args.spec_modes.split(",")]
     for c in (int(x) for x in args.concurrency.split(",")):
         prompts = held_out_prompts(max(2 * c, args.min_requests), args.prompt_tokens)
-        runs = {m: asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, None, overlap=overlaps[m]))
-                for m in modes}
-        spec, t_spec, stats = asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, "eagle3"))
-        runs["spec"] = (spec, t_spec, stats)
-        plain = runs[modes[0]][0]
-        tokens = sum(len(o) for o in plain)
-
-        rate = {m: round(tokens / r[1], 1) for m, r in runs.items()}
-        gain = {m: round(r[1] / t_spec, 3) for m, r in runs.items()}
-        row = dict(dtype=args.dtype, spec_graphs=SPEC_GRAPHS, late_read=LATE_READ, concurrency=c, requests=len(prompts),
-                   max_tokens=args.max_tokens, warm_up_tokens=WARM_UP_TOKENS or args.max_tokens,
-                   plain_tok_s=rate.get("overlap"), plain_no_overlap_tok_s=rate.get("sync"), spec_tok_s=rate["spec"],
-                   speedup=gain.get("overlap"), speedup_vs_no_overlap=gain.get("sync"),
-                   identical=all(r[0] == spec for r in runs.values()),
-                   mean_accepted_length=round(stats["spec_mean_accepted_length"], 3),
-                   target_forwards_per_token=round(stats["spec_target_forwards_per_token"], 3),
-                   graph_share={m: r[2]["graph_share"] for m, r in runs.items()},
-                   steps={m: r[2]["window_steps"] for m, r in runs.items()},
-                   step_ms_median={m: r[2]["step_ms_median"] for m, r in runs.items()},
-                   slow_steps={m: [r[2]["slow_steps"], r[2]["slow_steps_s"], r[2]["step_s_total"]]
-                               for m, r in runs.items()},
-                   step_ms={m: r[2]["step_ms"] for m, r in runs.items()},
-                   step_kinds={m: r[2]["step_kinds"] for m, r in runs.items()},
-                   host_ms_per_step={m: r[2].get("host_ms_per_step") for m, r in runs.items()},
-                   cpu_ms_per_step={m: r[2]["cpu_ms_per_step"] for m, r in runs.items()},
-                   seconds={m: round(r[1], 3) for m, r in runs.items()})
-        record(**row)
-        shares = " / ".join(cell(row["graph_share"].get(m), ".0%") for m in ("overlap", "sync", "spec"))
-        print(f"| {args.dtype} | {c} | {len(prompts)} | {cell(row['plain_tok_s'], '.0f')} | "
-              f"{cell(row['plain_no_overlap_tok_s'], '.0f')} | {row['spec_tok_s']:.0f} | "
-              f"{cell(row['speedup'], '.2f', 'x')} | {cell(row['speedup_vs_no_overlap'], '.2f', 'x')} | "
-              f"{row['identical']} | {row['mean_accepted_length']:.2f} | {shares} |", flush=True)
-
+        for repeat in range(args.repeat):
+            plains = {m: asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, None,
+                                         overlap=overlaps[m])) for m in modes}
+            specs = {m: asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, "eagle3",
+                                        late=orders[m])) for m in spec_modes}
+            for order, result in specs.items():
+                report(args, c, prompts, repeat, order, {**plains, "spec": result})
     if args.profile:  # separate runs: the profiler's own overhead stays out of the table
         for c in (int(x) for x in args.profile.split(",")):
             prompts = held_out_prompts(max(2, 2 * c if c > 1 else 2), args.prompt_tokens)
             for m in modes + ["spec"]:
                 method = "eagle3" if m == "spec" else None
                 asyncio.run(run(prompts, c, args.max_tokens, args.device, args.dtype, method, True,
-                                overlaps.get(m)))
+                                overlaps.get(m), late=orders[spec_modes[0]]))
+
+
+def report(args: argparse.Namespace, c: int, prompts: list[list[int]], repeat: int, order: str,
+           runs: dict[str, tuple[list[list[int]], float, dict]]) -> None:
+    """One row (markdown and JSON) for plain engines and one speculative engine timed on the same prompts."""
+    spec, t_spec, stats = runs["spec"]
+    plain = next(iter(runs.values()))[0]
+    tokens = sum(len(o) for o in plain)
+    rate = {m: round(tokens / r[1], 1) for m, r in runs.items()}
+    gain = {m: round(r[1] / t_spec, 3) for m, r in runs.items()}
+    row = dict(dtype=args.dtype, spec_graphs=SPEC_GRAPHS, read=order, repeat=repeat, concurrency=c,
+               requests=len(prompts), max_tokens=args.max_tokens, warm_up_tokens=WARM_UP_TOKENS or args.max_tokens,
+               plain_tok_s=rate.get("overlap"), plain_no_overlap_tok_s=rate.get("sync"), spec_tok_s=rate["spec"],
+               speedup=gain.get("overlap"), speedup_vs_no_overlap=gain.get("sync"),
+               identical=all(r[0] == spec for r in runs.values()),
+               mean_accepted_length=round(stats["spec_mean_accepted_length"], 3),
+               target_forwards_per_token=round(stats["spec_target_forwards_per_token"], 3),
+               graph_share={m: r[2]["graph_share"] for m, r in runs.items()},
+               steps={m: r[2]["window_steps"] for m, r in runs.items()},
+               step_ms_median={m: r[2]["step_ms_median"] for m, r in runs.items()},
+               slow_steps={m: [r[2]["slow_steps"], r[2]["slow_steps_s"], r[2]["step_s_total"]]
+                           for m, r in runs.items()},
+               step_ms={m: r[2]["step_ms"] for m, r in runs.items()},
+               step_kinds={m: r[2]["step_kinds"] for m, r in runs.items()},
+               host_ms_per_step={m: r[2].get("host_ms_per_step") for m, r in runs.items()},
+               cpu_ms_per_step={m: r[2]["cpu_ms_per_step"] for m, r in runs.items()},
+               seconds={m: round(r[1], 3) for m, r in runs.items()})
+    record(**row)
+    shares = " / ".join(cell(row["graph_share"].get(m), ".0%") for m in ("overlap", "sync", "spec"))
+    print(f"| {args.dtype} | {c} | {len(prompts)} | {cell(row['plain_tok_s'], '.0f')} | "
+          f"{cell(row['plain_no_overlap_tok_s'], '.0f')} | {row['spec_tok_s']:.0f} | "
+          f"{cell(row['speedup'], '.2f', 'x')} | {cell(row['speedup_vs_no_overlap'], '.2f', 'x')} | "
+          f"{row['identical']} | {row['mean_accepted_length']:.2f} | {shares} | {order} |", flush=True)
 
 
 if __name__ == "__main__":
