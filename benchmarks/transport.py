@@ -28,8 +28,10 @@ with transport window N, e.g. kv-w8):
   ucxx raw, EH  the same on ucxx's public create_endpoint/create_listener endpoints (peer error handling: TCP)
   perftest      ucx_perftest tag_bw, the same message size (UCX's own C loopback rate; from the libucx wheel);
                 "-e" asks it for peer error handling, like ucxx's public endpoints
-Rates are GB/s (1e9 bytes/s), from the sender's first pack or send to the receiver's last scatter or receive;
-each cell gives min / median / max over the repeats (the machine is shared), after one warm-up round.
+Rates are GB/s (1e9 bytes/s), from the sender's first pack or send to the receiver's last scatter or receive
+(the transfer's Outbox is made before: a node makes it when the Prefill call arrives, before it computes; the
+receiver posts its first buffers before, as a decode side does before it calls Prefill); each cell gives
+min / median / max over the repeats (the machine is shared), after one warm-up round.
 The transports each side actually uses are printed by UCX_LOG_LEVEL=info (e.g. "tag(sysv/memory cma/memory)").
 Every wait has a deadline (--step-timeout): a transfer that does not finish, or a sender process that dies (a
 CUDA buffer UCX took for host memory kills it with SIGSEGV), ends the run with a message instead of a hang.
@@ -141,8 +143,10 @@ class Trace:
         def traced_check(plan, msg, *args):
             note("scatter0", msg.index)  # from the check (one copy to the host) to the copies queued
             check(plan, msg, *args)
+            note("checked", msg.index)
 
         def traced_place(msg, *args):
+            note("place0", msg.index)
             place(msg, *args)
             note("scatter1", msg.index)
 
@@ -217,8 +221,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
                 # packed in one producer thread, as a node's engine thread packs while it computes: `window`
                 # messages ahead of the completed sends, so the staging stays within the transport's pool (on a
                 # CPU a fresh buffer pays a page fault per 4 KiB); "-ahead": all at once
-                start = time.perf_counter()
-                outbox = transport.outbox(plan, dev)
+                outbox = transport.outbox(plan, dev)  # a node makes it when the Prefill call arrives
                 credits, count = threading.Semaphore(transport.window + 1), outbox.count_sent
 
                 def counted(send: asyncio.Future) -> None:
@@ -226,6 +229,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
                     credits.release()
 
                 outbox.count_sent = counted
+                start = time.perf_counter()
                 push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
 
                 def produce() -> None:
@@ -429,7 +433,8 @@ def trace_line(t: dict) -> str:
     first = {k: v[0] for k, v in ev.items() if v}
     return (f"trace {t['what']} {t['message_mib']} MiB: total {t['total_ms']:.2f} ms, n={len(ev.get('send0', []))}; "
             f"medians: pack->ready {span('pack', 'ready')} ready->send {span('ready', 'send0')} send "
-            f"{span('send0', 'send1')} recv-gap {gap('recv1')} scatter {span('scatter0', 'scatter1')} "
+            f"{span('send0', 'send1')} recv-gap {gap('recv1')} scatter {span('scatter0', 'scatter1')} (check "
+            f"{span('scatter0', 'checked')} post {span('checked', 'place0')} place {span('place0', 'scatter1')}) "
             f"recv1->scatter0 {span('recv1', 'scatter0')}; first send0 {first.get('send0', '-')} recv1 "
             f"{first.get('recv1', '-')}; last scatter1 {ev.get('scatter1', ['-'])[-1]}")
 

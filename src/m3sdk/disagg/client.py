@@ -72,7 +72,7 @@ class PrefillClient:
     def __init__(self, nodes: Sequence[str], compat: CompatInfo, rows: list[list[torch.Tensor]], vocab_size: int,
                  *, transport: KVTransport | None = None, token: str | None = None,
                  tls_root_certificates: bytes | None = None, layers_per_group: int | None = None,
-                 max_message_bytes: int = 64 << 20, heartbeat_s: float = 1.0, connect_timeout: float = 5.0):
+                 max_message_bytes: int | None = None, heartbeat_s: float = 1.0, connect_timeout: float = 5.0):
         if not nodes:
             raise ValueError("prefill_nodes is empty")
         self.compat, self.rows, self.vocab_size = compat, rows, vocab_size
@@ -81,7 +81,11 @@ class PrefillClient:
         # always travels while the rest of the prompt computes
         default = max(1, min(4, compat.num_layers // 2))
         self.layers_per_group = min(layers_per_group or default, compat.num_layers)
-        self.max_message_bytes = max_message_bytes
+        # the cap on one data message: on GPUs 256 MiB (the node's limit), since host time per message, not bytes,
+        # sets the rate there (two H200s: 50 % of p2p at 256 MiB, 25 % at 64 MiB, session 13 window 1; a 32K
+        # prompt's 4-layer group of the full model is about 155 MB, so one message); 64 MiB on CPUs. The decode
+        # side holds up to the transport's window of them (4) per transfer as staging
+        self.max_message_bytes = max_message_bytes or (256 << 20 if rows[0][0].is_cuda else 64 << 20)
         self.heartbeat_s, self.connect_timeout = heartbeat_s, connect_timeout
         self._metadata = ((TOKEN_HEADER, f"Bearer {token}"),) if token else None
         self._targets = list(nodes)

@@ -291,11 +291,10 @@ class UcxReceive:
         self._task = asyncio.ensure_future(self._run())
 
     def _arm(self, index: int) -> torch.Tensor:
-        """A buffer for message `index`, its trailer slot zeroed (on a GPU queued on the io stream: it must have
+        """A buffer for message `index`, its trailer slot zeroed (call on the io stream: a GPU's zeroing must have
         run before the buffer is posted, since UCX writes on streams of its own)."""
         buf = self._transport.pool.take(self._plan.messages[index].nbytes, self._dst.device)
-        with _using(self._io):
-            wire.arm(buf)
+        wire.arm(buf)
         return buf
 
     def _post(self, index: int, buf: torch.Tensor) -> None:
@@ -316,8 +315,7 @@ class UcxReceive:
 
     def _check(self, msg: MessageSpec, buf: torch.Tensor) -> None:
         try:
-            with _using(self._io):  # its host wait covers the io stream: the trailers armed before it too
-                wire.check(self._plan, msg, buf)
+            wire.check(self._plan, msg, buf)  # on the io stream: its host wait covers the arming before it too
         except wire.WireError as e:
             raise TransportError(str(e)) from e
 
@@ -341,7 +339,8 @@ class UcxReceive:
         plan = self._plan
         count = len(plan.messages)
         self._layout.prepare()
-        first = [self._arm(index) for index in range(min(self._window, count))]
+        with _using(self._io):
+            first = [self._arm(index) for index in range(min(self._window, count))]
         if self._io is not None:
             self._io.synchronize()
         for index, buf in enumerate(first):
@@ -352,8 +351,9 @@ class UcxReceive:
                 return
             self._release(wait=False)
             following = index + self._window
-            armed = self._arm(following) if following < count else None
-            self._check(msg, buf)
+            with _using(self._io):
+                armed = self._arm(following) if following < count else None
+                self._check(msg, buf)
             if armed is not None:  # before the scatter, so UCX can fill it meanwhile
                 self._post(following, armed)
             self._place(msg, buf)
