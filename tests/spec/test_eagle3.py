@@ -316,8 +316,12 @@ def test_read_before_the_verdict_drafts_like_the_read_after_it(tmp_path, monkeyp
             t += rows[:accepted + 1]
             row += n
         after.observe(observed)
-        read = before.read_unverified(items, torch.tensor(argmax), torch.cat(states))
-        assert read is not None
+        # logits whose argmax is `argmax` (the drafts it verified are the latest read's, still on the device)
+        logits = F.one_hot(torch.tensor(argmax), VOCAB).float()
+        drafts = proposals[0].pending.drafts.reshape(-1)
+        flat = drafts.tolist()
+        read = before.read_unverified(items, logits, torch.cat(states), drafts)
+        assert read is not None and read.verdict.get() == argmax + flat  # (sent before the read overwrote them)
         before.settle(read, settled)
         want = [p.pending.host()[p.row] if p.pending else p.tokens for p in after.propose(asks)]
         got = [p.pending.host()[p.row] if p.pending else p.tokens for p in before.propose(asks)]

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from m3sdk.runner import PLACEHOLDER
-from m3sdk.spec.base import DeviceDrafts, DraftRequest, Proposal, TargetStates
+from m3sdk.spec.base import DeviceDrafts, DraftRequest, HostRead, Proposal, TargetStates
 
 
 class DraftContext(Protocol):
@@ -44,10 +44,12 @@ class DraftSeq:
 @dataclass
 class Unverified:
     """A verify step's draft read launched before the host read the step (`ChainDrafter.read_unverified`): its
-    drafts (context i is request_ids[i]'s)."""
+    drafts (context i is request_ids[i]'s), and the step's argmax followed by the drafts it verified, on their way
+    to the host."""
 
     drafts: DeviceDrafts
     request_ids: list[str]
+    verdict: HostRead
 
 
 class ChainDrafter(ABC):
@@ -60,6 +62,7 @@ class ChainDrafter(ABC):
         # the last observe's drafts: the only ones still where its replay left them (the next replay of the same
         # graph overwrites them)
         self._latest: DeviceDrafts | None = None
+        self._verdict = HostRead()  # `read_unverified`'s copy of a step's argmax and drafts for the host
 
     # -- the network (subclass) --
 
@@ -172,27 +175,29 @@ class ChainDrafter(ABC):
         return None
 
     @torch.inference_mode()
-    def read_unverified(self, items: Sequence[tuple[str, int, int, int, int]], argmax: torch.Tensor,
-                        features: torch.Tensor) -> Unverified | None:
+    def read_unverified(self, items: Sequence[tuple[str, int, int, int, int]], logits: torch.Tensor,
+                        features: torch.Tensor, drafts: torch.Tensor) -> Unverified | None:
         """The read of a greedy verify step launched right behind its forward, before the host has read the
         verdict (the drafter works out on the device how many drafts each request accepted: `launch_unverified`),
         so the device drafts the next step straight after verifying this one. `items`: per request (id, its
-        first verify position, tokens verified n, its first row in the step's argmax [T] and features [T, *],
-        the flat index of its first draft in the drafts the step verified, the latest `read_ahead`'s). All or
+        first verify position, tokens verified n, its first row in the step's logits [T, V] and features [T, *],
+        the flat index of its first draft in `drafts`, the flat drafts the step verified: the latest
+        `read_ahead`'s). The step's argmax and those drafts leave for the host (`Unverified.verdict`). All or
         none: None where a request's context does not continue at that position or lacks room, or the drafter
-        cannot; the step is then observed as usual."""
+        cannot; the step is then read and observed as usual."""
         ctxs = []
         for rid, start, n, _, _ in items:
             seq = self._seqs.get(rid)
             if seq is None or seq.ctx.end != start or not self.has_room(seq.ctx, n + self.num_speculative_tokens):
                 return None
             ctxs.append(seq.ctx)
-        drafts = self.launch_unverified(ctxs, items, argmax, features)
-        return None if drafts is None else Unverified(drafts, [item[0] for item in items])
+        read = self.launch_unverified(ctxs, items, logits, features, drafts)
+        return None if read is None else Unverified(read, [item[0] for item in items], self._verdict)
 
     def launch_unverified(self, ctxs: list[DraftContext], items: Sequence[tuple[str, int, int, int, int]],
-                          argmax: torch.Tensor, features: torch.Tensor) -> DeviceDrafts | None:
-        """`read_unverified`'s launch (None: not supported here, the default)."""
+                          logits: torch.Tensor, features: torch.Tensor, drafts: torch.Tensor) -> DeviceDrafts | None:
+        """`read_unverified`'s launch, which sends [argmax of logits | drafts] through `_verdict` before anything
+        overwrites those drafts (None: not supported here, the default)."""
         return None
 
     def settle(self, read: Unverified, committed: dict[str, int]) -> None:

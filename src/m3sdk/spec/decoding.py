@@ -32,7 +32,7 @@ import torch
 
 from m3sdk.request import Request, RequestStatus
 from m3sdk.runner import Carry
-from m3sdk.sampler import SampledToken, Sampler, _HostCopy
+from m3sdk.sampler import SampledToken, Sampler
 from m3sdk.scheduler.base import Scheduled, StepPlan
 from m3sdk.spec.base import DraftRequest, Proposal, SpeculativeDecoder, TargetStates
 from m3sdk.spec.verify import VerifyRow, verify, verify_greedy
@@ -54,9 +54,8 @@ class Launched:
     hidden: torch.Tensor
     aux: torch.Tensor | None
     carry: Carry | None  # the drafts it read on the device (Proposal.pending)
-    # a greedy verify step whose drafts were all on the device: its argmax and those drafts on their way to the host,
-    # and the drafter's read of it launched behind it (`ChainDrafter.read_unverified`; None: observed as usual)
-    verdict: _HostCopy | None = None
+    # the drafter's read of a greedy verify step launched behind it, with the step's argmax and the drafts it
+    # verified on their way to the host (`ChainDrafter.read_unverified`; None: read and observed as usual)
     read: Unverified | None = None
 
 
@@ -120,16 +119,13 @@ class Speculation:
         return step
 
     def _read_unverified(self, step: Launched) -> None:
-        """A step of greedy verify rows only, each verifying drafts still on the device: its argmax and those
-        drafts start for the host now (before the drafter's read overwrites them), and the drafter's read of the
-        step is launched behind it, so the device drafts the next step while the host reads this one."""
-        argmax = step.logits.argmax(dim=1)
-        step.verdict = _HostCopy(torch.cat([argmax, step.carry.tokens]))
+        """A step of greedy verify rows only, each verifying drafts still on the device: the drafter's read of it
+        is launched behind it, so the device drafts the next step while the host reads this one."""
         items, row = [], 0
         for request, n, _ in step.plan.scheduled:
             items.append((request.request_id, request.num_computed_tokens, n, row, step.carry.rows[id(request)]))
             row += n
-        step.read = self.drafter.read_unverified(items, argmax, step.aux)
+        step.read = self.drafter.read_unverified(items, step.logits, step.aux, step.carry.tokens)
 
     def finish(self, step: Launched) -> list[tuple[Request, list[SampledToken]]]:
         """A launched step's emitted tokens, per request that emits, in plan order. Requests finished since it was
@@ -156,8 +152,8 @@ class Speculation:
             # it with the drafts that stayed on the device
             greedy = _greedy(r for r, _ in verify_reqs)
             argmax, drafts = [], []
-            if step.verdict is not None:  # (read without waiting for the drafter's read launched behind it)
-                read = step.verdict.get()[0].tolist()
+            if step.read is not None:  # (read without waiting for the drafter's read launched behind it)
+                read = step.read.verdict.get()
                 argmax, drafts = [read[i] for i in verify_at], read[logits.shape[0]:]
             elif greedy:
                 argmax_t = rows.argmax(dim=1)

@@ -634,7 +634,7 @@ class Eagle3Drafter(ChainDrafter):
 
     @torch.inference_mode()
     def launch_unverified(self, ctxs: list[DraftKV], items: Sequence[tuple[str, int, int, int, int]],
-                          argmax: torch.Tensor, features: torch.Tensor) -> DeviceDrafts | None:
+                          logits: torch.Tensor, features: torch.Tensor, drafts: torch.Tensor) -> DeviceDrafts | None:
         """The read graph launched right behind a greedy verify step's forward: the verdict (how many drafts each
         request accepted) is worked out on the device from the step's argmax and the drafts it verified (the
         last read's, still in `_drafts_out`), so the host launches it before reading anything."""
@@ -649,8 +649,10 @@ class Eagle3Drafter(ChainDrafter):
             ints.drafts[i * k:i * k + n - 1] = range(first, first + n - 1)
             ints.valid[i * k:i * k + n - 1] = 1
         self._send(static)
-        t = argmax.shape[0]
-        static[-ints.verdict.shape[0]:][:t].copy_(argmax)  # the verdict region, after the upload (stream order)
+        t = logits.shape[0]
+        verdict = self._verdicts[bucket][:t]
+        torch.argmax(logits, dim=1, out=verdict)  # into the verdict region, after the upload (stream order)
+        self._verdict.send(torch.cat([verdict, drafts]))  # before the read overwrites those drafts
         self._features[:t].copy_(features)
         return DeviceDrafts(self._read_graphs[bucket]()[:b])
 
@@ -727,7 +729,7 @@ class Eagle3Drafter(ChainDrafter):
         self._chain_hidden = torch.zeros(n, c.hidden_size, dtype=self.dtype, device=self.device)
         self._drafts_out = torch.zeros(n, k, **i64)  # the read graphs' drafts (`_draft_ahead`)
         self._steps = torch.arange(k, **i64)[:, None]  # a chain's entries after the read's last one
-        self._read_static, self._static, self._staging = {}, {}, {}
+        self._read_static, self._static, self._staging, self._verdicts = {}, {}, {}, {}
         cuda = self.device.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if cuda else None
         with torch.inference_mode():
@@ -738,6 +740,7 @@ class Eagle3Drafter(ChainDrafter):
                 pad.slot[:] = pad.ctx_slot[:] = self.scratch
                 ints = self._read_static[b] = torch.from_numpy(defaults).to(self.device)
                 self._staging[ints.data_ptr()] = self._stage_for(ints, cuda)
+                self._verdicts[b] = ints[-b * (k + 1):]  # `_ReadInts.verdict`, which a verify step's argmax fills
                 self._read_graphs[b] = Replay(lambda b=b, ints=ints: self._draft_ahead(ints, b), pool, self.device)
                 if k > 1:
                     ints = self._static[b] = torch.zeros(2 * b + 2 * (k - 1) * b, **i64)
