@@ -40,7 +40,7 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
     async with Engine(device=device, dtype=dtype, max_num_seqs=concurrency, speculative=speculative,
                       cuda_graphs=graphs, overlap_scheduling=overlap) as engine:
         if late and engine._core.spec is not None:
-            engine._core.spec._read_unverified = lambda step: None
+            engine._core.spec.read_behind_verify = False
         gate = asyncio.Semaphore(concurrency)
 
         async def one(prompt: list[int], tokens: int = max_tokens) -> list[int]:

@@ -65,6 +65,9 @@ class Speculation:
         self.cache = cache
         self.sampler = sampler
         self.k = drafter.num_speculative_tokens
+        # launch the drafter's read of a greedy verify step behind its forward, the verdict counted on the device
+        # (`_read_unverified`), rather than after the host has read the step
+        self.read_behind_verify = hasattr(drafter, "read_unverified")
         # request id -> (request, its proposal, its real length): the drafts sit at token_ids[real:]
         self._drafts: dict[str, tuple[Request, Proposal, int]] = {}
         # metrics
@@ -113,8 +116,7 @@ class Speculation:
         carry = self._carry(pending)
         logits, hidden, aux = runner.forward(plan, num_logits, self.drafter.aux_layers, carry=carry)
         step = Launched(plan, num_logits, spec, logits, hidden, aux, carry)
-        if (carry is not None and len(pending) == len(plan.scheduled) and _greedy(pending)
-                and hasattr(self.drafter, "read_unverified")):
+        if self.read_behind_verify and carry is not None and len(pending) == len(plan.scheduled) and _greedy(pending):
             self._read_unverified(step)
         return step
 
