@@ -1,25 +1,25 @@
 """FP8 W8A8 GEMM (per-token activation quantization included) at MiniMax-M3 shapes: ours vs torch vs the floor.
 
     PYTHONPATH=src python benchmarks/kernels_gemm.py [--json PATH] [--jsonl PATH] [--sweep [FAMILY,..]] [--ms 1,16]
-        [--arms ours,sep,gemm,norm,torch,bf16] [--rep MS] [--shapes PREFIX,..]
+        [--arms ours,sep,gemm,norm,normq,torch,bf16] [--rep MS] [--shapes PREFIX,..] [--sweep-shapes PREFIX,..]
 
 Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 6144, the dense MLP 6144 -> 24576
 (gate|up) and 12288 -> 6144 (down); M = 1 .. 8192 tokens. Arms, same inputs:
-- ours: `fp8_linear` on the bf16 activation, as the model calls it for o_proj and the dense down (at decode sizes
-  the quantization runs inside the GEMM's launch where the tile table says FUSE_QUANT; above, a separate launch)
-- sep: `quantize_fp8_per_token` + `fp8_gemm` (two launches); gemm: `fp8_gemm` alone on a quantized activation
+- ours: `fp8_linear` on the bf16 activation, as the model calls it for o_proj and the dense down: the per-token
+  quantization launch + the GEMM (both launched as programmatic dependents where the tile table says PDL)
+- sep: `quantize_fp8_per_token` (never PDL) + `fp8_gemm`; gemm: `fp8_gemm` alone on a quantized activation
 - torch: per-token quantization in eager torch + `torch._scaled_mm` rowwise (CUTLASS), and `_scaled_mm` alone
 - bf16 `torch.mm`: the "is FP8 worth it" bar
 - the norm path: `add_rms_norm(..., fp8_dtype)` (residual add + norm + per-token quantization, one launch) +
   `fp8_gemm`, beside the bf16 `add_rms_norm` it replaces: their difference is what FP8 costs in front of the GEMM;
-  normq: the bf16 `add_rms_norm` + `fp8_linear` on its output (at decode the quantization in the GEMM's launch),
-  i.e. the GEMM behind a kernel that produces its input (the others rotate GEMMs back to back)
+  normq: the bf16 `add_rms_norm` + `fp8_linear` on its output, i.e. quantization + GEMM behind a kernel that
+  produces their input and knows nothing of PDL (the other arms rotate GEMMs back to back)
 Floor: max(weight + activation bytes / read bandwidth, FLOPs / the fp8 matmul rate measured by `_scaled_mm` at
 8192^3). Decode shapes rotate 4 weight copies (> L2) so every call streams its weight from HBM.
 `--sweep` times a few tile configs per M bucket first and keeps the fastest (printed; copy into arch.py); the decode
 families are timed as `fp8_linear` on bf16 activations (quantization included) at M = 1 and 16 on every shape they
-serve and kept by the sum. `--arms` picks the timed columns (others print nan), `--rep` the ms of graph replays per
-timing sample (10 samples each).
+serve (`--sweep-shapes`) and kept by the sum. `--arms` picks the timed columns (others print nan), `--rep` the ms of
+graph replays per timing sample (10 samples each).
 """
 
 from __future__ import annotations
@@ -48,22 +48,21 @@ SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144
 MS = (1, 16, 256, 1024, 8192)
 ARMS = ("ours", "sep", "gemm", "norm", "normq", "torch", "bf16")
 # decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K to about
-# the resident CTAs; the activation quantized by a separate launch (the kept one before session 13 first), then
-# inside the GEMM's launch (FUSE_QUANT) with the weight reads that need no activation started before the GEMM
-# programs wait for the quantized rows: none, PREFETCH tiles into L2, or PRELOAD steps peeled with their weight tiles
-# in flight (they take a stage's shared memory: 80 KB, 2 programs per SM instead of 3); then
-# 128-wide column tiles (half the activation reads at M = 16), fewer, longer splits (2 programs per SM), and launched
-# as a programmatic dependent (PDL: the weight prefetch overlaps the previous kernel's tail; here the previous GEMM's)
-_DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=396, FUSE_QUANT=1,
-               PRELOAD=0, PREFETCH=0, PDL=0)
+# the resident CTAs (the kept one before session 13 first), then launched as a programmatic dependent (PDL: the
+# quantization and the GEMM start while the kernel before them finishes; the GEMM prefetches PREFETCH weight tiles of
+# its split into L2 before griddepcontrol.wait and lets the next kernel launch once its weight stream is done), with
+# fewer, longer splits (2 programs per SM) and 4 stages. Session 13 window 1 also timed the quantization inside the
+# GEMM's launch (row programs first, the GEMM programs waiting on a device counter): 0.5-2 us slower than the
+# separate launch at every shape (docs/perf.md), so it is gone.
+_DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=396, PDL=0, PREFETCH=0)
 SWEEP = {
-    "fp8_gemm_decode": [dict(_DECODE, FUSE_QUANT=0),
-                        dict(_DECODE),
-                        dict(_DECODE, PREFETCH=2),
-                        dict(_DECODE, PRELOAD=2),
-                        dict(_DECODE, PREFETCH=2, BLOCK_N=128, BLOCK_K=128, num_stages=4),
-                        dict(_DECODE, PREFETCH=2, SPLIT_PROGRAMS=264),
-                        dict(_DECODE, PREFETCH=2, PDL=1)],
+    "fp8_gemm_decode": [dict(_DECODE),
+                        dict(_DECODE, PDL=1),
+                        dict(_DECODE, PDL=1, PREFETCH=2),
+                        dict(_DECODE, PDL=1, PREFETCH=4),
+                        dict(_DECODE, PDL=1, PREFETCH=8),
+                        dict(_DECODE, PDL=1, PREFETCH=2, SPLIT_PROGRAMS=264),
+                        dict(_DECODE, PDL=1, PREFETCH=2, num_stages=4)],
     "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
                      dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)],
@@ -141,9 +140,8 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
 def sweep(fam: str, arch, fp8: torch.dtype, rep: int, shapes: tuple[str, ...] = ("",)) -> list[dict]:
     """Time SWEEP[fam] and keep the fastest in TILES (decode: `fp8_linear` on bf16 activations at M = 1 and 16 on
     every shape, by the sum; mid / prefill: the GEMM alone). Each config is checked before it is timed: against the
-    reference, and at decode also bit for bit against the separate quantization launch + GEMM and against its own
-    second launch (the in-launch synchronization resets its counters); a config off the reference is reported and
-    skipped. Returns one record per config."""
+    reference, and at decode also bit for bit against `quantize_fp8_per_token` + `fp8_gemm` and against its own
+    second launch; a config off the reference is reported and skipped. Returns one record per config."""
     decode = fam.startswith("fp8_gemm_decode")
     if decode:  # the shapes each decode table serves
         cases = [(shape, m) for shape, (_, n) in SHAPES.items() for m in (1, 16)
@@ -186,7 +184,7 @@ def sweep(fam: str, arch, fp8: torch.dtype, rep: int, shapes: tuple[str, ...] = 
         else:
             print(f"sweep {fam} {cfg}: " + " ".join(f"{c} {t * 1e3:.1f}" for c, t in
                                                      zip(records[-1]["cases"], times, strict=True))
-                  + f" | sum {sum(times) * 1e3:.1f} us" + ("" if same else " | NOT bitwise == separate launch"))
+                  + f" | sum {sum(times) * 1e3:.1f} us" + ("" if same else " | NOT bit for bit"))
             if best is None or sum(times) < best[0]:
                 best = (sum(times), dict(TILES[fam][arch.name]))
         TILES[fam][arch.name].clear()
@@ -243,7 +241,7 @@ def main() -> None:
             out = fp8_gemm(xq, xs, wq, ws)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             assert err < 1e-2, (name, m, err)
-            # the model's entry on the bf16 activation (quantized inside the launch at decode sizes): the same bits
+            # the model's entry on the bf16 activation (both launches PDL where the tiles say so): the same bits
             assert torch.equal(fp8_linear(x, wq, ws), out) and torch.equal(fp8_linear(x, wq, ws), out), (name, m)
         # the fused norm's fp8 output feeds the GEMM: against norm -> quantize -> GEMM in plain torch
         x, res = (torch.randn(16, k, device=DEV, dtype=torch.bfloat16) for _ in range(2))

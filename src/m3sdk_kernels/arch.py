@@ -167,17 +167,15 @@ TILES.update({
     # decode: split K until SPLIT_PROGRAMS programs stream the weight (about the resident CTAs: split_k in quant.py),
     # STAGGER the K order per column block (spreads the shared activation reads over L2); SWAP_AB (sm90): weight
     # rows as the MMA's M, so 64 x 16 fp8 wgmma straight from shared memory (no f16 upcast, no mma.sync).
-    # FUSE_QUANT: fp8_linear quantizes a bf16 activation inside the GEMM's launch (one program per row, QUANT_BLOCK
-    # wide steps) while the GEMM programs start their weight reads: PREFETCH tiles into L2 (CUDA only), or PRELOAD
-    # steps peeled with their weight tiles in flight (quant.py, QUANT_A)
+    # PDL (sm90): launched as a programmatic dependent, PREFETCH weight tiles into L2 before griddepcontrol.wait
+    # (quant.py); the activation quantization of fp8_linear launches so too
     "fp8_gemm_decode": {
         "sm90": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
-                 "SPLIT_PROGRAMS": 396, "STAGGER": 1, "SWAP_AB": 1, "FUSE_QUANT": 1, "PREFETCH": 2,
-                 "QUANT_BLOCK": 8192},
+                 "SPLIT_PROGRAMS": 396, "STAGGER": 1, "SWAP_AB": 1, "PDL": 0},
         "gfx942": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
-                   "SPLIT_PROGRAMS": 1216, "STAGGER": 1, "FUSE_QUANT": 0, "QUANT_BLOCK": 8192},
+                   "SPLIT_PROGRAMS": 1216, "STAGGER": 1},
         "gfx950": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
-                   "SPLIT_PROGRAMS": 1024, "STAGGER": 1, "FUSE_QUANT": 0, "QUANT_BLOCK": 8192},
+                   "SPLIT_PROGRAMS": 1024, "STAGGER": 1},
     },
     # decode GEMMs with N <= quant.NARROW_N (o_proj, the dense down: 96 column tiles of 64) take these over the above;
     # H200 session 12 window 2: the above stay best for them (528 / 792 programs, 4 stages, K 128 x 6 stages: 1-2.5 us

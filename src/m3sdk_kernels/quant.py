@@ -195,16 +195,21 @@ def bf16_grid(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _quant_row(x_ptr, q_ptr, s_ptr, row, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
-               INTERPRET: tl.constexpr):
-    # row `row` of x -> fp8 with one scale (amax / FP8_MAX): amax over the row, then the quantized row (the second
-    # read hits L1/L2). The amax is reduced per step: a row that fits one tile is one load and one reduction.
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr, INTERPRET: tl.constexpr):
+    # one row per program: amax over the row, then the quantized row (the second read hits L1/L2). PDL (CUDA,
+    # launched as a programmatic dependent): the next kernel (the FP8 GEMM) may launch at once and prefetch its
+    # weights; x, which the previous kernel writes, is read only after griddepcontrol.wait
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
-    amax = 0.0
+    amax = tl.zeros((BLOCK_K,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-    scale = tl.maximum(amax, 1e-12) / FP8_MAX
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
     for k0 in range(0, K, BLOCK_K):
         mask = k0 + cols < K
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0).to(tl.float32)
@@ -213,15 +218,15 @@ def _quant_row(x_ptr, q_ptr, s_ptr, row, K, stride_x, stride_q, FP8_MAX: tl.cons
     tl.store(s_ptr + row, scale)
 
 
-@triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
-                       INTERPRET: tl.constexpr):
-    _quant_row(x_ptr, q_ptr, s_ptr, tl.program_id(0).to(tl.int64), K, stride_x, stride_q, FP8_MAX, BLOCK_K,
-               INTERPRET)
+def _pdl_launch(pdl: bool) -> dict:
+    # the launch option only where it means something (a CUDA device, compiled kernels)
+    return {"launch_pdl": True} if pdl else {}
 
 
-def quantize_fp8_per_token(x: torch.Tensor, fp8_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `quantize_fp8_per_token_ref` (x [M, K] with unit last stride)."""
+def quantize_fp8_per_token(x: torch.Tensor, fp8_dtype: torch.dtype | None = None,
+                           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `quantize_fp8_per_token_ref` (x [M, K] with unit last stride). `pdl`: launched as a
+    programmatic dependent (CUDA), for an FP8 GEMM launched so behind it (`fp8_linear`)."""
     fp8_dtype = fp8_dtype or current_arch(x.device).fp8_dtype
     m, k = x.shape
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
@@ -231,66 +236,11 @@ def quantize_fp8_per_token(x: torch.Tensor, fp8_dtype: torch.dtype | None = None
         # the whole row in one tile where it fits: both passes are then one round trip each (a row of M3's 6144
         # in 1024-wide steps was 12 dependent loads, most of the 4-8 us the launch cost at decode)
         block = min(triton.next_power_of_2(k), t["BLOCK_K"])
+        pdl = pdl and x.is_cuda and not INTERPRET
         _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
-                                 BLOCK_K=block, INTERPRET=INTERPRET, num_warps=t["num_warps"])
+                                 BLOCK_K=block, PDL=pdl, INTERPRET=INTERPRET, num_warps=t["num_warps"],
+                                 **_pdl_launch(pdl))
     return q, s
-
-
-@triton.jit
-def _k_tile(i, first, count, pid_n, offs_k, BLOCK_K: tl.constexpr, STAGGER: tl.constexpr):
-    # K indices of step i of a split; STAGGER (decode) walks the split's tiles from a per-column-block offset,
-    # wrapping, so the programs that run together read different activation lines rather than all the same one
-    j = i
-    if STAGGER:
-        j = (i + pid_n) % count
-    return (first + j) * BLOCK_K + offs_k
-
-
-@triton.jit
-def _w_tile(w_ptr, cols, ks, stride_wn, K, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
-    # weight tile: [BLOCK_N, BLOCK_K] as the MMA's A with SWAP_AB, else [BLOCK_K, BLOCK_N] as its B
-    if SWAP_AB:
-        ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
-        k_ok = ks[None, :] < K
-    else:
-        ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]
-        k_ok = ks[:, None] < K
-    if EVEN_K:
-        w = tl.load(ptrs)
-    else:
-        w = tl.load(ptrs, mask=k_ok, other=0.0)
-    return w
-
-
-@triton.jit
-def _a_tile(a_ptr, rows, row_ok, ks, stride_am, K, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, CG: tl.constexpr):
-    # activation tile: [BLOCK_K, BLOCK_M] with SWAP_AB, else [BLOCK_M, BLOCK_K]. Rows past M are masked (no
-    # traffic); the row mask is constant along K, so the loads stay full-width vectors. CG: through L2 only (an
-    # activation this launch wrote, never a stale L1 line)
-    if SWAP_AB:
-        ptrs = a_ptr + rows[None, :] * stride_am + ks[:, None]
-        mask = row_ok[None, :]
-        if not EVEN_K:
-            mask = mask & (ks[:, None] < K)
-    else:
-        ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
-        mask = row_ok[:, None]
-        if not EVEN_K:
-            mask = mask & (ks[None, :] < K)
-    if CG:
-        a = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        a = tl.load(ptrs, mask=mask, other=0.0)
-    return a
-
-
-@triton.jit
-def _mma(w, a, acc, SWAP_AB: tl.constexpr):
-    if SWAP_AB:  # weight rows as the MMA's M (Hopper: wgmma, fp8 operands straight from shared memory)
-        acc = tl.dot(w, a, acc)
-    else:  # tokens as the MMA's M (a 16-row tile: mma.sync on Hopper, the fp8 upcast to f16 first)
-        acc = tl.dot(a, w, acc)
-    return acc
 
 
 @triton.jit
@@ -302,36 +252,12 @@ def _prefetch_l2(w_ptr, cols, k0, stride_wn, BLOCK_K: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every decode M (M == 1 is not special)
-def _fp8_gemm_kernel(a_ptr, a_scale_ptr, aq_ptr, w_ptr, w_scale_ptr, c_ptr, ws_ptr, count_ptr, sync_ptr, M, N, K,
-                     stride_am, stride_aq, stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr,
-                     SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, QUANT_A: tl.constexpr, QUANT_BLOCK: tl.constexpr,
-                     PRELOAD: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, FP8_MAX: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    # QUANT_A (decode): a is the bf16 activation, quantized per token inside this launch. Programs 0..M-1 each
-    # quantize one row into aq (scale into a_scale) and count it in sync[0]; the GEMM programs after them fetch their
-    # first PRELOAD weight tiles (which need no activation), then wait for sync[0] == M. They wait only on programs
-    # with lower ids, which are dispatched first and never wait (the decoupled look-back premise; the interpreter
-    # runs programs in order), so there is no deadlock even when the grid is not all resident.
-    # PDL (CUDA, launched as a programmatic dependent): this grid may start while the previous kernel finishes; it
-    # lets the next one start as soon as every program of this one runs, and reads nothing the previous kernel writes
-    # (nor the shared counters) before griddepcontrol.wait: only its weights (PREFETCH / PRELOAD) come earlier.
-    pid = tl.program_id(0)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    if QUANT_A:
-        if pid < M:
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-            _quant_row(a_ptr, aq_ptr, a_scale_ptr, pid.to(tl.int64), K, stride_am, stride_aq, FP8_MAX, QUANT_BLOCK,
-                       INTERPRET)
-            tl.debug_barrier()  # every thread's stores are issued before the (single-thread) release below
-            tl.atomic_add(sync_ptr, 1, sem="release")
-            return
-        pid -= M
-        a_ptr = aq_ptr
-        stride_am = stride_aq
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, stride_am,
+                     stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr, SWAP_AB: tl.constexpr,
+                     EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # program -> (output tile, K split): the SPLIT_K programs of one tile are neighbours
+    pid = tl.program_id(0)
     pid_k = pid % SPLIT_K
     tile = pid // SPLIT_K
     # grouped tile order: GROUP_M row blocks walk the same weight columns while those are in L2
@@ -347,9 +273,10 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, aq_ptr, w_ptr, w_scale_ptr, c_ptr, ws_p
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < M
-    # Rows past M are masked: at M = 1 a decode tile's 15 padding rows used to re-read row 0, so every program hit
-    # the same two activation lines at every K step (M = 1 ran 1.6x slower than M = 16 on the H200). Weight columns
-    # past N re-read column 0 instead (unmasked; never stored).
+    # Rows past M are masked (zero-filled, no memory traffic): at M = 1 a decode tile's 15 padding rows used to
+    # re-read row 0, so every program hit the same two activation lines at every K step (M = 1 ran 1.6x slower
+    # than M = 16 on the H200). The row mask is constant along K, so the loads stay full-width vectors.
+    # Weight columns past N re-read column 0 instead (unmasked; never stored).
     rows = tl.where(row_ok, offs_m, 0).to(tl.int64)
     cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     # this split's K tiles (never empty: split_k picks equal runs)
@@ -357,43 +284,50 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, aq_ptr, w_ptr, w_scale_ptr, c_ptr, ws_p
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     first = pid_k * per_split
     count = tl.minimum(per_split, k_tiles - first)
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    start = 0
-    # weight reads that need no activation start before the waits (for the previous kernel, PDL; for the quantized
-    # rows, QUANT_A): PREFETCH tiles into L2 (CUDA), or (QUANT_A) the first PRELOAD steps peeled with their weight
-    # tiles in flight (a step past a short split re-reads a valid tile and adds zeros: its activation is masked)
-    if (QUANT_A or PDL) and not INTERPRET:
+    if PDL:
+        # launched as a programmatic dependent (CUDA): this grid may start while the previous kernel finishes.
+        # Only the weights (which no kernel writes) are read before griddepcontrol.wait: the first PREFETCH tiles
+        # of this split go to L2 while the previous kernel's tail runs; the activation, the output and the shared
+        # counters are touched after it
         for p in tl.static_range(PREFETCH):
             _prefetch_l2(w_ptr, cols, (first + (p + pid_n * STAGGER) % count) * BLOCK_K, stride_wn, BLOCK_K)
-    if QUANT_A:
-        if PRELOAD > 0:
-            ks0 = _k_tile(0, first, count, pid_n, offs_k, BLOCK_K, STAGGER)
-            w0 = _w_tile(w_ptr, cols, ks0, stride_wn, K, SWAP_AB, EVEN_K)
-        if PRELOAD > 1:
-            ks1 = _k_tile(1 % count, first, count, pid_n, offs_k, BLOCK_K, STAGGER)
-            w1 = _w_tile(w_ptr, cols, ks1, stride_wn, K, SWAP_AB, EVEN_K)
-    if PDL:
         tl.extra.cuda.gdc_wait()
-    if QUANT_A:
-        seen = tl.atomic_add(sync_ptr, 0, sem="acquire")
-        while seen < M:
-            seen = tl.atomic_add(sync_ptr, 0, sem="acquire")
-        if PRELOAD > 0:
-            acc = _mma(w0, _a_tile(a_ptr, rows, row_ok, ks0, stride_am, K, SWAP_AB, EVEN_K, True), acc, SWAP_AB)
-            start = 1
-        if PRELOAD > 1:
-            row_ok1 = offs_m < tl.where(count > 1, M, 0)
-            acc = _mma(w1, _a_tile(a_ptr, rows, row_ok1, ks1, stride_am, K, SWAP_AB, EVEN_K, True), acc, SWAP_AB)
-            start = 2
-    for i in range(start, count):
-        ks = _k_tile(i, first, count, pid_n, offs_k, BLOCK_K, STAGGER)
-        acc = _mma(_w_tile(w_ptr, cols, ks, stride_wn, K, SWAP_AB, EVEN_K),
-                   _a_tile(a_ptr, rows, row_ok, ks, stride_am, K, SWAP_AB, EVEN_K, QUANT_A), acc, SWAP_AB)
+    if SWAP_AB:  # weight rows as the MMA's M (Hopper: wgmma, fp8 operands straight from shared memory)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:  # tokens as the MMA's M (a 16-row tile: mma.sync on Hopper, the fp8 upcast to f16 first)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for i in range(0, count):
+        # STAGGER (decode) walks the split's K tiles from a per-column-block offset, wrapping, so the programs that
+        # run together read different activation lines rather than all the same one
+        j = i
+        if STAGGER:
+            j = (i + pid_n) % count
+        ks = (first + j) * BLOCK_K + offs_k
+        if SWAP_AB:
+            a_ptrs = a_ptr + rows[None, :] * stride_am + ks[:, None]
+            w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
+                w = tl.load(w_ptrs, mask=ks[None, :] < K, other=0.0)
+            acc = tl.dot(w, a, acc)
+        else:
+            a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
+            w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+                w = tl.load(w_ptrs, mask=ks[:, None] < K, other=0.0)
+            acc = tl.dot(a, w, acc)
     if SWAP_AB:
         acc = tl.trans(acc)
+    if PDL:
+        # every program past its weight stream: the next kernel may launch and prefetch while this one reduces
+        tl.extra.cuda.gdc_launch_dependents()
 
     out_mask = row_ok[:, None] & (offs_n[None, :] < N)
     done = True
@@ -412,24 +346,15 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, aq_ptr, w_ptr, w_scale_ptr, c_ptr, ws_p
                                cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + tile, 0)
     if done:
-        if QUANT_A:
-            a_scale = tl.load(a_scale_ptr + rows, cache_modifier=".cg")
-        else:
-            a_scale = tl.load(a_scale_ptr + rows)
+        a_scale = tl.load(a_scale_ptr + rows)
         w_scale = tl.load(w_scale_ptr + cols)
         acc = acc * a_scale[:, None] * w_scale[None, :]
         tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :],
                  acc.to(c_ptr.dtype.element_ty), mask=out_mask)
-        if QUANT_A:
-            # the last tile to finish (every GEMM program is past its wait by then) zeroes sync for the next launch
-            if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel") == num_m * num_n - 1:
-                tl.atomic_xchg(sync_ptr, 0)
-                tl.atomic_xchg(sync_ptr + 1, 0)
 
 
-# Split-K arrival counters, one int32 per output tile, then the two of a QUANT_A launch (rows quantized, tiles
-# finished); zero between launches (the last program to use one resets it). One buffer per device, so launches that
-# use it must run one at a time (one stream: the engine's).
+# Split-K arrival counters, one int32 per output tile, zero between launches (the last split of a tile resets
+# its own). One buffer per device, so launches that use it must run one at a time (one stream: the engine's).
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_TILES = 1 << 16
 
@@ -439,17 +364,16 @@ def _counters(device: torch.device) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # a buffer made during capture would be zeroed only when that graph replays
             raise RuntimeError("fp8_gemm: run it once on this device before capturing a CUDA graph")
-        _COUNTERS[device] = torch.zeros(_MAX_TILES + 2, dtype=torch.int32, device=device)
+        _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
     return _COUNTERS[device]
 
 
 NARROW_N = 6144  # decode GEMMs this narrow have few column tiles: their "fp8_gemm_decode:narrow" tiles
-DECODE_M = 16  # up to this many tokens a GEMM streams its weight once (the decode tiles)
 
 
 def _gemm_tiles(m: int, n: int, arch: Arch) -> dict[str, int]:
     # decode (the job is streaming the weight once), mid, prefill (the job is tensor-core rate)
-    if m <= DECODE_M:
+    if m <= 16:
         return tiles("fp8_gemm_decode", arch, "narrow" if n <= NARROW_N else None)
     return tiles("fp8_gemm_mid" if m <= 256 else "fp8_gemm_prefill", arch)
 
@@ -462,57 +386,42 @@ def split_k(tiles_mn: int, k: int, t: dict[str, int]) -> int:
     return triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))
 
 
-def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w_q: torch.Tensor, w_scale: torch.Tensor,
-          out_dtype: torch.dtype, t: dict[str, int]) -> torch.Tensor:
-    # a fp8 with its scales, or (a_scale None: QUANT_A) bf16 quantized per token inside the launch
-    m, k = a.shape
-    n = w_q.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if m == 0:
-        return out
-    tiles_mn = triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"])
-    split = split_k(tiles_mn, k, t)
-    counters = _counters(a.device)
-    if split > 1 and tiles_mn > _MAX_TILES:
-        raise ValueError(f"fp8_gemm: {tiles_mn} output tiles, the split-K counters hold {_MAX_TILES}")
-    # fp32 partials of every split (unused without a split: any fp32 pointer will do)
-    ws = torch.empty(tiles_mn * split * t["BLOCK_M"] * t["BLOCK_N"] if split > 1 else 1, dtype=torch.float32,
-                     device=a.device)
-    quant_a = a_scale is None
-    pdl = bool(t.get("PDL", 0)) and a.is_cuda and not INTERPRET
-    if quant_a:
-        aq = torch.empty((m, k), dtype=w_q.dtype, device=a.device)
-        a_scale = torch.empty((m,), dtype=torch.float32, device=a.device)
-    else:
-        aq = a
-    _fp8_gemm_kernel[((m if quant_a else 0) + tiles_mn * split,)](
-        a, a_scale, aq, w_q, w_scale, out, ws, counters, counters[_MAX_TILES:], m, n, k, a.stride(0), aq.stride(0),
-        w_q.stride(0), out.stride(0), BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
-        GROUP_M=t["GROUP_M"], SPLIT_K=split, STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0),
-        EVEN_K=k % t["BLOCK_K"] == 0, QUANT_A=quant_a,
-        QUANT_BLOCK=min(triton.next_power_of_2(k), t["QUANT_BLOCK"]) if quant_a else 0,
-        PRELOAD=t.get("PRELOAD", 0) if quant_a else 0, PREFETCH=t.get("PREFETCH", 0) if quant_a or pdl else 0, PDL=pdl,
-        FP8_MAX=torch.finfo(w_q.dtype).max, INTERPRET=INTERPRET, num_warps=t["num_warps"], num_stages=t["num_stages"],
-        **({"launch_pdl": True} if pdl else {}))
-    return out
-
-
 def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Triton version of `fp8_gemm_ref`."""
-    return _gemm(x_q, x_scale, w_q, w_scale, out_dtype, _gemm_tiles(x_q.shape[0], w_q.shape[0],
-                                                                     current_arch(x_q.device)))
+    """Triton version of `fp8_gemm_ref`. Where the tiles say PDL (sm90 decode) it launches as a programmatic
+    dependent of the kernel before it."""
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    if m == 0:
+        return out
+    t = _gemm_tiles(m, n, current_arch(x_q.device))
+    tiles_mn = triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"])
+    split = split_k(tiles_mn, k, t)
+    counters = _counters(x_q.device)
+    if split > 1 and tiles_mn > counters.numel():
+        raise ValueError(f"fp8_gemm: {tiles_mn} output tiles, the split-K counters hold {counters.numel()}")
+    # fp32 partials of every split (unused without a split: any fp32 pointer will do)
+    ws = torch.empty(tiles_mn * split * t["BLOCK_M"] * t["BLOCK_N"] if split > 1 else 1, dtype=torch.float32,
+                     device=x_q.device)
+    pdl = bool(t.get("PDL", 0)) and x_q.is_cuda and not INTERPRET
+    _fp8_gemm_kernel[(tiles_mn * split,)](
+        x_q, x_scale, w_q, w_scale, out, ws, counters, m, n, k, x_q.stride(0), w_q.stride(0), out.stride(0),
+        BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"], SPLIT_K=split,
+        STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0), EVEN_K=k % t["BLOCK_K"] == 0, PDL=pdl,
+        PREFETCH=t.get("PREFETCH", 0) if pdl else 0, num_warps=t["num_warps"], num_stages=t["num_stages"],
+        **_pdl_launch(pdl))
+    return out
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Triton version of `fp8_linear_ref`: quantize x per token unless it comes quantized (from the norm); at
-    decode sizes, where the decode tiles say FUSE_QUANT, inside the GEMM's launch (the same per-token math)."""
+    """Triton version of `fp8_linear_ref`: quantize x per token unless it comes quantized (from the norm); where
+    the GEMM launches as a programmatic dependent (PDL), the quantization launches so too, so the GEMM's weight
+    prefetch overlaps it."""
     if x_scale is None:
-        t = _gemm_tiles(x.shape[0], w_q.shape[0], current_arch(x.device))
-        if x.shape[0] <= DECODE_M and t.get("FUSE_QUANT", 0):
-            return _gemm(x, None, w_q, w_scale, out_dtype, t)
-        x, x_scale = quantize_fp8_per_token(x, w_q.dtype)
+        pdl = bool(_gemm_tiles(x.shape[0], w_q.shape[0], current_arch(x.device)).get("PDL", 0))
+        x, x_scale = quantize_fp8_per_token(x, w_q.dtype, pdl=pdl)
     return fp8_gemm(x, x_scale, w_q, w_scale, out_dtype)
 
 
@@ -525,34 +434,26 @@ def aot_variants(arch: Arch) -> list:
 
     fp8 = f"*{arch.fp8_triton}"
     t = tiles("fp8_quant", arch)
+    pdl = arch.backend == "cuda"  # griddepcontrol: CUDA only (the decode GEMM's table decides at run time)
     out = [AotVariant("quant_fp8_rows", _quant_rows_kernel,
                       {"x_ptr": "*bf16", "q_ptr": fp8, "s_ptr": "*fp32", "K": "i32", "stride_x": "i32",
                        "stride_q": "i32"},
-                      {"FP8_MAX": arch.fp8_max, "BLOCK_K": t["BLOCK_K"], "INTERPRET": False}, num_warps=t["num_warps"],
-                      aligned=("K", "stride_x", "stride_q"))]
+                      {"FP8_MAX": arch.fp8_max, "BLOCK_K": t["BLOCK_K"], "PDL": pdl, "INTERPRET": False},
+                      num_warps=t["num_warps"], aligned=("K", "stride_x", "stride_q"))]
     # (family, variant, N, K): decode at the packed qkv+index projection and, narrow, at o_proj; mid / prefill at
-    # o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); each with the split the dispatch picks there.
-    # The decode ones also with the activation quantized inside the launch (QUANT_A: bf16 in), on every target.
-    for family, variant, n, k, quant_a in (("fp8_gemm_decode", None, 9856, 6144, False),
-                                           ("fp8_gemm_decode", None, 9856, 6144, True),
-                                           ("fp8_gemm_decode", "narrow", 6144, 8192, False),
-                                           ("fp8_gemm_decode", "narrow", 6144, 8192, True),
-                                           ("fp8_gemm_mid", None, 6144, 8192, False),
-                                           ("fp8_gemm_prefill", None, 6144, 8192, False)):
+    # o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); each with the split the dispatch picks there
+    for family, variant, n, k in (("fp8_gemm_decode", None, 9856, 6144), ("fp8_gemm_decode", "narrow", 6144, 8192),
+                                  ("fp8_gemm_mid", None, 6144, 8192), ("fp8_gemm_prefill", None, 6144, 8192)):
         t = tiles(family, arch, variant)
         split = split_k(triton.cdiv(n, t["BLOCK_N"]), k, t)
+        pdl = bool(t.get("PDL", 0))
         out.append(AotVariant(
-            f"{family}{':' + variant if variant else ''} split {split}{' quant' if quant_a else ''}", _fp8_gemm_kernel,
-            {"a_ptr": "*bf16" if quant_a else fp8, "a_scale_ptr": "*fp32", "aq_ptr": fp8, "w_ptr": fp8,
-             "w_scale_ptr": "*fp32", "c_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "sync_ptr": "*i32",
-             "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_aq": "i32", "stride_wn": "i32",
-             "stride_cm": "i32"},
+            f"{family}{':' + variant if variant else ''} split {split}", _fp8_gemm_kernel,
+            {"a_ptr": fp8, "a_scale_ptr": "*fp32", "w_ptr": fp8, "w_scale_ptr": "*fp32", "c_ptr": "*bf16",
+             "ws_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
+             "stride_wn": "i32", "stride_cm": "i32"},
             {"BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"], "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"],
              "SPLIT_K": split, "STAGGER": t.get("STAGGER", 0), "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True,
-             "QUANT_A": quant_a, "QUANT_BLOCK": min(triton.next_power_of_2(k), t["QUANT_BLOCK"]) if quant_a else 0,
-             "PRELOAD": t.get("PRELOAD", 0) if quant_a else 0, "PDL": bool(t.get("PDL", 0)),
-             "PREFETCH": t.get("PREFETCH", 0) if quant_a or t.get("PDL", 0) else 0, "FP8_MAX": arch.fp8_max,
-             "INTERPRET": False},
-            num_warps=t["num_warps"], num_stages=t["num_stages"],
-            aligned=("K", "stride_am", "stride_aq", "stride_wn", "stride_cm")))
+             "PDL": pdl, "PREFETCH": t.get("PREFETCH", 0) if pdl else 0},
+            num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=("K", "stride_am", "stride_wn", "stride_cm")))
     return out

@@ -106,56 +106,38 @@ def test_fp8_gemm_decode_split_k(m, k, swap_ab, monkeypatch):
     assert torch.equal(quant.fp8_gemm(xq, xs, wq, ws), out)
 
 
-@pytest.mark.parametrize("swap_ab,preload", [(1, 0), (1, 2), (0, 2)])
-@pytest.mark.parametrize("m,k", [(1, 1536), (16, 1400), (3, 512)])  # K 512: splits shorter than PRELOAD
-def test_fp8_linear_quantizes_inside_the_decode_gemm(m, k, swap_ab, preload, monkeypatch):
-    """FUSE_QUANT: a bf16 activation quantized per token inside the GEMM's launch (one program per row, the GEMM
-    programs wait for them, with PRELOAD steps peeled): the same bits as the separate quantization launch + GEMM,
-    again on a second launch (the in-launch counters are back to zero)."""
-    t = TILES["fp8_gemm_decode"]["sm90"] | {"SWAP_AB": swap_ab, "SPLIT_PROGRAMS": 12, "STAGGER": 1, "FUSE_QUANT": 1,
-                                            "PRELOAD": preload, "QUANT_BLOCK": 512}  # rows in several steps
-    monkeypatch.setitem(TILES["fp8_gemm_decode"], "sm90", t)
-    torch.manual_seed(m + k)
-    n = 3 * t["BLOCK_N"] - 5
-    wq, ws = quant.quantize_fp8_weight(torch.randn(n, k) * 0.05, FP8)
-    x = torch.randn(m, k).bfloat16() * torch.logspace(-2, 1, m)[:, None].bfloat16()  # rows of different scale
-    out = quant.fp8_linear(x, wq, ws)
-    assert torch.equal(out, quant.fp8_gemm(*quant.quantize_fp8_per_token(x, FP8), wq, ws))
-    assert rel(out, quant.fp8_linear_ref(x, wq, ws)) < 1e-2
-    assert not quant._counters(out.device).any()
-    assert torch.equal(quant.fp8_linear(x, wq, ws), out)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the in-launch wait and PDL on hardware)")
-@pytest.mark.parametrize("pdl", [0, 1])
-def test_gpu_fp8_linear_in_launch_quantization_and_pdl(pdl, monkeypatch):
-    """On the GPU, at M3's shapes: the in-launch quantization gives the separate launch's bits, also when a
-    CUDA graph replays two GEMMs back to back (the second reading the first's output), each launched as a
-    programmatic dependent (pdl)."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (griddepcontrol runs on hardware only)")
+def test_gpu_fp8_linear_pdl_same_bits(monkeypatch):
+    """On the GPU, at M3's shapes: the quantization and the GEMM launched as programmatic dependents (PDL: the GEMM
+    prefetches its weights before waiting for the kernel before it) give the bits of plain launches, eagerly and
+    replayed from a CUDA graph where the second linear reads the first's output."""
     from m3sdk_kernels.arch import current_arch
 
     arch = current_arch()
     if arch.name != "sm90":
-        pytest.skip("the fused path and PDL are sm90 table entries")
-    for fam in ("fp8_gemm_decode", "fp8_gemm_decode:narrow"):
-        monkeypatch.setitem(TILES[fam], "sm90", TILES[fam]["sm90"] | {"FUSE_QUANT": 1, "PDL": pdl})
+        pytest.skip("PDL is an sm90 table entry")
     fp8 = arch.fp8_dtype
     torch.manual_seed(0)
     w1 = quant.quantize_fp8_weight(torch.randn(9856, 6144, device="cuda") * 0.02, fp8)
     w2 = quant.quantize_fp8_weight(torch.randn(6144, 8192, device="cuda") * 0.02, fp8)
-    for m in (1, 7, 16):
-        x = torch.randn(m, 6144, device="cuda", dtype=torch.bfloat16)
-        h = quant.fp8_linear(x, *w1)
-        assert torch.equal(h, quant.fp8_gemm(*quant.quantize_fp8_per_token(x, fp8), *w1))
-        want = quant.fp8_linear(h[:, :8192], *w2)  # rows 9856 apart: the in-launch quantization reads strided rows
-        assert rel(want, quant.fp8_linear_ref(h[:, :8192], *w2)) < 1e-2
+    xs = [torch.randn(m, 6144, device="cuda", dtype=torch.bfloat16) for m in (1, 7, 16)]
+
+    def chain(x):  # rows 9856 apart: the second quantization reads strided rows
+        return quant.fp8_linear(quant.fp8_linear(x, *w1)[:, :8192], *w2)
+
+    plain = [chain(x) for x in xs]
+    assert rel(plain[0], quant.fp8_linear_ref(quant.fp8_linear_ref(xs[0], *w1)[:, :8192], *w2)) < 2e-2
+    for fam in ("fp8_gemm_decode", "fp8_gemm_decode:narrow"):
+        monkeypatch.setitem(TILES[fam], "sm90", TILES[fam]["sm90"] | {"PDL": 1, "PREFETCH": 2})
+    for x, want in zip(xs, plain, strict=True):
+        assert torch.equal(chain(x), want)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            y = quant.fp8_linear(quant.fp8_linear(x, *w1)[:, :8192], *w2)
+            y = chain(x)
         for _ in range(3):
             g.replay()
             assert torch.equal(y, want)
-    assert not quant._counters(x.device).any()
+    assert not quant._counters(xs[0].device).any()
 
 
 # ---------------------------------------------------------------------------------------------------------
