@@ -140,15 +140,19 @@ class Trace:
             note("pack", msg.index)
             pack(plan, msg, *args)
 
-        def traced_check(plan, msg, *args):
-            note("scatter0", msg.index)  # from the check (one copy to the host) to the copies queued
-            check(plan, msg, *args)
-            note("checked", msg.index)
+        def traced_check(plan, msgs, *args):
+            for msg in msgs:  # from the check (one copy to the host) to the copies queued
+                note("scatter0", msg.index)
+            check(plan, msgs, *args)
+            for msg in msgs:
+                note("checked", msg.index)
 
-        def traced_place(msg, *args):
-            note("place0", msg.index)
-            place(msg, *args)
-            note("scatter1", msg.index)
+        def traced_place(msgs, *args):
+            for msg in msgs:
+                note("place0", msg.index)
+            place(msgs, *args)
+            for msg in msgs:
+                note("scatter1", msg.index)
 
         def traced_send(ep, buf, tag):
             note("send0", tag & mask)

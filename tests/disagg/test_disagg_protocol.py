@@ -140,10 +140,10 @@ def test_host_and_device_pools_share_one_plan_and_an_older_wire_version_is_refus
     msg = host.messages[1]
     buf = torch.empty(msg.nbytes, dtype=torch.uint8)
     wire.pack(host, msg, wire.Layout(host, rows("cpu"), torch.tensor(pages)), buf, wire.frames(host, "cpu"))
-    wire.check(host, msg, buf)
+    wire.check(host, [msg], [buf])
     buf[4:6] = torch.tensor([3, 0], dtype=torch.uint8)  # the version field, little-endian
     with pytest.raises(wire.WireError, match=r"version=3 \(expected 4\)"):
-        wire.check(host, msg, buf)
+        wire.check(host, [msg], [buf])
 
 
 def test_fp8_shuffle_pages_and_scales_travel():

@@ -313,20 +313,25 @@ class UcxReceive:
             del self._posted[tag]
         return buf
 
-    def _check(self, msg: MessageSpec, buf: torch.Tensor) -> None:
+    def _arrived(self, index: int) -> bool:
+        entry = self._posted.get(self._plan.tag(index))
+        return entry is not None and entry[1].done()
+
+    def _check(self, msgs: list[MessageSpec], bufs: list[torch.Tensor]) -> None:
         try:
-            wire.check(self._plan, msg, buf)  # on the io stream: its host wait covers the arming before it too
+            wire.check(self._plan, msgs, bufs)  # on the io stream: its host wait covers the arming before it too
         except wire.WireError as e:
             raise TransportError(str(e)) from e
 
-    def _place(self, msg: MessageSpec, buf: torch.Tensor) -> None:
-        wire.place(msg, self._layout, buf, self._copy)
+    def _place(self, msgs: list[MessageSpec], bufs: list[torch.Tensor]) -> None:
+        wire.place(msgs, self._layout, bufs, self._copy)
         if self._copy is None:  # a CPU scatter is done when it returns
-            self._transport.pool.give(buf)
+            for buf in bufs:
+                self._transport.pool.give(buf)
             return
         done = torch.cuda.Event()
         done.record(self._copy)
-        self._scattering.append((done, buf))
+        self._scattering.extend((done, buf) for buf in bufs)
 
     def _release(self, wait: bool) -> None:
         """Buffers whose scatter ran go back to the pool; `wait`: all of them, waiting for their scatters."""
@@ -345,18 +350,25 @@ class UcxReceive:
             self._io.synchronize()
         for index, buf in enumerate(first):
             self._post(index, buf)
-        for index, msg in enumerate(plan.messages):
-            buf = await self._take(index)
+        index = 0
+        while index < count:
+            # the next message and every one after it that arrived meanwhile (completions come in bunches when the
+            # host falls behind the link): checked under one host wait, placed by one copy
+            bufs = [await self._take(index)]
+            while index + len(bufs) < count and self._arrived(index + len(bufs)):
+                bufs.append(await self._take(index + len(bufs)))  # done: returns at once
             if self._cancelled:
                 return
+            msgs = list(plan.messages[index:index + len(bufs)])
             self._release(wait=False)
-            following = index + self._window
+            following = range(index + self._window, min(index + len(bufs) + self._window, count))
             with _using(self._io):
-                armed = self._arm(following) if following < count else None
-                self._check(msg, buf)
-            if armed is not None:  # before the scatter, so UCX can fill it meanwhile
-                self._post(following, armed)
-            self._place(msg, buf)
+                armed = [self._arm(i) for i in following]
+                self._check(msgs, bufs)
+            for i, buf in zip(following, armed, strict=True):  # before the scatter, so UCX can fill them meanwhile
+                self._post(i, buf)
+            self._place(msgs, bufs)
+            index += len(bufs)
         self._release(wait=True)  # the pages are in place before the transfer counts as done
 
     async def wait(self) -> None:

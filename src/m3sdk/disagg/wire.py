@@ -315,15 +315,15 @@ def arm(buf: torch.Tensor) -> None:
     buf[-TRAILER_BYTES:].zero_()
 
 
-def _host(t: torch.Tensor) -> bytes:
-    return bytes(t.cpu().numpy())
-
-
-def check(plan: TransferPlan, msg: MessageSpec, buf: torch.Tensor) -> None:
-    """Raise WireError unless `buf` holds exactly message `msg` of `plan` (one copy to the host for both ends)."""
-    ends = _host(torch.cat([buf[:_HEADER.size], buf[-TRAILER_BYTES:]]))
-    _check_header(plan, msg, ends[:_HEADER.size])
-    _check_trailer(plan, msg, ends[_HEADER.size:])
+def check(plan: TransferPlan, msgs: Sequence[MessageSpec], bufs: Sequence[torch.Tensor]) -> None:
+    """Raise WireError unless each of `bufs` holds exactly its message of `msgs` (of `plan`): one copy to the host
+    of every header and trailer, one host wait (on the current stream) for all of them."""
+    ends = bytes(torch.cat([part for buf in bufs for part in (buf[:_HEADER.size], buf[-TRAILER_BYTES:])])
+                 .cpu().numpy())
+    step = _HEADER.size + TRAILER_BYTES
+    for i, msg in enumerate(msgs):
+        _check_header(plan, msg, ends[i * step:i * step + _HEADER.size])
+        _check_trailer(plan, msg, ends[i * step + _HEADER.size:(i + 1) * step])
 
 
 def _check_header(plan: TransferPlan, msg: MessageSpec, head: bytes) -> None:
@@ -343,20 +343,27 @@ def _check_trailer(plan: TransferPlan, msg: MessageSpec, tail: bytes) -> None:
 
 def scatter(plan: TransferPlan, msg: MessageSpec, layout: Layout, buf: torch.Tensor,
             stream: torch.cuda.Stream | None = None) -> None:
-    """`check`, then `place`."""
-    check(plan, msg, buf)
-    place(msg, layout, buf, stream)
+    """`check`, then `place`, of one message."""
+    check(plan, [msg], [buf])
+    place([msg], layout, [buf], stream)
 
 
-def place(msg: MessageSpec, layout: Layout, buf: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
-    """Write the pages of `buf`, which `check` passed, into the pool where `layout` (the receiving side's) says,
-    queued on `stream` when given (the caller waits for it before the pages or `buf` are used)."""
+def place(msgs: Sequence[MessageSpec], layout: Layout, bufs: Sequence[torch.Tensor],
+          stream: torch.cuda.Stream | None = None) -> None:
+    """Write the pages of `bufs`, which `check` passed, into the pool where `layout` (the receiving side's) says:
+    with runs, all of them in one `_foreach_copy_`. Queued on `stream` when given (the caller waits for it before
+    the pages or `bufs` are used)."""
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         if layout.runs is None:
-            idx = layout.index[msg.page_start:msg.page_start + msg.page_count]
-            for t, block in _blocks(msg, layout.rows, buf):
-                t, block = _words(t, block)
-                t.index_copy_(0, idx, block)
+            for msg, buf in zip(msgs, bufs, strict=True):
+                idx = layout.index[msg.page_start:msg.page_start + msg.page_count]
+                for t, block in _blocks(msg, layout.rows, buf):
+                    t, block = _words(t, block)
+                    t.index_copy_(0, idx, block)
             return
-        pool, _, payload = layout.pieces(msg, buf)
+        pool, payload = [], []
+        for msg, buf in zip(msgs, bufs, strict=True):
+            into, _, out_of = layout.pieces(msg, buf)
+            pool += into
+            payload += out_of
         torch._foreach_copy_(pool, payload)
