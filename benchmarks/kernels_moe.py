@@ -75,15 +75,15 @@ PREFILL_SWEEP = [dict(_P),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, GU_BLOCK_N=128),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, DN_BLOCK_N=256),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=2)]
-# `--bf16-prefill-sweep`: moe_prefill:bf16 (8K tokens, bf16 experts): the kept tiles first, then gate|up as one
-# interleaved MMA (FUSED_GU: 128 wide; GU_BLOCK_N 128: 256 wide, 144 KB of shared memory at K tiles of 64 and 3
-# stages), down tiles 256 wide, 4 stages
-_B = dict(FUSED_GU=0, GU_BLOCK_N=64, GU_BLOCK_K=64, DN_BLOCK_N=128, DN_BLOCK_K=64, num_stages=3)
+# `--bf16-prefill-sweep`: moe_prefill:bf16 (8K tokens, bf16 experts): the kept tiles first (session 13 window 1:
+# gate|up as one 256-wide interleaved MMA, 256-wide down tiles; before: two 64-wide gate / up MMAs, 128-wide down),
+# then 4 stages, 64-row blocks (less padding per expert: ~317 pairs each at 8K tokens), K tiles of 128 at 2 stages
+_B = dict(FUSED_GU=1, GU_BLOCK_N=128, GU_BLOCK_K=64, DN_BLOCK_N=256, DN_BLOCK_K=64, BLOCK_M=128, num_warps=8,
+          num_stages=3)
 BF16_PREFILL_SWEEP = [dict(_B),
-                      dict(_B, FUSED_GU=1),
-                      dict(_B, FUSED_GU=1, GU_BLOCK_N=128),
-                      dict(_B, FUSED_GU=1, GU_BLOCK_N=128, DN_BLOCK_N=256),
-                      dict(_B, FUSED_GU=1, DN_BLOCK_N=256, num_stages=4)]
+                      dict(_B, num_stages=4),
+                      dict(_B, BLOCK_M=64, num_warps=4),
+                      dict(_B, GU_BLOCK_K=128, DN_BLOCK_K=128, num_stages=2)]
 # `--convert-sweep`: mx_to_fp8 tiles (the whole 129-expert stack, both layouts)
 CONVERT_SWEEP = [dict(BLOCK_N=32, num_warps=4), dict(BLOCK_N=64, num_warps=4), dict(BLOCK_N=32, num_warps=8)]
 

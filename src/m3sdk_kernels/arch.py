@@ -217,8 +217,10 @@ TILES.update({
             "num_warps": 8, "num_stages": 3 if a == "sm90" else 2, "MX_FP8": int(a == "sm90")}
         for a in ("sm90", "gfx942", "gfx950")
     },
-    # bf16 experts (their own entry: the MX formats share moe_prefill's tiles): as moe_prefill until measured
-    "moe_prefill:bf16": {"sm90": {}},
+    # bf16 experts (their own entry: the MX formats share moe_prefill's tiles), H200 session 13 window 1 (8K tokens,
+    # docs/perf.md): gate|up as one 256-wide interleaved MMA (FUSED_GU, GU_BLOCK_N 128: 144 KB of shared memory at K
+    # tiles of 64, 3 stages) and 256-wide down tiles: 13.04 -> 10.74 ms (128-wide fused gate|up alone 12.57)
+    "moe_prefill:bf16": {"sm90": {"FUSED_GU": 1, "GU_BLOCK_N": 128, "DN_BLOCK_N": 256}},
     # fp8 activations (fp8 experts, MXFP4 through the fp8 tensor cores), H200 session 12 (8K tokens, docs/perf.md):
     # the per-row fp8 intermediate (H_ROW) with K tiles of 128, gate|up as one 256-wide interleaved MMA (FUSED_GU,
     # GU_BLOCK_N 128: 2 x 128 weight rows), MXFP4 converted to fp8 once per step (MX_CONVERT): fp8 experts 10.25 ->
