@@ -71,14 +71,24 @@ class SpecConfig:
 @dataclass
 class TargetStates:
     """What the target computed for one request's positions `start ... start + n - 1` this step (all committed
-    to the cache): the token after each of them (`next_tokens`, known once a position is committed), the
+    to the cache): the token after each of them (`next_tokens`, known once a position is committed, n of them), the
     final-normed hidden states and, when the drafter asked for `aux_layers`, those layers' inputs concatenated
-    (`[n, len(aux_layers) * hidden]`)."""
+    (`[n, len(aux_layers) * hidden]`). `hidden` and `aux` are these n rows, or the whole step's tensors of which
+    rows `row ..` are these (`of`): the core passes the step's, so a step costs no slicing per request."""
 
     start: int
     next_tokens: list[int]
-    hidden: torch.Tensor  # [n, hidden]
+    hidden: torch.Tensor  # [n, hidden], or the step's [T, hidden]
     aux: torch.Tensor | None = None
+    row: int = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.next_tokens)
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """These positions' rows of `hidden` or `aux`."""
+        return t if self.row == 0 and t.shape[0] == self.n else t[self.row:self.row + self.n]
 
 
 @dataclass

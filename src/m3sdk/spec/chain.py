@@ -108,7 +108,8 @@ class ChainDrafter(ABC):
         return [d[1:] for d in drafted]
 
     def features(self, states: TargetStates) -> torch.Tensor:
-        """The target states this drafter reads: aux layers when it asked for them, else the final hidden."""
+        """The target states this drafter reads (their tensor: `states.of` picks the rows): aux layers when it
+        asked for them, else the final hidden."""
         return states.aux if self.aux_layers else states.hidden
 
     # -- the loop --
@@ -120,7 +121,7 @@ class ChainDrafter(ABC):
         in one eager forward, which then drafts their first token."""
         entries = []
         for rid, st in items:
-            n = st.hidden.shape[0]
+            n = st.n
             if n == 0:
                 continue
             seq = self._seqs.get(rid)
@@ -139,39 +140,45 @@ class ChainDrafter(ABC):
             entries.append((rid, seq, st))
         if not entries:
             return
-        short = [e for e in entries if e[2].hidden.shape[0] <= self.num_speculative_tokens + 1]
-        ahead = self.read_ahead(*self._flat(short)) if short else None
+        short = [e for e in entries if e[2].n <= self.num_speculative_tokens + 1]
+        ahead = self.read_ahead(*self._flat(short, rows=True)) if short else None
         if ahead is not None:
             self._latest = ahead
             for i, (_, seq, _) in enumerate(short):
                 seq.ahead = (ahead, i)
-            entries = [e for e in entries if e[2].hidden.shape[0] > self.num_speculative_tokens + 1]
+            entries = [e for e in entries if e[2].n > self.num_speculative_tokens + 1]
             if not entries:
                 return
         ctxs, counts, toks, feats, pos = self._flat(entries)
-        last, tokens = self.read(ctxs, counts, toks, torch.cat(feats), pos)
+        last, tokens = self.read(ctxs, counts, toks, feats, pos)
         for (_, seq, _), token, row in zip(entries, tokens, last, strict=True):
             seq.next_token, seq.hidden, seq.ahead = token, row, None
 
-    def _flat(self, entries: list[tuple[str, DraftSeq, TargetStates]]) -> tuple[list, list[int], list[int],
-                                                                               list[torch.Tensor], list[int]]:
-        """Draft contexts, entry counts, next tokens, features (per context) and positions of these entries."""
-        ctxs, counts, toks, feats, pos = [], [], [], [], []
+    def _flat(self, entries: list[tuple[str, DraftSeq, TargetStates]], rows: bool = False
+              ) -> tuple[list, list[int], list[int], torch.Tensor | tuple[torch.Tensor, list[int]], list[int]]:
+        """Draft contexts, entry counts, next tokens, features and positions of these entries. Features: their rows
+        in order [N, F], or with `rows` (features, each context's first row in them): the step's tensor itself
+        when every entry's states are rows of it (what the core passes: no copy)."""
+        ctxs, counts, toks, pos = [], [], [], []
         for _, seq, st in entries:
-            n = st.hidden.shape[0]
             ctxs.append(seq.ctx)
-            counts.append(n)
+            counts.append(st.n)
             toks.extend(st.next_tokens)
-            feats.append(self.features(st))
-            pos.extend(range(st.start, st.start + n))
+            pos.extend(range(st.start, st.start + st.n))
+        step = self.features(entries[0][2])
+        if rows and all(self.features(st) is step for _, _, st in entries):
+            return ctxs, counts, toks, (step, [st.row for _, _, st in entries]), pos
+        feats = torch.cat([st.of(self.features(st)) for _, _, st in entries])
+        if rows:
+            return ctxs, counts, toks, (feats, [sum(counts[:i]) for i in range(len(counts))]), pos
         return ctxs, counts, toks, feats, pos
 
     def read_ahead(self, ctxs: list[DraftContext], counts: list[int], token_ids: list[int],
-                   features: list[torch.Tensor], positions: list[int]) -> DeviceDrafts | None:
+                   features: tuple[torch.Tensor, list[int]], positions: list[int]) -> DeviceDrafts | None:
         """`read` and the whole chain after it, launched on the device without waiting for it: k drafts per
         context, which the next `propose` hands over still on the device (so the engine's bookkeeping of the step
-        runs while the device drafts). `features`: each context's rows. None: not supported here, `read` then runs
-        (the default)."""
+        runs while the device drafts). `features`: a tensor and each context's first row in it. None: not
+        supported here, `read` then runs (the default)."""
         return None
 
     @torch.inference_mode()

@@ -206,9 +206,7 @@ class Speculation:
             # when the step emitted (else it is a prompt token still to compute)
             nxt = request.token_ids[start + 1:start + committed] + [
                 toks[-1].token_id if toks else request.token_ids[start + committed]]
-            rows = slice(offset, offset + committed)
-            observed.append((request.request_id, TargetStates(start, nxt, step.hidden[rows],
-                                                              None if step.aux is None else step.aux[rows])))
+            observed.append((request.request_id, TargetStates(start, nxt, step.hidden, step.aux, offset)))
             offset += n
         if step.read is not None:
             self.drafter.settle(step.read, settled)

@@ -612,7 +612,7 @@ class Eagle3Drafter(ChainDrafter):
 
     @torch.inference_mode()
     def read_ahead(self, ctxs: list[DraftKV], counts: list[int], token_ids: list[int],
-                   features: list[torch.Tensor], positions: list[int]) -> DeviceDrafts | None:
+                   features: tuple[torch.Tensor, list[int]], positions: list[int]) -> DeviceDrafts | None:
         """The read graph over entries the host has settled (each context's n entries all committed), whose chain
         runs on the device from the read's outputs: one upload, one copy of the features, one replay (nothing
         waits here)."""
@@ -620,16 +620,20 @@ class Eagle3Drafter(ChainDrafter):
         bucket = next((g for g in self._read_graphs if g >= b), None)
         if bucket is None or max(counts) > width:  # a prefill, or no graphs: `read` runs eagerly
             return None
+        feats, rows = features
+        if feats.shape[0] > bucket * width:  # (the step also held a prefill chunk: its rows, compacted)
+            feats = torch.cat([feats[r:r + n] for r, n in zip(rows, counts, strict=True)])
+            rows = [sum(counts[:i]) for i in range(b)]
         static = self._read_static[bucket]
         ints, at = _ReadInts(self._stage(static), bucket, self.num_speculative_tokens), 0
-        for i, (ctx, n) in enumerate(zip(ctxs, counts, strict=True)):
+        for i, (ctx, n, row) in enumerate(zip(ctxs, counts, rows, strict=True)):
             # all n entries committed: the device counts no accepted draft, `lim` says n - 1
-            self._read_context(ints, i, ctx, n, at, positions[at], lim=n - 1)
-            ints.verdict[at:at + n] = token_ids[at:at + n]
+            self._read_context(ints, i, ctx, n, row, positions[at], lim=n - 1)
+            ints.verdict[row:row + n] = token_ids[at:at + n]
             ctx.length += n
             at += n
         self._send(static)
-        torch.cat(features, out=self._features[:at])
+        self._features[:feats.shape[0]].copy_(feats)
         return DeviceDrafts(self._read_graphs[bucket]()[:b])
 
     @torch.inference_mode()
