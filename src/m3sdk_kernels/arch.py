@@ -158,7 +158,8 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
 TILES.update({
     # BLOCK_K: the widest row tile (a row up to this wide is read in one step)
     "fp8_quant": {a: {"BLOCK_K": 16384, "num_warps": 16} for a in ("sm90", "gfx942", "gfx950")},
-    "rms_norm": {a: {"num_warps": 8} for a in ("sm90", "gfx942", "gfx950")},
+    # PDL (sm90): the fp8-output norm launches as a programmatic dependent, as the FP8 GEMM after it (norm.py)
+    "rms_norm": {"sm90": {"num_warps": 8, "PDL": 1}, "gfx942": {"num_warps": 8}, "gfx950": {"num_warps": 8}},
     "router": {a: {"BLOCK_T": 16, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "moe_align": {a: {"CHUNK": 256, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     # MXFP4 -> fp8 experts once per prefill step (moe.mx_to_fp8, where a moe_* table sets MX_CONVERT)
