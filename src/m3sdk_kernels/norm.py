@@ -34,7 +34,11 @@ def add_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, h_ptr, H, stride_x, stride_r, stride_y, stride_h, eps,
                          HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr, FP8_MAX: tl.constexpr,
-                         BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+                         BLOCK_H: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
+    if PDL:  # launched as a programmatic dependent (CUDA): the FP8 GEMM after it may launch at once (and prefetch
+        # its weights); nothing is read before the previous kernel is done
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -67,12 +71,15 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     h = torch.empty_like(x) if residual is not None else x
     if t:
         r = residual if residual is not None else x
-        num_warps = tiles("rms_norm", current_arch(x.device))["num_warps"]
+        cfg = tiles("rms_norm", current_arch(x.device))
+        # PDL (the table's, sm90) where the output is fp8: it feeds an FP8 GEMM, which launches so too
+        pdl = bool(cfg.get("PDL", 0)) and fp8_dtype is not None and x.is_cuda and not INTERPRET
         _add_rms_norm_kernel[(t,)](
             x, r, weight, y, scale if scale is not None else y, h, hdim, x.stride(0), r.stride(0), y.stride(0),
             h.stride(0), eps, HAS_RESIDUAL=residual is not None, FP8_OUT=fp8_dtype is not None,
             FP8_MAX=torch.finfo(fp8_dtype).max if fp8_dtype is not None else 0.0,
-            BLOCK_H=triton.next_power_of_2(hdim), INTERPRET=INTERPRET, num_warps=num_warps)
+            BLOCK_H=triton.next_power_of_2(hdim), PDL=pdl, INTERPRET=INTERPRET, num_warps=cfg["num_warps"],
+            **({"launch_pdl": True} if pdl else {}))
     return y, scale, h
 
 
@@ -88,6 +95,6 @@ def aot_variants(arch: Arch) -> list:
             f"add_rms_norm{'_fp8' if fp8 else ''}", _add_rms_norm_kernel,
             {**types, "y_ptr": f"*{arch.fp8_triton}" if fp8 else "*bf16"},
             {"HAS_RESIDUAL": True, "FP8_OUT": fp8, "FP8_MAX": arch.fp8_max if fp8 else 0.0, "BLOCK_H": 8192,
-             "INTERPRET": False},
+             "PDL": fp8 and bool(t.get("PDL", 0)), "INTERPRET": False},
             num_warps=t["num_warps"], num_stages=1, aligned=("H", "stride_x", "stride_r", "stride_y", "stride_h")))
     return out
