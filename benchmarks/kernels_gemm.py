@@ -1,7 +1,7 @@
 """FP8 W8A8 GEMM (per-token activation quantization included) at MiniMax-M3 shapes: ours vs torch vs the floor.
 
     PYTHONPATH=src python benchmarks/kernels_gemm.py [--json PATH] [--jsonl PATH] [--sweep [FAMILY,..]] [--ms 1,16]
-        [--arms ours,sep,gemm,norm,normq,torch,bf16] [--rep MS] [--shapes PREFIX,..] [--sweep-shapes PREFIX,..]
+        [--arms ours,sep,gemm,norm,norm0,normq,torch,bf16] [--rep MS] [--shapes PREFIX,..] [--sweep-shapes PREFIX,..]
 
 Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 6144, the dense MLP 6144 -> 24576
 (gate|up) and 12288 -> 6144 (down); M = 1 .. 8192 tokens. Arms, same inputs:
@@ -12,8 +12,9 @@ Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 
 - bf16 `torch.mm`: the "is FP8 worth it" bar
 - the norm path: `add_rms_norm(..., fp8_dtype)` (residual add + norm + per-token quantization, one launch) +
   `fp8_gemm`, beside the bf16 `add_rms_norm` it replaces: their difference is what FP8 costs in front of the GEMM;
-  normq: the bf16 `add_rms_norm` + `fp8_linear` on its output, i.e. quantization + GEMM behind a kernel that
-  produces their input and knows nothing of PDL (the other arms rotate GEMMs back to back)
+  norm0: the same with the norm launched plainly (its table's PDL off); normq: the bf16 `add_rms_norm` +
+  `fp8_linear` on its output, i.e. quantization + GEMM behind a kernel that produces their input and knows nothing
+  of PDL (the other arms rotate GEMMs back to back)
 Floor: max(weight + activation bytes / read bandwidth, FLOPs / the fp8 matmul rate measured by `_scaled_mm` at
 8192^3). Decode shapes rotate 4 weight copies (> L2) so every call streams its weight from HBM.
 `--sweep` times a few tile configs per M bucket first and keeps the fastest (printed; copy into arch.py); the decode
@@ -46,7 +47,7 @@ DEV = "cuda"
 SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144),
           "dense gate_up 6144->24576": (6144, 24576), "dense down 12288->6144": (12288, 6144)}
 MS = (1, 16, 256, 1024, 8192)
-ARMS = ("ours", "sep", "gemm", "norm", "normq", "torch", "bf16")
+ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "torch", "bf16")
 # decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K to about
 # the resident CTAs (the kept one before session 13 first), then launched as a programmatic dependent (PDL: the
 # quantization and the GEMM start while the kernel before them finishes; the GEMM prefetches PREFETCH weight tiles of
@@ -117,6 +118,13 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
         return fp8_linear(y, w, s)
 
     fused = rotated(norm_gemm) if "norm" in arms else nan
+    fused0 = nan
+    if "norm0" in arms:  # the same with the norm launched plainly (not as a programmatic dependent)
+        table = TILES["rms_norm"][current_arch().name]
+        saved = table.get("PDL", 0)
+        table["PDL"] = 0
+        fused0 = rotated(norm_gemm)
+        table["PDL"] = saved
     normq = rotated(norm_linear) if "normq" in arms else nan
     norm_bf16 = bench(lambda: add_rms_norm(x, nw, 1e-6, res), rep) if "norm" in arms or "normq" in arms else nan
     peer = peer_mm = nan
@@ -132,7 +140,7 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
     byts = n * k + m * k * 2 + m * n * 2
     floor = max(byts / bw / 1e6, 2 * m * n * k / rate / 1e9)  # ms
     return dict(bench="fp8_gemm", shape=name, M=m, ours_ms=ours, sep_ms=sep, gemm_ms=gemm, norm_fp8_gemm_ms=fused,
-                norm_bf16_linear_ms=normq,
+                norm_plain_fp8_gemm_ms=fused0, norm_bf16_linear_ms=normq,
                 norm_bf16_ms=norm_bf16, torch_ms=peer, scaled_mm_ms=peer_mm, bf16_ms=bf16, floor_ms=floor,
                 weight_gbps=n * k / gemm / 1e6, tflops=2 * m * n * k / ours / 1e9)
 
@@ -268,7 +276,8 @@ def main() -> None:
                                              tiles={f: TILES[f][arch.name] for f in SWEEP})) + "\n")
             print(f"{name:28} M={m:5} ours {r['ours_ms'] * 1e3:8.1f} us (sep {r['sep_ms'] * 1e3:.1f}, gemm "
                   f"{r['gemm_ms'] * 1e3:.1f}, normq {r['norm_bf16_linear_ms'] * 1e3:.1f}, norm+gemm "
-                  f"{r['norm_fp8_gemm_ms'] * 1e3:.1f} vs bf16 norm {r['norm_bf16_ms'] * 1e3:.1f})  torch "
+                  f"{r['norm_fp8_gemm_ms'] * 1e3:.1f} / {r['norm_plain_fp8_gemm_ms'] * 1e3:.1f} vs bf16 norm "
+                  f"{r['norm_bf16_ms'] * 1e3:.1f})  torch "
                   f"{r['torch_ms'] * 1e3:8.1f} (_scaled_mm {r['scaled_mm_ms'] * 1e3:8.1f})  bf16 "
                   f"{r['bf16_ms'] * 1e3:8.1f}  floor {r['floor_ms'] * 1e3:7.1f}")
     print("\n| shape | M | ours quant+gemm (us) | sep quant + gemm (us) | gemm only (us) | torch quant+_scaled_mm (us) "
