@@ -577,28 +577,29 @@ def record_row(row: dict, results: str) -> None:
 
 
 def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> None:
-    """Tile variants set in-process, plain layout, FP8 unless "kv" says bf16. A decode variant {"mode":
-    "dense"|"sparse", "kv", "ctx", "tiles": {family: overrides}} (batch 64) is compiled, its output compared with
-    the reference at the timed shape (rel L2 in the row), then timed (`timings`) against SDPA timed the same way
-    (contiguous bf16 KV for dense, the pre-gathered selected KV for MSA). "tiles": "best" takes the fastest
-    (graph_ms) of the variants timed before for the same mode and kv. A prefill variant {"mode": "prefill",
+    """Tile variants set in-process, FP8 unless "kv" says bf16. A decode variant {"mode": "dense"|"sparse", "kv",
+    "ctx", "tiles": {family: overrides}, "layout" (plain), "inline", "l2_pages" (see `make_kv`, `decode_inputs`)}
+    (batch 64) is compiled, its output compared with the reference at the timed shape (rel L2 in the row), then
+    timed (`timings`) against SDPA timed the same way (contiguous bf16 KV for dense, the pre-gathered selected KV
+    for MSA), then compared again. "tiles": "best" takes the fastest (graph_ms) of the variants timed before for the
+    same mode, kv and layout. A prefill variant {"mode": "prefill",
     "ctx", "selection": "random"|"smooth", "tiles", "flex": bool} runs MSA prefill of one `ctx`-token sequence
     over the indexer's selection; its output is compared with the first prefill variant's of the same inputs
     (the reference itself would need ctx^2 scores), timed eagerly, and with "flex" FlexAttention with the same
-    block mask is timed once for those inputs (its output checked against ours). {"mode": "check", "kv", "tiles"}
-    runs the ragged correctness check (`check_correctness`, plain pages) under those tiles. A gather variant (see
+    block mask is timed once for those inputs (its output checked against ours). {"mode": "check", "kv", "layout",
+    "tiles"} runs the ragged correctness check (`check_correctness`) under those tiles. A gather variant (see
     `sweep_gather`) times MSA FP8 decode's reads alone. Each row is appended to `results` as it is made (a run
     cut short by its time limit keeps what it measured)."""
     inputs: dict = {}
     best: dict = {}
     for var in variants:
         if var["mode"] == "check":
-            errs = with_tiles(var["tiles"], lambda: check_correctness(kvs=(var.get("kv", "fp8"),),  # noqa: B023
-                                                                      layouts=("plain",)))
+            kvs, layouts = (var.get("kv", "fp8"),), (var.get("layout", "plain"),)
+            errs = with_tiles(var["tiles"], lambda: check_correctness(kvs=kvs, layouts=layouts))  # noqa: B023
             worst = max(v for k, v in errs.items() if "mismatch" not in k)
             with open(results, "a") as f:
                 f.write(json.dumps({"step": "sweep check", "tiles": var["tiles"], "errors": errs}) + "\n")
-            print(f"check {var.get('kv', 'fp8')} plain worst rel L2 {worst:.1e}"
+            print(f"check {var.get('kv', 'fp8')} {var.get('layout', 'plain')} worst rel L2 {worst:.1e}"
                   f"{' FAILED' if worst > 2e-2 else ''} {json.dumps(var['tiles'])}", flush=True)
             continue
         if var["mode"] == "prefill":
@@ -608,13 +609,14 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
             sweep_gather(rows, read_bw, var, inputs, results)
             continue
         mode, kv, ctx, batch = var["mode"], var["kv"], var["ctx"], var.get("batch", 64)
-        change = best[(mode, kv)][1] if var["tiles"] == "best" else var["tiles"]
-        key = (mode, kv, ctx, batch, var.get("inline", False), var.get("l2_pages", 0))
+        layout = var.get("layout", "plain")
+        change = best[(mode, kv, layout)][1] if var["tiles"] == "best" else var["tiles"]
+        key = (mode, kv, ctx, batch, var.get("inline", False), var.get("l2_pages", 0), layout)
         decode_inputs(inputs, key)
         cu, lens, q, sel, k, v, ks, vs, table, ref, peer = inputs[key]
 
         def ours():
-            return paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS,  # noqa: B023
+            return paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, layout, sel, BS,  # noqa: B023
                                    max_seqlen_q=1, max_context_len=ctx)  # noqa: B023
 
         def measure():
@@ -638,7 +640,7 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
         floor = nbytes / read_bw / 1e9
         r = {"kernel": "MSA sparse decode" if mode == "sparse" else "dense decode",
              "shape": f"b{batch} ctx {ctx // 1024}K" + (" top16" if mode == "sparse" else ""), "kv": kv,
-             "layout": "plain", "ms": t["ms"], "floor_ms": floor, "TB/s": nbytes / t["graph_ms"] / 1e9,
+             "layout": layout, "ms": t["ms"], "floor_ms": floor, "TB/s": nbytes / t["graph_ms"] / 1e9,
              "graph_ms": t["graph_ms"], "host_us": t["host_us"], "graph_of_floor": floor / t["graph_ms"],
              "peer": "SDPA " + ("pre-gathered selected bf16 KV" if mode == "sparse" else "contiguous bf16"),
              "peer_ms": peer["ms"], "peer_graph_ms": peer["graph_ms"], "peer_host_us": peer["host_us"],
@@ -646,33 +648,35 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
              "rel_err_after": err_after}
         rows.append(r)
         record_row(r, results)
-        print(f"{mode:6} {kv:4} {ctx // 1024:4}K err {err:.1e}/{err_after:.1e} eager {t['ms']:.4f} "
+        print(f"{mode:6} {kv:4} {layout[:5]:5} {ctx // 1024:4}K err {err:.1e}/{err_after:.1e} eager {t['ms']:.4f} "
               f"graph {t['graph_ms']:.4f} "
               f"({r['graph_of_floor']:.0%} floor, {peer['graph_ms'] / t['graph_ms']:.2f}x SDPA graph "
               f"{peer['graph_ms']:.4f}; eager {peer['ms'] / t['ms']:.2f}x) host {t['host_us']:.0f}us "
               f"{json.dumps(change)}{' inline scales' if key[4] else ''}{f' L2 {key[5]} pages' if key[5] else ''}",
               flush=True)
-        if not math.isnan(t["graph_ms"]) and ((mode, kv) not in best or t["graph_ms"] < best[(mode, kv)][0]):
-            best[(mode, kv)] = (t["graph_ms"], change)
+        if not math.isnan(t["graph_ms"]) and ((mode, kv, layout) not in best
+                                              or t["graph_ms"] < best[(mode, kv, layout)][0]):
+            best[(mode, kv, layout)] = (t["graph_ms"], change)
 
 
 def decode_inputs(inputs: dict, key: tuple) -> None:
-    """inputs[key] for a decode sweep variant, key = (mode, kv, ctx, batch, inline scales, L2 pages): the metadata,
+    """inputs[key] for a decode sweep variant, key = (mode, kv, ctx, batch, inline scales, L2 pages, layout): the
+    metadata,
     q, the selection (MSA), the pages, the reference output and SDPA's timings; the previous shape's are dropped (128K
     FP8 pages are 8.6 GB). L2 pages > 0 maps every page id onto the first that many pages, which then stay in L2
     between the back-to-back calls of the CUDA-graph timing: the kernel without DRAM's cost (a diagnostic)."""
     if key in inputs:
         return
-    mode, kv, ctx, batch, inline, l2_pages = key
+    mode, kv, ctx, batch, inline, l2_pages, layout = key
     inputs.clear()
     torch.cuda.empty_cache()
     cu, lens = decode_meta(batch, ctx)
     q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
     sel = random_selection(batch, ctx) if mode == "sparse" else None
-    k, v, ks, vs, table = make_kv(batch, ctx, kv, "plain", inline)
+    k, v, ks, vs, table = make_kv(batch, ctx, kv, layout, inline)
     if l2_pages:
         table = table % l2_pages
-    ref = paged_attention_ref(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS)
+    ref = paged_attention_ref(q, k, v, table, cu, lens, D**-0.5, ks, vs, layout, sel, BS)
     n = TOPK * BS if mode == "sparse" else ctx
     kc = torch.randn(batch, HKV, n, D, device=DEV, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
@@ -685,7 +689,7 @@ def sweep_gather(rows: list, read_bw: float, var: dict, inputs: dict, results: s
     same context (made here when none were): {"mode": "gather", "ctx", "splits", "scales", "num_warps",
     "num_stages", "dense"}: MSA's selected blocks, or with "dense" every block of every sequence."""
     ctx, dense = var["ctx"], var.get("dense", False)
-    key = ("dense" if dense else "sparse", "fp8", ctx, 64, var.get("inline", False), var.get("l2_pages", 0))
+    key = ("dense" if dense else "sparse", "fp8", ctx, 64, var.get("inline", False), var.get("l2_pages", 0), "plain")
     decode_inputs(inputs, key)
     _, _, _, sel, k, v, ks, vs, table, _, _ = inputs[key]
     if dense:
