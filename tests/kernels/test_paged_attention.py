@@ -103,8 +103,8 @@ def test_dense_fp8_decode_many_tiles_per_split(monkeypatch, programs, page_ahead
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("layout,ahead,merge_last", [("shuffle", 0, 0), ("plain", 1, 0), ("plain", 1, 1)],
-                         ids=["shuffle", "plain-ahead", "plain-ahead-merge-last"])
+@pytest.mark.parametrize("layout,ahead,merge_last", [("shuffle", 0, 1), ("plain", 1, 0), ("plain", 1, 1)],
+                         ids=["shuffle-merge-last", "plain-ahead", "plain-ahead-merge-last"])
 @pytest.mark.parametrize("programs", [1 << 12, 8], ids=["4-splits", "2-splits"])
 def test_sparse_decode_splits_and_unsorted_selection(monkeypatch, programs, layout, ahead, merge_last):
     """Selections in any order (valid entries first, -1 padded) split over programs, two 8-key tiles per block:
