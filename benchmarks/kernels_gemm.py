@@ -1,7 +1,8 @@
 """FP8 W8A8 GEMM (per-token activation quantization included) at MiniMax-M3 shapes: ours vs torch vs the floor.
 
     PYTHONPATH=src python benchmarks/kernels_gemm.py [--json PATH] [--jsonl PATH] [--sweep [FAMILY,..]] [--ms 1,16]
-        [--arms ours,sep,gemm,norm,norm0,normq,torch,bf16] [--rep MS] [--shapes PREFIX,..] [--sweep-shapes PREFIX,..]
+        [--arms ours,sep,gemm,norm,norm0,normq,swiglu,torch,bf16] [--rep MS] [--shapes PREFIX,..]
+        [--sweep-shapes PREFIX,..]
 
 Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 6144, the dense MLP 6144 -> 24576
 (gate|up) and 12288 -> 6144 (down); M = 1 .. 8192 tokens. Arms, same inputs:
@@ -14,7 +15,8 @@ Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 
   `fp8_gemm`, beside the bf16 `add_rms_norm` it replaces: their difference is what FP8 costs in front of the GEMM;
   norm0: the same with the norm launched plainly (its table's PDL off); normq: the bf16 `add_rms_norm` +
   `fp8_linear` on its output, i.e. quantization + GEMM behind a kernel that produces their input and knows nothing
-  of PDL (the other arms rotate GEMMs back to back)
+  of PDL (the other arms rotate GEMMs back to back); swiglu (dense down): `swiglu_quantize_fp8` on a [M, 2K] gate_up
+  output + `fp8_gemm`, the model's down path (the SwiGLU-OAI and the quantization in one launch)
 Floor: max(weight + activation bytes / read bandwidth, FLOPs / the fp8 matmul rate measured by `_scaled_mm` at
 8192^3). Decode shapes rotate 4 weight copies (> L2) so every call streams its weight from HBM.
 `--sweep` times a few tile configs per M bucket first and keeps the fastest (printed; copy into arch.py); the decode
@@ -41,13 +43,15 @@ from m3sdk_kernels.quant import (
     fp8_linear_ref,
     quantize_fp8_per_token,
     quantize_fp8_weight,
+    swiglu_quantize_fp8,
+    swiglu_quantize_fp8_ref,
 )
 
 DEV = "cuda"
 SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144),
           "dense gate_up 6144->24576": (6144, 24576), "dense down 12288->6144": (12288, 6144)}
 MS = (1, 16, 256, 1024, 8192)
-ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "torch", "bf16")
+ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf16")
 # decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K to about
 # the resident CTAs (the kept one before session 13 first), then launched as a programmatic dependent (PDL: the
 # quantization and the GEMM start while the kernel before them finishes; the GEMM prefetches PREFETCH weight tiles of
@@ -117,6 +121,14 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
         y, _, _ = add_rms_norm(x, nw, 1e-6, res)
         return fp8_linear(y, w, s)
 
+    swiglu = nan
+    if "swiglu" in arms and name.startswith("dense down"):  # the model's down path: SwiGLU-OAI + quantization, GEMM
+        gu = torch.randn(m, 2 * k, device=DEV, dtype=torch.bfloat16) * 2
+
+        def swiglu_gemm(w, s):
+            return fp8_gemm(*swiglu_quantize_fp8(gu, 1.702, 7.0, fp8, pdl=True), w, s)
+
+        swiglu = rotated(swiglu_gemm)
     fused = rotated(norm_gemm) if "norm" in arms else nan
     fused0 = nan
     if "norm0" in arms:  # the same with the norm launched plainly (not as a programmatic dependent)
@@ -140,7 +152,7 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
     byts = n * k + m * k * 2 + m * n * 2
     floor = max(byts / bw / 1e6, 2 * m * n * k / rate / 1e9)  # ms
     return dict(bench="fp8_gemm", shape=name, M=m, ours_ms=ours, sep_ms=sep, gemm_ms=gemm, norm_fp8_gemm_ms=fused,
-                norm_plain_fp8_gemm_ms=fused0, norm_bf16_linear_ms=normq,
+                norm_plain_fp8_gemm_ms=fused0, norm_bf16_linear_ms=normq, swiglu_fp8_gemm_ms=swiglu,
                 norm_bf16_ms=norm_bf16, torch_ms=peer, scaled_mm_ms=peer_mm, bf16_ms=bf16, floor_ms=floor,
                 weight_gbps=n * k / gemm / 1e6, tflops=2 * m * n * k / ours / 1e9)
 
@@ -260,8 +272,15 @@ def main() -> None:
                                             * (1 + nw.float()), fp8), wq, ws)
         err = ((fp8_gemm(y, ys, wq, ws).float() - ref.float()).norm() / ref.float().norm()).item()
         assert err < 2e-2, (name, "norm+gemm", err)
+        # the SwiGLU-OAI + quantization launch against torch's bf16 ops (CUDA's sigmoid may round an element
+        # differently: a few codes, never the scale by more than a bf16 step)
+        gu = torch.randn(16, 2 * k, device=DEV, dtype=torch.bfloat16) * 3
+        (q, s), (qr, sr) = (f(gu, 1.702, 7.0, fp8) for f in (swiglu_quantize_fp8, swiglu_quantize_fp8_ref))
+        off = (q.float() != qr.float()).float().mean().item()
+        assert (s / sr - 1).abs().max() < 1e-2 and off < 1e-2, (name, "swiglu", off)
     print("correctness: quantize_fp8_per_token == torch, fp8_gemm == fp8_gemm_ref at every shape, fp8_linear(bf16) "
-          "== quantize + fp8_gemm bit for bit (twice); add_rms_norm(fp8) + fp8_gemm == torch")
+          "== quantize + fp8_gemm bit for bit (twice); add_rms_norm(fp8) + fp8_gemm == torch; swiglu_quantize_fp8 == "
+          "torch")
 
     rows = []
     for name, (k, n) in SHAPES.items():
@@ -275,7 +294,8 @@ def main() -> None:
                     fh.write(json.dumps(dict(r, read_gbps=bw, fp8_tflops=rate,
                                              tiles={f: TILES[f][arch.name] for f in SWEEP})) + "\n")
             print(f"{name:28} M={m:5} ours {r['ours_ms'] * 1e3:8.1f} us (sep {r['sep_ms'] * 1e3:.1f}, gemm "
-                  f"{r['gemm_ms'] * 1e3:.1f}, normq {r['norm_bf16_linear_ms'] * 1e3:.1f}, norm+gemm "
+                  f"{r['gemm_ms'] * 1e3:.1f}, normq {r['norm_bf16_linear_ms'] * 1e3:.1f}, swiglu "
+                  f"{r['swiglu_fp8_gemm_ms'] * 1e3:.1f}, norm+gemm "
                   f"{r['norm_fp8_gemm_ms'] * 1e3:.1f} / {r['norm_plain_fp8_gemm_ms'] * 1e3:.1f} vs bf16 norm "
                   f"{r['norm_bf16_ms'] * 1e3:.1f})  torch "
                   f"{r['torch_ms'] * 1e3:8.1f} (_scaled_mm {r['scaled_mm_ms'] * 1e3:8.1f})  bf16 "

@@ -195,8 +195,28 @@ def bf16_grid(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr, INTERPRET: tl.constexpr):
+def _bf16(x, INTERPRET: tl.constexpr):
+    # x rounded to bf16 as torch rounds each op's result on bf16 tensors, kept in fp32
+    return bf16_grid(x, INTERPRET).to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _row_values(x_ptr, row, stride_x, cols, K, SWIGLU: tl.constexpr, alpha, limit, INTERPRET: tl.constexpr):
+    # fp32 values of row `row` at `cols` (zero past K): x itself, or (SWIGLU) the SwiGLU-OAI of x = [gate | up]
+    # (width 2K) rounded after every op as `moe.swiglu_oai_ref` is on bf16 tensors
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if SWIGLU:
+        up = tl.load(x_ptr + row * stride_x + K + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.minimum(x, limit)
+        glu = _bf16(g * _bf16(tl.sigmoid(_bf16(alpha * g, INTERPRET)), INTERPRET), INTERPRET)
+        x = _bf16(_bf16(tl.minimum(tl.maximum(up, -limit), limit) + 1.0, INTERPRET) * glu, INTERPRET)
+    return x
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, alpha, limit, FP8_MAX: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
     # one row per program: amax over the row, then the quantized row (the second read hits L1/L2). PDL (CUDA,
     # launched as a programmatic dependent): the next kernel (the FP8 GEMM) may launch at once and prefetch its
     # weights; x, which the previous kernel writes, is read only after griddepcontrol.wait
@@ -207,14 +227,13 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, FP8_MAX: tl.c
     cols = tl.arange(0, BLOCK_K)
     amax = tl.zeros((BLOCK_K,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
+        amax = tl.maximum(amax, tl.abs(_row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, alpha, limit,
+                                                   INTERPRET)))
     scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
     for k0 in range(0, K, BLOCK_K):
-        mask = k0 + cols < K
-        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, alpha, limit, INTERPRET)
         q = fp8_grid(tl.clamp(x / scale, -FP8_MAX, FP8_MAX), INTERPRET)
-        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < K)
     tl.store(s_ptr + row, scale)
 
 
@@ -223,12 +242,10 @@ def _pdl_launch(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
-def quantize_fp8_per_token(x: torch.Tensor, fp8_dtype: torch.dtype | None = None,
-                           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `quantize_fp8_per_token_ref` (x [M, K] with unit last stride). `pdl`: launched as a
-    programmatic dependent (CUDA), for an FP8 GEMM launched so behind it (`fp8_linear`)."""
+def _quant_rows(x: torch.Tensor, k: int, fp8_dtype: torch.dtype | None, pdl: bool,
+                swiglu: tuple[float, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
     fp8_dtype = fp8_dtype or current_arch(x.device).fp8_dtype
-    m, k = x.shape
+    m = x.shape[0]
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
@@ -237,10 +254,33 @@ def quantize_fp8_per_token(x: torch.Tensor, fp8_dtype: torch.dtype | None = None
         # in 1024-wide steps was 12 dependent loads, most of the 4-8 us the launch cost at decode)
         block = min(triton.next_power_of_2(k), t["BLOCK_K"])
         pdl = pdl and x.is_cuda and not INTERPRET
-        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
-                                 BLOCK_K=block, PDL=pdl, INTERPRET=INTERPRET, num_warps=t["num_warps"],
-                                 **_pdl_launch(pdl))
+        alpha, limit = swiglu or (0.0, 0.0)
+        _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), alpha, limit,
+                                 FP8_MAX=torch.finfo(fp8_dtype).max, BLOCK_K=block, SWIGLU=swiglu is not None,
+                                 PDL=pdl, INTERPRET=INTERPRET, num_warps=t["num_warps"], **_pdl_launch(pdl))
     return q, s
+
+
+def quantize_fp8_per_token(x: torch.Tensor, fp8_dtype: torch.dtype | None = None,
+                           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `quantize_fp8_per_token_ref` (x [M, K] with unit last stride). `pdl`: launched as a
+    programmatic dependent (CUDA), for an FP8 GEMM launched so behind it (`fp8_linear`)."""
+    return _quant_rows(x, x.shape[1], fp8_dtype, pdl, None)
+
+
+def swiglu_quantize_fp8_ref(gate_up: torch.Tensor, alpha: float, limit: float,
+                            fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2I] (gate | up) -> the SwiGLU-OAI output [M, I] quantized per token: (fp8, float32 scale [M])."""
+    from .moe import swiglu_oai_ref  # moe imports this module
+
+    return quantize_fp8_per_token_ref(swiglu_oai_ref(gate_up, alpha, limit), fp8_dtype)
+
+
+def swiglu_quantize_fp8(gate_up: torch.Tensor, alpha: float, limit: float, fp8_dtype: torch.dtype | None = None,
+                        pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `swiglu_quantize_fp8_ref` (one launch: the FP8 down projection's input from its gate_up
+    output; bf16 rows with unit last stride, each op rounded to bf16 as the reference rounds it)."""
+    return _quant_rows(gate_up, gate_up.shape[1] // 2, fp8_dtype, pdl, (alpha, limit))
 
 
 @triton.jit
@@ -435,11 +475,13 @@ def aot_variants(arch: Arch) -> list:
     fp8 = f"*{arch.fp8_triton}"
     t = tiles("fp8_quant", arch)
     pdl = arch.backend == "cuda"  # griddepcontrol: CUDA only (the decode GEMM's table decides at run time)
-    out = [AotVariant("quant_fp8_rows", _quant_rows_kernel,
+    out = [AotVariant(f"quant_fp8_rows{'_swiglu' if swiglu else ''}", _quant_rows_kernel,
                       {"x_ptr": "*bf16", "q_ptr": fp8, "s_ptr": "*fp32", "K": "i32", "stride_x": "i32",
-                       "stride_q": "i32"},
-                      {"FP8_MAX": arch.fp8_max, "BLOCK_K": t["BLOCK_K"], "PDL": pdl, "INTERPRET": False},
-                      num_warps=t["num_warps"], aligned=("K", "stride_x", "stride_q"))]
+                       "stride_q": "i32", "alpha": "fp32", "limit": "fp32"},
+                      {"FP8_MAX": arch.fp8_max, "BLOCK_K": t["BLOCK_K"], "SWIGLU": swiglu, "PDL": pdl,
+                       "INTERPRET": False},
+                      num_warps=t["num_warps"], aligned=("K", "stride_x", "stride_q"))
+           for swiglu in (False, True)]
     # (family, variant, N, K): decode at the packed qkv+index projection and, narrow, at o_proj; mid / prefill at
     # o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); each with the split the dispatch picks there
     for family, variant, n, k in (("fp8_gemm_decode", None, 9856, 6144), ("fp8_gemm_decode", "narrow", 6144, 8192),

@@ -68,6 +68,21 @@ def test_quantize_fp8_per_token_matches_reference(block_k, monkeypatch):
     assert torch.equal(q.float(), qr.float())
 
 
+@pytest.mark.parametrize("block_k", [None, 512])  # the row in one tile, and in steps of 512
+def test_swiglu_quantize_fp8_matches_reference(block_k, monkeypatch):
+    """The dense MLP's down input in one launch: SwiGLU-OAI of [gate | up], each op rounded to bf16 as the bf16
+    reference rounds it, then quantized per token: the reference's bits (rows past the clamp limits too)."""
+    if block_k:
+        monkeypatch.setitem(TILES["fp8_quant"], "sm90", TILES["fp8_quant"]["sm90"] | {"BLOCK_K": block_k})
+    torch.manual_seed(2)
+    gu = (torch.randn(6, 2 * 1300) * torch.tensor([0.01, 0.3, 1.0, 4.0, 20.0, 1.0])[:, None]).bfloat16()
+    gu[5] = 0
+    q, s = quant.swiglu_quantize_fp8(gu, 1.702, 7.0, FP8)
+    qr, sr = quant.swiglu_quantize_fp8_ref(gu, 1.702, 7.0, FP8)
+    assert torch.equal(s, sr)
+    assert torch.equal(q.float(), qr.float())
+
+
 @pytest.mark.parametrize("m", [1, 37, 300])  # the decode, mid and prefill tile tables
 def test_fp8_linear_matches_reference(m):
     torch.manual_seed(m)
