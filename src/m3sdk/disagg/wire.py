@@ -197,14 +197,16 @@ class Layout:
     while UCX ran, most of it building the message's ~36 slices; session 12, docs/perf.md).
 
     With runs (`runs`, else found in host `pages`; 8 pages or more on average: a fresh engine's page tables):
-    a message is one contiguous piece per (layer, tensor, run) of the pool tensors' flat views, in payload order,
-    and it moves with its header and trailer as one `torch._foreach_copy_` (one multi-tensor kernel on a GPU; slice
-    copies on a CPU, about 27 GB/s against 5-13 for index_copy_ on the same rows; a `copy_` per piece measured
-    slower on two H200s). The receiving side works out every message before its first post (`prepare`), the
-    sending side each message when it packs it (the first message of a transfer must not wait for all the
-    others' pieces: building them all at once held the node's first send 1.3-5.8 ms, window 1 of session 13).
-    8-byte words throughout where every width and address allow. Without runs: one index kernel per tensor, the
-    page ids on the pool's device once per transfer."""
+    a message is one contiguous piece per (layer, tensor, run) of the pool tensors' flat views, in payload order.
+    The node gathers them with the header and trailer by one `torch.cat` into the message buffer, the decode side
+    places them by one `torch._foreach_copy_` (one multi-tensor kernel on a GPU; slice copies on a CPU, about 27
+    GB/s against 5-13 for index_copy_ on the same rows; a `copy_` per piece measured slower on two H200s). The
+    decode side works out every message before its first post (`prepare`); the node the first message it packs
+    alone and the rest when it packs the second, while the first one gathers and travels (building all before the
+    first send held it 1.3-5.8 ms, and one message at a time as packed made each pack 0.3 ms slower on the H200
+    pair: Python is several times slower there while UCX runs; session 13). `prepare` cuts each (tensor, run) of
+    a group of layers by one `split`. 8-byte words throughout where every width and address allow. Without runs:
+    one index kernel per tensor, the page ids on the pool's device once per transfer."""
 
     def __init__(self, plan: TransferPlan, rows: list[list[torch.Tensor]], pages: torch.Tensor,
                  runs: Sequence[tuple[int, int, int]] | None = None):
@@ -222,11 +224,36 @@ class Layout:
             self._flat = [[(_as(t, self.unit).view(-1), t.shape[1] // self.unit) for t in layer] for layer in rows]
 
     def prepare(self) -> None:
-        """Work out every message now (else each one when it first moves)."""
-        if self.runs is not None:
-            for msg in self.plan.messages:
-                if msg.index not in self._pieces:
-                    self._build(msg)
+        """Work out every message not worked out yet."""
+        if self.runs is None:
+            return
+        groups: dict[int, list[MessageSpec]] = {}
+        for msg in self.plan.messages:
+            if msg.index not in self._pieces:
+                groups.setdefault(msg.first_layer, []).append(msg)
+        for msgs in groups.values():
+            # the group's pages from its first message not worked out on, cut where a run or a message begins:
+            # per run, its first page and its parts (message of the group, pages), the same for every tensor
+            starts = [m.page_start for m in msgs]
+            lo, hi = starts[0], msgs[-1].page_start + msgs[-1].page_count
+            cuts = []
+            for at, page, length in self.runs:
+                a, b = max(at, lo), min(at + length, hi)
+                if a < b:
+                    bounds = [a, *starts[bisect.bisect_right(starts, a):bisect.bisect_left(starts, b)], b]
+                    first = bisect.bisect_right(starts, a) - 1
+                    cuts.append((page + a - at, [(first + i, y - x) for i, (x, y) in
+                                                 enumerate(zip(bounds, bounds[1:], strict=False))]))
+            lists: list[tuple[list[torch.Tensor], list[int]]] = [([], []) for _ in msgs]
+            for layer in msgs[0].layers:
+                for flat, width in self._flat[layer]:
+                    for page, parts in cuts:
+                        sizes = [n * width for _, n in parts]
+                        views = flat[page * width:page * width + sum(sizes)].split(sizes)
+                        for (k, _), view, size in zip(parts, views, sizes, strict=True):
+                            lists[k][0].append(view)
+                            lists[k][1].append(size)
+            self._pieces.update((m.index, entry) for m, entry in zip(msgs, lists, strict=True))
 
     def _build(self, msg: MessageSpec) -> None:
         end = msg.page_start + msg.page_count
@@ -245,17 +272,20 @@ class Layout:
                     sizes.append(n * width)
         self._pieces[msg.index] = (pool, sizes)
 
-    def pieces(self, msg: MessageSpec, buf: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor,
-                                                                     list[torch.Tensor]]:
-        """(pool pieces, `buf` in words, `buf`'s payload cut into the same pieces) of message `msg` (runs only)."""
+    def pool(self, msg: MessageSpec) -> tuple[list[torch.Tensor], list[int]]:
+        """Message `msg`'s pool pieces in payload order and their sizes (in words; runs only)."""
         if msg.index not in self._pieces:
-            self._build(msg)
-        pool, sizes = self._pieces[msg.index]
+            if self._pieces:
+                self.prepare()  # a message is on its way: work out the rest at once
+            else:
+                self._build(msg)
+        return self._pieces[msg.index]
+
+    def words(self, buf: torch.Tensor) -> torch.Tensor:
+        """A message buffer as the words its pieces are counted in."""
         if buf.data_ptr() % self.unit:
             raise ValueError(f"message buffers must be {self.unit}-byte aligned")
-        words = _as(buf, self.unit)
-        payload = words[HEADER_BYTES // self.unit:(msg.nbytes - TRAILER_BYTES) // self.unit]
-        return pool, words, list(payload.split(sizes))
+        return _as(buf, self.unit)
 
 
 def _as(t: torch.Tensor, unit: int) -> torch.Tensor:
@@ -299,10 +329,9 @@ def pack(plan: TransferPlan, msg: MessageSpec, layout: Layout, out: torch.Tensor
             t, block = _words(t, block)
             torch.index_select(t, 0, idx, out=block)
         return
-    pool, words, payload = layout.pieces(msg, out)
+    pool, _ = layout.pool(msg)
     frame, head = _as(framing[msg.index], layout.unit), HEADER_BYTES // layout.unit
-    tail = words.numel() - TRAILER_BYTES // layout.unit
-    torch._foreach_copy_([words[:head], *payload, words[tail:]], [frame[:head], *pool, frame[head:]])
+    torch.cat([frame[:head], *pool, frame[head:]], out=layout.words(out))
 
 
 def cancel_message(plan: TransferPlan, msg: MessageSpec) -> bytes:
@@ -363,7 +392,8 @@ def place(msgs: Sequence[MessageSpec], layout: Layout, bufs: Sequence[torch.Tens
             return
         pool, payload = [], []
         for msg, buf in zip(msgs, bufs, strict=True):
-            into, _, out_of = layout.pieces(msg, buf)
+            into, sizes = layout.pool(msg)
             pool += into
-            payload += out_of
+            payload += layout.words(buf)[HEADER_BYTES // layout.unit:(msg.nbytes - TRAILER_BYTES) // layout.unit] \
+                .split(sizes)
         torch._foreach_copy_(pool, payload)
