@@ -222,24 +222,21 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
             ahead = "ahead" in what.split("-")
 
             async def kv(port=port, plan=plan, src=srcs[what], ahead=ahead):
-                # packed in one producer thread, as a node's engine thread packs while it computes: `window`
-                # messages ahead of the completed sends, so the staging stays within the transport's pool (on a
-                # CPU a fresh buffer pays a page fault per 4 KiB); "-ahead": all at once
+                # packed in one producer thread, running before the clock as a node's engine thread runs when its
+                # forward reaches a group's last layer: `window` messages ahead of the completed sends, so the
+                # staging stays within the transport's pool (on a CPU a fresh buffer pays a page fault per 4 KiB);
+                # "-ahead": all at once
                 made = time.perf_counter()
                 outbox = transport.outbox(plan, dev)  # a node makes it when the Prefill call arrives
-                credits, count = threading.Semaphore(transport.window + 1), outbox.count_sent
+                credits, count, go = threading.Semaphore(transport.window + 1), outbox.count_sent, threading.Event()
 
                 def counted(send: asyncio.Future) -> None:
                     count(send)
                     credits.release()
 
-                outbox.count_sent = counted
-                start = time.perf_counter()
-                if Trace.events is not None:  # how long making the outbox took (before the clock)
-                    Trace.events.append(("outbox", 0, made))
-                push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
-
                 def produce() -> None:
+                    if not go.wait(step_timeout):
+                        return
                     if ahead:
                         outbox.pack(list(plan.messages), rows, src)
                         return
@@ -248,7 +245,15 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
                             return  # the push failed: it says why
                         outbox.pack([msg], rows, src)
 
-                await asyncio.gather(asyncio.to_thread(produce), push)
+                outbox.count_sent = counted
+                producer = asyncio.ensure_future(asyncio.to_thread(produce))
+                await asyncio.sleep(0.002)  # the thread is up and waiting
+                start = time.perf_counter()
+                if Trace.events is not None:  # how long making the outbox took (before the clock)
+                    Trace.events.append(("outbox", 0, made))
+                push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
+                go.set()
+                await asyncio.gather(producer, push)
                 return start
             start = loop.run(kv(), step_timeout)
         elif what.startswith("raw"):
