@@ -216,8 +216,9 @@ def _row_values(x_ptr, row, stride_x, cols, K, SWIGLU: tl.constexpr, alpha, limi
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, alpha, limit, FP8_MAX: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
-    # one row per program: amax over the row, then the quantized row (the second read hits L1/L2). PDL (CUDA,
+                       BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    # one row per program: amax over the row, then the quantized row. PDL (CUDA,
     # launched as a programmatic dependent): the next kernel (the FP8 GEMM) may launch at once and prefetch its
     # weights; x, which the previous kernel writes, is read only after griddepcontrol.wait
     if PDL:
@@ -225,15 +226,21 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, alpha, limit,
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
-    amax = tl.zeros((BLOCK_K,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        amax = tl.maximum(amax, tl.abs(_row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, alpha, limit,
-                                                   INTERPRET)))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
-    for k0 in range(0, K, BLOCK_K):
-        x = _row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, alpha, limit, INTERPRET)
+    if ONE_TILE:  # the row in one tile: its values are read (and, SWIGLU, computed) once, kept in registers
+        x = _row_values(x_ptr, row, stride_x, cols, K, SWIGLU, alpha, limit, INTERPRET)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX
         q = fp8_grid(tl.clamp(x / scale, -FP8_MAX, FP8_MAX), INTERPRET)
-        tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < K)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+    else:
+        amax = tl.zeros((BLOCK_K,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            amax = tl.maximum(amax, tl.abs(_row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, alpha, limit,
+                                                       INTERPRET)))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+        for k0 in range(0, K, BLOCK_K):  # the second read hits L1/L2
+            x = _row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, alpha, limit, INTERPRET)
+            q = fp8_grid(tl.clamp(x / scale, -FP8_MAX, FP8_MAX), INTERPRET)
+            tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < K)
     tl.store(s_ptr + row, scale)
 
 
@@ -249,15 +256,16 @@ def _quant_rows(x: torch.Tensor, k: int, fp8_dtype: torch.dtype | None, pdl: boo
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
-        t = tiles("fp8_quant", current_arch(x.device))
-        # the whole row in one tile where it fits: both passes are then one round trip each (a row of M3's 6144
-        # in 1024-wide steps was 12 dependent loads, most of the 4-8 us the launch cost at decode)
+        t = tiles("fp8_quant", current_arch(x.device), "swiglu" if swiglu else None)
+        # the whole row in one tile where it fits: one read (a row of M3's 6144 in 1024-wide steps was 12
+        # dependent loads, most of the 4-8 us the launch cost at decode)
         block = min(triton.next_power_of_2(k), t["BLOCK_K"])
         pdl = pdl and x.is_cuda and not INTERPRET
         alpha, limit = swiglu or (0.0, 0.0)
         _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), alpha, limit,
-                                 FP8_MAX=torch.finfo(fp8_dtype).max, BLOCK_K=block, SWIGLU=swiglu is not None,
-                                 PDL=pdl, INTERPRET=INTERPRET, num_warps=t["num_warps"], **_pdl_launch(pdl))
+                                 FP8_MAX=torch.finfo(fp8_dtype).max, BLOCK_K=block, ONE_TILE=k <= block,
+                                 SWIGLU=swiglu is not None, PDL=pdl, INTERPRET=INTERPRET, num_warps=t["num_warps"],
+                                 **_pdl_launch(pdl))
     return q, s
 
 
@@ -473,15 +481,20 @@ def aot_variants(arch: Arch) -> list:
     from .aot import AotVariant
 
     fp8 = f"*{arch.fp8_triton}"
-    t = tiles("fp8_quant", arch)
     pdl = arch.backend == "cuda"  # griddepcontrol: CUDA only (the decode GEMM's table decides at run time)
-    out = [AotVariant(f"quant_fp8_rows{'_swiglu' if swiglu else ''}", _quant_rows_kernel,
-                      {"x_ptr": "*bf16", "q_ptr": fp8, "s_ptr": "*fp32", "K": "i32", "stride_x": "i32",
-                       "stride_q": "i32", "alpha": "fp32", "limit": "fp32"},
-                      {"FP8_MAX": arch.fp8_max, "BLOCK_K": t["BLOCK_K"], "SWIGLU": swiglu, "PDL": pdl,
-                       "INTERPRET": False},
-                      num_warps=t["num_warps"], aligned=("K", "stride_x", "stride_q"))
-           for swiglu in (False, True)]
+    # rows of M3's widths: the hidden size (one tile) and the dense MLP's intermediate 12288 (SwiGLU: one tile of
+    # 16384 where the table allows it)
+    out = []
+    for swiglu, k in ((False, 6144), (True, 12288)):
+        t = tiles("fp8_quant", arch, "swiglu" if swiglu else None)
+        block = min(triton.next_power_of_2(k), t["BLOCK_K"])
+        out.append(AotVariant(
+            f"quant_fp8_rows{'_swiglu' if swiglu else ''}", _quant_rows_kernel,
+            {"x_ptr": "*bf16", "q_ptr": fp8, "s_ptr": "*fp32", "K": "i32", "stride_x": "i32", "stride_q": "i32",
+             "alpha": "fp32", "limit": "fp32"},
+            {"FP8_MAX": arch.fp8_max, "BLOCK_K": block, "ONE_TILE": k <= block, "SWIGLU": swiglu, "PDL": pdl,
+             "INTERPRET": False},
+            num_warps=t["num_warps"], aligned=("K", "stride_x", "stride_q")))
     # (family, variant, N, K): decode at the packed qkv+index projection and, narrow, at o_proj; mid / prefill at
     # o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); each with the split the dispatch picks there
     for family, variant, n, k in (("fp8_gemm_decode", None, 9856, 6144), ("fp8_gemm_decode", "narrow", 6144, 8192),
