@@ -52,22 +52,20 @@ SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144
           "dense gate_up 6144->24576": (6144, 24576), "dense down 12288->6144": (12288, 6144)}
 MS = (1, 16, 256, 1024, 8192)
 ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf16")
-# decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K to about
-# the resident CTAs (the kept one before session 13 first), then launched as a programmatic dependent (PDL: the
-# quantization and the GEMM start while the kernel before them finishes; the GEMM prefetches PREFETCH weight tiles of
-# its split into L2 before griddepcontrol.wait and lets the next kernel launch once its weight stream is done), with
-# fewer, longer splits (2 programs per SM) and 4 stages. Session 13 window 1 also timed the quantization inside the
-# GEMM's launch (row programs first, the GEMM programs waiting on a device counter): 0.5-2 us slower than the
-# separate launch at every shape (docs/perf.md), so it is gone.
-_DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=396, PDL=0, PREFETCH=0)
+# decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K over about
+# 2 programs per SM, launched as programmatic dependents (PDL: the quantization and the GEMM start while the kernel
+# before them finishes; the GEMM prefetches PREFETCH weight tiles of its split into L2 before griddepcontrol.wait
+# and lets the next kernel launch once its weight stream is done): the kept one first (session 13 window 2; before:
+# 396 programs, no PDL, 1.3-2.2 us slower), then around it (program counts, prefetch depth).
+# Session 13 window 1 also timed the quantization inside the GEMM's launch (row programs first, the GEMM programs
+# waiting on a device counter): 0.3-2 us slower than the separate launch at every shape (docs/perf.md), so it is gone.
+_DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=264, PDL=1, PREFETCH=2)
 SWEEP = {
     "fp8_gemm_decode": [dict(_DECODE),
-                        dict(_DECODE, PDL=1),
-                        dict(_DECODE, PDL=1, PREFETCH=2),
-                        dict(_DECODE, PDL=1, PREFETCH=4),
-                        dict(_DECODE, PDL=1, PREFETCH=8),
-                        dict(_DECODE, PDL=1, PREFETCH=2, SPLIT_PROGRAMS=264),
-                        dict(_DECODE, PDL=1, PREFETCH=2, num_stages=4)],
+                        dict(_DECODE, SPLIT_PROGRAMS=330),
+                        dict(_DECODE, PREFETCH=1),
+                        dict(_DECODE, PREFETCH=4),
+                        dict(_DECODE, PDL=0, PREFETCH=0, SPLIT_PROGRAMS=396)],
     "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
                      dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)],
