@@ -202,10 +202,10 @@ class Layout:
     places them by one `torch._foreach_copy_` (one multi-tensor kernel on a GPU; slice copies on a CPU, about 27
     GB/s against 5-13 for index_copy_ on the same rows; a `copy_` per piece measured slower on two H200s). The
     decode side works out every message before its first post (`prepare`); the node the first message it packs
-    alone and the rest when it packs the second, while the first one gathers and travels (building all before the
-    first send held it 1.3-5.8 ms, and one message at a time as packed made each pack 0.3 ms slower on the H200
-    pair: Python is several times slower there while UCX runs; session 13). `prepare` cuts each (tensor, run) of
-    a group of layers by one `split`. 8-byte words throughout where every width and address allow. Without runs:
+    alone, then eight at a time, while the ones before gather and travel (building all before the first send held
+    it 1.3-5.8 ms, and one message at a time, by a slice per piece, made each pack 0.3 ms slower on the H200 pair:
+    Python is several times slower there while UCX runs; session 13). `prepare` cuts each (tensor, run) of a span
+    of messages by one `split`. 8-byte words throughout where every width and address allow. Without runs:
     one index kernel per tensor, the page ids on the pool's device once per transfer."""
 
     def __init__(self, plan: TransferPlan, rows: list[list[torch.Tensor]], pages: torch.Tensor,
@@ -214,30 +214,34 @@ class Layout:
             raise ValueError(f"{len(pages)} page ids for a transfer of {plan.num_pages} pages")
         self.plan, self.rows, self.pages = plan, rows, pages
         self.runs = runs if runs is not None else _runs(pages)
-        tensors = [t for layer in rows for t in layer]
-        self.unit = 8 if all(t.shape[1] % 8 == 0 and t.data_ptr() % 8 == 0 for t in tensors) else 1
-        self.index = None if self.runs is not None else _on(pages, tensors[0].device)
+        self.unit, self._flat = _flat_views(rows)
+        self.index = None if self.runs is not None else _on(pages, rows[0][0].device)
         self._pieces: dict[int, tuple[list[torch.Tensor], list[int]]] = {}  # message -> pool pieces, their sizes
-        self._flat: list[list[tuple[torch.Tensor, int]]] = []  # per layer and tensor: its flat view, its width
         if self.runs is not None:
             self._starts = [at for at, _, _ in self.runs]
-            self._flat = [[(_as(t, self.unit).view(-1), t.shape[1] // self.unit) for t in layer] for layer in rows]
 
-    def prepare(self) -> None:
-        """Work out every message not worked out yet."""
+    def prepare(self, messages: Sequence[MessageSpec] | None = None) -> None:
+        """Work out `messages` (default: all) not worked out yet."""
         if self.runs is None:
             return
-        groups: dict[int, list[MessageSpec]] = {}
-        for msg in self.plan.messages:
-            if msg.index not in self._pieces:
-                groups.setdefault(msg.first_layer, []).append(msg)
-        for msgs in groups.values():
-            # the group's pages from its first message not worked out on, cut where a run or a message begins:
-            # per run, its first page and its parts (message of the group, pages), the same for every tensor
+        spans: list[list[MessageSpec]] = []  # runs of consecutive messages of one group of layers
+        for msg in messages if messages is not None else self.plan.messages:
+            if msg.index in self._pieces:
+                continue
+            last = spans[-1][-1] if spans else None
+            if last is not None and last.index + 1 == msg.index and last.first_layer == msg.first_layer:
+                spans[-1].append(msg)
+            else:
+                spans.append([msg])
+        for msgs in spans:
+            # the span's pages cut where a run or a message begins: per run, its first page and its parts (message
+            # of the span, pages), the same for every tensor of the group's layers
             starts = [m.page_start for m in msgs]
             lo, hi = starts[0], msgs[-1].page_start + msgs[-1].page_count
             cuts = []
-            for at, page, length in self.runs:
+            for at, page, length in self.runs[max(0, bisect.bisect_right(self._starts, lo) - 1):]:
+                if at >= hi:
+                    break
                 a, b = max(at, lo), min(at + length, hi)
                 if a < b:
                     bounds = [a, *starts[bisect.bisect_right(starts, a):bisect.bisect_left(starts, b)], b]
@@ -248,6 +252,11 @@ class Layout:
             for layer in msgs[0].layers:
                 for flat, width in self._flat[layer]:
                     for page, parts in cuts:
+                        if len(parts) == 1:  # a slice is cheaper than a split of one
+                            k, n = parts[0]
+                            lists[k][0].append(flat[page * width:(page + n) * width])
+                            lists[k][1].append(n * width)
+                            continue
                         sizes = [n * width for _, n in parts]
                         views = flat[page * width:page * width + sum(sizes)].split(sizes)
                         for (k, _), view, size in zip(parts, views, sizes, strict=True):
@@ -255,30 +264,11 @@ class Layout:
                             lists[k][1].append(size)
             self._pieces.update((m.index, entry) for m, entry in zip(msgs, lists, strict=True))
 
-    def _build(self, msg: MessageSpec) -> None:
-        end = msg.page_start + msg.page_count
-        cut = []  # (first page, pages) of each run within the message, in page order
-        for at, page, length in self.runs[max(0, bisect.bisect_right(self._starts, msg.page_start) - 1):]:
-            if at >= end:
-                break
-            lo, hi = max(at, msg.page_start), min(at + length, end)
-            if lo < hi:
-                cut.append((page + lo - at, hi - lo))
-        pool, sizes = [], []
-        for layer in msg.layers:
-            for flat, width in self._flat[layer]:
-                for page, n in cut:
-                    pool.append(flat[page * width:(page + n) * width])
-                    sizes.append(n * width)
-        self._pieces[msg.index] = (pool, sizes)
-
     def pool(self, msg: MessageSpec) -> tuple[list[torch.Tensor], list[int]]:
-        """Message `msg`'s pool pieces in payload order and their sizes (in words; runs only)."""
+        """Message `msg`'s pool pieces in payload order and their sizes (in words; runs only). Not worked out yet:
+        the first message a side moves alone (it must not wait for the others'), later ones eight at a time."""
         if msg.index not in self._pieces:
-            if self._pieces:
-                self.prepare()  # a message is on its way: work out the rest at once
-            else:
-                self._build(msg)
+            self.prepare(self.plan.messages[msg.index:msg.index + (8 if self._pieces else 1)])
         return self._pieces[msg.index]
 
     def words(self, buf: torch.Tensor) -> torch.Tensor:
@@ -286,6 +276,24 @@ class Layout:
         if buf.data_ptr() % self.unit:
             raise ValueError(f"message buffers must be {self.unit}-byte aligned")
         return _as(buf, self.unit)
+
+
+_FLAT: dict[int, tuple[list[list[torch.Tensor]], int, list[list[tuple[torch.Tensor, int]]]]] = {}
+
+
+def _flat_views(rows: list[list[torch.Tensor]]) -> tuple[int, list[list[tuple[torch.Tensor, int]]]]:
+    """The word size of `rows` and, per layer and tensor, its flat view in words and its width: made once per pool
+    (an engine's rows stay the same list), not per transfer (72 views of an 8-layer pool: on the H200 pair that is
+    host time before a transfer's first gather). A few pools are kept, each with its list (so its id stays its)."""
+    hit = _FLAT.get(id(rows))
+    if hit is None or hit[0] is not rows:
+        tensors = [t for layer in rows for t in layer]
+        unit = 8 if all(t.shape[1] % 8 == 0 and t.data_ptr() % 8 == 0 for t in tensors) else 1
+        hit = (rows, unit, [[(_as(t, unit).view(-1), t.shape[1] // unit) for t in layer] for layer in rows])
+        while len(_FLAT) >= 8:
+            _FLAT.pop(next(iter(_FLAT)))
+        _FLAT[id(rows)] = hit
+    return hit[1], hit[2]
 
 
 def _as(t: torch.Tensor, unit: int) -> torch.Tensor:
