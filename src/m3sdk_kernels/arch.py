@@ -112,10 +112,12 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
         "gfx942": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1216},
         "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
     },
-    # FP8 on the H200 (docs/perf.md, session 12): one program per (token, KV head) walks its 16 blocks (no merge,
-    # one wave at 2 programs per SM), block ids read once and page ids carried a tile ahead (PAGE_AHEAD), 4 stages:
-    # 0.087 -> 0.057 ms device time at b64 32K and 128K (CUDA graph), 1.16x SDPA on the pre-gathered KV
-    "sparse_decode:fp8": {"sm90": {"BLOCK_N": 128, "SPLIT_PROGRAMS": 256, "PAGE_AHEAD": 1, "num_stages": 4}},
+    # FP8 on the H200 (docs/perf.md): block ids read once and page ids carried a tile ahead (PAGE_AHEAD, session 12);
+    # two programs of 2 warps per (token, KV head), each walking 8 blocks in 64-key tiles, merged by the last to
+    # finish (MERGE_LAST): 4 programs per SM in one wave (252 registers x 64 threads, 40 KB), session 13 window 2,
+    # b64 32K: 0.0568 -> 0.0523 ms device time (57 -> 62 % of the read floor, 1.13x -> 1.23x SDPA pre-gathered)
+    "sparse_decode:fp8": {"sm90": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, "SPLIT_PROGRAMS": 512,
+                                   "PAGE_AHEAD": 1, "MERGE_LAST": 1}},
     # sm90: 4 query tokens x 16 heads (one warpgroup's 64 MMA rows): a tile's block union is smaller, so less work
     # on blocks other rows chose (H200, 32K tokens: 46.8 -> 29.9 ms random selections, 12.7 -> 12.1 smooth)
     "sparse_prefill": {
