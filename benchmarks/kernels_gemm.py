@@ -56,7 +56,8 @@ ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf1
 # 2 programs per SM, launched as programmatic dependents (PDL: the quantization and the GEMM start while the kernel
 # before them finishes; the GEMM prefetches PREFETCH weight tiles of its split into L2 before griddepcontrol.wait
 # and lets the next kernel launch once its weight stream is done): the kept one first (session 13 window 2; before:
-# 396 programs, no PDL, 1.3-2.2 us slower), then around it (program counts, prefetch depth).
+# 396 programs, no PDL, 1.3-2.2 us slower), then around it (program counts, prefetch depth), and 16-column tiles
+# with tokens as the MMA's M (mma.sync) and no split at all (no split-K tail; each program reads all of x).
 # Session 13 window 1 also timed the quantization inside the GEMM's launch (row programs first, the GEMM programs
 # waiting on a device counter): 0.3-2 us slower than the separate launch at every shape (docs/perf.md), so it is gone.
 _DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=264, PDL=1, PREFETCH=2)
@@ -65,6 +66,8 @@ SWEEP = {
                         dict(_DECODE, SPLIT_PROGRAMS=330),
                         dict(_DECODE, PREFETCH=1),
                         dict(_DECODE, PREFETCH=4),
+                        dict(_DECODE, BLOCK_N=16, BLOCK_K=512, SWAP_AB=0, SPLIT_PROGRAMS=384),
+                        dict(_DECODE, BLOCK_N=16, BLOCK_K=1024, SWAP_AB=0, SPLIT_PROGRAMS=384),
                         dict(_DECODE, PDL=0, PREFETCH=0, SPLIT_PROGRAMS=396)],
     "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
