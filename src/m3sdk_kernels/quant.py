@@ -218,9 +218,9 @@ def _row_values(x_ptr, row, stride_x, cols, K, SWIGLU: tl.constexpr, alpha, limi
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, alpha, limit, FP8_MAX: tl.constexpr,
                        BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
                        INTERPRET: tl.constexpr):
-    # one row per program: amax over the row, then the quantized row. PDL (CUDA,
-    # launched as a programmatic dependent): the next kernel (the FP8 GEMM) may launch at once and prefetch its
-    # weights; x, which the previous kernel writes, is read only after griddepcontrol.wait
+    # one row per program: amax over the row, then the quantized row. PDL (CUDA, launched as a programmatic
+    # dependent): the next kernel (the FP8 GEMM) may launch at once and prefetch its weights; x, which the previous
+    # kernel writes, is read only after griddepcontrol.wait
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
