@@ -84,7 +84,7 @@ class PrefillClient:
         # the cap on one data message: on GPUs 256 MiB (the node's limit), since host time per message, not bytes,
         # sets the rate there (two H200s: 50 % of p2p at 256 MiB, 25 % at 64 MiB, session 13 window 1; a 32K
         # prompt's 4-layer group of the full model is about 155 MB, so one message); 64 MiB on CPUs. The decode
-        # side holds up to the transport's window of them (4) per transfer as staging
+        # side holds up to twice the transport's window of them (4 posted, 4 being placed) per transfer as staging
         self.max_message_bytes = max_message_bytes or (256 << 20 if rows[0][0].is_cuda else 64 << 20)
         self.heartbeat_s, self.connect_timeout = heartbeat_s, connect_timeout
         self._metadata = ((TOKEN_HEADER, f"Bearer {token}"),) if token else None
