@@ -165,10 +165,6 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
 TILES.update({
     # BLOCK_K: the widest row tile (a row up to this wide is read in one step)
     "fp8_quant": {a: {"BLOCK_K": 16384, "num_warps": 16} for a in ("sm90", "gfx942", "gfx950")},
-    # the SwiGLU-OAI + quantization launch (quant.swiglu_quantize_fp8): one program per row does the whole row's
-    # sigmoid chain, so at decode (1 row) its latency is instructions per thread: 32 warps halve them (H200 session
-    # 13 window 2: 7.8 us over the GEMM at M = 1 with 16 warps and the row computed twice)
-    "fp8_quant:swiglu": {"sm90": {"num_warps": 32}},
     # PDL (sm90): the fp8-output norm launches as a programmatic dependent, as the FP8 GEMM after it (norm.py)
     "rms_norm": {"sm90": {"num_warps": 8, "PDL": 1}, "gfx942": {"num_warps": 8}, "gfx950": {"num_warps": 8}},
     "router": {a: {"BLOCK_T": 16, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
@@ -182,10 +178,11 @@ TILES.update({
     # PDL (sm90): launched as a programmatic dependent, PREFETCH weight tiles into L2 before griddepcontrol.wait
     # (quant.py); the activation quantization of fp8_linear launches so too. H200 session 13 window 2 (quantization
     # included, M = 1 / 16): o_proj 18.4 / 19.9 -> 16.8 / 17.8 us, dense down 24.4 / 26.0 -> 23.4 / 24.2, qkv+index
-    # 20.8 / 22.0 -> 19.4 / 19.9 with PDL, 2 tiles prefetched and 264 programs (2 per SM; 396 with PDL: 16.6 / 19.1)
+    # 20.8 / 22.0 -> 19.4 / 19.9 with PDL, 2 tiles prefetched and 264 programs (2 per SM; 396 with PDL: 16.6 / 19.1);
+    # window 3: prefetching 1, 2 or 4 tiles within 1 %, 330 programs and unsplit 16-column tiles slower
     "fp8_gemm_decode": {
         "sm90": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
-                 "SPLIT_PROGRAMS": 264, "STAGGER": 1, "SWAP_AB": 1, "PDL": 1, "PREFETCH": 2},
+                 "SPLIT_PROGRAMS": 264, "STAGGER": 1, "SWAP_AB": 1, "PDL": 1, "PREFETCH": 1},
         "gfx942": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
                    "SPLIT_PROGRAMS": 1216, "STAGGER": 1},
         "gfx950": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,

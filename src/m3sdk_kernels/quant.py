@@ -256,7 +256,7 @@ def _quant_rows(x: torch.Tensor, k: int, fp8_dtype: torch.dtype | None, pdl: boo
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
     s = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m:
-        t = tiles("fp8_quant", current_arch(x.device), "swiglu" if swiglu else None)
+        t = tiles("fp8_quant", current_arch(x.device))
         # the whole row in one tile where it fits: one read (a row of M3's 6144 in 1024-wide steps was 12
         # dependent loads, most of the 4-8 us the launch cost at decode)
         block = min(triton.next_power_of_2(k), t["BLOCK_K"])
@@ -482,11 +482,10 @@ def aot_variants(arch: Arch) -> list:
 
     fp8 = f"*{arch.fp8_triton}"
     pdl = arch.backend == "cuda"  # griddepcontrol: CUDA only (the decode GEMM's table decides at run time)
-    # rows of M3's widths: the hidden size (one tile) and the dense MLP's intermediate 12288 (SwiGLU: one tile of
-    # 16384 where the table allows it)
+    # rows of M3's widths, one tile each: the hidden size, and the dense MLP's intermediate 12288 (SwiGLU)
     out = []
+    t = tiles("fp8_quant", arch)
     for swiglu, k in ((False, 6144), (True, 12288)):
-        t = tiles("fp8_quant", arch, "swiglu" if swiglu else None)
         block = min(triton.next_power_of_2(k), t["BLOCK_K"])
         out.append(AotVariant(
             f"quant_fp8_rows{'_swiglu' if swiglu else ''}", _quant_rows_kernel,
