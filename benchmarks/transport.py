@@ -223,9 +223,9 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
 
             async def kv(port=port, plan=plan, src=srcs[what], ahead=ahead):
                 # packed in one producer thread, running before the clock as a node's engine thread runs when its
-                # forward reaches a group's last layer: `window` messages ahead of the completed sends, so the
-                # staging stays within the transport's pool (on a CPU a fresh buffer pays a page fault per 4 KiB);
-                # "-ahead": all at once
+                # forward reaches a group's last layer (the messages' pieces worked out before, as a node does when
+                # it plans the step): `window` messages ahead of the completed sends, so the staging stays within
+                # the transport's pool (on a CPU a fresh buffer pays a page fault per 4 KiB); "-ahead": all at once
                 made = time.perf_counter()
                 outbox = transport.outbox(plan, dev)  # a node makes it when the Prefill call arrives
                 credits, count, go = threading.Semaphore(transport.window + 1), outbox.count_sent, threading.Event()
@@ -246,6 +246,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
                         outbox.pack([msg], rows, src)
 
                 outbox.count_sent = counted
+                outbox.prepare(rows, src)  # a node does it when it plans the step, before the forward
                 producer = asyncio.ensure_future(asyncio.to_thread(produce))
                 await asyncio.sleep(0.002)  # the thread is up and waiting
                 start = time.perf_counter()

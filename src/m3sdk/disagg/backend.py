@@ -103,8 +103,10 @@ class EngineBackend:
             if job is not None and samples:
                 table = self.core.cache.page_table(request)
                 pages = table[job.order.num_cached_pages:job.order.num_pages]
-                # on the host: pack finds their runs there without a device sync (wire._move)
+                # on the host: pack finds their runs there without a device sync (wire.Layout)
                 job.src = torch.tensor(pages, dtype=torch.int64)
+                # every message's pieces now, before the forward: its hooks then pack with a few calls each
+                job.outbox.prepare(self.rows, job.src)
                 self._step.append(job)
 
     def _after_layer(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> None:

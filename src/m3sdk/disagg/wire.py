@@ -201,12 +201,13 @@ class Layout:
     The node gathers them with the header and trailer by one `torch.cat` into the message buffer, the decode side
     places them by one `torch._foreach_copy_` (one multi-tensor kernel on a GPU; slice copies on a CPU, about 27
     GB/s against 5-13 for index_copy_ on the same rows; a `copy_` per piece measured slower on two H200s). The
-    decode side works out every message before its first post (`prepare`); the node the first message it packs
-    alone, then eight at a time, while the ones before gather and travel (building all before the first send held
-    it 1.3-5.8 ms, and one message at a time, by a slice per piece, made each pack 0.3 ms slower on the H200 pair:
-    Python is several times slower there while UCX runs; session 13). `prepare` cuts each (tensor, run) of a span
-    of messages by one `split`. 8-byte words throughout where every width and address allow. Without runs:
-    one index kernel per tensor, the page ids on the pool's device once per transfer."""
+    decode side works out every message before its first post, the node when it plans the step that computes the
+    pages, before the forward (`prepare`; on the H200 pair Python ran several times slower while UCX moved data,
+    and building pieces between packs held the sends: by a slice per piece 0.3 ms more per pack, eight messages at
+    once 1-2.7 ms; session 13). Not prepared, a side works out the first message it moves alone, then eight at a
+    time. `prepare` cuts each (tensor, run) of a span of messages by one `split`. 8-byte words throughout where
+    every width and address allow. Without runs: one index kernel per tensor, the page ids on the pool's device
+    once per transfer."""
 
     def __init__(self, plan: TransferPlan, rows: list[list[torch.Tensor]], pages: torch.Tensor,
                  runs: Sequence[tuple[int, int, int]] | None = None):
