@@ -125,30 +125,9 @@ def _sel_tile(blks, jb, i, pages_ptr, kv_end, TILES_PER: tl.constexpr, SEL_BLOCK
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
-                 qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
-                 SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr):
-    """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end)."""
-    n = start + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HEAD_DIM)
-    key_ok = n < kv_end
-    in_pages = n // PAGE < tl.cdiv(kv_end, PAGE)  # the keys of the sequence's pages, tails of the last included
-    page = page.to(tl.int64)
-    off = n % PAGE
-    k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
-                                                                   False), mask=key_ok[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k.to(DOT)))
-    if FP8:
-        s *= (tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0) * qk_scale)[None, :]
-    else:
-        s *= qk_scale
-    visible = key_ok[None, :] & (n[None, :] <= pos[:, None]) & row_sel[:, None]
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at zero weight
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+def _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM: tl.constexpr, X: tl.constexpr,
+            SHUFFLE: tl.constexpr):
+    """V rows of a tile's keys as [BLOCK_N, HEAD_DIM] (page ids `page`, int64, slots `off`)."""
     if SHUFFLE and X == PAGE:
         # 8-bit SHUFFLE V is key-major inside a page ([1, HEAD_DIM, 16]): load V^T, whose 16-key runs are 16-byte
         # vectors, and give the dot its transpose, an operand contiguous along its reduction (the keys). Loaded
@@ -164,14 +143,70 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     else:
         v = tl.load(v_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X,
                                                                        SHUFFLE, True), mask=key_ok[:, None], other=0.0)
-    if FP8:
-        # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
-        # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
-        vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
-        pv = tl.dot((p * (vs * V_MUL)[None, :]).to(DOT), v.to(DOT))
+    return v
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, q_lo, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
+                 qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
+                 SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
+                 F8DOT: tl.constexpr):
+    """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
+
+    F8DOT (decode, FP8 pages): e4m3 tensor-core dots with the keys as the MMA's M (the rows of a query tile are
+    too few for an sm90 wgmma's 64): q is q^T [HEAD_DIM, BLOCK_M] in e4m3 and qk_scale its per-row scale times
+    the softmax scale, acc is O^T [HEAD_DIM, BLOCK_M], and V's per-token scale enters as a score offset, log2 vs:
+    p' = p * vs has a row max of 1 after the max subtraction, so P goes to e4m3 at a fixed scale (V_MUL), with no
+    per-tile max of the scales, and l sums p' / vs = p (the output is acc / (l * V_MUL))."""
+    n = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    key_ok = n < kv_end
+    in_pages = n // PAGE < tl.cdiv(kv_end, PAGE)  # the keys of the sequence's pages, tails of the last included
+    page = page.to(tl.int64)
+    off = n % PAGE
+    k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
+                                                                   False), mask=key_ok[:, None], other=0.0)
+    if F8DOT:
+        vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=1.0)
+        s = tl.dot(k.to(DOT), q)  # S^T [BLOCK_N, BLOCK_M]
+        if F8DOT == 2:
+            s = tl.dot(k.to(DOT), q_lo, s)
+        s = s * tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0)[:, None] * qk_scale[None, :]
+        s = tl.where(key_ok[:, None] & (n[:, None] <= pos[None, :]), s + tl.log2(vs)[:, None], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[None, :])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p * (1.0 / vs)[:, None], 0)
+        v = _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
+        p = p * V_MUL
+        p8 = p.to(v_base.dtype.element_ty)
+        pv = tl.dot(tl.trans(v).to(DOT), p8.to(DOT))  # O^T
+        if F8DOT == 2:
+            pv = tl.dot(tl.trans(v).to(DOT), (p - p8.to(tl.float32)).to(v_base.dtype.element_ty).to(DOT), pv)
+        acc = acc * alpha[None, :] + pv
     else:
-        pv = tl.dot(p.to(DOT), v.to(DOT))
-    acc = acc * alpha[:, None] + pv
+        s = tl.dot(q, tl.trans(k.to(DOT)))
+        if FP8:
+            s *= (tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0) * qk_scale)[None, :]
+        else:
+            s *= qk_scale
+        visible = key_ok[None, :] & (n[None, :] <= pos[:, None]) & row_sel[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at zero weight
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
+        if FP8:
+            # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
+            # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
+            vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
+            pv = tl.dot((p * (vs * V_MUL)[None, :]).to(DOT), v.to(DOT))
+        else:
+            pv = tl.dot(p.to(DOT), v.to(DOT))
+        acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
@@ -184,7 +219,7 @@ def _attn_kernel(
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr):
+        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, F8DOT: tl.constexpr, FP8_MAX: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -200,14 +235,27 @@ def _attn_kernel(
         tok = q_start + qi
         pos = ctx - n_q + qi
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None], other=0.0).to(DOT)
+                    mask=row_ok[:, None], other=0.0)
+        if F8DOT:
+            # q^T in e4m3, one scale per row (head), folded into the per-row softmax scale (see _attend_tile)
+            q_rows = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30) / FP8_MAX
+            q = q.to(tl.float32) / q_rows[:, None]
+            q8 = q.to(k_cache.dtype.element_ty)
+            q_lo = tl.trans((q - q8.to(tl.float32)).to(k_cache.dtype.element_ty).to(DOT))
+            q = tl.trans(q8.to(DOT))
+            row_scale = q_rows * qk_scale
+            acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
+        else:
+            q = q.to(DOT)
+            q_lo = q  # unused
+            row_scale = qk_scale
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         kv_end = ctx - n_q + tl.minimum(first + BLOCK_Q, n_q)  # keys past the tile's last query are unseen
         k_base = k_cache + h * stride_ch
         v_base = v_cache + h * stride_ch
         ks_base = k_scale + h * stride_sh
         vs_base = v_scale + h * stride_sh
         pages_ptr = page_table + seq.to(tl.int64) * stride_pt
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         if SPARSE and BLOCK_Q == 1:
@@ -234,9 +282,9 @@ def _attn_kernel(
                     start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
                     end = tl.where(blk >= 0, kv_end, 0)
                     page = _tile_pages(pages_ptr, start, end, BLOCK_N)
-                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
-                                             vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
-                                             SHUFFLE, FP8, V_MUL, DOT)
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_lo, start, end, pos, row_sel, k_base, v_base, ks_base,
+                                             vs_base, page, row_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
+                                             SHUFFLE, FP8, V_MUL, DOT, F8DOT)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -258,9 +306,10 @@ def _attn_kernel(
                         start = cur * SEL_BLOCK + sub
                         if start < kv_end:
                             page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
-                            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
-                                                         v_base, ks_base, vs_base, page, qk_scale, stride_cp,
-                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT)
+                            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_lo, start, kv_end, pos, row_sel, k_base,
+                                                         v_base, ks_base, vs_base, page, row_scale, stride_cp,
+                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
+                                                         F8DOT)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -278,11 +327,13 @@ def _attn_kernel(
                     nxt = _tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
                 else:
                     page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
-                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
-                                             ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
-                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT)
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_lo, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
+                                             ks_base, vs_base, page, row_scale, stride_cp, stride_sp,
+                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, F8DOT)
                 if PAGE_AHEAD:
                     page = nxt
+        if F8DOT:
+            acc = tl.trans(acc)
         o = acc / (tl.where(l_i > 0, l_i, 1.0) * V_MUL)[:, None]
         if NUM_SPLITS == 1:
             tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -352,11 +403,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def dot_dtype(kv_dtype: torch.dtype) -> tl.dtype:
-    """Operand type of the attention dots for a KV cache of `kv_dtype`: fp16 for FP8 (the e4m3 -> fp16 convert is
-    exact and cheap; -> bf16 is not on Hopper), the cache type otherwise."""
+def dot_dtype(kv_dtype: torch.dtype, f8dot: bool = False) -> tl.dtype:
+    """Operand type of the attention dots for a KV cache of `kv_dtype`: the fp8 type itself with `f8dot`, else fp16
+    for FP8 (the e4m3 -> fp16 convert is exact; -> bf16 is not on Hopper), the cache type otherwise."""
     if interpreting() or kv_dtype == torch.float32:
         return tl.float32
+    if f8dot:
+        return {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}[kv_dtype]
     if kv_dtype.itemsize == 1:
         return tl.float16
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[kv_dtype]
@@ -379,8 +432,13 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "MERGE_LAST": cfg.get("MERGE_LAST", 0) if splits > 1 else 0,
+            "F8DOT": cfg.get("F8DOT", 0) if fp8 else 0,
             "maxnreg": cfg.get("maxnreg")}
 
+
+# F8DOT's P in e4m3 is p' * F8DOT_P_MUL, p' <= 1: a power of 2 under both e4m3 maxima (448, fnuz 240), and p' down
+# to 2^-13 (fnuz 2^-14) stays a normal number
+F8DOT_P_MUL = 128.0
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
@@ -443,8 +501,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         NUM_HEADS=hq, HEAD_DIM=head_dim, GROUP=hq // hkv, BLOCK_H=plan["BLOCK_H"], BLOCK_Q=plan["BLOCK_Q"],
         BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle",
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
-        V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
-        PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], num_warps=plan["num_warps"],
+        V_MUL=(F8DOT_P_MUL if plan["F8DOT"] else torch.finfo(v_cache.dtype).max) if fp8 else 1.0,
+        DOT=dot_dtype(k_cache.dtype, plan["F8DOT"]), PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"],
+        F8DOT=plan["F8DOT"], FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 1.0, num_warps=plan["num_warps"],
         num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -482,9 +541,11 @@ def aot_variants(arch: Arch) -> list:
                         "BLOCK_Q": plan["BLOCK_Q"], "BLOCK_N": plan["BLOCK_N"], "NUM_SPLITS": plan["NUM_SPLITS"],
                         "X": 16 if kv == "fp8" else 8, "SHUFFLE": layout == "shuffle", "FP8": kv == "fp8",
                         "SPARSE": sparse, "TOPK": m["topk"], "TOPK_PAD": m["topk"], "SEL_BLOCK": m["block_size"],
-                        "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
-                        "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
-                        "MERGE_LAST": plan["MERGE_LAST"]},
+                        "V_MUL": (F8DOT_P_MUL if plan["F8DOT"] else arch.fp8_max) if kv == "fp8" else 1.0,
+                        "DOT": ({"fp8e4nv": tl.float8e4nv, "fp8e4b8": tl.float8e4b8}[arch.fp8_triton]
+                                if plan["F8DOT"] else tl.float16) if kv == "fp8" else tl.bfloat16,
+                        "PAGE_AHEAD": plan["PAGE_AHEAD"], "MERGE_LAST": plan["MERGE_LAST"], "F8DOT": plan["F8DOT"],
+                        "FP8_MAX": arch.fp8_max if kv == "fp8" else 1.0},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))
