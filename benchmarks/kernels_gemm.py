@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python benchmarks/kernels_gemm.py [--json PATH] [--jsonl PATH] [--sweep [FAMILY,..]] [--ms 1,16]
         [--arms ours,sep,gemm,norm,norm0,normq,swiglu,torch,bf16] [--rep MS] [--shapes PREFIX,..]
-        [--sweep-shapes PREFIX,..]
+        [--sweep-shapes PREFIX,..] [--sweep-ms 1,16]
 
 Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 6144, the dense MLP 6144 -> 24576
 (gate|up) and 12288 -> 6144 (down); M = 1 .. 8192 tokens. Arms, same inputs:
@@ -52,23 +52,29 @@ SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144
           "dense gate_up 6144->24576": (6144, 24576), "dense down 12288->6144": (12288, 6144)}
 MS = (1, 16, 256, 1024, 8192)
 ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf16")
-# decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K over about
-# 2 programs per SM, launched as programmatic dependents (PDL: the quantization and the GEMM start while the kernel
-# before them finishes; the GEMM prefetches PREFETCH weight tiles of its split into L2 before griddepcontrol.wait
-# and lets the next kernel launch once its weight stream is done): the kept one first (session 13 window 2; before:
-# 396 programs, no PDL, 1.3-2.2 us slower), then around it (program counts, prefetch depth), and 16-column tiles
-# with tokens as the MMA's M (mma.sync) and no split at all (no split-K tail; each program reads all of x).
-# Session 13 window 1 also timed the quantization inside the GEMM's launch (row programs first, the GEMM programs
-# waiting on a device counter): 0.3-2 us slower than the separate launch at every shape (docs/perf.md), so it is gone.
-_DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=264, PDL=1, PREFETCH=2)
+# decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma), launched as programmatic
+# dependents (PDL: the quantization and the GEMM start while the kernel before them finishes; the GEMM prefetches
+# PREFETCH weight tiles into L2 before griddepcontrol.wait and lets the next kernel launch once its weight stream is
+# done). First the session-13 default: split-K over about 2 programs per SM (SPLIT_PROGRAMS 264: o_proj's 96 column
+# blocks x 2 = 192 programs on 132 SMs), then stream-K (STREAM_K programs per SM, each an equal contiguous range of
+# the (column block, K tile) units) at 1 / 2 / 3 programs per SM, deeper pipelines (more weight bytes in flight),
+# K tiles of 128, prefetch 2.
+# Lost before (docs/perf.md, session 13): 330 / 396 programs, prefetch 4 / 8, unsplit 16-column tiles (mma.sync),
+# the quantization inside the GEMM's launch.
+_DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=264, PDL=1, PREFETCH=1,
+               STREAM_K=0)
+_SK = dict(_DECODE, STREAM_K=2)
 SWEEP = {
     "fp8_gemm_decode": [dict(_DECODE),
-                        dict(_DECODE, SPLIT_PROGRAMS=330),
-                        dict(_DECODE, PREFETCH=1),
-                        dict(_DECODE, PREFETCH=4),
-                        dict(_DECODE, BLOCK_N=16, BLOCK_K=512, SWAP_AB=0, SPLIT_PROGRAMS=384),
-                        dict(_DECODE, BLOCK_N=16, BLOCK_K=1024, SWAP_AB=0, SPLIT_PROGRAMS=384),
-                        dict(_DECODE, PDL=0, PREFETCH=0, SPLIT_PROGRAMS=396)],
+                        dict(_SK),
+                        dict(_SK, STREAM_K=1),
+                        dict(_SK, STREAM_K=3),
+                        dict(_SK, STREAM_K=1, num_stages=5),
+                        dict(_SK, num_stages=4),
+                        dict(_SK, num_stages=5),
+                        dict(_SK, BLOCK_K=128, num_stages=6),
+                        dict(_SK, STREAM_K=3, BLOCK_K=128, num_stages=6),
+                        dict(_SK, PREFETCH=2)],
     "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
                      dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)],
@@ -158,14 +164,16 @@ def measure(name: str, k: int, n: int, m: int, weights: list, wbf: torch.Tensor,
                 weight_gbps=n * k / gemm / 1e6, tflops=2 * m * n * k / ours / 1e9)
 
 
-def sweep(fam: str, arch, fp8: torch.dtype, rep: int, shapes: tuple[str, ...] = ("",)) -> list[dict]:
-    """Time SWEEP[fam] and keep the fastest in TILES (decode: `fp8_linear` on bf16 activations at M = 1 and 16 on
-    every shape, by the sum; mid / prefill: the GEMM alone). Each config is checked before it is timed: against the
-    reference, and at decode also bit for bit against `quantize_fp8_per_token` + `fp8_gemm` and against its own
-    second launch; a config off the reference is reported and skipped. Returns one record per config."""
+def sweep(fam: str, arch, fp8: torch.dtype, rep: int, shapes: tuple[str, ...] = ("",),
+          ms: tuple[int, ...] = (1, 16)) -> list[dict]:
+    """Time SWEEP[fam] and keep the fastest in TILES (decode: `fp8_linear` on bf16 activations at each M of `ms` on
+    every shape, by the sum, and the GEMM alone beside it; mid / prefill: the GEMM alone). Each config is checked
+    before it is timed: against the reference, and at decode also bit for bit against `quantize_fp8_per_token` +
+    `fp8_gemm` and against 8 more launches of its own (split-K / stream-K arrivals race on the GPU only); a config
+    off the reference is reported and skipped. Returns one record per config."""
     decode = fam.startswith("fp8_gemm_decode")
     if decode:  # the shapes each decode table serves
-        cases = [(shape, m) for shape, (_, n) in SHAPES.items() for m in (1, 16)
+        cases = [(shape, m) for shape, (_, n) in SHAPES.items() for m in ms
                  if (n <= NARROW_N) == fam.endswith(":narrow") and shape.startswith(shapes)]
     else:
         cases = [("qkv_index 6144->9856", {"fp8_gemm_mid": 256, "fp8_gemm_prefill": 8192}[fam])]
@@ -181,13 +189,14 @@ def sweep(fam: str, arch, fp8: torch.dtype, rep: int, shapes: tuple[str, ...] = 
     best, records = None, []
     for cfg in SWEEP[fam]:
         TILES[fam][arch.name].update(cfg)
-        times, errs, same = [], [], True
+        times, gemm_times, errs, same = [], [], [], True
         for shape, m in cases:
             x, ws_ = data[shape, m], data[shape]
             xq, xs = quantize_fp8_per_token(x, fp8)
             if decode:
                 out = fp8_linear(x, *ws_[0])
-                same &= torch.equal(out, fp8_gemm(xq, xs, *ws_[0])) and torch.equal(out, fp8_linear(x, *ws_[0]))
+                same &= torch.equal(out, fp8_gemm(xq, xs, *ws_[0]))
+                same &= all(torch.equal(out, fp8_linear(x, *ws_[0])) for _ in range(8))
                 ref = fp8_linear_ref(x, *ws_[0])
             else:
                 out, ref = fp8_gemm(xq, xs, *ws_[0]), fp8_gemm_ref(xq, xs, *ws_[0])
@@ -197,15 +206,19 @@ def sweep(fam: str, arch, fp8: torch.dtype, rep: int, shapes: tuple[str, ...] = 
             run = (lambda x=x, ws_=ws_: [fp8_linear(x, w, s) for w, s in ws_]) if decode else \
                 (lambda xq=xq, xs=xs, ws_=ws_: [fp8_gemm(xq, xs, w, s) for w, s in ws_])
             times.append(bench(run, rep) / 4)
+            if decode:
+                gemm_times.append(bench(lambda xq=xq, xs=xs, ws_=ws_: [fp8_gemm(xq, xs, w, s) for w, s in ws_],
+                                        rep) / 4)
         records.append(dict(bench="fp8_gemm_sweep", family=fam, config=dict(TILES[fam][arch.name]),
                             cases=[f"{s.split()[0]}/M{m}" for s, m in cases], us=[t * 1e3 for t in times],
-                            max_rel_err=max(errs), bitwise_as_separate=same))
-        if max(errs) >= 1e-2:
-            print(f"sweep {fam} {cfg}: FAIL rel err {max(errs):.2e} vs the reference, skipped")
+                            gemm_us=[t * 1e3 for t in gemm_times], max_rel_err=max(errs), bitwise_as_separate=same))
+        if max(errs) >= 1e-2 or not same:
+            print(f"sweep {fam} {cfg}: FAIL rel err {max(errs):.2e} vs the reference, bit for bit {same}, skipped")
         else:
             print(f"sweep {fam} {cfg}: " + " ".join(f"{c} {t * 1e3:.1f}" for c, t in
                                                      zip(records[-1]["cases"], times, strict=True))
-                  + f" | sum {sum(times) * 1e3:.1f} us" + ("" if same else " | NOT bit for bit"))
+                  + f" | sum {sum(times) * 1e3:.1f} us"
+                  + (" | gemm " + " ".join(f"{t * 1e3:.1f}" for t in gemm_times) if gemm_times else ""))
             if best is None or sum(times) < best[0]:
                 best = (sum(times), dict(TILES[fam][arch.name]))
         TILES[fam][arch.name].clear()
@@ -232,6 +245,7 @@ def main() -> None:
     ap.add_argument("--rep", type=int, default=100, help="ms of graph replays per timing sample")
     ap.add_argument("--shapes", help="only the shapes whose names start with one of these (comma-separated)")
     ap.add_argument("--sweep-shapes", default="", help="the decode sweep only on these shapes (name prefixes)")
+    ap.add_argument("--sweep-ms", default="1,16", help="the decode sweep's token counts M")
     args = ap.parse_args()
     if args.shapes:
         for name in list(SHAPES):
@@ -247,7 +261,8 @@ def main() -> None:
     # the sweep first (it checks each config itself), then correctness of the kept tiles at real shapes (GPU dots,
     # not the interpreter's) before the timed table
     for fam in filter(None, args.sweep.split(",")):
-        for rec in sweep(fam, arch, fp8, args.rep, tuple(args.sweep_shapes.split(","))):
+        for rec in sweep(fam, arch, fp8, args.rep, tuple(args.sweep_shapes.split(",")),
+                         tuple(map(int, args.sweep_ms.split(",")))):
             if args.jsonl:
                 with open(args.jsonl, "a") as fh:
                     fh.write(json.dumps(rec) + "\n")

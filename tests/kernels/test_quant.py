@@ -121,6 +121,28 @@ def test_fp8_gemm_decode_split_k(m, k, swap_ab, monkeypatch):
     assert torch.equal(quant.fp8_gemm(xq, xs, wq, ws), out)
 
 
+@pytest.mark.parametrize("m,k,sms", [(1, 1536, 2), (16, 1536, 4), (5, 1400, 3), (16, 1536, 18), (3, 1536, 5)])
+def test_fp8_gemm_decode_stream_k(m, k, sms, monkeypatch):
+    """Stream-K decode tiles: 3 column blocks x 6 K tiles cut into equal ranges over `sms` programs (a range holding
+    a whole tile and two partial ones; ranges inside one tile; one unit each; ranges ending on tile boundaries;
+    a masked K tail): the reference's result, bit-identical on a second launch, the counters back to zero."""
+    from dataclasses import replace
+
+    t = TILES["fp8_gemm_decode"]["sm90"] | {"STREAM_K": 1}
+    monkeypatch.setitem(TILES["fp8_gemm_decode"], "sm90", t)
+    arch = replace(ARCHS["sm90"], num_sms=sms)
+    monkeypatch.setattr(quant, "current_arch", lambda device=None: arch)
+    n = 3 * t["BLOCK_N"] - 5
+    assert quant.stream_k_programs(3, k, t, arch) == sms
+    torch.manual_seed(m + k + sms)
+    wq, ws = quant.quantize_fp8_weight(torch.randn(n, k) * 0.05, FP8)
+    xq, xs = quant.quantize_fp8_per_token(torch.randn(m, k).bfloat16(), FP8)
+    out = quant.fp8_gemm(xq, xs, wq, ws)
+    assert rel(out, quant.fp8_gemm_ref(xq, xs, wq, ws)) < 1e-2
+    assert not quant._counters(out.device).any()
+    assert torch.equal(quant.fp8_gemm(xq, xs, wq, ws), out)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (griddepcontrol runs on hardware only)")
 def test_gpu_fp8_linear_pdl_same_bits(monkeypatch):
     """On the GPU, at M3's shapes: the fp8 norm, the quantization and the GEMMs launched as programmatic dependents
