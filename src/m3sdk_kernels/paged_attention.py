@@ -157,7 +157,8 @@ def _attend_tile(acc, m_i, l_i, q, q_lo, start, kv_end, pos, row_sel, k_base, v_
     too few for an sm90 wgmma's 64): q is q^T [HEAD_DIM, BLOCK_M] in e4m3 and qk_scale its per-row scale times
     the softmax scale, acc is O^T [HEAD_DIM, BLOCK_M], and V's per-token scale enters as a score offset, log2 vs:
     p' = p * vs has a row max of 1 after the max subtraction, so P goes to e4m3 at a fixed scale (V_MUL), with no
-    per-tile max of the scales, and l sums p' / vs = p (the output is acc / (l * V_MUL))."""
+    per-tile max of the scales, and l sums p' / vs = p (the output is acc / (l * V_MUL)); l is kept per key
+    ([BLOCK_N, BLOCK_M]) and summed over the keys after the loop, one cross-warp reduction per tile fewer."""
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     key_ok = n < kv_end
@@ -177,7 +178,7 @@ def _attend_tile(acc, m_i, l_i, q, q_lo, start, kv_end, pos, row_sel, k_base, v_
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[None, :])
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p * (1.0 / vs)[:, None], 0)
+        l_i = l_i * alpha[None, :] + p * (1.0 / vs)[:, None]  # summed over the keys after the loop: no reduction here
         v = _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
         p = p * V_MUL
         p8 = p.to(v_base.dtype.element_ty)
@@ -257,7 +258,10 @@ def _attn_kernel(
         vs_base = v_scale + h * stride_sh
         pages_ptr = page_table + seq.to(tl.int64) * stride_pt
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if F8DOT:
+            l_i = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         if SPARSE and BLOCK_Q == 1:
             # decode: the token's own selection in list order (the online softmax does not care), a fixed slice
             # of it per split; -1 entries are fully masked tiles. Without PAGE_AHEAD each tile loads its block
@@ -334,6 +338,7 @@ def _attn_kernel(
                     page = nxt
         if F8DOT:
             acc = tl.trans(acc)
+            l_i = tl.sum(l_i, 0)
         o = acc / (tl.where(l_i > 0, l_i, 1.0) * V_MUL)[:, None]
         if NUM_SPLITS == 1:
             tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
