@@ -437,7 +437,7 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "MERGE_LAST": cfg.get("MERGE_LAST", 0) if splits > 1 else 0,
-            "F8DOT": cfg.get("F8DOT", 0) if fp8 else 0,
+            "F8DOT": cfg.get("F8DOT", 0) if fp8 and block_q == 1 else 0,  # decode only: no row_sel in that path
             "maxnreg": cfg.get("maxnreg")}
 
 
