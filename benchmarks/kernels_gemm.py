@@ -58,7 +58,8 @@ ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf1
 # done). First the session-13 default: split-K over about 2 programs per SM (SPLIT_PROGRAMS 264: o_proj's 96 column
 # blocks x 2 = 192 programs on 132 SMs), then stream-K (STREAM_K programs per SM, each an equal contiguous range of
 # the (column block, K tile) units) at 1 / 2 / 3 programs per SM, deeper pipelines (more weight bytes in flight),
-# K tiles of 128, 2 / 3 tiles prefetched (the pipeline's first loads after the wait hit L2), 128-row tiles.
+# K tiles of 128, 2 / 3 tiles prefetched (the pipeline's first loads after the wait hit L2; a PDL dependent can only
+# prefetch where shared memory leaves it room beside the running grid: 1 program per SM leaves room), 128-row tiles.
 # Lost before (docs/perf.md, session 13): 330 / 396 programs, prefetch 4 / 8, unsplit 16-column tiles (mma.sync),
 # the quantization inside the GEMM's launch.
 _DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=264, PDL=1, PREFETCH=1,
@@ -75,6 +76,8 @@ SWEEP = {
                         dict(_SK, BLOCK_K=128, num_stages=6),
                         dict(_SK, PREFETCH=2),
                         dict(_SK, num_stages=4, PREFETCH=3),
+                        dict(_SK, STREAM_K=1, num_stages=4, PREFETCH=2),
+                        dict(_SK, STREAM_K=1, num_stages=5, PREFETCH=3),
                         dict(_SK, STREAM_K=1, BLOCK_N=128)],
     "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
