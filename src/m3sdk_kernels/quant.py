@@ -529,9 +529,11 @@ def _fp8_gemm_streamk_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, ws_p
     if q0 == q1:
         _sk_store(c_ptr, own, a_scale, w_scale_last, offs_m, row_ok, offs_n_last, N, stride_cm)
     else:
-        # the tile's other shares were mostly done long ago (the programs after this one start with them): when
-        # all of them have arrived, this program sums at once, without publishing its own partial
-        last = tl.atomic_add(count_ptr + tile, 0, sem="acquire") == q1 - q0
+        # with one other share, that share opened the next program's range, long ago: when it has arrived, this
+        # program sums at once, without publishing its own partial (a range inside the tile ends now, as this one)
+        last = False
+        if (q1 == q0 + 1) & (q0 == pid):
+            last = tl.atomic_add(count_ptr + tile, 0, sem="acquire") == 1
         if not last:
             slot = tl.where(tile == start // k_tiles, 0, 1)
             tl.store(ws_ptr + (pid * 2 + slot).to(tl.int64) * BLOCK_M * BLOCK_N + part, own, mask=row_ok[:, None])
