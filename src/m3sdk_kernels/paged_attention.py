@@ -150,15 +150,15 @@ def _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM: tl.cons
 def _attend_tile(acc, m_i, l_i, q, q_lo, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
                  SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-                 F8DOT: tl.constexpr):
+                 KEYS_M: tl.constexpr, F8DOT: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
 
-    F8DOT (decode, FP8 pages): e4m3 tensor-core dots with the keys as the MMA's M (the rows of a query tile are
-    too few for an sm90 wgmma's 64): q is q^T [HEAD_DIM, BLOCK_M] in e4m3 and qk_scale its per-row scale times
-    the softmax scale, acc is O^T [HEAD_DIM, BLOCK_M], and V's per-token scale enters as a score offset, log2 vs:
-    p' = p * vs has a row max of 1 after the max subtraction, so P goes to e4m3 at a fixed scale (V_MUL), with no
-    per-tile max of the scales, and l sums p' / vs = p (the output is acc / (l * V_MUL)); l is kept per key
-    ([BLOCK_N, BLOCK_M]) and summed over the keys after the loop, one cross-warp reduction per tile fewer."""
+    KEYS_M (decode): the keys are the MMA's M (a decode tile's 16 rows are too few for an sm90 wgmma's 64): q is
+    q^T [HEAD_DIM, BLOCK_M], acc is O^T [HEAD_DIM, BLOCK_M], and l is kept per key ([BLOCK_N, BLOCK_M]), summed
+    over the keys after the loop (no cross-warp sum per tile). With FP8 pages the dots are e4m3 (F8DOT terms of q
+    and P, see `_attn_kernel`): qk_scale is q's per-row scale times the softmax scale, and V's per-token scale
+    enters as a score offset, log2 vs: p' = p * vs has a row max of 1 after the max subtraction, so P goes to e4m3
+    at a fixed scale (V_MUL) with no per-tile max of the scales, and l sums p' / vs = p (out = acc / (l V_MUL))."""
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     key_ok = n < kv_end
@@ -167,24 +167,32 @@ def _attend_tile(acc, m_i, l_i, q, q_lo, start, kv_end, pos, row_sel, k_base, v_
     off = n % PAGE
     k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
                                                                    False), mask=key_ok[:, None], other=0.0)
-    if F8DOT:
-        vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=1.0)
+    if KEYS_M:
         s = tl.dot(k.to(DOT), q)  # S^T [BLOCK_N, BLOCK_M]
         if F8DOT == 2:
             s = tl.dot(k.to(DOT), q_lo, s)
-        s = s * tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0)[:, None] * qk_scale[None, :]
-        s = tl.where(key_ok[:, None] & (n[:, None] <= pos[None, :]), s + tl.log2(vs)[:, None], float("-inf"))
+        if FP8:
+            vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=1.0)
+            s = s * tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0)[:, None] * qk_scale[None, :]
+            s += tl.log2(vs)[:, None]
+        else:
+            s *= qk_scale
+        s = tl.where(key_ok[:, None] & (n[:, None] <= pos[None, :]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[None, :])
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha[None, :] + p * (1.0 / vs)[:, None]  # summed over the keys after the loop: no reduction here
-        v = _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
-        p = p * V_MUL
-        p8 = p.to(v_base.dtype.element_ty)
-        pv = tl.dot(tl.trans(v).to(DOT), p8.to(DOT))  # O^T
-        if F8DOT == 2:
-            pv = tl.dot(tl.trans(v).to(DOT), (p - p8.to(tl.float32)).to(v_base.dtype.element_ty).to(DOT), pv)
+        v = tl.trans(_v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)).to(DOT)
+        if FP8:
+            l_i = l_i * alpha[None, :] + p * (1.0 / vs)[:, None]
+            p = p * V_MUL
+            p8 = p.to(v_base.dtype.element_ty)
+            pv = tl.dot(v, p8.to(DOT))  # O^T
+            if F8DOT == 2:
+                pv = tl.dot(v, (p - p8.to(tl.float32)).to(v_base.dtype.element_ty).to(DOT), pv)
+        else:
+            l_i = l_i * alpha[None, :] + p
+            pv = tl.dot(v, p.to(DOT))
         acc = acc * alpha[None, :] + pv
     else:
         s = tl.dot(q, tl.trans(k.to(DOT)))
@@ -220,7 +228,8 @@ def _attn_kernel(
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, F8DOT: tl.constexpr, FP8_MAX: tl.constexpr):
+        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, F8DOT: tl.constexpr,
+        FP8_MAX: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -237,14 +246,20 @@ def _attn_kernel(
         pos = ctx - n_q + qi
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)
-        if F8DOT:
-            # q^T in e4m3, one scale per row (head), folded into the per-row softmax scale (see _attend_tile)
+        if KEYS_M and FP8:
+            # q^T in e4m3, one scale per row (head), folded into the per-row softmax scale (see _attend_tile);
+            # F8DOT 2 adds the rounding residue as a second e4m3 term (q to ~2^-8 instead of 2^-4, and so P)
             q_rows = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30) / FP8_MAX
             q = q.to(tl.float32) / q_rows[:, None]
             q8 = q.to(k_cache.dtype.element_ty)
             q_lo = tl.trans((q - q8.to(tl.float32)).to(k_cache.dtype.element_ty).to(DOT))
             q = tl.trans(q8.to(DOT))
             row_scale = q_rows * qk_scale
+            acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
+        elif KEYS_M:
+            q = tl.trans(q.to(DOT))
+            q_lo = q  # unused
+            row_scale = qk_scale
             acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
         else:
             q = q.to(DOT)
@@ -258,7 +273,7 @@ def _attn_kernel(
         vs_base = v_scale + h * stride_sh
         pages_ptr = page_table + seq.to(tl.int64) * stride_pt
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        if F8DOT:
+        if KEYS_M:
             l_i = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
             l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -288,7 +303,7 @@ def _attn_kernel(
                     page = _tile_pages(pages_ptr, start, end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_lo, start, end, pos, row_sel, k_base, v_base, ks_base,
                                              vs_base, page, row_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
-                                             SHUFFLE, FP8, V_MUL, DOT, F8DOT)
+                                             SHUFFLE, FP8, V_MUL, DOT, KEYS_M, F8DOT)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -313,7 +328,7 @@ def _attn_kernel(
                             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_lo, start, kv_end, pos, row_sel, k_base,
                                                          v_base, ks_base, vs_base, page, row_scale, stride_cp,
                                                          stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
-                                                         F8DOT)
+                                                         KEYS_M, F8DOT)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -333,10 +348,10 @@ def _attn_kernel(
                     page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_lo, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
                                              ks_base, vs_base, page, row_scale, stride_cp, stride_sp,
-                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, F8DOT)
+                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, F8DOT)
                 if PAGE_AHEAD:
                     page = nxt
-        if F8DOT:
+        if KEYS_M:
             acc = tl.trans(acc)
             l_i = tl.sum(l_i, 0)
         o = acc / (tl.where(l_i > 0, l_i, 1.0) * V_MUL)[:, None]
@@ -437,7 +452,9 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "MERGE_LAST": cfg.get("MERGE_LAST", 0) if splits > 1 else 0,
-            "F8DOT": cfg.get("F8DOT", 0) if fp8 and block_q == 1 else 0,  # decode only: no row_sel in that path
+            # decode only (no row_sel in that path); FP8 pages take it with their e4m3 dots only
+            "F8DOT": cfg.get("F8DOT", 0) if fp8 and block_q == 1 else 0,
+            "KEYS_M": int(block_q == 1 and bool(cfg.get("F8DOT", 0) if fp8 else cfg.get("KEYS_M", 0))),
             "maxnreg": cfg.get("maxnreg")}
 
 
@@ -508,8 +525,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=(F8DOT_P_MUL if plan["F8DOT"] else torch.finfo(v_cache.dtype).max) if fp8 else 1.0,
         DOT=dot_dtype(k_cache.dtype, plan["F8DOT"]), PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"],
-        F8DOT=plan["F8DOT"], FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 1.0, num_warps=plan["num_warps"],
-        num_stages=plan["num_stages"], **limits)
+        KEYS_M=plan["KEYS_M"], F8DOT=plan["F8DOT"], FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 1.0,
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                      HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
@@ -549,7 +566,8 @@ def aot_variants(arch: Arch) -> list:
                         "V_MUL": (F8DOT_P_MUL if plan["F8DOT"] else arch.fp8_max) if kv == "fp8" else 1.0,
                         "DOT": ({"fp8e4nv": tl.float8e4nv, "fp8e4b8": tl.float8e4b8}[arch.fp8_triton]
                                 if plan["F8DOT"] else tl.float16) if kv == "fp8" else tl.bfloat16,
-                        "PAGE_AHEAD": plan["PAGE_AHEAD"], "MERGE_LAST": plan["MERGE_LAST"], "F8DOT": plan["F8DOT"],
+                        "PAGE_AHEAD": plan["PAGE_AHEAD"], "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"],
+                        "F8DOT": plan["F8DOT"],
                         "FP8_MAX": arch.fp8_max if kv == "fp8" else 1.0},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
