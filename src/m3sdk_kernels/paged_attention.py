@@ -157,8 +157,10 @@ def _attend_tile(acc, m_i, l_i, q, q_lo, start, kv_end, pos, row_sel, k_base, v_
     q^T [HEAD_DIM, BLOCK_M], acc is O^T [HEAD_DIM, BLOCK_M], and l is kept per key ([BLOCK_N, BLOCK_M]), summed
     over the keys after the loop (no cross-warp sum per tile). With FP8 pages the dots are e4m3 (F8DOT terms of q
     and P, see `_attn_kernel`): qk_scale is q's per-row scale times the softmax scale, and V's per-token scale
-    enters as a score offset, log2 vs: p' = p * vs has a row max of 1 after the max subtraction, so P goes to e4m3
-    at a fixed scale (V_MUL) with no per-tile max of the scales, and l sums p' / vs = p (out = acc / (l V_MUL))."""
+    vs = 2^e * mant (mant in [1, 2)) enters as a score offset e and a factor mant: p' = exp2(s + e - m) * mant =
+    p * vs up to the frame's constant is below 2 after the max subtraction, so P goes to e4m3 at a fixed scale
+    (V_MUL) with no per-tile max of the scales and no log or division, and l sums exp2(s + e - m) * 2^-e = p
+    (out = acc / (l V_MUL))."""
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     key_ok = n < kv_end
@@ -172,9 +174,13 @@ def _attend_tile(acc, m_i, l_i, q, q_lo, start, kv_end, pos, row_sel, k_base, v_
         if F8DOT == 2:
             s = tl.dot(k.to(DOT), q_lo, s)
         if FP8:
-            vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=1.0)
+            # vs = 2^e * mant, mant in [1, 2), by its bits (a normal fp32: the cache floors scales at 1e-12 / max)
+            bits = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=1.0).to(tl.int32, bitcast=True)
+            expo = (bits >> 23) & 0xFF
+            mant = ((bits & 0x7FFFFF) | (127 << 23)).to(tl.float32, bitcast=True)
+            inv_2e = ((254 - expo) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
             s = s * tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0)[:, None] * qk_scale[None, :]
-            s += tl.log2(vs)[:, None]
+            s += (expo - 127).to(tl.float32)[:, None]
         else:
             s *= qk_scale
         s = tl.where(key_ok[:, None] & (n[:, None] <= pos[None, :]), s, float("-inf"))
@@ -184,8 +190,8 @@ def _attend_tile(acc, m_i, l_i, q, q_lo, start, kv_end, pos, row_sel, k_base, v_
         alpha = tl.exp2(m_i - m_safe)
         v = tl.trans(_v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)).to(DOT)
         if FP8:
-            l_i = l_i * alpha[None, :] + p * (1.0 / vs)[:, None]
-            p = p * V_MUL
+            l_i = l_i * alpha[None, :] + p * inv_2e[:, None]
+            p = p * (mant * V_MUL)[:, None]
             p8 = p.to(v_base.dtype.element_ty)
             pv = tl.dot(v, p8.to(DOT))  # O^T
             if F8DOT == 2:
@@ -458,9 +464,9 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             "maxnreg": cfg.get("maxnreg")}
 
 
-# F8DOT's P in e4m3 is p' * F8DOT_P_MUL, p' <= 1: a power of 2 under both e4m3 maxima (448, fnuz 240), and p' down
-# to 2^-13 (fnuz 2^-14) stays a normal number
-F8DOT_P_MUL = 128.0
+# F8DOT's P in e4m3 is p' * F8DOT_P_MUL, p' < 2: a power of 2 with 2 * F8DOT_P_MUL under both e4m3 maxima (448,
+# fnuz 240), and p' down to 2^-12 (fnuz 2^-13) stays a normal number
+F8DOT_P_MUL = 64.0
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
