@@ -6,8 +6,9 @@
 
 Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 6144, the dense MLP 6144 -> 24576
 (gate|up) and 12288 -> 6144 (down); M = 1 .. 8192 tokens. Arms, same inputs:
-- ours: `fp8_linear` on the bf16 activation, as the model calls it for o_proj and the dense down: the per-token
-  quantization launch + the GEMM (both launched as programmatic dependents where the tile table says PDL)
+- ours: `fp8_linear` on the bf16 activation, as the model calls it for o_proj: the per-token quantization launch +
+  the GEMM (both launched as programmatic dependents where the tile table says PDL), or, up to the decode table's
+  QUANT_M rows, the GEMM quantizing its input itself
 - sep: `quantize_fp8_per_token` (never PDL) + `fp8_gemm`; gemm: `fp8_gemm` alone on a quantized activation
 - torch: per-token quantization in eager torch + `torch._scaled_mm` rowwise (CUTLASS), and `_scaled_mm` alone
 - bf16 `torch.mm`: the "is FP8 worth it" bar
@@ -20,8 +21,9 @@ Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 
 Floor: max(weight + activation bytes / read bandwidth, FLOPs / the fp8 matmul rate measured by `_scaled_mm` at
 8192^3). Decode shapes rotate 4 weight copies (> L2) so every call streams its weight from HBM.
 `--sweep` times a few tile configs per M bucket first and keeps the fastest (printed; copy into arch.py); the decode
-families are timed as `fp8_linear` on bf16 activations (quantization included) at M = 1 and 16 on every shape they
-serve (`--sweep-shapes`) and kept by the sum. `--arms` picks the timed columns (others print nan), `--rep` the ms of
+families (and `fp8_quant`, the quantization launch) are timed as `fp8_linear` on bf16 activations (quantization
+included; the GEMM alone beside it) at each M of `--sweep-ms` on every shape they serve (`--sweep-shapes`) and kept
+by the sum. `--arms` picks the timed columns (others print nan), `--rep` the ms of
 graph replays per timing sample (10 samples each).
 """
 
@@ -52,34 +54,35 @@ SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144
           "dense gate_up 6144->24576": (6144, 24576), "dense down 12288->6144": (12288, 6144)}
 MS = (1, 16, 256, 1024, 8192)
 ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf16")
-# decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma), launched as programmatic
-# dependents (PDL: the quantization and the GEMM start while the kernel before them finishes; the GEMM prefetches
-# PREFETCH weight tiles into L2 before griddepcontrol.wait and lets the next kernel launch once its weight stream is
-# done). First the session-13 default: split-K over about 2 programs per SM (SPLIT_PROGRAMS 264: o_proj's 96 column
-# blocks x 2 = 192 programs on 132 SMs), then stream-K (STREAM_K programs per SM, each an equal contiguous range of
-# the (column block, K tile) units) at 1 / 2 / 3 programs per SM, deeper pipelines (more weight bytes in flight),
-# K tiles of 128, 2 / 3 tiles prefetched (the pipeline's first loads after the wait hit L2; a PDL dependent can only
-# prefetch where shared memory leaves it room beside the running grid: 1 program per SM leaves room), 128-row tiles.
-# Lost before (docs/perf.md, session 13): 330 / 396 programs, prefetch 4 / 8, unsplit 16-column tiles (mma.sync),
-# the quantization inside the GEMM's launch.
-_DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=264, PDL=1, PREFETCH=1,
-               STREAM_K=0)
-_SK = dict(_DECODE, STREAM_K=2)
+# decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K over about
+# 2 programs per SM (o_proj: 96 column blocks x 2 = 192 programs on 132 SMs), launched as programmatic dependents
+# (PDL: the quantization and the GEMM start while the kernel before them finishes; the GEMM prefetches PREFETCH
+# weight tiles into L2 before griddepcontrol.wait and lets the next kernel launch once its weight stream is done).
+# The session-13 default first, then EARLY (the scales loaded before the weight stream, the split partials read in
+# one unrolled round trip: the end-of-launch chain shorter by about two round trips), QUANT_M (`fp8_linear` up to
+# that many rows: the GEMM quantizes its bf16 input itself, no launch in front), 128-row tiles (half the
+# activation bytes per weight byte; 2 or 3 programs per SM), 8 warps, 4 splits, 2 tiles prefetched.
+# Lost before (docs/perf.md): stream-K (session 14 window 1: equal ranges of (column block, K tile) units per
+# program, 1-3 per SM: 0.5-3.5 us slower on every shape), 330 / 396 programs, prefetch 4 / 8, 4 stages, unsplit
+# 16-column tiles (mma.sync), the quantization inside the GEMM's launch.
+_DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=264, PDL=1,
+               PREFETCH=1, EARLY=0, QUANT_M=0)
+_EARLY = dict(_DECODE, EARLY=1)
 SWEEP = {
     "fp8_gemm_decode": [dict(_DECODE),
-                        dict(_SK),
-                        dict(_SK, STREAM_K=1),
-                        dict(_SK, STREAM_K=3),
-                        dict(_SK, STREAM_K=1, num_stages=5),
-                        dict(_SK, num_stages=4),
-                        dict(_SK, num_stages=5),
-                        dict(_SK, BLOCK_K=128, num_stages=6),
-                        dict(_SK, PREFETCH=2),
-                        dict(_SK, num_stages=4, PREFETCH=3),
-                        dict(_SK, STREAM_K=1, num_stages=4, PREFETCH=2),
-                        dict(_SK, STREAM_K=1, num_stages=5, PREFETCH=3),
-                        dict(_SK, STREAM_K=1, BLOCK_N=128)],
+                        dict(_EARLY),
+                        dict(_EARLY, QUANT_M=16),
+                        dict(_EARLY, QUANT_M=16, num_warps=8),
+                        dict(_EARLY, QUANT_M=16, BLOCK_N=128),
+                        dict(_EARLY, BLOCK_N=128),
+                        dict(_EARLY, BLOCK_N=128, num_warps=8),
+                        dict(_EARLY, BLOCK_N=128, num_stages=2),
+                        dict(_EARLY, num_warps=8),
+                        dict(_EARLY, SPLIT_PROGRAMS=396),
+                        dict(_EARLY, PREFETCH=2)],
     "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
+    # the activation quantization launch in front of the decode GEMM (`fp8_linear`, timed as the decode configs)
+    "fp8_quant": [dict(num_warps=16), dict(num_warps=8), dict(num_warps=4)],
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
                      dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)],
     "fp8_gemm_prefill": [dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
@@ -175,10 +178,10 @@ def sweep(fam: str, arch, fp8: torch.dtype, rep: int, shapes: tuple[str, ...] = 
     before it is timed: against the reference, and at decode also bit for bit against `quantize_fp8_per_token` +
     `fp8_gemm` and against 8 more launches of its own (split-K / stream-K arrivals race on the GPU only); a config
     off the reference is reported and skipped. Returns one record per config."""
-    decode = fam.startswith("fp8_gemm_decode")
-    if decode:  # the shapes each decode table serves
+    decode = fam.startswith("fp8_gemm_decode") or fam == "fp8_quant"
+    if decode:  # the shapes each decode table serves (the quantization: all)
         cases = [(shape, m) for shape, (_, n) in SHAPES.items() for m in ms
-                 if (n <= NARROW_N) == fam.endswith(":narrow") and shape.startswith(shapes)]
+                 if (fam == "fp8_quant" or (n <= NARROW_N) == fam.endswith(":narrow")) and shape.startswith(shapes)]
     else:
         cases = [("qkv_index 6144->9856", {"fp8_gemm_mid": 256, "fp8_gemm_prefill": 8192}[fam])]
     if not cases:

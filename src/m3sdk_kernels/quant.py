@@ -299,37 +299,13 @@ def _prefetch_l2(w_ptr, cols, k0, stride_wn, BLOCK_K: tl.constexpr):
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit
-def _mma_step(acc, a_ptr, w_ptr, rows, row_ok, cols, ks, K, stride_am, stride_wn, SWAP_AB: tl.constexpr,
-              EVEN_K: tl.constexpr):
-    # acc += one K tile (columns ks) of the activation rows x the weight rows `cols`
-    if SWAP_AB:  # acc [BLOCK_N, BLOCK_M]
-        a_ptrs = a_ptr + rows[None, :] * stride_am + ks[:, None]
-        w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
-            w = tl.load(w_ptrs, mask=ks[None, :] < K, other=0.0)
-        return tl.dot(w, a, acc)
-    else:  # acc [BLOCK_M, BLOCK_N]
-        a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
-        w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            w = tl.load(w_ptrs, mask=ks[:, None] < K, other=0.0)
-        return tl.dot(a, w, acc)
-
-
 @triton.jit(do_not_specialize=["M"])  # one binary for every decode M (M == 1 is not special)
 def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, stride_am,
                      stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr, SWAP_AB: tl.constexpr,
-                     EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                     EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr,
+                     QUANT: tl.constexpr = False, ROW_K: tl.constexpr = 1, FP8_MAX: tl.constexpr = 448.0,
+                     INTERPRET: tl.constexpr = False):
     # program -> (output tile, K split): the SPLIT_K programs of one tile are neighbours
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K
@@ -365,7 +341,21 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, ws_ptr, coun
         # counters are touched after it
         for p in tl.static_range(PREFETCH):
             _prefetch_l2(w_ptr, cols, (first + (p + pid_n * STAGGER) % count) * BLOCK_K, stride_wn, BLOCK_K)
+    if EARLY:
+        w_scale = tl.load(w_scale_ptr + cols)  # no kernel writes it: before the wait
+    if PDL:
         tl.extra.cuda.gdc_wait()
+    if QUANT:
+        # a_ptr is the bf16 activation: every program quantizes it itself, as quantize_fp8_per_token does (the same
+        # ops: the same scales and fp8 values), instead of a quantization launch in front (M <= QUANT_M rows: each
+        # program reads them whole for their amax)
+        row_k = tl.arange(0, ROW_K)
+        a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)  # rows past M: any finite scale (never stored)
+        for m in range(0, M):
+            xr = tl.load(a_ptr + m * stride_am + row_k, mask=row_k < K, other=0.0).to(tl.float32)
+            a_scale = tl.where(offs_m == m, tl.maximum(tl.max(tl.abs(xr), axis=0), 1e-12) / FP8_MAX, a_scale)
+    elif EARLY:  # the scales now, off the end-of-stream chain (split-K arrival, partial reads, store)
+        a_scale = tl.load(a_scale_ptr + rows)
     if SWAP_AB:  # weight rows as the MMA's M (Hopper: wgmma, fp8 operands straight from shared memory)
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:  # tokens as the MMA's M (a 16-row tile: mma.sync on Hopper, the fp8 upcast to f16 first)
@@ -376,8 +366,30 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, ws_ptr, coun
         j = i
         if STAGGER:
             j = (i + pid_n) % count
-        acc = _mma_step(acc, a_ptr, w_ptr, rows, row_ok, cols, (first + j) * BLOCK_K + offs_k, K, stride_am, stride_wn,
-                        SWAP_AB, EVEN_K)
+        ks = (first + j) * BLOCK_K + offs_k
+        if SWAP_AB:
+            a_ptrs = a_ptr + rows[None, :] * stride_am + ks[:, None]
+            w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
+                w = tl.load(w_ptrs, mask=ks[None, :] < K, other=0.0)
+            if QUANT:
+                a = fp8_grid(tl.clamp(a.to(tl.float32) / a_scale[None, :], -FP8_MAX, FP8_MAX), INTERPRET)
+                a = a.to(w_ptr.dtype.element_ty)
+            acc = tl.dot(w, a, acc)
+        else:
+            a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
+            w_ptrs = w_ptr + cols[None, :] * stride_wn + ks[:, None]
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+                w = tl.load(w_ptrs, mask=ks[:, None] < K, other=0.0)
+            acc = tl.dot(a, w, acc)
     if SWAP_AB:
         acc = tl.trans(acc)
     if PDL:
@@ -396,159 +408,23 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, ws_ptr, coun
         done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
         if done:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for s in range(0, SPLIT_K):  # .cg: read the other SMs' partials from L2, never a stale L1 line
-                acc += tl.load(ws_tile + s * BLOCK_M * BLOCK_N + part, mask=row_ok[:, None], other=0.0,
-                               cache_modifier=".cg")
+            if EARLY:  # unrolled: every split's partial requested at once (one round trip, not SPLIT_K)
+                for s in tl.static_range(SPLIT_K):
+                    acc += tl.load(ws_tile + s * BLOCK_M * BLOCK_N + part, mask=row_ok[:, None], other=0.0,
+                                   cache_modifier=".cg")
+            else:
+                for s in range(0, SPLIT_K):  # .cg: read the other SMs' partials from L2, never a stale L1 line
+                    acc += tl.load(ws_tile + s * BLOCK_M * BLOCK_N + part, mask=row_ok[:, None], other=0.0,
+                                   cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + tile, 0)
     if done:
-        a_scale = tl.load(a_scale_ptr + rows)
-        w_scale = tl.load(w_scale_ptr + cols)
+        if not EARLY and not QUANT:
+            a_scale = tl.load(a_scale_ptr + rows)
+        if not EARLY:
+            w_scale = tl.load(w_scale_ptr + cols)
         acc = acc * a_scale[:, None] * w_scale[None, :]
         tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :],
                  acc.to(c_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _tile_cols(tile, N, BLOCK_N: tl.constexpr):
-    # the weight rows (output columns) of column block `tile`; past N they re-read row 0 (never stored)
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    return offs_n, tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-
-
-@triton.jit
-def _mn(acc, SWAP_AB: tl.constexpr):
-    if SWAP_AB:
-        acc = tl.trans(acc)
-    return acc
-
-
-@triton.jit
-def _cta_barrier(x, INTERPRET: tl.constexpr):
-    # bar.sync as inline PTX (CUDA): tl.debug_barrier inside a loop keeps Triton from software-pipelining it
-    if INTERPRET:
-        tl.debug_barrier()
-    else:
-        tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _sk_owner(unit, units, progs):
-    # the stream-K program whose range holds `unit` (program p owns [p * units // progs, (p + 1) * units // progs))
-    return ((unit + 1) * progs - 1) // units
-
-
-@triton.jit
-def _sk_store(c_ptr, acc, a_scale, w_scale, offs_m, row_ok, offs_n, N, stride_cm):
-    acc = acc * a_scale[:, None] * w_scale[None, :]
-    tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_n[None, :] < N))
-
-
-@triton.jit
-def _sk_sum(ws_ptr, tile, q0, q1, own, me, units, progs, k_tiles, part, row_ok, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr):
-    # the tile's partials, programs q0..q1 in order (a fixed order: the same bits whoever sums them); program `me`'s
-    # is `own` (still in registers). A program's slot 0 holds the partial of the tile its range starts in, slot 1
-    # that of the tile it ends in. .cg: the other SMs' partials from L2, never a stale L1 line
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for q in range(q0, q1 + 1):
-        if q == me:
-            acc += own
-        else:
-            slot = tl.where(tile == (q * units // progs) // k_tiles, 0, 1)
-            acc += tl.load(ws_ptr + (q * 2 + slot).to(tl.int64) * BLOCK_M * BLOCK_N + part, mask=row_ok[:, None],
-                           other=0.0, cache_modifier=".cg")
-    return acc
-
-
-@triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_streamk_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, stride_am,
-                             stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                             PREFETCH: tl.constexpr, INTERPRET: tl.constexpr):
-    # Stream-K decode GEMM (M <= BLOCK_M: the output tiles are the column blocks). The (column block, K tile) units,
-    # column-block major, are cut into one equal contiguous range per program, so every program streams the same
-    # weight bytes whatever the program count (split-K's tiles x splits left SMs with 1 or 2 programs). A range
-    # starts inside one tile and ends inside another: whole tiles in between are stored at once; a tile shared by
-    # several programs is summed by the last of them to arrive (a counter per tile), from fp32 partials.
-    pid = tl.program_id(0)
-    progs = tl.num_programs(0)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    units = tl.cdiv(N, BLOCK_N) * k_tiles
-    start = pid * units // progs
-    end = (pid + 1) * units // progs
-    offs_m = tl.arange(0, BLOCK_M)
-    row_ok = offs_m < M
-    rows = tl.where(row_ok, offs_m, 0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    part = offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    # the scales of the tile the range ends in, early (no kernel writes w_scale): off the range's end-of-stream chain
-    last_tile = (end - 1) // k_tiles
-    offs_n_last, cols_last = _tile_cols(last_tile, N, BLOCK_N)
-    w_scale_last = tl.load(w_scale_ptr + cols_last)
-    if PDL:  # as _fp8_gemm_kernel: only weights are read before griddepcontrol.wait
-        for p in tl.static_range(PREFETCH):
-            u = tl.minimum(start + p, end - 1)
-            _, cols = _tile_cols(u // k_tiles, N, BLOCK_N)
-            _prefetch_l2(w_ptr, cols, (u % k_tiles) * BLOCK_K, stride_wn, BLOCK_K)
-        tl.extra.cuda.gdc_wait()
-    a_scale = tl.load(a_scale_ptr + rows)
-    if SWAP_AB:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    fix = -1  # a tile this program found complete mid-range (every other share in first): summed after the loop
-    for u in range(start, end):  # one loop over the range, so the weight pipeline runs across tile boundaries
-        tile = u // k_tiles
-        kt = u - tile * k_tiles
-        offs_n, cols = _tile_cols(tile, N, BLOCK_N)
-        acc = _mma_step(acc, a_ptr, w_ptr, rows, row_ok, cols, kt * BLOCK_K + offs_k, K, stride_am, stride_wn,
-                        SWAP_AB, EVEN_K)
-        if (kt == k_tiles - 1) & (u < end - 1):  # a tile ends inside the range
-            q0 = _sk_owner(tile * k_tiles, units, progs)
-            if q0 == pid:  # all of it is this program's
-                _sk_store(c_ptr, _mn(acc, SWAP_AB), a_scale, tl.load(w_scale_ptr + cols), offs_m, row_ok, offs_n, N,
-                          stride_cm)
-            else:  # its last K tiles open this range: publish the partial (slot 0), arrive
-                tl.store(ws_ptr + (pid * 2).to(tl.int64) * BLOCK_M * BLOCK_N + part, _mn(acc, SWAP_AB),
-                         mask=row_ok[:, None])
-                _cta_barrier(tile, INTERPRET)  # every thread's partial is written before the release below
-                if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == pid - q0:
-                    fix = tile
-            if SWAP_AB:
-                acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-            else:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if PDL:  # past the weight stream: the next kernel may launch and prefetch while this one finishes
-        tl.extra.cuda.gdc_launch_dependents()
-    # the tile the range ends in
-    tile = last_tile
-    own = _mn(acc, SWAP_AB)
-    q0 = _sk_owner(tile * k_tiles, units, progs)
-    q1 = _sk_owner((tile + 1) * k_tiles - 1, units, progs)
-    if q0 == q1:
-        _sk_store(c_ptr, own, a_scale, w_scale_last, offs_m, row_ok, offs_n_last, N, stride_cm)
-    else:
-        # with one other share, that share opened the next program's range, long ago: when it has arrived, this
-        # program sums at once, without publishing its own partial (a range inside the tile ends now, as this one)
-        last = False
-        if (q1 == q0 + 1) & (q0 == pid):
-            last = tl.atomic_add(count_ptr + tile, 0, sem="acquire") == 1
-        if not last:
-            slot = tl.where(tile == start // k_tiles, 0, 1)
-            tl.store(ws_ptr + (pid * 2 + slot).to(tl.int64) * BLOCK_M * BLOCK_N + part, own, mask=row_ok[:, None])
-            tl.debug_barrier()
-            last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == q1 - q0
-        if last:
-            tot = _sk_sum(ws_ptr, tile, q0, q1, own, pid, units, progs, k_tiles, part, row_ok, BLOCK_M, BLOCK_N)
-            tl.atomic_xchg(count_ptr + tile, 0)
-            _sk_store(c_ptr, tot, a_scale, w_scale_last, offs_m, row_ok, offs_n_last, N, stride_cm)
-    if fix >= 0:
-        offs_n, cols = _tile_cols(fix, N, BLOCK_N)
-        tot = _sk_sum(ws_ptr, fix, _sk_owner(fix * k_tiles, units, progs), pid, own, -1, units, progs, k_tiles, part,
-                      row_ok, BLOCK_M, BLOCK_N)
-        tl.atomic_xchg(count_ptr + fix, 0)
-        _sk_store(c_ptr, tot, a_scale, tl.load(w_scale_ptr + cols), offs_m, row_ok, offs_n, N, stride_cm)
 
 
 # Split-K arrival counters, one int32 per output tile, zero between launches (the last split of a tile resets
@@ -584,57 +460,54 @@ def split_k(tiles_mn: int, k: int, t: dict[str, int]) -> int:
     return triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))
 
 
-def stream_k_programs(tiles_mn: int, k: int, t: dict[str, int], arch: Arch) -> int:
-    """Stream-K programs: STREAM_K per SM of the reference part (all resident at once), at most one per unit."""
-    return min(t["STREAM_K"] * arch.num_sms, tiles_mn * triton.cdiv(k, t["BLOCK_K"]))
-
-
 def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Triton version of `fp8_gemm_ref`. Where the tiles say PDL (sm90 decode) it launches as a programmatic
     dependent of the kernel before it."""
-    m, k = x_q.shape
+    return _gemm(x_q, x_scale, w_q, w_scale, out_dtype)
+
+
+def _gemm(x: torch.Tensor, x_scale: torch.Tensor | None, w_q: torch.Tensor, w_scale: torch.Tensor,
+          out_dtype: torch.dtype) -> torch.Tensor:
+    # x_scale None: x is the bf16 activation, quantized per token inside the GEMM (decode tiles with QUANT_M)
+    m, k = x.shape
     n = w_q.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
-    arch = current_arch(x_q.device)
-    t = _gemm_tiles(m, n, arch)
+    t = _gemm_tiles(m, n, current_arch(x.device))
     tiles_mn = triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"])
-    counters = _counters(x_q.device)
-    pdl = bool(t.get("PDL", 0)) and x_q.is_cuda and not INTERPRET
-    if t.get("STREAM_K", 0) and m <= t["BLOCK_M"]:
-        progs = stream_k_programs(tiles_mn, k, t, arch)
-        ws = torch.empty(progs * 2 * t["BLOCK_M"] * t["BLOCK_N"], dtype=torch.float32, device=x_q.device)
-        _fp8_gemm_streamk_kernel[(progs,)](
-            x_q, x_scale, w_q, w_scale, out, ws, counters, m, n, k, x_q.stride(0), w_q.stride(0), out.stride(0),
-            BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], SWAP_AB=t.get("SWAP_AB", 0),
-            EVEN_K=k % t["BLOCK_K"] == 0, PDL=pdl, PREFETCH=t.get("PREFETCH", 0) if pdl else 0, INTERPRET=INTERPRET,
-            num_warps=t["num_warps"], num_stages=t["num_stages"], **_pdl_launch(pdl))
-        return out
     split = split_k(tiles_mn, k, t)
+    counters = _counters(x.device)
     if split > 1 and tiles_mn > counters.numel():
         raise ValueError(f"fp8_gemm: {tiles_mn} output tiles, the split-K counters hold {counters.numel()}")
     # fp32 partials of every split (unused without a split: any fp32 pointer will do)
     ws = torch.empty(tiles_mn * split * t["BLOCK_M"] * t["BLOCK_N"] if split > 1 else 1, dtype=torch.float32,
-                     device=x_q.device)
+                     device=x.device)
+    pdl = bool(t.get("PDL", 0)) and x.is_cuda and not INTERPRET
+    quant = x_scale is None
     _fp8_gemm_kernel[(tiles_mn * split,)](
-        x_q, x_scale, w_q, w_scale, out, ws, counters, m, n, k, x_q.stride(0), w_q.stride(0), out.stride(0),
-        BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"], SPLIT_K=split,
-        STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0), EVEN_K=k % t["BLOCK_K"] == 0, PDL=pdl,
-        PREFETCH=t.get("PREFETCH", 0) if pdl else 0, num_warps=t["num_warps"], num_stages=t["num_stages"],
-        **_pdl_launch(pdl))
+        x, ws if quant else x_scale, w_q, w_scale, out, ws, counters, m, n, k, x.stride(0), w_q.stride(0),
+        out.stride(0), BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"],
+        SPLIT_K=split, STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0), EVEN_K=k % t["BLOCK_K"] == 0,
+        PDL=pdl, PREFETCH=t.get("PREFETCH", 0) if pdl else 0, EARLY=t.get("EARLY", 0), QUANT=quant,
+        ROW_K=triton.next_power_of_2(k) if quant else 1, FP8_MAX=torch.finfo(w_q.dtype).max, INTERPRET=INTERPRET,
+        num_warps=t["num_warps"], num_stages=t["num_stages"], **_pdl_launch(pdl))
     return out
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Triton version of `fp8_linear_ref`: quantize x per token unless it comes quantized (from the norm); where
-    the GEMM launches as a programmatic dependent (PDL), the quantization launches so too, so the GEMM's weight
+    """Triton version of `fp8_linear_ref`: quantize x per token unless it comes quantized (from the norm): inside
+    the GEMM where the decode tiles say QUANT_M (up to that many rows, swap-AB), else by a launch in front; where
+    the GEMM launches as a programmatic dependent (PDL), that quantization launches so too, so the GEMM's weight
     prefetch overlaps it."""
     if x_scale is None:
-        pdl = bool(_gemm_tiles(x.shape[0], w_q.shape[0], current_arch(x.device)).get("PDL", 0))
-        x, x_scale = quantize_fp8_per_token(x, w_q.dtype, pdl=pdl)
+        t = _gemm_tiles(x.shape[0], w_q.shape[0], current_arch(x.device))
+        if x.shape[0] <= t.get("QUANT_M", 0) and t.get("SWAP_AB", 0) and x.dtype == torch.bfloat16 \
+                and x.stride(1) == 1:
+            return _gemm(x, None, w_q, w_scale, out_dtype)
+        x, x_scale = quantize_fp8_per_token(x, w_q.dtype, pdl=bool(t.get("PDL", 0)))
     return fp8_gemm(x, x_scale, w_q, w_scale, out_dtype)
 
 
@@ -661,28 +534,25 @@ def aot_variants(arch: Arch) -> list:
             num_warps=t["num_warps"], aligned=("K", "stride_x", "stride_q")))
     # (family, variant, N, K): decode at the packed qkv+index projection and, narrow, at o_proj; mid / prefill at
     # o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); each with the split the dispatch picks there
-    gemm_args = {"a_ptr": fp8, "a_scale_ptr": "*fp32", "w_ptr": fp8, "w_scale_ptr": "*fp32", "c_ptr": "*bf16",
-                 "ws_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
-                 "stride_wn": "i32", "stride_cm": "i32"}
-    aligned = ("K", "stride_am", "stride_wn", "stride_cm")
-    for family, variant, n, k in (("fp8_gemm_decode", None, 9856, 6144), ("fp8_gemm_decode", "narrow", 6144, 8192),
-                                  ("fp8_gemm_mid", None, 6144, 8192), ("fp8_gemm_prefill", None, 6144, 8192)):
+    # (family, variant, N, K, quant): decode at the packed qkv+index projection and, narrow, at o_proj (there also
+    # quantizing its bf16 input itself where the table says QUANT_M); mid / prefill at o_proj (8192 -> 6144, the
+    # smallest N of the model's FP8 GEMMs); each with the split the dispatch picks there
+    cases = [("fp8_gemm_decode", None, 9856, 6144, False), ("fp8_gemm_decode", "narrow", 6144, 8192, False),
+             ("fp8_gemm_mid", None, 6144, 8192, False), ("fp8_gemm_prefill", None, 6144, 8192, False)]
+    if tiles("fp8_gemm_decode", arch, "narrow").get("QUANT_M", 0):
+        cases.append(("fp8_gemm_decode", "narrow", 6144, 8192, True))
+    for family, variant, n, k, quant in cases:
         t = tiles(family, arch, variant)
-        if t.get("STREAM_K", 0):
-            pdl = bool(t.get("PDL", 0))
-            out.append(AotVariant(
-                f"{family}{':' + variant if variant else ''} stream-K", _fp8_gemm_streamk_kernel, gemm_args,
-                {"BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"], "BLOCK_K": t["BLOCK_K"],
-                 "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True, "PDL": pdl,
-                 "PREFETCH": t.get("PREFETCH", 0) if pdl else 0, "INTERPRET": False},
-                num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=aligned))
-            continue
         split = split_k(triton.cdiv(n, t["BLOCK_N"]), k, t)
         pdl = bool(t.get("PDL", 0))
         out.append(AotVariant(
-            f"{family}{':' + variant if variant else ''} split {split}", _fp8_gemm_kernel, gemm_args,
+            f"{family}{':' + variant if variant else ''} split {split}{' quant' if quant else ''}", _fp8_gemm_kernel,
+            {"a_ptr": "*bf16" if quant else fp8, "a_scale_ptr": "*fp32", "w_ptr": fp8, "w_scale_ptr": "*fp32",
+             "c_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+             "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32"},
             {"BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"], "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"],
              "SPLIT_K": split, "STAGGER": t.get("STAGGER", 0), "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True,
-             "PDL": pdl, "PREFETCH": t.get("PREFETCH", 0) if pdl else 0},
-            num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=aligned))
+             "PDL": pdl, "PREFETCH": t.get("PREFETCH", 0) if pdl else 0, "EARLY": t.get("EARLY", 0), "QUANT": quant,
+             "ROW_K": triton.next_power_of_2(k) if quant else 1, "FP8_MAX": arch.fp8_max, "INTERPRET": False},
+            num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=("K", "stride_am", "stride_wn", "stride_cm")))
     return out

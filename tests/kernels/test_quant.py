@@ -121,30 +121,25 @@ def test_fp8_gemm_decode_split_k(m, k, swap_ab, monkeypatch):
     assert torch.equal(quant.fp8_gemm(xq, xs, wq, ws), out)
 
 
-@pytest.mark.parametrize("m,k,sms", [(1, 1536, 2), (16, 1536, 4), (5, 1400, 3), (16, 1536, 18), (3, 1536, 5)])
-def test_fp8_gemm_decode_stream_k(m, k, sms, monkeypatch):
-    """Stream-K decode tiles: 3 column blocks x 6 K tiles cut into equal ranges over `sms` programs (a range holding
-    a whole tile and two partial ones; ranges inside one tile; one unit each; ranges ending on tile boundaries;
-    a masked K tail): the reference's result, bit-identical on a second launch, the counters back to zero."""
-    from dataclasses import replace
-
-    t = TILES["fp8_gemm_decode"]["sm90"] | {"STREAM_K": 1}
+@pytest.mark.parametrize("m,k", [(1, 1536), (3, 1400), (16, 1536)])
+def test_fp8_linear_quantizes_inside_the_decode_gemm(m, k, monkeypatch):
+    """QUANT_M: the decode GEMM quantizes its bf16 input itself (every program computes the rows' scales): the
+    bits of the quantization launch + `fp8_gemm`, split K and a masked K tail included."""
+    t = TILES["fp8_gemm_decode"]["sm90"] | {"SPLIT_PROGRAMS": 12, "QUANT_M": 16}
     monkeypatch.setitem(TILES["fp8_gemm_decode"], "sm90", t)
-    arch = replace(ARCHS["sm90"], num_sms=sms)
-    monkeypatch.setattr(quant, "current_arch", lambda device=None: arch)
     n = 3 * t["BLOCK_N"] - 5
-    assert quant.stream_k_programs(3, k, t, arch) == sms
-    torch.manual_seed(m + k + sms)
+    torch.manual_seed(m + k)
     wq, ws = quant.quantize_fp8_weight(torch.randn(n, k) * 0.05, FP8)
-    xq, xs = quant.quantize_fp8_per_token(torch.randn(m, k).bfloat16(), FP8)
-    out = quant.fp8_gemm(xq, xs, wq, ws)
-    assert rel(out, quant.fp8_gemm_ref(xq, xs, wq, ws)) < 1e-2
+    x = torch.randn(m, k).bfloat16() * torch.logspace(-2, 1, m)[:, None].bfloat16()  # rows of different scale
+    out = quant.fp8_linear(x, wq, ws)
+    assert torch.equal(out, quant.fp8_gemm(*quant.quantize_fp8_per_token(x, FP8), wq, ws))
+    assert rel(out, quant.fp8_linear_ref(x, wq, ws)) < 1e-2
     assert not quant._counters(out.device).any()
-    assert torch.equal(quant.fp8_gemm(xq, xs, wq, ws), out)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (griddepcontrol runs on hardware only)")
-def test_gpu_fp8_linear_pdl_same_bits(monkeypatch):
+@pytest.mark.parametrize("decode", [{}, {"EARLY": 1, "QUANT_M": 16}])  # the table's, o_proj quantizing inside
+def test_gpu_fp8_linear_pdl_same_bits(decode, monkeypatch):
     """On the GPU, at M3's shapes: the fp8 norm, the quantization and the GEMMs launched as programmatic dependents
     (PDL: a GEMM prefetches its weights before waiting for the kernel before it) give the bits of plain launches,
     eagerly and replayed from a CUDA graph, each kernel reading the one before's output."""
@@ -170,7 +165,8 @@ def test_gpu_fp8_linear_pdl_same_bits(monkeypatch):
     yr, ysr, _ = add_rms_norm_ref(xs[0], nw, 1e-6, xs[0], fp8)  # two fp8 roundings in a row: a looser bound
     assert rel(plain[0], quant.fp8_linear_ref(quant.fp8_gemm_ref(yr, ysr, *w1)[:, :8192], *w2)) < 5e-2
     for fam in ("fp8_gemm_decode", "fp8_gemm_decode:narrow", "rms_norm"):
-        monkeypatch.setitem(TILES[fam], "sm90", TILES[fam]["sm90"] | {"PDL": 1, "PREFETCH": 2})
+        monkeypatch.setitem(TILES[fam], "sm90", TILES[fam]["sm90"] | {"PDL": 1, "PREFETCH": 2}
+                            | (decode if fam.startswith("fp8") else {}))
     for x, want in zip(xs, plain, strict=True):
         assert torch.equal(chain(x), want)
         g = torch.cuda.CUDAGraph()
