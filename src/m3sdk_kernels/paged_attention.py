@@ -147,20 +147,15 @@ def _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM: tl.cons
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, q_lo, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
+def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
                  SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-                 KEYS_M: tl.constexpr, F8DOT: tl.constexpr):
+                 KEYS_M: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
 
-    KEYS_M (decode): the keys are the MMA's M (a decode tile's 16 rows are too few for an sm90 wgmma's 64): q is
-    q^T [HEAD_DIM, BLOCK_M], acc is O^T [HEAD_DIM, BLOCK_M], and l is kept per key ([BLOCK_N, BLOCK_M]), summed
-    over the keys after the loop (no cross-warp sum per tile). With FP8 pages the dots are e4m3 (F8DOT terms of q
-    and P, see `_attn_kernel`): qk_scale is q's per-row scale times the softmax scale, and V's per-token scale
-    vs = 2^e * mant (mant in [1, 2)) enters as a score offset e and a factor mant: p' = exp2(s + e - m) * mant =
-    p * vs up to the frame's constant is below 2 after the max subtraction, so P goes to e4m3 at a fixed scale
-    (V_MUL) with no per-tile max of the scales and no log or division, and l sums exp2(s + e - m) * 2^-e = p
-    (out = acc / (l V_MUL))."""
+    KEYS_M (bf16 decode): the keys are the MMA's M (a decode tile's 16 rows are too few for an sm90 wgmma's 64):
+    q is q^T [HEAD_DIM, BLOCK_M], acc is O^T [HEAD_DIM, BLOCK_M], and l is kept per key ([BLOCK_N, BLOCK_M]),
+    summed over the keys after the loop (no cross-warp sum per tile)."""
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     key_ok = n < kv_end
@@ -170,36 +165,15 @@ def _attend_tile(acc, m_i, l_i, q, q_lo, start, kv_end, pos, row_sel, k_base, v_
     k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
                                                                    False), mask=key_ok[:, None], other=0.0)
     if KEYS_M:
-        s = tl.dot(k.to(DOT), q)  # S^T [BLOCK_N, BLOCK_M]
-        if F8DOT == 2:
-            s = tl.dot(k.to(DOT), q_lo, s)
-        if FP8:
-            # vs = 2^e * mant, mant in [1, 2), by its bits (a normal fp32: the cache floors scales at 1e-12 / max)
-            bits = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=1.0).to(tl.int32, bitcast=True)
-            expo = (bits >> 23) & 0xFF
-            mant = ((bits & 0x7FFFFF) | (127 << 23)).to(tl.float32, bitcast=True)
-            inv_2e = ((254 - expo) << 23).to(tl.float32, bitcast=True)  # 2^-e, exact
-            s = s * tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0)[:, None] * qk_scale[None, :]
-            s += (expo - 127).to(tl.float32)[:, None]
-        else:
-            s *= qk_scale
+        s = tl.dot(k.to(DOT), q) * qk_scale  # S^T [BLOCK_N, BLOCK_M]
         s = tl.where(key_ok[:, None] & (n[:, None] <= pos[None, :]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[None, :])
         alpha = tl.exp2(m_i - m_safe)
-        v = tl.trans(_v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)).to(DOT)
-        if FP8:
-            l_i = l_i * alpha[None, :] + p * inv_2e[:, None]
-            p = p * (mant * V_MUL)[:, None]
-            p8 = p.to(v_base.dtype.element_ty)
-            pv = tl.dot(v, p8.to(DOT))  # O^T
-            if F8DOT == 2:
-                pv = tl.dot(v, (p - p8.to(tl.float32)).to(v_base.dtype.element_ty).to(DOT), pv)
-        else:
-            l_i = l_i * alpha[None, :] + p
-            pv = tl.dot(v, p.to(DOT))
-        acc = acc * alpha[None, :] + pv
+        l_i = l_i * alpha[None, :] + p
+        v = _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v).to(DOT), p.to(DOT))  # O^T
     else:
         s = tl.dot(q, tl.trans(k.to(DOT)))
         if FP8:
@@ -234,8 +208,7 @@ def _attn_kernel(
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, F8DOT: tl.constexpr,
-        FP8_MAX: tl.constexpr):
+        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -252,25 +225,11 @@ def _attn_kernel(
         pos = ctx - n_q + qi
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)
-        if KEYS_M and FP8:
-            # q^T in e4m3, one scale per row (head), folded into the per-row softmax scale (see _attend_tile);
-            # F8DOT 2 adds the rounding residue as a second e4m3 term (q to ~2^-8 instead of 2^-4, and so P)
-            q_rows = tl.maximum(tl.max(tl.abs(q.to(tl.float32)), 1), 1e-30) / FP8_MAX
-            q = q.to(tl.float32) / q_rows[:, None]
-            q8 = q.to(k_cache.dtype.element_ty)
-            q_lo = tl.trans((q - q8.to(tl.float32)).to(k_cache.dtype.element_ty).to(DOT))
-            q = tl.trans(q8.to(DOT))
-            row_scale = q_rows * qk_scale
-            acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
-        elif KEYS_M:
+        if KEYS_M:
             q = tl.trans(q.to(DOT))
-            q_lo = q  # unused
-            row_scale = qk_scale
             acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
         else:
             q = q.to(DOT)
-            q_lo = q  # unused
-            row_scale = qk_scale
             acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         kv_end = ctx - n_q + tl.minimum(first + BLOCK_Q, n_q)  # keys past the tile's last query are unseen
         k_base = k_cache + h * stride_ch
@@ -307,9 +266,9 @@ def _attn_kernel(
                     start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
                     end = tl.where(blk >= 0, kv_end, 0)
                     page = _tile_pages(pages_ptr, start, end, BLOCK_N)
-                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_lo, start, end, pos, row_sel, k_base, v_base, ks_base,
-                                             vs_base, page, row_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
-                                             SHUFFLE, FP8, V_MUL, DOT, KEYS_M, F8DOT)
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
+                                             vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
+                                             SHUFFLE, FP8, V_MUL, DOT, KEYS_M)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -331,10 +290,10 @@ def _attn_kernel(
                         start = cur * SEL_BLOCK + sub
                         if start < kv_end:
                             page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
-                            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_lo, start, kv_end, pos, row_sel, k_base,
-                                                         v_base, ks_base, vs_base, page, row_scale, stride_cp,
+                            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
+                                                         v_base, ks_base, vs_base, page, qk_scale, stride_cp,
                                                          stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
-                                                         KEYS_M, F8DOT)
+                                                         KEYS_M)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -352,9 +311,9 @@ def _attn_kernel(
                     nxt = _tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
                 else:
                     page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
-                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_lo, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
-                                             ks_base, vs_base, page, row_scale, stride_cp, stride_sp,
-                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, F8DOT)
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
+                                             ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
+                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M)
                 if PAGE_AHEAD:
                     page = nxt
         if KEYS_M:
@@ -429,13 +388,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def dot_dtype(kv_dtype: torch.dtype, f8dot: bool = False) -> tl.dtype:
-    """Operand type of the attention dots for a KV cache of `kv_dtype`: the fp8 type itself with `f8dot`, else fp16
-    for FP8 (the e4m3 -> fp16 convert is exact; -> bf16 is not on Hopper), the cache type otherwise."""
+def dot_dtype(kv_dtype: torch.dtype) -> tl.dtype:
+    """Operand type of the attention dots for a KV cache of `kv_dtype`: fp16 for FP8 (the e4m3 -> fp16 convert is
+    exact and cheap; -> bf16 is not on Hopper), the cache type otherwise."""
     if interpreting() or kv_dtype == torch.float32:
         return tl.float32
-    if f8dot:
-        return {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e4m3fnuz: tl.float8e4b8}[kv_dtype]
     if kv_dtype.itemsize == 1:
         return tl.float16
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[kv_dtype]
@@ -458,15 +415,9 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "MERGE_LAST": cfg.get("MERGE_LAST", 0) if splits > 1 else 0,
-            # decode only (no row_sel in that path); FP8 pages take it with their e4m3 dots only
-            "F8DOT": cfg.get("F8DOT", 0) if fp8 and block_q == 1 else 0,
-            "KEYS_M": int(block_q == 1 and bool(cfg.get("F8DOT", 0) if fp8 else cfg.get("KEYS_M", 0))),
+            "KEYS_M": int(block_q == 1 and not fp8 and cfg.get("KEYS_M", 0)),  # decode only: no row_sel there
             "maxnreg": cfg.get("maxnreg")}
 
-
-# F8DOT's P in e4m3 is p' * F8DOT_P_MUL, p' < 2: a power of 2 with 2 * F8DOT_P_MUL under both e4m3 maxima (448,
-# fnuz 240), and p' down to 2^-12 (fnuz 2^-13) stays a normal number
-F8DOT_P_MUL = 64.0
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
@@ -529,9 +480,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         NUM_HEADS=hq, HEAD_DIM=head_dim, GROUP=hq // hkv, BLOCK_H=plan["BLOCK_H"], BLOCK_Q=plan["BLOCK_Q"],
         BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle",
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
-        V_MUL=(F8DOT_P_MUL if plan["F8DOT"] else torch.finfo(v_cache.dtype).max) if fp8 else 1.0,
-        DOT=dot_dtype(k_cache.dtype, plan["F8DOT"]), PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"],
-        KEYS_M=plan["KEYS_M"], F8DOT=plan["F8DOT"], FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 1.0,
+        V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
+        PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -569,12 +519,9 @@ def aot_variants(arch: Arch) -> list:
                         "BLOCK_Q": plan["BLOCK_Q"], "BLOCK_N": plan["BLOCK_N"], "NUM_SPLITS": plan["NUM_SPLITS"],
                         "X": 16 if kv == "fp8" else 8, "SHUFFLE": layout == "shuffle", "FP8": kv == "fp8",
                         "SPARSE": sparse, "TOPK": m["topk"], "TOPK_PAD": m["topk"], "SEL_BLOCK": m["block_size"],
-                        "V_MUL": (F8DOT_P_MUL if plan["F8DOT"] else arch.fp8_max) if kv == "fp8" else 1.0,
-                        "DOT": ({"fp8e4nv": tl.float8e4nv, "fp8e4b8": tl.float8e4b8}[arch.fp8_triton]
-                                if plan["F8DOT"] else tl.float16) if kv == "fp8" else tl.bfloat16,
-                        "PAGE_AHEAD": plan["PAGE_AHEAD"], "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"],
-                        "F8DOT": plan["F8DOT"],
-                        "FP8_MAX": arch.fp8_max if kv == "fp8" else 1.0},
+                        "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
+                        "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
+                        "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))
