@@ -60,13 +60,14 @@ ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf1
 # weight tiles into L2 before griddepcontrol.wait and lets the next kernel launch once its weight stream is done).
 # The session-13 default first, then EARLY (the scales loaded before the weight stream, the split partials read in
 # one unrolled round trip: the end-of-launch chain shorter by about two round trips), QUANT_M (`fp8_linear` up to
-# that many rows: the GEMM quantizes its bf16 input itself, no launch in front), 128-row tiles (half the
-# activation bytes per weight byte; 2 or 3 programs per SM), 8 warps, 4 splits, 2 tiles prefetched.
+# that many rows: the GEMM quantizes its bf16 input itself, no launch in front), TMA (the weight tile by one tensor
+# copy per stage, not 8 cp.async per thread), 128-row tiles (half the activation bytes per weight byte; 2 or 3
+# programs per SM), 8 warps, 4 splits, 2 tiles prefetched.
 # Lost before (docs/perf.md): stream-K (session 14 window 1: equal ranges of (column block, K tile) units per
 # program, 1-3 per SM: 0.5-3.5 us slower on every shape), 330 / 396 programs, prefetch 4 / 8, 4 stages, unsplit
 # 16-column tiles (mma.sync), the quantization inside the GEMM's launch.
 _DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=264, PDL=1,
-               PREFETCH=1, EARLY=0, QUANT_M=0)
+               PREFETCH=1, EARLY=0, QUANT_M=0, TMA=0)
 _EARLY = dict(_DECODE, EARLY=1)
 SWEEP = {
     "fp8_gemm_decode": [dict(_DECODE),
@@ -74,6 +75,9 @@ SWEEP = {
                         dict(_EARLY, QUANT_M=16),
                         dict(_EARLY, QUANT_M=16, num_warps=8),
                         dict(_EARLY, QUANT_M=16, BLOCK_N=128),
+                        dict(_EARLY, TMA=1),
+                        dict(_EARLY, TMA=1, num_stages=4),
+                        dict(_EARLY, TMA=1, QUANT_M=16),
                         dict(_EARLY, BLOCK_N=128),
                         dict(_EARLY, BLOCK_N=128, num_warps=8),
                         dict(_EARLY, BLOCK_N=128, num_stages=2),

@@ -300,7 +300,7 @@ def _prefetch_l2(w_ptr, cols, k0, stride_wn, BLOCK_K: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every decode M (M == 1 is not special)
-def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, stride_am,
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, stride_am,
                      stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr, SWAP_AB: tl.constexpr,
                      EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr,
@@ -372,9 +372,13 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, c_ptr, ws_ptr, coun
             w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs)
             else:
                 a = tl.load(a_ptrs, mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
+            if w_desc is not None:  # TMA: the weight tile in one copy (zero past N and K)
+                w = w_desc.load([pid_n * BLOCK_N, (first + j) * BLOCK_K])
+            elif EVEN_K:
+                w = tl.load(w_ptrs)
+            else:
                 w = tl.load(w_ptrs, mask=ks[None, :] < K, other=0.0)
             if QUANT:
                 a = fp8_grid(tl.clamp(a.to(tl.float32) / a_scale[None, :], -FP8_MAX, FP8_MAX), INTERPRET)
@@ -486,8 +490,13 @@ def _gemm(x: torch.Tensor, x_scale: torch.Tensor | None, w_q: torch.Tensor, w_sc
                      device=x.device)
     pdl = bool(t.get("PDL", 0)) and x.is_cuda and not INTERPRET
     quant = x_scale is None
+    w_desc = None
+    if t.get("TMA", 0) and t.get("SWAP_AB", 0) and x.is_cuda and not INTERPRET:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w_desc = TensorDescriptor.from_tensor(w_q, [t["BLOCK_N"], t["BLOCK_K"]])
     _fp8_gemm_kernel[(tiles_mn * split,)](
-        x, ws if quant else x_scale, w_q, w_scale, out, ws, counters, m, n, k, x.stride(0), w_q.stride(0),
+        x, ws if quant else x_scale, w_q, w_desc, w_scale, out, ws, counters, m, n, k, x.stride(0), w_q.stride(0),
         out.stride(0), BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"],
         SPLIT_K=split, STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0), EVEN_K=k % t["BLOCK_K"] == 0,
         PDL=pdl, PREFETCH=t.get("PREFETCH", 0) if pdl else 0, EARLY=t.get("EARLY", 0), QUANT=quant,
@@ -545,13 +554,18 @@ def aot_variants(arch: Arch) -> list:
         t = tiles(family, arch, variant)
         split = split_k(triton.cdiv(n, t["BLOCK_N"]), k, t)
         pdl = bool(t.get("PDL", 0))
+        tma = bool(t.get("TMA", 0) and t.get("SWAP_AB", 0))
+        types = {"a_ptr": "*bf16" if quant else fp8, "a_scale_ptr": "*fp32", "w_ptr": fp8, "w_scale_ptr": "*fp32",
+                 "c_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+                 "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32"}
+        if tma:
+            types["w_desc"] = f"tensordesc<{arch.fp8_triton}[{t['BLOCK_N']}, {t['BLOCK_K']}]>"
+        name = f"{family}{':' + variant if variant else ''} split {split}"
         out.append(AotVariant(
-            f"{family}{':' + variant if variant else ''} split {split}{' quant' if quant else ''}", _fp8_gemm_kernel,
-            {"a_ptr": "*bf16" if quant else fp8, "a_scale_ptr": "*fp32", "w_ptr": fp8, "w_scale_ptr": "*fp32",
-             "c_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-             "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32"},
-            {"BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"], "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"],
-             "SPLIT_K": split, "STAGGER": t.get("STAGGER", 0), "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True,
+            name + (" quant" if quant else "") + (" tma" if tma else ""), _fp8_gemm_kernel, types,
+            {**({} if tma else {"w_desc": None}), "BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"],
+             "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"], "SPLIT_K": split, "STAGGER": t.get("STAGGER", 0),
+             "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True,
              "PDL": pdl, "PREFETCH": t.get("PREFETCH", 0) if pdl else 0, "EARLY": t.get("EARLY", 0), "QUANT": quant,
              "ROW_K": triton.next_power_of_2(k) if quant else 1, "FP8_MAX": arch.fp8_max, "INTERPRET": False},
             num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=("K", "stride_am", "stride_wn", "stride_cm")))
