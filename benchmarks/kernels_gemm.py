@@ -77,6 +77,7 @@ SWEEP = {
                         dict(_EARLY, QUANT_M=16, BLOCK_N=128),
                         dict(_EARLY, TMA=1),
                         dict(_EARLY, TMA=1, num_stages=4),
+                        dict(_EARLY, TMA=1, num_stages=5),
                         dict(_EARLY, TMA=1, QUANT_M=16),
                         dict(_EARLY, BLOCK_N=128),
                         dict(_EARLY, BLOCK_N=128, num_warps=8),
