@@ -61,8 +61,8 @@ ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf1
 # The session-13 default first, then EARLY (the scales loaded before the weight stream, the split partials read in
 # one unrolled round trip: the end-of-launch chain shorter by about two round trips), QUANT_M (`fp8_linear` up to
 # that many rows: the GEMM quantizes its bf16 input itself, no launch in front), TMA (the weight tile by one tensor
-# copy per stage, not 8 cp.async per thread), 128-row tiles (half the activation bytes per weight byte; 2 or 3
-# programs per SM), 8 warps, 4 splits, 2 tiles prefetched.
+# copy per stage, not 8 cp.async per thread; TMA 2: the activation tile too), 128-row tiles (half the activation
+# bytes per weight byte; 2 or 3 programs per SM), 8 warps.
 # Lost before (docs/perf.md): stream-K (session 14 window 1: equal ranges of (column block, K tile) units per
 # program, 1-3 per SM: 0.5-3.5 us slower on every shape), 330 / 396 programs, prefetch 4 / 8, 4 stages, unsplit
 # 16-column tiles (mma.sync), the quantization inside the GEMM's launch.
@@ -79,12 +79,12 @@ SWEEP = {
                         dict(_EARLY, TMA=1, num_stages=4),
                         dict(_EARLY, TMA=1, num_stages=5),
                         dict(_EARLY, TMA=1, QUANT_M=16),
+                        dict(_EARLY, TMA=2),
+                        dict(_EARLY, TMA=2, num_stages=4),
                         dict(_EARLY, BLOCK_N=128),
                         dict(_EARLY, BLOCK_N=128, num_warps=8),
                         dict(_EARLY, BLOCK_N=128, num_stages=2),
-                        dict(_EARLY, num_warps=8),
-                        dict(_EARLY, SPLIT_PROGRAMS=396),
-                        dict(_EARLY, PREFETCH=2)],
+                        dict(_EARLY, num_warps=8)],
     "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
     # the activation quantization launch in front of the decode GEMM (`fp8_linear`, timed as the decode configs)
     "fp8_quant": [dict(num_warps=16), dict(num_warps=8), dict(num_warps=4)],

@@ -300,12 +300,12 @@ def _prefetch_l2(w_ptr, cols, k0, stride_wn, BLOCK_K: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every decode M (M == 1 is not special)
-def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, stride_am,
-                     stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr, SWAP_AB: tl.constexpr,
-                     EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr,
-                     QUANT: tl.constexpr = False, ROW_K: tl.constexpr = 1, FP8_MAX: tl.constexpr = 448.0,
-                     INTERPRET: tl.constexpr = False):
+def _fp8_gemm_kernel(a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_ptr, ws_ptr, count_ptr, M, N, K,
+                     stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr,
+                     SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                     EARLY: tl.constexpr, QUANT: tl.constexpr = False, ROW_K: tl.constexpr = 1,
+                     FP8_MAX: tl.constexpr = 448.0, INTERPRET: tl.constexpr = False):
     # program -> (output tile, K split): the SPLIT_K programs of one tile are neighbours
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K
@@ -370,7 +370,9 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_ptr, ws_p
         if SWAP_AB:
             a_ptrs = a_ptr + rows[None, :] * stride_am + ks[:, None]
             w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
-            if EVEN_K:
+            if a_desc is not None:  # TMA: the activation tile in one copy (zero past M and K)
+                a = tl.trans(a_desc.load([pid_m * BLOCK_M, (first + j) * BLOCK_K]))
+            elif EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
@@ -490,18 +492,20 @@ def _gemm(x: torch.Tensor, x_scale: torch.Tensor | None, w_q: torch.Tensor, w_sc
                      device=x.device)
     pdl = bool(t.get("PDL", 0)) and x.is_cuda and not INTERPRET
     quant = x_scale is None
-    w_desc = None
+    w_desc = a_desc = None
     if t.get("TMA", 0) and t.get("SWAP_AB", 0) and x.is_cuda and not INTERPRET:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         w_desc = TensorDescriptor.from_tensor(w_q, [t["BLOCK_N"], t["BLOCK_K"]])
+        if t["TMA"] > 1 and not quant and x.stride(1) == 1 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0:
+            a_desc = TensorDescriptor.from_tensor(x, [t["BLOCK_M"], t["BLOCK_K"]])
     _fp8_gemm_kernel[(tiles_mn * split,)](
-        x, ws if quant else x_scale, w_q, w_desc, w_scale, out, ws, counters, m, n, k, x.stride(0), w_q.stride(0),
-        out.stride(0), BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"],
-        SPLIT_K=split, STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0), EVEN_K=k % t["BLOCK_K"] == 0,
-        PDL=pdl, PREFETCH=t.get("PREFETCH", 0) if pdl else 0, EARLY=t.get("EARLY", 0), QUANT=quant,
-        ROW_K=triton.next_power_of_2(k) if quant else 1, FP8_MAX=torch.finfo(w_q.dtype).max, INTERPRET=INTERPRET,
-        num_warps=t["num_warps"], num_stages=t["num_stages"], **_pdl_launch(pdl))
+        x, a_desc, ws if quant else x_scale, w_q, w_desc, w_scale, out, ws, counters, m, n, k, x.stride(0),
+        w_q.stride(0), out.stride(0), BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
+        GROUP_M=t["GROUP_M"], SPLIT_K=split, STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0),
+        EVEN_K=k % t["BLOCK_K"] == 0, PDL=pdl, PREFETCH=t.get("PREFETCH", 0) if pdl else 0, EARLY=t.get("EARLY", 0),
+        QUANT=quant, ROW_K=triton.next_power_of_2(k) if quant else 1, FP8_MAX=torch.finfo(w_q.dtype).max,
+        INTERPRET=INTERPRET, num_warps=t["num_warps"], num_stages=t["num_stages"], **_pdl_launch(pdl))
     return out
 
 
@@ -560,13 +564,16 @@ def aot_variants(arch: Arch) -> list:
                  "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32"}
         if tma:
             types["w_desc"] = f"tensordesc<{arch.fp8_triton}[{t['BLOCK_N']}, {t['BLOCK_K']}]>"
+        tma_a = tma and t["TMA"] > 1 and not quant
+        if tma_a:
+            types["a_desc"] = f"tensordesc<{arch.fp8_triton}[{t['BLOCK_M']}, {t['BLOCK_K']}]>"
         name = f"{family}{':' + variant if variant else ''} split {split}"
         out.append(AotVariant(
             name + (" quant" if quant else "") + (" tma" if tma else ""), _fp8_gemm_kernel, types,
-            {**({} if tma else {"w_desc": None}), "BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"],
-             "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"], "SPLIT_K": split, "STAGGER": t.get("STAGGER", 0),
-             "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True,
-             "PDL": pdl, "PREFETCH": t.get("PREFETCH", 0) if pdl else 0, "EARLY": t.get("EARLY", 0), "QUANT": quant,
+            {**({} if tma else {"w_desc": None}), **({} if tma_a else {"a_desc": None}), "BLOCK_M": t["BLOCK_M"],
+             "BLOCK_N": t["BLOCK_N"], "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"], "SPLIT_K": split,
+             "STAGGER": t.get("STAGGER", 0), "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True, "PDL": pdl,
+             "PREFETCH": t.get("PREFETCH", 0) if pdl else 0, "EARLY": t.get("EARLY", 0), "QUANT": quant,
              "ROW_K": triton.next_power_of_2(k) if quant else 1, "FP8_MAX": arch.fp8_max, "INTERPRET": False},
             num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=("K", "stride_am", "stride_wn", "stride_cm")))
     return out

@@ -138,8 +138,8 @@ def test_fp8_linear_quantizes_inside_the_decode_gemm(m, k, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (griddepcontrol runs on hardware only)")
-# the table's tiles; o_proj quantizing inside the GEMM; the weight tiles by TMA
-@pytest.mark.parametrize("decode", [{}, {"EARLY": 1, "QUANT_M": 16}, {"EARLY": 1, "TMA": 1}])
+# the table's tiles; o_proj quantizing inside the GEMM; the weight (and activation) tiles by TMA
+@pytest.mark.parametrize("decode", [{}, {"EARLY": 1, "QUANT_M": 16}, {"EARLY": 1, "TMA": 1}, {"EARLY": 1, "TMA": 2}])
 def test_gpu_fp8_linear_pdl_same_bits(decode, monkeypatch):
     """On the GPU, at M3's shapes: the fp8 norm, the quantization and the GEMMs launched as programmatic dependents
     (PDL: a GEMM prefetches its weights before waiting for the kernel before it) give the bits of plain launches,
