@@ -113,10 +113,12 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
         "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
     },
     # FP8 on the H200 (docs/perf.md): block ids read once and page ids carried a tile ahead (PAGE_AHEAD, session 12);
-    # two programs of 2 warps per (token, KV head), each walking 8 blocks in 64-key tiles, merged by the last to
-    # finish (MERGE_LAST): 4 programs per SM in one wave (252 registers x 64 threads, 40 KB), session 13 window 2,
-    # b64 32K: 0.0568 -> 0.0523 ms device time (57 -> 62 % of the read floor, 1.13x -> 1.23x SDPA pre-gathered)
-    "sparse_decode:fp8": {"sm90": {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3, "SPLIT_PROGRAMS": 512,
+    # four one-warp programs per (token, KV head), each walking 4 blocks in 32-key tiles, merged by the last to
+    # finish (MERGE_LAST): no cross-warp max, sum or P exchange in the loop, all 1024 in one wave (187 registers x
+    # 32 threads, 21 KB: 10 per SM). Session 14 window 2, b64 32K / 128K: 0.0530 / 0.0522 -> 0.0491 / 0.0491 ms
+    # device time (62 -> 67 % of the read floor, 1.25x -> 1.34x SDPA pre-gathered) against session 13's two 2-warp
+    # programs of 64-key tiles; 2048 programs (two waves), 16-key tiles, 4 stages, register caps: slower
+    "sparse_decode:fp8": {"sm90": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "SPLIT_PROGRAMS": 1024,
                                    "PAGE_AHEAD": 1, "MERGE_LAST": 1}},
     # sm90: 4 query tokens x 16 heads (one warpgroup's 64 MMA rows): a tile's block union is smaller, so less work
     # on blocks other rows chose (H200, 32K tokens: 46.8 -> 29.9 ms random selections, 12.7 -> 12.1 smooth)
