@@ -7,8 +7,7 @@
 Shapes (K -> N): the packed q|k|v|index projection 6144 -> 9856, o_proj 8192 -> 6144, the dense MLP 6144 -> 24576
 (gate|up) and 12288 -> 6144 (down); M = 1 .. 8192 tokens. Arms, same inputs:
 - ours: `fp8_linear` on the bf16 activation, as the model calls it for o_proj: the per-token quantization launch +
-  the GEMM (both launched as programmatic dependents where the tile table says PDL), or, up to the decode table's
-  QUANT_M rows, the GEMM quantizing its input itself
+  the GEMM (both launched as programmatic dependents where the tile table says PDL)
 - sep: `quantize_fp8_per_token` (never PDL) + `fp8_gemm`; gemm: `fp8_gemm` alone on a quantized activation
 - torch: per-token quantization in eager torch + `torch._scaled_mm` rowwise (CUTLASS), and `_scaled_mm` alone
 - bf16 `torch.mm`: the "is FP8 worth it" bar
@@ -39,6 +38,7 @@ from m3sdk_kernels.arch import TILES, current_arch
 from m3sdk_kernels.norm import add_rms_norm
 from m3sdk_kernels.quant import (
     NARROW_N,
+    WIDE_N,
     fp8_gemm,
     fp8_gemm_ref,
     fp8_linear,
@@ -57,35 +57,29 @@ ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf1
 # decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K over about
 # 2 programs per SM (o_proj: 96 column blocks x 2 = 192 programs on 132 SMs), launched as programmatic dependents
 # (PDL: the quantization and the GEMM start while the kernel before them finishes; the GEMM prefetches PREFETCH
-# weight tiles into L2 before griddepcontrol.wait and lets the next kernel launch once its weight stream is done).
-# The session-13 default first, then EARLY (the scales loaded before the weight stream, the split partials read in
-# one unrolled round trip: the end-of-launch chain shorter by about two round trips), QUANT_M (`fp8_linear` up to
-# that many rows: the GEMM quantizes its bf16 input itself, no launch in front), TMA (the weight tile by one tensor
-# copy per stage, not 8 cp.async per thread; TMA 2: the activation tile too), 128-row tiles (half the activation
-# bytes per weight byte; 2 or 3 programs per SM), 8 warps.
+# weight tiles into L2 before griddepcontrol.wait and lets the next kernel launch once its weight stream is done),
+# the weight tiles by TMA with 4 stages (session 14 window 2). The default first, then around it: cp.async instead
+# of TMA, 8 warps (3 / 4 stages), 5 stages, 0 / 2 tiles prefetched, K tiles of 128 x 8 stages, and session 13's
+# default (cp.async, 3 stages).
 # Lost before (docs/perf.md): stream-K (session 14 window 1: equal ranges of (column block, K tile) units per
-# program, 1-3 per SM: 0.5-3.5 us slower on every shape), 330 / 396 programs, prefetch 4 / 8, 4 stages, unsplit
-# 16-column tiles (mma.sync), the quantization inside the GEMM's launch.
-_DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=264, PDL=1,
-               PREFETCH=1, EARLY=0, QUANT_M=0, TMA=0)
-_EARLY = dict(_DECODE, EARLY=1)
+# program, 1-3 per SM: 0.5-3.5 us slower on every shape); in window 2 the quantization inside the GEMM (every
+# program computing the rows' scales: +1.3 us at M = 1, +9 us at M = 16), the activation by TMA too, 128-row tiles
+# (the GEMM alone 0.2-0.9 us faster at M = 1, 1-2.5 us slower with the quantization launch in front); before: 330 /
+# 396 programs, prefetch 4 / 8, unsplit 16-column tiles (mma.sync), the quantization inside the GEMM's launch.
+_DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=264, PDL=1,
+               PREFETCH=1, TMA=1)
 SWEEP = {
     "fp8_gemm_decode": [dict(_DECODE),
-                        dict(_EARLY),
-                        dict(_EARLY, QUANT_M=16),
-                        dict(_EARLY, QUANT_M=16, num_warps=8),
-                        dict(_EARLY, QUANT_M=16, BLOCK_N=128),
-                        dict(_EARLY, TMA=1),
-                        dict(_EARLY, TMA=1, num_stages=4),
-                        dict(_EARLY, TMA=1, num_stages=5),
-                        dict(_EARLY, TMA=1, QUANT_M=16),
-                        dict(_EARLY, TMA=2),
-                        dict(_EARLY, TMA=2, num_stages=4),
-                        dict(_EARLY, BLOCK_N=128),
-                        dict(_EARLY, BLOCK_N=128, num_warps=8),
-                        dict(_EARLY, BLOCK_N=128, num_stages=2),
-                        dict(_EARLY, num_warps=8)],
+                        dict(_DECODE, TMA=0),
+                        dict(_DECODE, num_warps=8),
+                        dict(_DECODE, num_warps=8, num_stages=3),
+                        dict(_DECODE, num_stages=5),
+                        dict(_DECODE, PREFETCH=0),
+                        dict(_DECODE, PREFETCH=2),
+                        dict(_DECODE, BLOCK_K=128, num_stages=8),
+                        dict(_DECODE, TMA=0, num_stages=3)],
     "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
+    "fp8_gemm_decode:wide": [dict(_DECODE, num_stages=3), dict(_DECODE, TMA=0, num_stages=3)],
     # the activation quantization launch in front of the decode GEMM (`fp8_linear`, timed as the decode configs)
     "fp8_quant": [dict(num_warps=16), dict(num_warps=8), dict(num_warps=4)],
     "fp8_gemm_mid": [dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
@@ -97,6 +91,11 @@ SWEEP = {
 
 
 SWEEP["fp8_gemm_decode:narrow"] = SWEEP["fp8_gemm_decode"]
+
+
+def _decode_variant(n: int) -> str:
+    # the decode table variant quant._gemm_tiles picks for N
+    return "narrow" if n <= NARROW_N else "wide" if n >= WIDE_N else ""
 
 
 def torch_quant(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +185,7 @@ def sweep(fam: str, arch, fp8: torch.dtype, rep: int, shapes: tuple[str, ...] = 
     decode = fam.startswith("fp8_gemm_decode") or fam == "fp8_quant"
     if decode:  # the shapes each decode table serves (the quantization: all)
         cases = [(shape, m) for shape, (_, n) in SHAPES.items() for m in ms
-                 if (fam == "fp8_quant" or (n <= NARROW_N) == fam.endswith(":narrow")) and shape.startswith(shapes)]
+                 if (fam == "fp8_quant" or _decode_variant(n) == fam.partition(":")[2]) and shape.startswith(shapes)]
     else:
         cases = [("qkv_index 6144->9856", {"fp8_gemm_mid": 256, "fp8_gemm_prefill": 8192}[fam])]
     if not cases:

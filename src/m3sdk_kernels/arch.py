@@ -181,10 +181,15 @@ TILES.update({
     # (quant.py); the activation quantization of fp8_linear launches so too. H200 session 13 window 2 (quantization
     # included, M = 1 / 16): o_proj 18.4 / 19.9 -> 16.8 / 17.8 us, dense down 24.4 / 26.0 -> 23.4 / 24.2, qkv+index
     # 20.8 / 22.0 -> 19.4 / 19.9 with PDL, 2 tiles prefetched and 264 programs (2 per SM; 396 with PDL: 16.6 / 19.1);
-    # window 3: prefetching 1, 2 or 4 tiles within 1 %, 330 programs and unsplit 16-column tiles slower
+    # window 3: prefetching 1, 2 or 4 tiles within 1 %, 330 programs and unsplit 16-column tiles slower.
+    # TMA (sm90, swap-AB): the weight tile by one tensor copy per stage; that frees the registers and threads a
+    # deeper cp.async pipeline cost, so 4 stages pay (session 14 window 2, quantization included, M = 1 / 4 / 16:
+    # o_proj 16.3 / 16.7 / 17.1 -> 15.5 / 16.0 / 17.1 us, dense down 22.7 / 23.0 / 23.5 -> 21.6 / 22.0 / 23.2, qkv+index
+    # 19.1 / 19.3 / 19.3 -> 17.2 / 17.2 / 18.0; 5 stages, the activation by TMA too, 128-row tiles, 8 warps, the
+    # quantization inside the GEMM and stream-K lost)
     "fp8_gemm_decode": {
-        "sm90": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
-                 "SPLIT_PROGRAMS": 264, "STAGGER": 1, "SWAP_AB": 1, "PDL": 1, "PREFETCH": 1},
+        "sm90": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4,
+                 "SPLIT_PROGRAMS": 264, "STAGGER": 1, "SWAP_AB": 1, "PDL": 1, "PREFETCH": 1, "TMA": 1},
         "gfx942": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
                    "SPLIT_PROGRAMS": 1216, "STAGGER": 1},
         "gfx950": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
@@ -194,6 +199,9 @@ TILES.update({
     # H200 session 12 window 2: the above stay best for them (528 / 792 programs, 4 stages, K 128 x 6 stages: 1-2.5 us
     # slower at o_proj's 15.9 / 17.1 us)
     "fp8_gemm_decode:narrow": {"sm90": {}},
+    # decode GEMMs with N >= quant.WIDE_N (the dense gate_up: 384 column tiles) run more programs than fit 2 per SM
+    # at 4 stages (80 KB each): 3 stages keep 3 per SM in one wave (session 14 window 2: 4 stages 43.0 vs 38.0 us)
+    "fp8_gemm_decode:wide": {"sm90": {"num_stages": 3}},
     "fp8_gemm_mid": {
         "sm90": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
         "gfx942": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 2},

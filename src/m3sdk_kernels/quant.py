@@ -300,12 +300,10 @@ def _prefetch_l2(w_ptr, cols, k0, stride_wn, BLOCK_K: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every decode M (M == 1 is not special)
-def _fp8_gemm_kernel(a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_ptr, ws_ptr, count_ptr, M, N, K,
-                     stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr,
-                     SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                     EARLY: tl.constexpr, QUANT: tl.constexpr = False, ROW_K: tl.constexpr = 1,
-                     FP8_MAX: tl.constexpr = 448.0, INTERPRET: tl.constexpr = False):
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, stride_am,
+                     stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr, SWAP_AB: tl.constexpr,
+                     EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # program -> (output tile, K split): the SPLIT_K programs of one tile are neighbours
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K
@@ -326,7 +324,7 @@ def _fp8_gemm_kernel(a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_p
     # Rows past M are masked (zero-filled, no memory traffic): at M = 1 a decode tile's 15 padding rows used to
     # re-read row 0, so every program hit the same two activation lines at every K step (M = 1 ran 1.6x slower
     # than M = 16 on the H200). The row mask is constant along K, so the loads stay full-width vectors.
-    # Weight columns past N re-read column 0 instead (unmasked; never stored).
+    # Weight columns past N re-read column 0 instead (unmasked; never stored; TMA reads zeros there).
     rows = tl.where(row_ok, offs_m, 0).to(tl.int64)
     cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     # this split's K tiles (never empty: split_k picks equal runs)
@@ -334,6 +332,8 @@ def _fp8_gemm_kernel(a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_p
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     first = pid_k * per_split
     count = tl.minimum(per_split, k_tiles - first)
+    # the scales up front, off the chain at the end of the weight stream (split-K arrival, partial reads, store)
+    w_scale = tl.load(w_scale_ptr + cols)
     if PDL:
         # launched as a programmatic dependent (CUDA): this grid may start while the previous kernel finishes.
         # Only the weights (which no kernel writes) are read before griddepcontrol.wait: the first PREFETCH tiles
@@ -341,21 +341,8 @@ def _fp8_gemm_kernel(a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_p
         # counters are touched after it
         for p in tl.static_range(PREFETCH):
             _prefetch_l2(w_ptr, cols, (first + (p + pid_n * STAGGER) % count) * BLOCK_K, stride_wn, BLOCK_K)
-    if EARLY:
-        w_scale = tl.load(w_scale_ptr + cols)  # no kernel writes it: before the wait
-    if PDL:
         tl.extra.cuda.gdc_wait()
-    if QUANT:
-        # a_ptr is the bf16 activation: every program quantizes it itself, as quantize_fp8_per_token does (the same
-        # ops: the same scales and fp8 values), instead of a quantization launch in front (M <= QUANT_M rows: each
-        # program reads them whole for their amax)
-        row_k = tl.arange(0, ROW_K)
-        a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)  # rows past M: any finite scale (never stored)
-        for m in range(0, M):
-            xr = tl.load(a_ptr + m * stride_am + row_k, mask=row_k < K, other=0.0).to(tl.float32)
-            a_scale = tl.where(offs_m == m, tl.maximum(tl.max(tl.abs(xr), axis=0), 1e-12) / FP8_MAX, a_scale)
-    elif EARLY:  # the scales now, off the end-of-stream chain (split-K arrival, partial reads, store)
-        a_scale = tl.load(a_scale_ptr + rows)
+    a_scale = tl.load(a_scale_ptr + rows)
     if SWAP_AB:  # weight rows as the MMA's M (Hopper: wgmma, fp8 operands straight from shared memory)
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:  # tokens as the MMA's M (a 16-row tile: mma.sync on Hopper, the fp8 upcast to f16 first)
@@ -370,21 +357,16 @@ def _fp8_gemm_kernel(a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_p
         if SWAP_AB:
             a_ptrs = a_ptr + rows[None, :] * stride_am + ks[:, None]
             w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
-            if a_desc is not None:  # TMA: the activation tile in one copy (zero past M and K)
-                a = tl.trans(a_desc.load([pid_m * BLOCK_M, (first + j) * BLOCK_K]))
-            elif EVEN_K:
+            if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=row_ok[None, :] & (ks[:, None] < K), other=0.0)
-            if w_desc is not None:  # TMA: the weight tile in one copy (zero past N and K)
+            if w_desc is not None:  # TMA: the weight tile by one tensor copy, not 8 cp.async per thread
                 w = w_desc.load([pid_n * BLOCK_N, (first + j) * BLOCK_K])
             elif EVEN_K:
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=ks[None, :] < K, other=0.0)
-            if QUANT:
-                a = fp8_grid(tl.clamp(a.to(tl.float32) / a_scale[None, :], -FP8_MAX, FP8_MAX), INTERPRET)
-                a = a.to(w_ptr.dtype.element_ty)
             acc = tl.dot(w, a, acc)
         else:
             a_ptrs = a_ptr + rows[:, None] * stride_am + ks[None, :]
@@ -414,20 +396,13 @@ def _fp8_gemm_kernel(a_ptr, a_desc, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_p
         done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
         if done:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            if EARLY:  # unrolled: every split's partial requested at once (one round trip, not SPLIT_K)
-                for s in tl.static_range(SPLIT_K):
-                    acc += tl.load(ws_tile + s * BLOCK_M * BLOCK_N + part, mask=row_ok[:, None], other=0.0,
-                                   cache_modifier=".cg")
-            else:
-                for s in range(0, SPLIT_K):  # .cg: read the other SMs' partials from L2, never a stale L1 line
-                    acc += tl.load(ws_tile + s * BLOCK_M * BLOCK_N + part, mask=row_ok[:, None], other=0.0,
-                                   cache_modifier=".cg")
+            # unrolled: every split's partial requested at once (one round trip, not SPLIT_K); .cg: the other SMs'
+            # partials from L2, never a stale L1 line
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(ws_tile + s * BLOCK_M * BLOCK_N + part, mask=row_ok[:, None], other=0.0,
+                               cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + tile, 0)
     if done:
-        if not EARLY and not QUANT:
-            a_scale = tl.load(a_scale_ptr + rows)
-        if not EARLY:
-            w_scale = tl.load(w_scale_ptr + cols)
         acc = acc * a_scale[:, None] * w_scale[None, :]
         tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :],
                  acc.to(c_ptr.dtype.element_ty), mask=out_mask)
@@ -449,12 +424,13 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 NARROW_N = 6144  # decode GEMMs this narrow have few column tiles: their "fp8_gemm_decode:narrow" tiles
+WIDE_N = 16384  # decode GEMMs this wide have more column tiles than 2 programs per SM: "fp8_gemm_decode:wide"
 
 
 def _gemm_tiles(m: int, n: int, arch: Arch) -> dict[str, int]:
     # decode (the job is streaming the weight once), mid, prefill (the job is tensor-core rate)
     if m <= 16:
-        return tiles("fp8_gemm_decode", arch, "narrow" if n <= NARROW_N else None)
+        return tiles("fp8_gemm_decode", arch, "narrow" if n <= NARROW_N else "wide" if n >= WIDE_N else None)
     return tiles("fp8_gemm_mid" if m <= 256 else "fp8_gemm_prefill", arch)
 
 
@@ -469,58 +445,44 @@ def split_k(tiles_mn: int, k: int, t: dict[str, int]) -> int:
 def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Triton version of `fp8_gemm_ref`. Where the tiles say PDL (sm90 decode) it launches as a programmatic
-    dependent of the kernel before it."""
-    return _gemm(x_q, x_scale, w_q, w_scale, out_dtype)
-
-
-def _gemm(x: torch.Tensor, x_scale: torch.Tensor | None, w_q: torch.Tensor, w_scale: torch.Tensor,
-          out_dtype: torch.dtype) -> torch.Tensor:
-    # x_scale None: x is the bf16 activation, quantized per token inside the GEMM (decode tiles with QUANT_M)
-    m, k = x.shape
+    dependent of the kernel before it; where they say TMA (sm90 decode, swap-AB), the weight tiles come by TMA."""
+    m, k = x_q.shape
     n = w_q.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out
-    t = _gemm_tiles(m, n, current_arch(x.device))
+    t = _gemm_tiles(m, n, current_arch(x_q.device))
     tiles_mn = triton.cdiv(m, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"])
     split = split_k(tiles_mn, k, t)
-    counters = _counters(x.device)
+    counters = _counters(x_q.device)
     if split > 1 and tiles_mn > counters.numel():
         raise ValueError(f"fp8_gemm: {tiles_mn} output tiles, the split-K counters hold {counters.numel()}")
     # fp32 partials of every split (unused without a split: any fp32 pointer will do)
     ws = torch.empty(tiles_mn * split * t["BLOCK_M"] * t["BLOCK_N"] if split > 1 else 1, dtype=torch.float32,
-                     device=x.device)
-    pdl = bool(t.get("PDL", 0)) and x.is_cuda and not INTERPRET
-    quant = x_scale is None
-    w_desc = a_desc = None
-    if t.get("TMA", 0) and t.get("SWAP_AB", 0) and x.is_cuda and not INTERPRET:
+                     device=x_q.device)
+    pdl = bool(t.get("PDL", 0)) and x_q.is_cuda and not INTERPRET
+    w_desc = None
+    if t.get("TMA", 0) and t.get("SWAP_AB", 0) and x_q.is_cuda and not INTERPRET:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         w_desc = TensorDescriptor.from_tensor(w_q, [t["BLOCK_N"], t["BLOCK_K"]])
-        if t["TMA"] > 1 and not quant and x.stride(1) == 1 and x.stride(0) % 16 == 0 and x.data_ptr() % 16 == 0:
-            a_desc = TensorDescriptor.from_tensor(x, [t["BLOCK_M"], t["BLOCK_K"]])
     _fp8_gemm_kernel[(tiles_mn * split,)](
-        x, a_desc, ws if quant else x_scale, w_q, w_desc, w_scale, out, ws, counters, m, n, k, x.stride(0),
-        w_q.stride(0), out.stride(0), BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
-        GROUP_M=t["GROUP_M"], SPLIT_K=split, STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0),
-        EVEN_K=k % t["BLOCK_K"] == 0, PDL=pdl, PREFETCH=t.get("PREFETCH", 0) if pdl else 0, EARLY=t.get("EARLY", 0),
-        QUANT=quant, ROW_K=triton.next_power_of_2(k) if quant else 1, FP8_MAX=torch.finfo(w_q.dtype).max,
-        INTERPRET=INTERPRET, num_warps=t["num_warps"], num_stages=t["num_stages"], **_pdl_launch(pdl))
+        x_q, x_scale, w_q, w_desc, w_scale, out, ws, counters, m, n, k, x_q.stride(0), w_q.stride(0), out.stride(0),
+        BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"], SPLIT_K=split,
+        STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0), EVEN_K=k % t["BLOCK_K"] == 0, PDL=pdl,
+        PREFETCH=t.get("PREFETCH", 0) if pdl else 0, num_warps=t["num_warps"], num_stages=t["num_stages"],
+        **_pdl_launch(pdl))
     return out
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Triton version of `fp8_linear_ref`: quantize x per token unless it comes quantized (from the norm): inside
-    the GEMM where the decode tiles say QUANT_M (up to that many rows, swap-AB), else by a launch in front; where
-    the GEMM launches as a programmatic dependent (PDL), that quantization launches so too, so the GEMM's weight
+    """Triton version of `fp8_linear_ref`: quantize x per token unless it comes quantized (from the norm); where
+    the GEMM launches as a programmatic dependent (PDL), the quantization launches so too, so the GEMM's weight
     prefetch overlaps it."""
     if x_scale is None:
-        t = _gemm_tiles(x.shape[0], w_q.shape[0], current_arch(x.device))
-        if x.shape[0] <= t.get("QUANT_M", 0) and t.get("SWAP_AB", 0) and x.dtype == torch.bfloat16 \
-                and x.stride(1) == 1:
-            return _gemm(x, None, w_q, w_scale, out_dtype)
-        x, x_scale = quantize_fp8_per_token(x, w_q.dtype, pdl=bool(t.get("PDL", 0)))
+        pdl = bool(_gemm_tiles(x.shape[0], w_q.shape[0], current_arch(x.device)).get("PDL", 0))
+        x, x_scale = quantize_fp8_per_token(x, w_q.dtype, pdl=pdl)
     return fp8_gemm(x, x_scale, w_q, w_scale, out_dtype)
 
 
@@ -547,33 +509,26 @@ def aot_variants(arch: Arch) -> list:
             num_warps=t["num_warps"], aligned=("K", "stride_x", "stride_q")))
     # (family, variant, N, K): decode at the packed qkv+index projection and, narrow, at o_proj; mid / prefill at
     # o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); each with the split the dispatch picks there
-    # (family, variant, N, K, quant): decode at the packed qkv+index projection and, narrow, at o_proj (there also
-    # quantizing its bf16 input itself where the table says QUANT_M); mid / prefill at o_proj (8192 -> 6144, the
-    # smallest N of the model's FP8 GEMMs); each with the split the dispatch picks there
-    cases = [("fp8_gemm_decode", None, 9856, 6144, False), ("fp8_gemm_decode", "narrow", 6144, 8192, False),
-             ("fp8_gemm_mid", None, 6144, 8192, False), ("fp8_gemm_prefill", None, 6144, 8192, False)]
-    if tiles("fp8_gemm_decode", arch, "narrow").get("QUANT_M", 0):
-        cases.append(("fp8_gemm_decode", "narrow", 6144, 8192, True))
-    for family, variant, n, k, quant in cases:
+    # (family, variant, N, K): decode at the packed qkv+index projection, narrow at o_proj, wide at the dense gate_up;
+    # mid / prefill at o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); each with the split the
+    # dispatch picks there
+    for family, variant, n, k in (("fp8_gemm_decode", None, 9856, 6144), ("fp8_gemm_decode", "narrow", 6144, 8192),
+                                  ("fp8_gemm_decode", "wide", 24576, 6144), ("fp8_gemm_mid", None, 6144, 8192),
+                                  ("fp8_gemm_prefill", None, 6144, 8192)):
         t = tiles(family, arch, variant)
         split = split_k(triton.cdiv(n, t["BLOCK_N"]), k, t)
         pdl = bool(t.get("PDL", 0))
         tma = bool(t.get("TMA", 0) and t.get("SWAP_AB", 0))
-        types = {"a_ptr": "*bf16" if quant else fp8, "a_scale_ptr": "*fp32", "w_ptr": fp8, "w_scale_ptr": "*fp32",
-                 "c_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-                 "stride_am": "i32", "stride_wn": "i32", "stride_cm": "i32"}
-        if tma:
+        types = {"a_ptr": fp8, "a_scale_ptr": "*fp32", "w_ptr": fp8, "w_scale_ptr": "*fp32", "c_ptr": "*bf16",
+                 "ws_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32",
+                 "stride_wn": "i32", "stride_cm": "i32"}
+        if tma:  # a host TensorDescriptor argument
             types["w_desc"] = f"tensordesc<{arch.fp8_triton}[{t['BLOCK_N']}, {t['BLOCK_K']}]>"
-        tma_a = tma and t["TMA"] > 1 and not quant
-        if tma_a:
-            types["a_desc"] = f"tensordesc<{arch.fp8_triton}[{t['BLOCK_M']}, {t['BLOCK_K']}]>"
-        name = f"{family}{':' + variant if variant else ''} split {split}"
         out.append(AotVariant(
-            name + (" quant" if quant else "") + (" tma" if tma else ""), _fp8_gemm_kernel, types,
-            {**({} if tma else {"w_desc": None}), **({} if tma_a else {"a_desc": None}), "BLOCK_M": t["BLOCK_M"],
-             "BLOCK_N": t["BLOCK_N"], "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"], "SPLIT_K": split,
-             "STAGGER": t.get("STAGGER", 0), "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True, "PDL": pdl,
-             "PREFETCH": t.get("PREFETCH", 0) if pdl else 0, "EARLY": t.get("EARLY", 0), "QUANT": quant,
-             "ROW_K": triton.next_power_of_2(k) if quant else 1, "FP8_MAX": arch.fp8_max, "INTERPRET": False},
+            f"{family}{':' + variant if variant else ''} split {split}{' tma' if tma else ''}", _fp8_gemm_kernel, types,
+            {**({} if tma else {"w_desc": None}), "BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"],
+             "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"], "SPLIT_K": split, "STAGGER": t.get("STAGGER", 0),
+             "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True, "PDL": pdl,
+             "PREFETCH": t.get("PREFETCH", 0) if pdl else 0},
             num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=("K", "stride_am", "stride_wn", "stride_cm")))
     return out
