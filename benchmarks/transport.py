@@ -17,8 +17,11 @@ with transport window N, e.g. kv-w8):
                 decode side's KVPool pages (what a remote prefill costs beyond compute), page tables of
                 consecutive pages on both sides (a fresh engine's): each message's runs of pages move as one
                 _foreach_copy_ on each side (wire.py)
-  kv-staged     the same pages, the plan built without the destination pages (the decode side scatters with
-                one index kernel per tensor)
+  kv-staged     the same pages, the plan built without the destination pages (on GPUs the decode side then
+                scatters with one index kernel per tensor; on a CPU it finds the runs itself), and on a CPU every
+                message staged on both sides: gathered into a buffer, received into one and scattered (the kv path
+                before session 14; kv moves host pages in runs straight from pool to pool, UcxTransport's
+                in_place: iov messages, disagg/ucp.py)
   kv-scattered  random page ids on both sides (index kernels on both sides)
   ucxx raw      ucxx tag send/recv of the same message sizes on endpoints like the transport's (no UCX peer error
                 handling: shared memory between the two processes); receive buffers posted and touched beforehand
@@ -221,13 +224,14 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
         if what in srcs and what != "raw-runs":
             ahead = "ahead" in what.split("-")
 
-            async def kv(port=port, plan=plan, src=srcs[what], ahead=ahead):
+            async def kv(port=port, plan=plan, src=srcs[what], ahead=ahead, in_place=what != "kv-staged"):
                 # packed in one producer thread, running before the clock as a node's engine thread runs when its
                 # forward reaches a group's last layer (the messages' pieces worked out before, as a node does when
                 # it plans the step): `window` messages ahead of the completed sends, so the staging stays within
                 # the transport's pool (on a CPU a fresh buffer pays a page fault per 4 KiB); "-ahead": all at once
                 made = time.perf_counter()
-                outbox = transport.outbox(plan, dev)  # a node makes it when the Prefill call arrives
+                # a node makes it when the Prefill call arrives; the pool stays as it is: sent in place on a CPU
+                outbox = transport.outbox(plan, dev, in_place=in_place)
                 credits, count, go = threading.Semaphore(transport.window + 1), outbox.count_sent, threading.Event()
 
                 def counted(send: asyncio.Future) -> None:
@@ -384,6 +388,7 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                         done = loop.submit(_recv_all(plan, bufs))
                     elif what in dsts:
                         transport.window = window_of(what, window)
+                        transport.in_place = what != "kv-staged"
                         receive = loop.run(_post(transport, plan, rows, dsts[what]), step_timeout)
                         done = loop.submit(receive.wait())
                     else:

@@ -53,7 +53,10 @@ def first_token(token_ids: list[int]) -> int:
 
 
 class PatternBackend:
-    """Packs the pattern of the requested pages after `delay_s` (a stand-in for compute time)."""
+    """Packs the pattern of the requested pages after `delay_s` (a stand-in for compute time). Its pages are made
+    for each request and never changed (so they may be sent in place)."""
+
+    holds_pages = True
 
     def __init__(self, kv_dtype: str, layout: str, delay_s: float = 0.0):
         self.spec = spec(kv_dtype, layout)

@@ -4,8 +4,10 @@ leave a group of layers at a time while the following layers still compute.
 The core runs a continuous scheduler that reports each step plan (through the EngineConfig.scheduler seam). When
 a plan holds the step that completes one of our prompts (the step samples it), a forward hook after the last
 layer of each group of layers packs that group's pages of the prompt into the transfer's outbox, and the push
-sends them while the next layers run. Packing copies, so the core may free and reuse the pages afterwards. The
-first token comes with the step's chunk, after every message was packed.
+sends them while the next layers run. On a CPU, pages in runs are sent straight from the pool (an in-place
+outbox: no copy), so a finish hook holds the request's pages until its sends let go of them; otherwise packing
+copies, and the core may free and reuse the pages at once. The first token comes with the step's chunk, after
+every message was packed.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from m3sdk.disagg.compat import CompatInfo, model_fingerprint
 from m3sdk.disagg.messages import PrefillOrder
 from m3sdk.disagg.server import FirstToken
 from m3sdk.disagg.transport import Outbox
+from m3sdk.observability import get_logger
 from m3sdk.request import Chunk
 from m3sdk.scheduler.base import StepPlan
 from m3sdk.scheduler.continuous import ContinuousScheduler
+
+log = get_logger("m3sdk.disagg.backend")
 
 
 class _ReportingScheduler(ContinuousScheduler):
@@ -51,6 +56,11 @@ class _Job:
 
 
 class EngineBackend:
+    holds_pages = True  # _on_finish: a finishing prompt's pages stay until its in-place sends let go of them
+    # seconds a finish waits for them (the last group's messages, a few ms on a CPU); then the push's endpoint is
+    # dropped so that UCX lets go, and the pages are freed
+    release_timeout = 5.0
+
     def __init__(self, config: EngineConfig):
         if config.scheduler != "continuous":
             raise ValueError(f"a prefill node runs the continuous scheduler, got {config.scheduler!r}")
@@ -67,6 +77,7 @@ class EngineBackend:
         self.rows = wire.page_rows(self.core.cache.kv)
         for i, layer in enumerate(self.core.runner.model.layers):
             layer.register_forward_hook(functools.partial(self._after_layer, i))
+        self.core.finish_hooks.append(self._on_finish)
         self.core.start(self._emit, self._on_dead)
 
     async def prefill(self, order: PrefillOrder, outbox: Outbox) -> FirstToken:
@@ -118,6 +129,13 @@ class EngineBackend:
     def _pack(self, job: _Job, messages: list[wire.MessageSpec]) -> None:
         job.outbox.pack(messages, self.rows, job.src)
         job.packed += len(messages)
+
+    def _on_finish(self, request: Any, reason: Any) -> None:
+        # before the core frees the request's pages (an abort too: sends of what was packed may be in flight)
+        job = self._jobs.get(request.request_id)
+        if job is not None and not job.outbox.wait_released(self.release_timeout):
+            log.warning("in-place sends still held pages at the prefill's end: endpoint dropped",
+                        request_id=request.request_id, waited_s=self.release_timeout)
 
     def _emit(self, chunks: list[Chunk]) -> None:
         for chunk in chunks:

@@ -48,6 +48,8 @@ class PrefillBackend(Protocol):
     compat: CompatInfo
     vocab_size: int
     rows: list[list[torch.Tensor]]  # its pool's page rows (wire.page_rows): the plan is cut from their widths
+    # it keeps the pages it packed unchanged until `outbox.wait_released` returned: they may be sent in place
+    holds_pages: bool
 
     async def prefill(self, order: PrefillOrder, outbox: Outbox) -> FirstToken:
         """Run the prompt and pack every message of `outbox.plan` into `outbox` (the pages the order names, as
@@ -134,7 +136,7 @@ class PrefillServicer(pb_grpc.PrefillNodeServicer):
             self._running.pop(order.request_id, None)
 
     async def _serve(self, order: PrefillOrder, plan: wire.TransferPlan, host: str) -> pb.PrefillReply:
-        outbox = self.transport.outbox(plan, self.backend.rows[0][0].device)
+        outbox = self.transport.outbox(plan, self.backend.rows[0][0].device, in_place=self.backend.holds_pages)
         # the push starts with the compute: it sends each group of layers as the backend packs it
         push = asyncio.ensure_future(self.transport.push(host, order.transport_port, outbox))
         compute = asyncio.ensure_future(self.backend.prefill(order, outbox))

@@ -4,7 +4,10 @@ The decode side posts receive buffers for a transfer's messages (`receive`); the
 messages as they are computed and queues them in an `Outbox` (from any thread), which `push` sends in order;
 the decode side checks each message against the plan before it scatters the pages into its pool (wire.py).
 ucxx offers two-sided tag messaging (no one-sided RMA from Python), so "posted buffers + scatter" is the shape of
-the protocol; a one-sided transport (NIXL) would write pages in place behind the same seam.
+the protocol. Host pools whose pages form runs skip both staging copies (`in_place`, the default): each message
+is one UCX iov message from the node's pages into the decode side's (ucp.py, ctypes on libucp), the node keeping
+its pages until the sends let go of them (Outbox.wait_released), the decode side checking header and trailer once
+the message arrived and zeroing a failed transfer's pages (UcxReceive.cancel).
 
 Connection direction: the decode side listens; a prefill node connects to the port the decode side declared,
 on the address its gRPC call came from. So a node never parses a peer-supplied UCX address (a malformed one
@@ -44,7 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
-from m3sdk.disagg import wire
+from m3sdk.disagg import ucp, wire
 from m3sdk.disagg.wire import MessageSpec, TransferPlan
 from m3sdk.observability import get_logger
 
@@ -125,16 +128,40 @@ class _Gathers:
                 self._thread = None
 
 
+class _InPlace:
+    """A message sent from or received into a pool's pages (ucp.py): its header slot, its runs of pages in payload
+    order, its trailer slot (`frame`: header and trailer, 80 bytes), as (address, bytes)."""
+
+    __slots__ = ("keep", "parts")
+
+    def __init__(self, frame: torch.Tensor, pieces: list[torch.Tensor]):
+        self.keep = (frame, pieces)
+        head = frame.data_ptr()
+        self.parts = [(head, wire.HEADER_BYTES), *((p.data_ptr(), p.numel() * p.element_size()) for p in pieces),
+                      (head + wire.HEADER_BYTES, wire.TRAILER_BYTES)]
+
+
 class Outbox:
     """The packed messages of one transfer, from the producer (the prefill backend, any thread) to `push`, which
-    sends them in plan order as they come. Create it on the disagg loop."""
+    sends them in plan order as they come. Create it on the disagg loop.
 
-    def __init__(self, plan: TransferPlan, device: torch.device, pool: BufferPool, gathers: _Gathers):
+    `in_place` (host pools): a message whose pages form runs (a fresh engine's page tables) is not gathered but
+    sent straight from the pool's pages (ucp.py), so the node's copy goes; the producer then keeps those pages
+    unchanged until `released` is set (`reads_pages` says whether it must). `push` sets `released` when it ends,
+    however it ends: every message sent, or the push failed or was cancelled (its endpoint dropped when a send in
+    flight did not finish within the transport's drain_timeout)."""
+
+    def __init__(self, plan: TransferPlan, device: torch.device, pool: BufferPool, gathers: _Gathers,
+                 in_place: bool = False):
         self.plan, self.device, self._pool, self._gathers = plan, torch.device(device), pool, gathers
         self._frames = wire.frames(plan, self.device)
         self._layout: wire.Layout | None = None  # where the messages' pages are in the producer's pool
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[tuple[int, torch.Tensor]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, torch.Tensor | _InPlace]] = asyncio.Queue()
+        self._in_place = in_place and self.device.type == "cpu"
+        self.reads_pages = False  # a message was queued in place: its pages must stay until `released`
+        self.released = threading.Event()
+        self.abandon: Callable[[], None] | None = None  # set by push: drops its endpoint (on the loop)
         self.sent = 0  # messages the decode side has taken (their sends completed)
 
     def prepare(self, rows: list[list[torch.Tensor]], src_pages: torch.Tensor) -> None:
@@ -153,11 +180,17 @@ class Outbox:
     def pack(self, messages: list[MessageSpec], rows: list[list[torch.Tensor]], src_pages: torch.Tensor) -> None:
         """Gather `messages` from `rows` at `src_pages` (the transfer's source pages) into staging buffers and
         queue them. The copy is taken now, so the caller may overwrite or free the pages once this returns (on a
-        GPU: once the current stream passed this point; `push` waits for it before sending)."""
+        GPU: once the current stream passed this point; `push` waits for it before sending). In place (see the
+        class): queued without a copy, and `reads_pages` is set."""
         # the engine calls this from its forward (inference mode): pooled buffers must stay ordinary tensors
         with torch.inference_mode(False):
-            self._layout_for(rows, src_pages)
+            layout = self._layout_for(rows, src_pages)
             for msg in messages:
+                if self._in_place and layout.runs is not None:
+                    self.reads_pages = True
+                    item = (msg.index, _InPlace(self._frames[msg.index], layout.pool(msg)[0]))
+                    self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+                    continue
                 buf = self._pool.take(msg.nbytes, self.device)
                 wire.pack(self.plan, msg, self._layout, buf, self._frames)
                 deliver = functools.partial(self._loop.call_soon_threadsafe, self._queue.put_nowait, (msg.index, buf))
@@ -168,11 +201,32 @@ class Outbox:
                 else:
                     deliver()
 
+    def wait_released(self, timeout: float) -> bool:
+        """From the producer's thread (never the loop's), before it frees or overwrites pages it packed in place:
+        wait until no send reads them any more. Past `timeout` s the push's endpoint is dropped, failing its sends
+        in flight (and other transfers to that decode side, which fall back, as when a drain times out), and this
+        returns False."""
+        if not self.reads_pages or self.released.wait(timeout):
+            return True
+        dropped = threading.Event()
+
+        def drop() -> None:
+            try:
+                if self.abandon is not None:
+                    self.abandon()
+            finally:
+                dropped.set()
+
+        with contextlib.suppress(RuntimeError):  # the loop closed: nothing sends any more
+            self._loop.call_soon_threadsafe(drop)
+            dropped.wait(timeout)
+        return False
+
     def count_sent(self, send: asyncio.Future) -> None:
         if not send.cancelled() and send.exception() is None:
             self.sent += 1
 
-    async def get(self) -> tuple[int, torch.Tensor]:
+    async def get(self) -> tuple[int, torch.Tensor | _InPlace]:
         """The next packed message whose gather is done."""
         return await self._queue.get()
 
@@ -199,8 +253,10 @@ class KVTransport(Protocol):
     def receive(self, plan: TransferPlan, rows: list[list[torch.Tensor]], dst_pages: torch.Tensor) -> Receive:
         """Post buffers for `plan` and scatter each checked message into `rows` at `dst_pages`."""
 
-    def outbox(self, plan: TransferPlan, device: torch.device) -> Outbox:
-        """Where a producer queues the packed messages of `plan` (call on the disagg loop)."""
+    def outbox(self, plan: TransferPlan, device: torch.device, in_place: bool = False) -> Outbox:
+        """Where a producer queues the packed messages of `plan` (call on the disagg loop); `in_place`: the
+        producer keeps the pages unchanged until the outbox's `released` (see Outbox), so they may be sent without
+        a copy."""
 
     async def push(self, host: str, port: int, outbox: Outbox) -> None:
         """Send every message of `outbox.plan`, in order as they are queued, to the decode side at host:port."""
@@ -290,7 +346,13 @@ class UcxReceive:
                  dst_pages: torch.Tensor, window: int):
         self._transport, self._plan, self._dst = transport, plan, dst_pages
         self._layout = wire.Layout(plan, rows, dst_pages, plan.runs)
-        self._window = window
+        # host pages in runs: each message straight into them (an iov receive, ucp.py), nothing staged, so every
+        # message is posted at once; otherwise `window` staging buffers
+        self._in_place = transport.in_place and not dst_pages.is_cuda and self._layout.runs is not None
+        self._window = len(plan.messages) if self._in_place else window
+        # in place: each message's header and trailer slots (its iov's first and last entries), zeroed (armed)
+        self._slots = torch.zeros(len(plan.messages) if self._in_place else 0,
+                                  wire.HEADER_BYTES + wire.TRAILER_BYTES, dtype=torch.uint8)
         # tag -> (buffer, its receive, the message): everything posted and not yet taken
         self._posted: dict[int, tuple[torch.Tensor, asyncio.Future, MessageSpec]] = {}
         cuda = dst_pages.is_cuda
@@ -304,14 +366,22 @@ class UcxReceive:
 
     def _arm(self, index: int) -> torch.Tensor:
         """A buffer for message `index`, its trailer slot zeroed (call on the io stream: a GPU's zeroing must have
-        run before the buffer is posted, since UCX writes on streams of its own)."""
+        run before the buffer is posted, since UCX writes on streams of its own); in place, its header and
+        trailer slots."""
+        if self._in_place:
+            return self._slots[index]
         buf = self._transport.pool.take(self._plan.messages[index].nbytes, self._dst.device)
         wire.arm(buf)
         return buf
 
     def _post(self, index: int, buf: torch.Tensor) -> None:
         tag = self._plan.tag(index)
-        self._posted[tag] = (buf, _start_recv(_ucx_buffer(buf), tag), self._plan.messages[index])
+        msg = self._plan.messages[index]
+        if self._in_place:
+            item = _InPlace(buf, self._layout.pool(msg)[0])
+            self._posted[tag] = (buf, ucp.recv_iov(_worker().handle, item.parts, tag, keep=item), msg)
+        else:
+            self._posted[tag] = (buf, _start_recv(_ucx_buffer(buf), tag), msg)
 
     async def _take(self, index: int) -> torch.Tensor:
         tag = self._plan.tag(index)
@@ -336,6 +406,8 @@ class UcxReceive:
             raise TransportError(str(e)) from e
 
     def _place(self, msgs: list[MessageSpec], bufs: list[torch.Tensor]) -> None:
+        if self._in_place:  # there already
+            return
         wire.place(msgs, self._layout, bufs, self._copy)
         if self._copy is None:  # a CPU scatter is done when it returns
             for buf in bufs:
@@ -416,6 +488,11 @@ class UcxReceive:
         with contextlib.suppress(BaseException):
             await self._task
         self._release(wait=True)  # scatters already queued finish before the caller may reuse the pages
+        if self._in_place:
+            # messages went straight into the pages, checked only once they had arrived: whatever a refused, cut or
+            # forged one left there goes, so the pages hold finite values again (Contract 1) and nothing of it
+            # reaches their next user (a local prefill of this prompt leaves its last page's tail unwritten)
+            torch._foreach_zero_([p for msg in self._plan.messages for p in self._layout.pool(msg)[0]])
 
 
 class UcxTransport:
@@ -431,10 +508,12 @@ class UcxTransport:
     name = "ucx"
 
     def __init__(self, options: dict[str, str] | None = None, window: int = 4, drain_timeout: float = 5.0,
-                 pool_bytes: int = 512 << 20):
+                 pool_bytes: int = 512 << 20, in_place: bool = True):
         # ucxx pins UCX_MAX_RNDV_RAILS to 1; 2 lets a TCP rendezvous use both loopback and eth0 lanes
         self.options = {"MAX_RNDV_RAILS": "2", **(options or {})}
         self.window = window
+        # host pages in runs sent from and received into the pools' pages (ucp.py); False: staged on both sides
+        self.in_place = in_place
         self.drain_timeout = drain_timeout
         self.pool = BufferPool(pool_bytes)
         self._gathers = _Gathers()
@@ -475,8 +554,8 @@ class UcxTransport:
     def receive(self, plan: TransferPlan, rows: list[list[torch.Tensor]], dst_pages: torch.Tensor) -> UcxReceive:
         return UcxReceive(self, plan, rows, dst_pages, self.window)
 
-    def outbox(self, plan: TransferPlan, device: torch.device) -> Outbox:
-        return Outbox(plan, device, self.pool, self._gathers)
+    def outbox(self, plan: TransferPlan, device: torch.device, in_place: bool = False) -> Outbox:
+        return Outbox(plan, device, self.pool, self._gathers, in_place and self.in_place)
 
     async def send_to_self(self, data: bytes, tag: int) -> None:
         if self._self_ep is None:
@@ -508,17 +587,21 @@ class UcxTransport:
             ep = self._endpoint(host, port)
         except Exception as e:
             raise TransportError(f"cannot connect to decode transport {host}:{port}: {e!r}") from e
-        in_flight: deque[tuple[asyncio.Future, torch.Tensor]] = deque()
+        in_flight: deque[tuple[asyncio.Future, torch.Tensor | _InPlace]] = deque()
+        outbox.abandon = functools.partial(self._drop, host, port)
         try:
             for expected in range(len(plan.messages)):
-                index, buf = await outbox.get()
+                index, item = await outbox.get()
                 if index != expected:
                     raise TransportError(f"transfer {plan.transfer_id}: message {index} queued before {expected}")
                 if len(in_flight) >= self.window:
                     await self._finish(in_flight, host, port, plan)
-                send = _start_send(ep, _ucx_buffer(buf), plan.tag(index))
+                if isinstance(item, _InPlace):
+                    send = self._send_in_place(ep, item, plan.tag(index), host, port)
+                else:
+                    send = _start_send(ep, _ucx_buffer(item), plan.tag(index))
                 send.add_done_callback(outbox.count_sent)
-                in_flight.append((send, buf))
+                in_flight.append((send, item))
             while in_flight:
                 await self._finish(in_flight, host, port, plan)
         except asyncio.CancelledError:
@@ -529,18 +612,29 @@ class UcxTransport:
                 if late:
                     self._drop(host, port)
             raise
+        finally:
+            outbox.released.set()
 
-    async def _finish(self, in_flight: deque[tuple[asyncio.Future, torch.Tensor]], host: str, port: int,
+    def _send_in_place(self, ep: Any, item: _InPlace, tag: int, host: str, port: int) -> asyncio.Future:
+        try:
+            ep.raise_on_error()  # what ucxx's own send checks first (e.g. a refused connection)
+            return ucp.send_iov(ep.handle, ep.worker_handle, item.parts, tag, keep=item)
+        except Exception as e:
+            self._drop(host, port)
+            raise TransportError(f"send to {host}:{port} failed: {e!r}") from e
+
+    async def _finish(self, in_flight: deque[tuple[asyncio.Future, torch.Tensor | _InPlace]], host: str, port: int,
                       plan: TransferPlan) -> None:
         """Wait for the oldest send in flight; its buffer goes back to the pool."""
-        send, buf = in_flight[0]
+        send, item = in_flight[0]
         try:
             await asyncio.shield(send)  # a cancelled push leaves the sends to its own handler
         except Exception as e:
             self._drop(host, port)
             raise TransportError(f"push of transfer {plan.transfer_id} to {host}:{port} failed: {e!r}") from e
         in_flight.popleft()
-        self.pool.give(buf)
+        if isinstance(item, torch.Tensor):
+            self.pool.give(item)
 
     async def close(self) -> None:
         for ep in [*self._endpoints.values(), *self._accepted, self._self_ep]:

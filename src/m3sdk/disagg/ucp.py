@@ -1,0 +1,174 @@
+"""Tag sends and receives of scatter lists (UCP_DATATYPE_IOV), which ucxx's Python API lacks, through ctypes on the
+libucp that ucxx itself loaded (the libucx wheel), on ucxx's worker and endpoints.
+
+Why: a message sent from one staging buffer must first be gathered from the pool's pages, and one received into
+a staging buffer must then be scattered into them. As iovs (the header slot, one entry per (layer, tensor, run of
+pages), the trailer slot) both copies go. Between two processes of one host UCX 1.21 then moves an iov message as
+"rendezvous fragmented copy-in copy-out" over sysv shared memory (UCX_PROTO_INFO=y): the sender copies into
+shared fragments and the receiver out of them, in parallel, against one `process_vm_readv` by the receiver for
+a contiguous message. Probed on this 2-core machine, two processes, 16 messages of 36 pieces, GB/s medians of 5
+(load 1-2): iov into iov 15.9 / 15.2 at 63 / 15 MiB, contiguous into contiguous 9.8 / 9.6 (docs/perf.md,
+session 14).
+
+ucxx creates its worker with UCS_THREAD_MODE_MULTI (checked here with ucp_worker_query before first use), so
+posting from the disagg loop's thread while ucxx's progress thread progresses the worker is allowed. That thread
+sleeps until the worker's event fd fires, so every post signals the worker (ucp_worker_signal), as ucxx does for
+its own requests: without it the fragments of a message moved only when some other event woke the thread (rates
+of 0.1-1 GB/s, and a flush that waited 60 s, in the probes). Completions arrive in a ctypes callback on that thread
+(or inside the post), which hands them to the poster's asyncio loop. ctypes releases the GIL around every foreign
+call, so the callback (which takes the GIL) cannot deadlock with a post that holds the worker's lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import functools
+import itertools
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+_VOIDP, _SIZE, _U64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
+# void (*)(void *request, ucs_status_t status, void *user_data)
+_SEND_CB = ctypes.CFUNCTYPE(None, _VOIDP, ctypes.c_int, _VOIDP)
+# void (*)(void *request, ucs_status_t status, const ucp_tag_recv_info_t *info, void *user_data)
+_RECV_CB = ctypes.CFUNCTYPE(None, _VOIDP, ctypes.c_int, _VOIDP, _VOIDP)
+
+_OP_ATTR_FIELD_CALLBACK = 1 << 1
+_OP_ATTR_FIELD_USER_DATA = 1 << 2
+_OP_ATTR_FIELD_DATATYPE = 1 << 3
+_OP_ATTR_FLAG_NO_IMM_CMPL = 1 << 16  # always a request and its callback, even when UCX could finish at once
+_DATATYPE_IOV = 2
+_THREAD_MODE_MULTI = 2
+_ERR_LAST = (1 << 64) - 100  # a returned pointer at or above this is a negative ucs_status_t
+_FULL_MASK = (1 << 64) - 1
+
+
+class _RequestParam(ctypes.Structure):
+    """ucp_request_param_t of UCX 1.21 (ucp/api/ucp.h), LP64."""
+
+    _fields_ = [("op_attr_mask", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("request", _VOIDP),
+                ("cb", _VOIDP),  # a union of callback pointers (_SEND_CB, _RECV_CB)
+                ("datatype", _U64), ("user_data", _VOIDP), ("reply_buffer", _VOIDP),
+                ("memory_type", ctypes.c_int), ("recv_info", _VOIDP), ("memh", _VOIDP)]
+
+
+class _Iov(ctypes.Structure):
+    """ucp_dt_iov_t."""
+
+    _fields_ = [("buffer", _VOIDP), ("length", _SIZE)]
+
+
+class UcpError(RuntimeError):
+    """A UCP operation failed (its ucs_status_t and UCX's name for it)."""
+
+    def __init__(self, status: int, what: str):
+        super().__init__(f"{what}: UCX status {status} ({_lib()[1].ucs_status_string(status).decode()})")
+        self.status = status
+
+
+@functools.cache
+def _lib() -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    import libucx
+    import ucxx  # noqa: F401  (loads libucx's libraries first, with their own search path)
+
+    root = os.path.join(os.path.dirname(libucx.__file__), "lib")
+    ucp = ctypes.CDLL(os.path.join(root, "libucp.so"), mode=ctypes.RTLD_GLOBAL)
+    ucs = ctypes.CDLL(os.path.join(root, "libucs.so"), mode=ctypes.RTLD_GLOBAL)
+    ucp.ucp_tag_send_nbx.restype = _VOIDP
+    ucp.ucp_tag_send_nbx.argtypes = [_VOIDP, _VOIDP, _SIZE, _U64, ctypes.POINTER(_RequestParam)]
+    ucp.ucp_tag_recv_nbx.restype = _VOIDP
+    ucp.ucp_tag_recv_nbx.argtypes = [_VOIDP, _VOIDP, _SIZE, _U64, _U64, ctypes.POINTER(_RequestParam)]
+    ucp.ucp_request_free.argtypes = [_VOIDP]
+    ucp.ucp_request_free.restype = None
+    ucp.ucp_worker_query.argtypes = [_VOIDP, _VOIDP]
+    ucp.ucp_worker_query.restype = ctypes.c_int
+    ucp.ucp_worker_signal.argtypes = [_VOIDP]
+    ucp.ucp_worker_signal.restype = ctypes.c_int
+    ucs.ucs_status_string.argtypes = [ctypes.c_int]
+    ucs.ucs_status_string.restype = ctypes.c_char_p
+    return ucp, ucs
+
+
+def thread_mode(worker: int) -> int:
+    """The UCP worker's ucs_thread_mode_t (2: UCS_THREAD_MODE_MULTI)."""
+    attr = (ctypes.c_uint64 * 32)()  # ucp_worker_attr_t: field_mask, then thread_mode; nothing else asked
+    attr[0] = 1  # UCP_WORKER_ATTR_FIELD_THREAD_MODE
+    status = _lib()[0].ucp_worker_query(worker, ctypes.addressof(attr))
+    if status:
+        raise UcpError(status, "ucp_worker_query")
+    return ctypes.c_int.from_buffer(attr, 8).value
+
+
+# operations in flight by key: (their future's loop, the future, what must live until UCX is done: iov, buffers)
+_pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, Any]] = {}
+_lock = threading.Lock()
+_keys = itertools.count(1)
+_multi: set[int] = set()  # workers found in UCS_THREAD_MODE_MULTI
+
+
+def _settle(fut: asyncio.Future, status: int) -> None:
+    if fut.done():
+        return
+    if status:
+        fut.set_exception(UcpError(status, "tag message"))
+    else:
+        fut.set_result(None)
+
+
+def _complete(request: int, status: int, user_data: int) -> None:
+    # ucxx's progress thread (or the posting thread, inside the post): the request is ours to free
+    _lib()[0].ucp_request_free(request)
+    with _lock:
+        entry = _pending.pop(user_data, None)
+    if entry is not None:
+        loop, fut, _ = entry
+        try:
+            loop.call_soon_threadsafe(_settle, fut, status)
+        except RuntimeError:  # the loop closed: nobody waits for this operation any more
+            pass
+
+
+_sent = _SEND_CB(lambda request, status, user_data: _complete(request, status, user_data))
+_received = _RECV_CB(lambda request, status, info, user_data: _complete(request, status, user_data))
+
+
+def _post(worker: int, parts: Sequence[tuple[int, int]], keep: Any, callback: Any, call: Any) -> asyncio.Future:
+    if worker not in _multi:
+        if (mode := thread_mode(worker)) != _THREAD_MODE_MULTI:
+            raise UcpError(0, f"worker thread mode {mode} is not UCS_THREAD_MODE_MULTI: no posts from this thread")
+        _multi.add(worker)
+    iov = (_Iov * len(parts))(*parts)
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    key = next(_keys)
+    param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE
+                          | _OP_ATTR_FLAG_NO_IMM_CMPL, cb=ctypes.cast(callback, _VOIDP), datatype=_DATATYPE_IOV,
+                          user_data=key)
+    with _lock:
+        _pending[key] = (loop, fut, (iov, keep))
+    status = call(ctypes.addressof(iov), len(parts), ctypes.byref(param))
+    if status is not None and status >= _ERR_LAST:  # refused at once: no callback comes
+        with _lock:
+            _pending.pop(key, None)
+        fut.set_exception(UcpError(status - (1 << 64), "posting a tag message"))
+    _lib()[0].ucp_worker_signal(worker)  # wake the progress thread (module docstring)
+    return fut
+
+
+def send_iov(ep: int, worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None) -> asyncio.Future:
+    """Send `parts` ((address, bytes) in order) as one message tagged `tag` on the UCP endpoint `ep` of `worker`
+    (ucxx's `.handle` and `.worker_handle`). Returns a future of the running loop: done once UCX let go of the
+    memory, or UcpError. `parts` and `keep` (the objects owning those addresses) are held until then."""
+    return _post(worker, parts, keep, _sent,
+                 lambda iov, count, param: _lib()[0].ucp_tag_send_nbx(ep, iov, count, tag, param))
+
+
+def recv_iov(worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None) -> asyncio.Future:
+    """Post a receive of the message tagged `tag` (all 64 bits) into `parts` on `worker`. The future is done once
+    the message was placed, or UcpError, e.g. UCS_ERR_MESSAGE_TRUNCATED (-9) for a message longer than `parts`; a
+    shorter one fills `parts` from the front and completes normally."""
+    return _post(worker, parts, keep, _received,
+                 lambda iov, count, param: _lib()[0].ucp_tag_recv_nbx(worker, iov, count, tag, _FULL_MASK, param))
