@@ -352,3 +352,43 @@ def test_a_request_the_wire_cannot_carry_fails_without_leaving_its_receive_poste
         assert not loop.run(receives())
     finally:
         client.close()
+
+
+def test_pages_sent_in_place_are_released_once_sent_or_when_the_push_is_dropped():
+    """A node sends host pages in runs straight from its pool: it may reuse them only once `wait_released` says
+    no send reads them. Sent: released, and the decode side got every byte. Not received within the bound (the
+    decode side posted nothing for the transfer): the push's endpoint is dropped, the push fails, and the pages
+    are released all the same."""
+    from m3sdk.disagg.transport import UcxTransport
+
+    pool = KVPool(spec())
+    rows = wire.page_rows(pool)
+    tokens = list(range(16 * 16))
+    sender_rows = expected_rows(pool.spec, tokens, 0)
+    receiver, sender = UcxTransport(), UcxTransport(drain_timeout=0.5)
+
+    async def push(transfer_id: int, receive: bool) -> tuple:
+        plan = wire.TransferPlan.build(rows, transfer_id, 16, 2, 1 << 20)
+        received = receiver.receive(plan, rows, torch.arange(20, 36)) if receive else None
+        outbox = sender.outbox(plan, torch.device("cpu"), in_place=True)
+        outbox.pack(list(plan.messages), sender_rows, torch.arange(16))
+        assert outbox.reads_pages and not outbox.released.is_set()
+        pushing = asyncio.ensure_future(sender.push("127.0.0.1", receiver.port, outbox))
+        waited = await asyncio.to_thread(outbox.wait_released, 1.0)  # from the producer's thread
+        if received is not None:
+            await asyncio.wait_for(received.wait(), 10)
+        with contextlib.suppress(TransportError):
+            await asyncio.wait_for(pushing, 10)
+        return waited, outbox.released.is_set(), pushing.exception() if pushing.done() else None
+
+    async def run():
+        await receiver.start(listen=True)
+        await sender.start(listen=False)
+        return await push(77, receive=True), await push(78, receive=False)
+
+    (sent, released, error), (dropped_sent, dropped_released, dropped_error) = loop.run(run(), timeout=60)
+    assert (sent, released, error) == (True, True, None)
+    assert_pages(pool, tokens, list(range(20, 36)), 0)
+    assert not dropped_sent and dropped_released and isinstance(dropped_error, TransportError)
+    loop.run(receiver.close())
+    loop.run(sender.close())

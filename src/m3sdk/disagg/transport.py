@@ -161,7 +161,7 @@ class Outbox:
         self._in_place = in_place and self.device.type == "cpu"
         self.reads_pages = False  # a message was queued in place: its pages must stay until `released`
         self.released = threading.Event()
-        self.abandon: Callable[[], None] | None = None  # set by push: drops its endpoint (on the loop)
+        self.abandon: Callable[[], None] | None = None  # set by push: drops its endpoint, fails it (on the loop)
         self.sent = 0  # messages the decode side has taken (their sends completed)
 
     def prepare(self, rows: list[list[torch.Tensor]], src_pages: torch.Tensor) -> None:
@@ -203,9 +203,10 @@ class Outbox:
 
     def wait_released(self, timeout: float) -> bool:
         """From the producer's thread (never the loop's), before it frees or overwrites pages it packed in place:
-        wait until no send reads them any more. Past `timeout` s the push's endpoint is dropped, failing its sends
-        in flight (and other transfers to that decode side, which fall back, as when a drain times out), and this
-        returns False."""
+        wait until no send reads them any more. Past `timeout` s the push's endpoint is dropped (other transfers
+        to that decode side fail and fall back, as when a drain times out) and the push fails, and this returns
+        False. Sends still in flight after seconds were, as a rule, never matched by the decode side (it died or
+        gave the transfer up), so UCX was not reading the pages for them (docs/disaggregation.md: Limits)."""
         if not self.reads_pages or self.released.wait(timeout):
             return True
         dropped = threading.Event()
@@ -588,7 +589,14 @@ class UcxTransport:
         except Exception as e:
             raise TransportError(f"cannot connect to decode transport {host}:{port}: {e!r}") from e
         in_flight: deque[tuple[asyncio.Future, torch.Tensor | _InPlace]] = deque()
-        outbox.abandon = functools.partial(self._drop, host, port)
+        task, abandoned = asyncio.current_task(), []
+
+        def abandon() -> None:  # Outbox.wait_released gave up on the sends in flight
+            abandoned.append(True)
+            self._drop(host, port)
+            task.cancel()
+
+        outbox.abandon = abandon
         try:
             for expected in range(len(plan.messages)):
                 index, item = await outbox.get()
@@ -605,6 +613,9 @@ class UcxTransport:
             while in_flight:
                 await self._finish(in_flight, host, port, plan)
         except asyncio.CancelledError:
+            if abandoned:  # its endpoint is gone: the sends in flight will not finish
+                raise TransportError(f"push of transfer {plan.transfer_id} to {host}:{port} dropped: its sends "
+                                     "held the node's pages past the producer's bound") from None
             # the endpoint is shared by every transfer to this decode side: let the messages in flight finish
             # rather than abort it, unless they cannot finish in time
             if in_flight:
