@@ -59,8 +59,10 @@ ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf1
 # (PDL: the quantization and the GEMM start while the kernel before them finishes; the GEMM prefetches PREFETCH
 # weight tiles into L2 before griddepcontrol.wait and lets the next kernel launch once its weight stream is done),
 # the weight tiles by TMA with 4 stages (session 14 window 2). The default first, then around it: cp.async instead
-# of TMA, 8 warps (3 / 4 stages), 5 stages, 0 / 2 tiles prefetched, K tiles of 128 x 8 stages, and session 13's
-# default (cp.async, 3 stages).
+# of TMA, no STAGGER, no split at all (o_proj / dense down: 96 programs, 5 / 6 stages, no partial exchange), 8 warps,
+# 2 tiles prefetched, and session 13's default (cp.async, 3 stages). Window 3 also timed 8 warps at 3 stages (the
+# GEMM alone flat over M, 16.3 us at M = 16, but 0.6-1 us more with the quantization launch in front), 5 stages,
+# no prefetch, K tiles of 128 x 8 stages: none faster.
 # Lost before (docs/perf.md): stream-K (session 14 window 1: equal ranges of (column block, K tile) units per
 # program, 1-3 per SM: 0.5-3.5 us slower on every shape); in window 2 the quantization inside the GEMM (every
 # program computing the rows' scales: +1.3 us at M = 1, +9 us at M = 16), the activation by TMA too, 128-row tiles
@@ -71,12 +73,11 @@ _DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, STAGGER=1, SW
 SWEEP = {
     "fp8_gemm_decode": [dict(_DECODE),
                         dict(_DECODE, TMA=0),
+                        dict(_DECODE, STAGGER=0),
+                        dict(_DECODE, SPLIT_PROGRAMS=96, num_stages=5),
+                        dict(_DECODE, SPLIT_PROGRAMS=96, num_stages=6),
                         dict(_DECODE, num_warps=8),
-                        dict(_DECODE, num_warps=8, num_stages=3),
-                        dict(_DECODE, num_stages=5),
-                        dict(_DECODE, PREFETCH=0),
                         dict(_DECODE, PREFETCH=2),
-                        dict(_DECODE, BLOCK_K=128, num_stages=8),
                         dict(_DECODE, TMA=0, num_stages=3)],
     "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
     "fp8_gemm_decode:wide": [dict(_DECODE, num_stages=3), dict(_DECODE, TMA=0, num_stages=3)],
