@@ -89,16 +89,20 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
     },
     # dense decode: one query token x one GQA group (16 heads padded to BLOCK_H rows) per program, split-KV.
     # MERGE_LAST: the last split program of a token merges the partials (no merge launch; H200 session 13 window 1,
-    # b64 32K: bf16 0.974 -> 0.959 ms with 1056 programs, FP8 0.749 -> 0.721, MSA bf16 0.078 -> 0.072)
+    # b64 32K: bf16 0.974 -> 0.959 ms with 1056 programs, FP8 0.749 -> 0.721, MSA bf16 0.078 -> 0.072).
+    # sm90 bf16: the keys as the wgmma's M (KEYS_M) with page ids carried ahead, 3 stages: 0.1-0.4 % faster at b64
+    # 32K, 0.9-1.5 % at 128K in each of session 14's windows 1-3 (3.909 -> 3.867 ms in window 3)
     "attn_decode": {
         "sm90": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 3, "SPLIT_PROGRAMS": 1056,
-                 "MERGE_LAST": 1},
+                 "MERGE_LAST": 1, "KEYS_M": 1, "PAGE_AHEAD": 1},
         "gfx942": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1216},
         "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
     },
-    # FP8 KV on the H200 (docs/perf.md, session 11 window 2): page ids carried one tile ahead (PAGE_AHEAD) so
-    # two 128-key K/V tiles are in flight at 3 stages: 0.755 ms at b64 32K against 1.09 for the previous settings
-    "attn_decode:fp8": {"sm90": {"BLOCK_N": 128, "num_stages": 3, "SPLIT_PROGRAMS": 1056, "PAGE_AHEAD": 1}},
+    # FP8 KV on the H200 (docs/perf.md): page ids carried one tile ahead (PAGE_AHEAD, session 11); one-warp programs
+    # of 32-key tiles, 2 stages (no cross-warp reduction in the loop, as MSA decode; 189 registers, 10 per SM):
+    # session 14 window 3, b64 32K: 0.746-0.751 -> 0.714 ms against 4-warp programs of 128-key tiles at 3 stages
+    "attn_decode:fp8": {"sm90": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 2, "SPLIT_PROGRAMS": 1056,
+                                 "PAGE_AHEAD": 1}},
     # prefill / verification: BLOCK_Q query tokens x the group's heads as the MMA's M rows. On AMD a 128 x 64
     # FP8 tile spills (the fp8 -> fp16 converts and the pipeliner's register prefetch): 128 x 32, one stage.
     "attn_prefill": {

@@ -153,9 +153,9 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
                  KEYS_M: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
 
-    KEYS_M (bf16 decode): the keys are the MMA's M (a decode tile's 16 rows are too few for an sm90 wgmma's 64):
-    q is q^T [HEAD_DIM, BLOCK_M], acc is O^T [HEAD_DIM, BLOCK_M], and l is kept per key ([BLOCK_N, BLOCK_M]),
-    summed over the keys after the loop (no cross-warp sum per tile)."""
+    KEYS_M (bf16 decode; sm90's dense default): the keys are the MMA's M (a decode tile's 16 rows are too few for
+    an sm90 wgmma's 64): q is q^T [HEAD_DIM, BLOCK_M], acc is O^T [HEAD_DIM, BLOCK_M], and l is kept per key
+    ([BLOCK_N, BLOCK_M]), summed over the keys after the loop (no cross-warp sum per tile)."""
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     key_ok = n < kv_end
@@ -208,13 +208,9 @@ def _attn_kernel(
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, HEADS_FIRST: tl.constexpr):
-    if HEADS_FIRST:  # the KV heads of a query tile launch side by side: they read neighbouring slices of each page
-        h = tl.program_id(0)
-        pid = tl.program_id(1)
-    else:
-        pid = tl.program_id(0)
-        h = tl.program_id(1)
+        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
     split = tl.program_id(2)
     seq, q_start, n_q, first = q_tile(cu_q, num_seqs, pid, BLOCK_Q)
     if first < n_q:
@@ -337,7 +333,7 @@ def _attn_kernel(
                 # every program's partial stores precede (barrier, then a release add) its arrival, and the last one
                 # reads them after its acquiring add saw all arrivals. It puts the counter back to 0 for the next call
                 # (so a CUDA graph replays with the same buffer), which no other program of this launch touches again.
-                count = arrivals + pid * (NUM_HEADS // GROUP) + h
+                count = arrivals + pid * tl.num_programs(1) + h
                 tl.debug_barrier()
                 if tl.atomic_add(count, 1, sem="acq_rel") == NUM_SPLITS - 1:
                     tl.debug_barrier()
@@ -420,7 +416,6 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "MERGE_LAST": cfg.get("MERGE_LAST", 0) if splits > 1 else 0,
             "KEYS_M": int(block_q == 1 and not fp8 and cfg.get("KEYS_M", 0)),  # decode only: no row_sel there
-            "HEADS_FIRST": cfg.get("HEADS_FIRST", 0),
             "maxnreg": cfg.get("maxnreg")}
 
 
@@ -477,8 +472,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sel = block_sel if sparse else page_table
     arrivals = arrival_counters(q.device, plan["q_blocks"] * hkv) if plan["MERGE_LAST"] else out  # unread without
     limits = {"maxnreg": plan["maxnreg"]} if plan["maxnreg"] else {}
-    grid = (hkv, plan["q_blocks"], splits) if plan["HEADS_FIRST"] else (plan["q_blocks"], hkv, splits)
-    _attn_kernel[grid](
+    _attn_kernel[(plan["q_blocks"], hkv, splits)](
         q, k_cache, v_cache, ks, vs, page_table, cu_seqlens_q, context_lens, sel, out, part_o, part_lse, arrivals,
         scale * 1.4426950408889634, num_seqs, t_total, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         page_table.stride(0), k_cache.stride(0), k_cache.stride(1), ks.stride(0), ks.stride(1),
@@ -488,7 +482,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
-        HEADS_FIRST=plan["HEADS_FIRST"], num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                      HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
@@ -527,8 +521,7 @@ def aot_variants(arch: Arch) -> list:
                         "SPARSE": sparse, "TOPK": m["topk"], "TOPK_PAD": m["topk"], "SEL_BLOCK": m["block_size"],
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
-                        "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"],
-                        "HEADS_FIRST": plan["HEADS_FIRST"]},
+                        "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))

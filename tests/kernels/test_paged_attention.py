@@ -67,15 +67,13 @@ def test_sparse_matches_reference_and_drops_blocks(monkeypatch, case, kv_dtype, 
     assert (ref - dense).abs().max() > 0.05  # the selection changed the result: something was dropped
 
 
-@pytest.mark.parametrize("merge_last,heads_first", [(0, 0), (1, 0), (1, 1)],
-                         ids=["merge-kernel", "merge-last", "merge-last-heads-first"])
-def test_splits_and_gqa_padding(monkeypatch, merge_last, heads_first):
+@pytest.mark.parametrize("merge_last", [0, 1], ids=["merge-kernel", "merge-last"])
+def test_splits_and_gqa_padding(monkeypatch, merge_last):
     """Split-KV + LSE merge (many splits, some empty), a group of 4 heads padded to 16 rows, fp32 KV; merged by a
     second kernel, or (MERGE_LAST) by each tile's last program to arrive, whose counters are back at 0 after the
-    call (a second call gives the same result); the grid's KV heads first or second (HEADS_FIRST)."""
+    call (a second call gives the same result)."""
     monkeypatch.setitem(arch.TILES["attn_decode"], "sm90", {**arch.TILES["attn_decode"]["sm90"], "BLOCK_N": 16,
-                                                            "SPLIT_PROGRAMS": 1 << 12, "MERGE_LAST": merge_last,
-                                                            "HEADS_FIRST": heads_first})
+                                                            "SPLIT_PROGRAMS": 1 << 12, "MERGE_LAST": merge_last})
     ctx, new = [3, 100, 47], [1, 1, 1]
     plan = attention_plan(3, 3, HKV, 4, 1, max(ctx), False, 1, 128)
     assert plan["NUM_SPLITS"] >= 2 and plan["BLOCK_H"] == 16 and plan["MERGE_LAST"] == merge_last
@@ -138,9 +136,9 @@ def test_fp8_fnuz_cache():
 
 @pytest.mark.parametrize("merge_last", [0, 1], ids=["merge-kernel", "merge-last"])
 def test_keys_as_mma_rows_decode(monkeypatch, merge_last):
-    """KEYS_M (bf16 decode with the keys as the MMA's M, l summed after the loop): dense decode over several
-    16-key tiles per split with page ids carried ahead, MSA decode over 8-key tiles, splits merged by a second
-    kernel or by their last program, against the reference."""
+    """KEYS_M (bf16 decode with the keys as the MMA's M, l summed after the loop; sm90's dense default): dense
+    decode over several 16-key tiles per split with page ids carried ahead, MSA decode over 8-key tiles, splits
+    merged by a second kernel or by their last program, against the reference."""
     for family, extra in (("attn_decode", {"BLOCK_N": 16, "SPLIT_PROGRAMS": 24, "PAGE_AHEAD": 1}),
                           ("sparse_decode", {"BLOCK_N": 8, "SPLIT_PROGRAMS": 1 << 12})):
         monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], **extra, "KEYS_M": 1,
