@@ -59,8 +59,10 @@ ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf1
 # (PDL: the quantization and the GEMM start while the kernel before them finishes; the GEMM prefetches PREFETCH
 # weight tiles into L2 before griddepcontrol.wait and lets the next kernel launch once its weight stream is done),
 # the weight tiles by TMA with 4 stages (session 14 window 2). The default first, then around it: cp.async instead
-# of TMA, no STAGGER, no split at all (o_proj / dense down: 96 programs, 5 / 6 stages, no partial exchange), 8 warps,
-# 2 tiles prefetched, and session 13's default (cp.async, 3 stages). Window 3 also timed 8 warps at 3 stages (the
+# of TMA, SPLIT_LAST (the tile's last split waits for the others' partials and sums without publishing its own,
+# instead of every split publishing and the last to arrive summing), no STAGGER, no split at all (o_proj / dense
+# down: 96 programs, 5 / 6 stages, no partial exchange), 8 warps, 2 tiles prefetched, and session 13's default
+# (cp.async, 3 stages). Window 3 also timed 8 warps at 3 stages (the
 # GEMM alone flat over M, 16.3 us at M = 16, but 0.6-1 us more with the quantization launch in front), 5 stages,
 # no prefetch, K tiles of 128 x 8 stages: none faster.
 # Lost before (docs/perf.md): stream-K (session 14 window 1: equal ranges of (column block, K tile) units per
@@ -69,10 +71,11 @@ ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf1
 # (the GEMM alone 0.2-0.9 us faster at M = 1, 1-2.5 us slower with the quantization launch in front); before: 330 /
 # 396 programs, prefetch 4 / 8, unsplit 16-column tiles (mma.sync), the quantization inside the GEMM's launch.
 _DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=264, PDL=1,
-               PREFETCH=1, TMA=1)
+               PREFETCH=1, TMA=1, SPLIT_LAST=0)
 SWEEP = {
     "fp8_gemm_decode": [dict(_DECODE),
                         dict(_DECODE, TMA=0),
+                        dict(_DECODE, SPLIT_LAST=1),
                         dict(_DECODE, STAGGER=0),
                         dict(_DECODE, SPLIT_PROGRAMS=96, num_stages=5),
                         dict(_DECODE, SPLIT_PROGRAMS=96, num_stages=6),
