@@ -306,7 +306,8 @@ async def _recv_all(plan: wire.TransferPlan, bufs: list, window: int | None = No
 
 
 def _visible(first: str, second: str) -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = f"{first},{second}"
+    # one GPU for both processes (--gpus 0,0: a check of the path on a one-GPU machine): listed once
+    os.environ["CUDA_VISIBLE_DEVICES"] = first if first == second else f"{first},{second}"
 
 
 def _alive(proc: mp.Process, what: str) -> None:
@@ -632,6 +633,8 @@ def main() -> None:
     kinds = args.kinds or ["kv", "kv-staged", "kv-scattered", "raw"] + ([] if args.device == "cuda" else ["raw-eh"])
     rates, traces = measure(args.total_mib << 20, sizes, args.repeats, args.window, args.device, gpus, kinds,
                             args.step_timeout, args.trace)
+    if not rates:  # --repeats 0: the warm-up round alone, which checks every byte
+        return
     base = "p2p" if args.device == "cuda" else "perftest"
     if args.out is not None:
         with open(args.out / "disagg.jsonl", "a") as f:
