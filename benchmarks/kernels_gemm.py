@@ -54,35 +54,27 @@ SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144
           "dense gate_up 6144->24576": (6144, 24576), "dense down 12288->6144": (12288, 6144)}
 MS = (1, 16, 256, 1024, 8192)
 ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf16")
-# decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma) with split-K over about
-# 2 programs per SM (o_proj: 96 column blocks x 2 = 192 programs on 132 SMs), launched as programmatic dependents
-# (PDL: the quantization and the GEMM start while the kernel before them finishes; the GEMM prefetches PREFETCH
-# weight tiles into L2 before griddepcontrol.wait and lets the next kernel launch once its weight stream is done),
-# the weight tiles by TMA with 4 stages (session 14 window 2). The default first, then around it: cp.async instead
-# of TMA, SPLIT_LAST (the tile's last split waits for the others' partials and sums without publishing its own,
-# instead of every split publishing and the last to arrive summing), no STAGGER, no split at all (o_proj / dense
-# down: 96 programs, 5 / 6 stages, no partial exchange), 8 warps, 2 tiles prefetched, and session 13's default
-# (cp.async, 3 stages). Window 3 also timed 8 warps at 3 stages (the
-# GEMM alone flat over M, 16.3 us at M = 16, but 0.6-1 us more with the quantization launch in front), 5 stages,
-# no prefetch, K tiles of 128 x 8 stages: none faster.
+# decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma), launched as programmatic
+# dependents (PDL: the quantization and the GEMM start while the kernel before them finishes; the GEMM prefetches
+# PREFETCH weight tiles into L2 before griddepcontrol.wait and lets the next kernel launch once its weight stream is
+# done), the weight tiles by TMA (session 14 window 2). qkv+index (154 column blocks): split-K up to 264 programs (so
+# none), 4 stages; o_proj / dense down (96 column blocks, `:narrow`): no split, 6 stages (window 4), against 5 / 7 / 8
+# stages and window 3's default (split in 2, 4 stages). Window 4 also timed, split in 2: the last split waiting for
+# the others and summing without publishing its own (o_proj 15.7 / 16.2 / 16.8 us at M = 1 / 4 / 16), no STAGGER,
+# 8 warps, 2 tiles prefetched, cp.async: all 15.6-17.4 us; window 3: 8 warps at 3 / 4 stages, 5 stages, no prefetch,
+# K tiles of 128 x 8 stages.
 # Lost before (docs/perf.md): stream-K (session 14 window 1: equal ranges of (column block, K tile) units per
 # program, 1-3 per SM: 0.5-3.5 us slower on every shape); in window 2 the quantization inside the GEMM (every
 # program computing the rows' scales: +1.3 us at M = 1, +9 us at M = 16), the activation by TMA too, 128-row tiles
 # (the GEMM alone 0.2-0.9 us faster at M = 1, 1-2.5 us slower with the quantization launch in front); before: 330 /
 # 396 programs, prefetch 4 / 8, unsplit 16-column tiles (mma.sync), the quantization inside the GEMM's launch.
 _DECODE = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, STAGGER=1, SWAP_AB=1, SPLIT_PROGRAMS=264, PDL=1,
-               PREFETCH=1, TMA=1, SPLIT_LAST=0)
+               PREFETCH=1, TMA=1)
+_NARROW = dict(_DECODE, SPLIT_PROGRAMS=0, num_stages=6)
 SWEEP = {
-    "fp8_gemm_decode": [dict(_DECODE),
-                        dict(_DECODE, TMA=0),
-                        dict(_DECODE, SPLIT_LAST=1),
-                        dict(_DECODE, STAGGER=0),
-                        dict(_DECODE, SPLIT_PROGRAMS=96, num_stages=5),
-                        dict(_DECODE, SPLIT_PROGRAMS=96, num_stages=6),
-                        dict(_DECODE, num_warps=8),
-                        dict(_DECODE, PREFETCH=2),
-                        dict(_DECODE, TMA=0, num_stages=3)],
-    "fp8_gemm_decode:narrow": [],  # the decode configs (below), on the N <= quant.NARROW_N shapes
+    "fp8_gemm_decode": [dict(_DECODE), dict(_DECODE, TMA=0), dict(_DECODE, num_stages=5)],
+    "fp8_gemm_decode:narrow": [dict(_NARROW), dict(_NARROW, num_stages=5), dict(_NARROW, num_stages=7),
+                               dict(_NARROW, num_stages=8), dict(_DECODE)],
     "fp8_gemm_decode:wide": [dict(_DECODE, num_stages=3), dict(_DECODE, TMA=0, num_stages=3)],
     # the activation quantization launch in front of the decode GEMM (`fp8_linear`, timed as the decode configs)
     "fp8_quant": [dict(num_warps=16), dict(num_warps=8), dict(num_warps=4)],
@@ -93,8 +85,6 @@ SWEEP = {
                          dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)],
 }
 
-
-SWEEP["fp8_gemm_decode:narrow"] = SWEEP["fp8_gemm_decode"]
 
 
 def _decode_variant(n: int) -> str:

@@ -199,10 +199,12 @@ TILES.update({
         "gfx950": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 2,
                    "SPLIT_PROGRAMS": 1024, "STAGGER": 1},
     },
-    # decode GEMMs with N <= quant.NARROW_N (o_proj, the dense down: 96 column tiles of 64) take these over the above;
-    # H200 session 12 window 2: the above stay best for them (528 / 792 programs, 4 stages, K 128 x 6 stages: 1-2.5 us
-    # slower at o_proj's 15.9 / 17.1 us)
-    "fp8_gemm_decode:narrow": {"sm90": {}},
+    # decode GEMMs with N <= quant.NARROW_N (o_proj, the dense down: 96 column tiles of 64) take these over the above:
+    # no split (SPLIT_PROGRAMS 0: 96 programs, one per column block, 1 per SM at 6 stages = 120 KB), so no partial
+    # exchange at the end. H200 session 14 window 4, quantization included, M = 1 / 4 / 16: o_proj 16.1 / 16.2 / 17.1
+    # (split in 2, 4 stages) -> 15.1 / 15.1 / 15.9 us, the GEMM alone 16.3 / 16.2 / 16.8 -> 14.1 / 14.2 / 14.4; dense
+    # down 21.6 / 22.1 / 23.2 -> 21.4 / 21.6 / 22.1 (5 stages: 15.5 / 15.7 / 16.0 and 21.9 / 22.2 / 22.6)
+    "fp8_gemm_decode:narrow": {"sm90": {"SPLIT_PROGRAMS": 0, "num_stages": 6}},
     # decode GEMMs with N >= quant.WIDE_N (the dense gate_up: 384 column tiles) run more programs than fit 2 per SM
     # at 4 stages (80 KB each): 3 stages keep 3 per SM in one wave (session 14 window 2: 4 stages 43.0 vs 38.0 us)
     "fp8_gemm_decode:wide": {"sm90": {"num_stages": 3}},

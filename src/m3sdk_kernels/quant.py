@@ -303,7 +303,7 @@ def _prefetch_l2(w_ptr, cols, k0, stride_wn, BLOCK_K: tl.constexpr):
 def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, stride_am,
                      stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr, SWAP_AB: tl.constexpr,
-                     EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, SPLIT_LAST: tl.constexpr):
+                     EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # program -> (output tile, K split): the SPLIT_K programs of one tile are neighbours
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K
@@ -386,28 +386,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_ptr, ws_p
 
     out_mask = row_ok[:, None] & (offs_n[None, :] < N)
     done = True
-    if SPLIT_K > 1 and SPLIT_LAST:
-        # split-K in one launch, SPLIT_LAST: the tile's last split sums, once the others have published their fp32
-        # partials (a counter per tile, reset by it for the next launch); its own partial never leaves registers.
-        # It only waits on lower program ids, dispatched before it, so it cannot wait on a program not yet resident
-        part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        ws_tile = ws_ptr + tile.to(tl.int64) * SPLIT_K * BLOCK_M * BLOCK_N
-        done = pid_k == SPLIT_K - 1
-        if done:
-            while tl.atomic_add(count_ptr + tile, 0, sem="acquire") < SPLIT_K - 1:
-                pass
-            mine = acc
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for s in tl.static_range(SPLIT_K - 1):  # the same order as below: the same bits
-                acc += tl.load(ws_tile + s * BLOCK_M * BLOCK_N + part, mask=row_ok[:, None], other=0.0,
-                               cache_modifier=".cg")
-            acc += mine
-            tl.atomic_xchg(count_ptr + tile, 0)
-        else:
-            tl.store(ws_tile + pid_k * BLOCK_M * BLOCK_N + part, acc, mask=row_ok[:, None])
-            tl.debug_barrier()  # every thread's partial is written before the (single-thread) release below
-            tl.atomic_add(count_ptr + tile, 1, sem="release")
-    elif SPLIT_K > 1:
+    if SPLIT_K > 1:
         # split-K in one launch: every split leaves its fp32 partial in the workspace; the last of the tile's
         # splits to arrive (a counter per tile, reset by that program for the next launch) sums them
         part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -491,8 +470,8 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
         x_q, x_scale, w_q, w_desc, w_scale, out, ws, counters, m, n, k, x_q.stride(0), w_q.stride(0), out.stride(0),
         BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"], SPLIT_K=split,
         STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0), EVEN_K=k % t["BLOCK_K"] == 0, PDL=pdl,
-        PREFETCH=t.get("PREFETCH", 0) if pdl else 0, SPLIT_LAST=t.get("SPLIT_LAST", 0), num_warps=t["num_warps"],
-        num_stages=t["num_stages"], **_pdl_launch(pdl))
+        PREFETCH=t.get("PREFETCH", 0) if pdl else 0, num_warps=t["num_warps"], num_stages=t["num_stages"],
+        **_pdl_launch(pdl))
     return out
 
 
@@ -550,6 +529,6 @@ def aot_variants(arch: Arch) -> list:
             {**({} if tma else {"w_desc": None}), "BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"],
              "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"], "SPLIT_K": split, "STAGGER": t.get("STAGGER", 0),
              "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True, "PDL": pdl,
-             "PREFETCH": t.get("PREFETCH", 0) if pdl else 0, "SPLIT_LAST": t.get("SPLIT_LAST", 0)},
+             "PREFETCH": t.get("PREFETCH", 0) if pdl else 0},
             num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=("K", "stride_am", "stride_wn", "stride_cm")))
     return out

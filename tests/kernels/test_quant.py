@@ -104,13 +104,11 @@ def test_fp8_linear_matches_reference(m):
 
 @pytest.mark.parametrize("swap_ab", [0, 1])
 @pytest.mark.parametrize("m,k", [(1, 1536), (16, 1536), (5, 1400)])  # K 1400: the masked-K path split too
-@pytest.mark.parametrize("split_last", [0, 1])
-def test_fp8_gemm_decode_split_k(m, k, swap_ab, split_last, monkeypatch):
+def test_fp8_gemm_decode_split_k(m, k, swap_ab, monkeypatch):
     """Decode tiles with K split over programs (the last split of a tile sums the partials) and the staggered K
     order: same result as the reference, bit-identical on a second launch (fixed summation order), and the
     arrival counters are back to zero for the next launch."""
-    t = TILES["fp8_gemm_decode"]["sm90"] | {"SWAP_AB": swap_ab, "SPLIT_PROGRAMS": 12, "STAGGER": 1,
-                                            "SPLIT_LAST": split_last}
+    t = TILES["fp8_gemm_decode"]["sm90"] | {"SWAP_AB": swap_ab, "SPLIT_PROGRAMS": 12, "STAGGER": 1}
     monkeypatch.setitem(TILES["fp8_gemm_decode"], "sm90", t)
     n = 3 * t["BLOCK_N"] - 5  # a partial column block
     assert quant.split_k(3, k, t) == 3
@@ -124,8 +122,7 @@ def test_fp8_gemm_decode_split_k(m, k, swap_ab, split_last, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (griddepcontrol runs on hardware only)")
-# the table's tiles (TMA weight tiles), cp.async, the last split summing once the others have published
-@pytest.mark.parametrize("decode", [{}, {"TMA": 0}, {"SPLIT_LAST": 1}])
+@pytest.mark.parametrize("decode", [{}, {"TMA": 0}])  # the table's tiles (TMA weight tiles), cp.async
 def test_gpu_fp8_linear_pdl_same_bits(decode, monkeypatch):
     """On the GPU, at M3's shapes: the fp8 norm, the quantization and the GEMMs launched as programmatic dependents
     (PDL: a GEMM prefetches its weights before waiting for the kernel before it) give the bits of plain launches,
