@@ -507,8 +507,6 @@ def aot_variants(arch: Arch) -> list:
             {"FP8_MAX": arch.fp8_max, "BLOCK_K": block, "ONE_TILE": k <= block, "SWIGLU": swiglu, "PDL": pdl,
              "INTERPRET": False},
             num_warps=t["num_warps"], aligned=("K", "stride_x", "stride_q")))
-    # (family, variant, N, K): decode at the packed qkv+index projection and, narrow, at o_proj; mid / prefill at
-    # o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); each with the split the dispatch picks there
     # (family, variant, N, K): decode at the packed qkv+index projection, narrow at o_proj, wide at the dense gate_up;
     # mid / prefill at o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); each with the split the
     # dispatch picks there
