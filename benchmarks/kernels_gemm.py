@@ -37,8 +37,7 @@ from gpu_timing import bench, read_bandwidth
 from m3sdk_kernels.arch import TILES, current_arch
 from m3sdk_kernels.norm import add_rms_norm
 from m3sdk_kernels.quant import (
-    NARROW_N,
-    WIDE_N,
+    decode_variant,
     fp8_gemm,
     fp8_gemm_ref,
     fp8_linear,
@@ -84,12 +83,6 @@ SWEEP = {
                          dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
                          dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)],
 }
-
-
-
-def _decode_variant(n: int) -> str:
-    # the decode table variant quant._gemm_tiles picks for N
-    return "narrow" if n <= NARROW_N else "wide" if n >= WIDE_N else ""
 
 
 def torch_quant(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,8 +171,8 @@ def sweep(fam: str, arch, fp8: torch.dtype, rep: int, shapes: tuple[str, ...] = 
     off the reference is reported and skipped. Returns one record per config."""
     decode = fam.startswith("fp8_gemm_decode") or fam == "fp8_quant"
     if decode:  # the shapes each decode table serves (the quantization: all)
-        cases = [(shape, m) for shape, (_, n) in SHAPES.items() for m in ms
-                 if (fam == "fp8_quant" or _decode_variant(n) == fam.partition(":")[2]) and shape.startswith(shapes)]
+        cases = [(shape, m) for shape, (_, n) in SHAPES.items() for m in ms if shape.startswith(shapes)
+                 and (fam == "fp8_quant" or (decode_variant(n) or "") == fam.partition(":")[2])]
     else:
         cases = [("qkv_index 6144->9856", {"fp8_gemm_mid": 256, "fp8_gemm_prefill": 8192}[fam])]
     if not cases:

@@ -427,10 +427,15 @@ NARROW_N = 6144  # decode GEMMs this narrow have few column tiles: their "fp8_ge
 WIDE_N = 16384  # decode GEMMs this wide have more column tiles than 2 programs per SM: "fp8_gemm_decode:wide"
 
 
+def decode_variant(n: int) -> str | None:
+    """The `fp8_gemm_decode` table variant for a GEMM with N output columns."""
+    return "narrow" if n <= NARROW_N else "wide" if n >= WIDE_N else None
+
+
 def _gemm_tiles(m: int, n: int, arch: Arch) -> dict[str, int]:
     # decode (the job is streaming the weight once), mid, prefill (the job is tensor-core rate)
     if m <= 16:
-        return tiles("fp8_gemm_decode", arch, "narrow" if n <= NARROW_N else "wide" if n >= WIDE_N else None)
+        return tiles("fp8_gemm_decode", arch, decode_variant(n))
     return tiles("fp8_gemm_mid" if m <= 256 else "fp8_gemm_prefill", arch)
 
 
