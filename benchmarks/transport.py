@@ -17,11 +17,10 @@ with transport window N, e.g. kv-w8):
                 decode side's KVPool pages (what a remote prefill costs beyond compute), page tables of
                 consecutive pages on both sides (a fresh engine's): each message's runs of pages move as one
                 _foreach_copy_ on each side (wire.py)
-  kv-staged     the same pages, the plan built without the destination pages (on GPUs the decode side then
-                scatters with one index kernel per tensor; on a CPU it finds the runs itself), and on a CPU every
-                message staged on both sides: gathered into a buffer, received into one and scattered (the kv path
-                before session 14; kv moves host pages in runs straight from pool to pool, UcxTransport's
-                in_place: iov messages, disagg/ucp.py)
+  kv-staged     the same pages, every message staged on both sides: gathered into a buffer, received into one
+                and scattered (UcxTransport(in_place=False); kv moves pages in runs straight from pool to pool,
+                disagg/ucp.py: host pools as one iov message per message, CUDA pools as one UCX message per piece)
+  kv-iov        on GPUs, CUDA pools in place as one iov message per message (UcxTransport(cuda_iov=True))
   kv-scattered  random page ids on both sides (index kernels on both sides)
   ucxx raw      ucxx tag send/recv of the same message sizes on endpoints like the transport's (no UCX peer error
                 handling: shared memory between the two processes); receive buffers posted and touched beforehand
@@ -137,7 +136,7 @@ class Trace:
                 cls.events.append((event, index, time.perf_counter()))
 
         pack, check, place, send, recv = wire.pack, wire.check, wire.place, tr._start_send, tr._start_recv
-        get = tr.Outbox.get
+        get, ucp_send, ucp_recv = tr.Outbox.get, tr.ucp.send, tr.ucp.recv
 
         def traced_pack(plan, msg, *args):
             note("pack", msg.index)
@@ -174,19 +173,39 @@ class Trace:
             note("ready", index)
             return index, buf
 
+        def traced_ucp_send(ep, worker, parts, tag, **kw):  # in place: from the pages
+            note("send0", tag & mask)
+            done = ucp_send(ep, worker, parts, tag, **kw)
+            done.add_done_callback(lambda _: note("send1", tag & mask))
+            return done
+
+        def traced_ucp_recv(worker, parts, tag, **kw):  # in place: into the pages
+            note("recv0", tag & mask)
+            done = ucp_recv(worker, parts, tag, **kw)
+            done.add_done_callback(lambda _: note("recv1", tag & mask))
+            return done
+
         wire.pack, wire.check, wire.place, tr._start_send, tr._start_recv, tr.Outbox.get = (
             traced_pack, traced_check, traced_place, traced_send, traced_recv, traced_get)
+        tr.ucp.send, tr.ucp.recv = traced_ucp_send, traced_ucp_recv
 
 
 def plan_pages(what: str, dsts: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The destination pages the plan is built with: "kv-staged" leaves them out (scattered by index)."""
-    return None if what == "kv-staged" else dsts.get(what)
+    """The destination pages the plan is built with (none for the raw kinds)."""
+    return dsts.get(what)
+
+
+def configure(transport: UcxTransport, what: str, window: int) -> None:
+    """The transport settings kind `what` runs with, the same on both sides."""
+    transport.window = window_of(what, window)
+    transport.in_place = what != "kv-staged"
+    transport.cuda_iov = what.startswith("kv-iov")
 
 
 def plan_for(pool: KVPool, message_bytes: int, transfer_id: int,
              dst: torch.Tensor | None = None) -> wire.TransferPlan:
     """The transfer's plan; with the destination pages `dst` as a remote prefill builds it (their runs scattered
-    as runs), without them as plain messages (the raw rows, and "kv-staged")."""
+    as runs), without them as plain messages (the raw rows)."""
     return wire.TransferPlan.build(wire.page_rows(pool), transfer_id, pool.spec.num_pages, pool.spec.num_layers,
                                    message_bytes, None if dst is None else dst.tolist())
 
@@ -219,7 +238,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
         if what == "stop":
             return
         plan = plan_for(pool, message_bytes, transfer_id, plan_pages(what, dsts))
-        transport.window = window_of(what, window)
+        configure(transport, what, window)
         Trace.events = [] if traced else None
         if what in srcs and what != "raw-runs":
             ahead = "ahead" in what.split("-")
@@ -388,8 +407,7 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                         nbytes = sum(b.nbytes for b in bufs)
                         done = loop.submit(_recv_all(plan, bufs))
                     elif what in dsts:
-                        transport.window = window_of(what, window)
-                        transport.in_place = what != "kv-staged"
+                        configure(transport, what, window)
                         receive = loop.run(_post(transport, plan, rows, dsts[what]), step_timeout)
                         done = loop.submit(receive.wait())
                     else:

@@ -130,15 +130,18 @@ class _Gathers:
 
 class _InPlace:
     """A message sent from or received into a pool's pages (ucp.py): its header slot, its runs of pages in payload
-    order, its trailer slot (`frame`: header and trailer, 80 bytes), as (address, bytes)."""
+    order, its trailer slot (`frame`: header and trailer, 80 bytes), as (address, bytes); moved as one iov message
+    (`iov`: frame and pages in one memory) or as one UCX message per part."""
 
-    __slots__ = ("keep", "parts")
+    __slots__ = ("iov", "keep", "memory", "parts")
 
-    def __init__(self, frame: torch.Tensor, pieces: list[torch.Tensor]):
+    def __init__(self, frame: torch.Tensor, pieces: list[torch.Tensor], iov: bool):
         self.keep = (frame, pieces)
         head = frame.data_ptr()
         self.parts = [(head, wire.HEADER_BYTES), *((p.data_ptr(), p.numel() * p.element_size()) for p in pieces),
                       (head + wire.HEADER_BYTES, wire.TRAILER_BYTES)]
+        self.iov = iov
+        self.memory = frame.device.type if iov else None  # parts: UCX looks up each one's
 
 
 class Outbox:
@@ -152,13 +155,17 @@ class Outbox:
     flight did not finish within the transport's drain_timeout)."""
 
     def __init__(self, plan: TransferPlan, device: torch.device, pool: BufferPool, gathers: _Gathers,
-                 in_place: bool = False):
+                 in_place: bool = False, iov: bool = True):
         self.plan, self.device, self._pool, self._gathers = plan, torch.device(device), pool, gathers
         self._frames = wire.frames(plan, self.device)
         self._layout: wire.Layout | None = None  # where the messages' pages are in the producer's pool
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[int, torch.Tensor | _InPlace]] = asyncio.Queue()
-        self._in_place = in_place and self.device.type == "cpu"
+        self._in_place = in_place
+        self._iov = iov or self.device.type == "cpu"
+        self._host_frames: torch.Tensor | None = None
+        if self._in_place and self.device.type == "cuda":  # sent from UCX's streams: the frames must be there
+            torch.cuda.current_stream(self.device).synchronize()
         self.reads_pages = False  # a message was queued in place: its pages must stay until `released`
         self.released = threading.Event()
         self.abandon: Callable[[], None] | None = None  # set by push: drops its endpoint, fails it (on the loop)
@@ -188,18 +195,27 @@ class Outbox:
             for msg in messages:
                 if self._in_place and layout.runs is not None:
                     self.reads_pages = True
-                    item = (msg.index, _InPlace(self._frames[msg.index], layout.pool(msg)[0]))
-                    self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-                    continue
-                buf = self._pool.take(msg.nbytes, self.device)
-                wire.pack(self.plan, msg, self._layout, buf, self._frames)
-                deliver = functools.partial(self._loop.call_soon_threadsafe, self._queue.put_nowait, (msg.index, buf))
-                if buf.is_cuda:  # UCX reads the buffer on its own streams: sent once the gather is done
+                    item: torch.Tensor | _InPlace = _InPlace(self._frames_for(self._iov)[msg.index],
+                                                             layout.pool(msg)[0], self._iov)
+                else:
+                    item = self._pool.take(msg.nbytes, self.device)
+                    wire.pack(self.plan, msg, self._layout, item, self._frames)
+                deliver = functools.partial(self._loop.call_soon_threadsafe, self._queue.put_nowait, (msg.index, item))
+                if self.device.type == "cuda":  # UCX reads on its own streams: sent once the pages or gather are done
                     ready = torch.cuda.Event()
-                    ready.record(torch.cuda.current_stream(buf.device))
+                    ready.record(torch.cuda.current_stream(self.device))
                     self._gathers.put(ready, deliver)
                 else:
                     deliver()
+
+    def _frames_for(self, iov: bool) -> torch.Tensor:
+        """The frames of in-place messages: beside the pages in an iov (one memory type), on the host otherwise
+        (short messages of their own)."""
+        if iov or self.device.type == "cpu":
+            return self._frames
+        if self._host_frames is None:
+            self._host_frames = wire.frames(self.plan, "cpu")
+        return self._host_frames
 
     def wait_released(self, timeout: float) -> bool:
         """From the producer's thread (never the loop's), before it frees or overwrites pages it packed in place:
@@ -349,11 +365,13 @@ class UcxReceive:
         self._layout = wire.Layout(plan, rows, dst_pages, plan.runs)
         # host pages in runs: each message straight into them (an iov receive, ucp.py), nothing staged, so every
         # message is posted at once; otherwise `window` staging buffers
-        self._in_place = transport.in_place and not dst_pages.is_cuda and self._layout.runs is not None
+        self._in_place = transport.in_place and self._layout.runs is not None
+        self._iov = transport.cuda_iov or not dst_pages.is_cuda
         self._window = len(plan.messages) if self._in_place else window
         # in place: each message's header and trailer slots (its iov's first and last entries), zeroed (armed)
         self._slots = torch.zeros(len(plan.messages) if self._in_place else 0,
-                                  wire.HEADER_BYTES + wire.TRAILER_BYTES, dtype=torch.uint8)
+                                  wire.HEADER_BYTES + wire.TRAILER_BYTES, dtype=torch.uint8,
+                                  device=dst_pages.device if self._iov else "cpu")
         # tag -> (buffer, its receive, the message): everything posted and not yet taken
         self._posted: dict[int, tuple[torch.Tensor, asyncio.Future, MessageSpec]] = {}
         cuda = dst_pages.is_cuda
@@ -361,6 +379,9 @@ class UcxReceive:
         self._copy = torch.cuda.Stream(dst_pages.device) if cuda else None
         if cuda:
             self._copy.wait_stream(torch.cuda.current_stream(dst_pages.device))
+            # in place, UCX writes the pages on its own streams: the work queued on them before goes first
+            self._before = torch.cuda.Event()
+            self._before.record(torch.cuda.current_stream(dst_pages.device))
         self._scattering: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()  # queued on self._copy
         self._cancelled = False
         self._task = asyncio.ensure_future(self._run())
@@ -379,8 +400,9 @@ class UcxReceive:
         tag = self._plan.tag(index)
         msg = self._plan.messages[index]
         if self._in_place:
-            item = _InPlace(buf, self._layout.pool(msg)[0])
-            self._posted[tag] = (buf, ucp.recv_iov(_worker().handle, item.parts, tag, keep=item), msg)
+            item = _InPlace(buf, self._layout.pool(msg)[0], self._iov)
+            self._posted[tag] = (buf, ucp.recv(_worker().handle, item.parts, tag, keep=item, iov=item.iov,
+                                               memory=item.memory), msg)
         else:
             self._posted[tag] = (buf, _start_recv(_ucx_buffer(buf), tag), msg)
 
@@ -433,6 +455,8 @@ class UcxReceive:
             first = [self._arm(index) for index in range(min(self._window, count))]
         if self._io is not None:
             self._io.synchronize()
+            if self._in_place:
+                self._before.synchronize()
         for index, buf in enumerate(first):
             self._post(index, buf)
         index = 0
@@ -494,6 +518,8 @@ class UcxReceive:
             # forged one left there goes, so the pages hold finite values again (Contract 1) and nothing of it
             # reaches their next user (a local prefill of this prompt leaves its last page's tail unwritten)
             torch._foreach_zero_([p for msg in self._plan.messages for p in self._layout.pool(msg)[0]])
+            if self._dst.is_cuda:
+                torch.cuda.current_stream(self._dst.device).synchronize()
 
 
 class UcxTransport:
@@ -509,7 +535,7 @@ class UcxTransport:
     name = "ucx"
 
     def __init__(self, options: dict[str, str] | None = None, window: int = 4, drain_timeout: float = 5.0,
-                 pool_bytes: int = 512 << 20, in_place: bool = True):
+                 pool_bytes: int = 512 << 20, in_place: bool = True, cuda_iov: bool = False):
         # ucxx pins UCX_MAX_RNDV_RAILS to 1; 2 lets a TCP rendezvous use both loopback and eth0 lanes. In-place
         # messages cross shared memory as ~8 KiB fragments through the sysv FIFO: at its default 256 slots a busy
         # CPU (load 2-5 on two cores) stalled the sender whenever the receiver was not scheduled, 0.5-2 GB/s; 4096
@@ -518,6 +544,8 @@ class UcxTransport:
         self.window = window
         # host pages in runs sent from and received into the pools' pages (ucp.py); False: staged on both sides
         self.in_place = in_place
+        # CUDA pools in place: each message as one iov (True) or one UCX message per piece (False)
+        self.cuda_iov = cuda_iov
         self.drain_timeout = drain_timeout
         self.pool = BufferPool(pool_bytes)
         self._gathers = _Gathers()
@@ -559,7 +587,7 @@ class UcxTransport:
         return UcxReceive(self, plan, rows, dst_pages, self.window)
 
     def outbox(self, plan: TransferPlan, device: torch.device, in_place: bool = False) -> Outbox:
-        return Outbox(plan, device, self.pool, self._gathers, in_place and self.in_place)
+        return Outbox(plan, device, self.pool, self._gathers, in_place and self.in_place, self.cuda_iov)
 
     async def send_to_self(self, data: bytes, tag: int) -> None:
         if self._self_ep is None:
@@ -605,7 +633,7 @@ class UcxTransport:
                 index, item = await outbox.get()
                 if index != expected:
                     raise TransportError(f"transfer {plan.transfer_id}: message {index} queued before {expected}")
-                if len(in_flight) >= self.window:
+                if len(in_flight) >= self.window and not isinstance(item, _InPlace):  # in place: no staging held
                     await self._finish(in_flight, host, port, plan)
                 if isinstance(item, _InPlace):
                     send = self._send_in_place(ep, item, plan.tag(index), host, port)
@@ -632,7 +660,7 @@ class UcxTransport:
     def _send_in_place(self, ep: Any, item: _InPlace, tag: int, host: str, port: int) -> asyncio.Future:
         try:
             ep.raise_on_error()  # what ucxx's own send checks first (e.g. a refused connection)
-            return ucp.send_iov(ep.handle, ep.worker_handle, item.parts, tag, keep=item)
+            return ucp.send(ep.handle, ep.worker_handle, item.parts, tag, keep=item, iov=item.iov, memory=item.memory)
         except Exception as e:
             self._drop(host, port)
             raise TransportError(f"send to {host}:{port} failed: {e!r}") from e

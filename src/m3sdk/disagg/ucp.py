@@ -39,8 +39,11 @@ _RECV_CB = ctypes.CFUNCTYPE(None, _VOIDP, ctypes.c_int, _VOIDP, _VOIDP)
 _OP_ATTR_FIELD_CALLBACK = 1 << 1
 _OP_ATTR_FIELD_USER_DATA = 1 << 2
 _OP_ATTR_FIELD_DATATYPE = 1 << 3
+_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
 _OP_ATTR_FLAG_NO_IMM_CMPL = 1 << 16  # always a request and its callback, even when UCX could finish at once
 _DATATYPE_IOV = 2
+_DATATYPE_BYTES = 1 << 3  # ucp_dt_make_contig(1): a contiguous buffer, its length in bytes
+_MEMORY_TYPES = {"cpu": 0, "cuda": 1}  # ucs_memory_type_t: UCS_MEMORY_TYPE_HOST, UCS_MEMORY_TYPE_CUDA
 _THREAD_MODE_MULTI = 2
 _ERR_LAST = (1 << 64) - 100  # a returned pointer at or above this is a negative ucs_status_t
 _FULL_MASK = (1 << 64) - 1
@@ -102,8 +105,9 @@ def thread_mode(worker: int) -> int:
     return ctypes.c_int.from_buffer(attr, 8).value
 
 
-# operations in flight by key: (their future's loop, the future, what must live until UCX is done: iov, buffers)
-_pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future, Any]] = {}
+# operations in flight by key: [their future's loop, the future, what must live until UCX is done (iov, buffers),
+# requests of the operation still open, the first failed status]
+_pending: dict[int, list] = {}
 _lock = threading.Lock()
 _keys = itertools.count(1)
 _multi: set[int] = set()  # workers found in UCS_THREAD_MODE_MULTI
@@ -118,57 +122,79 @@ def _settle(fut: asyncio.Future, status: int) -> None:
         fut.set_result(None)
 
 
+def _done(key: int, status: int) -> None:
+    """One request of operation `key` finished: the operation completes when its last one did, with its first
+    failure (so its future says UCX let go of every part's memory)."""
+    with _lock:
+        entry = _pending.get(key)
+        if entry is None:
+            return
+        entry[3] -= 1
+        entry[4] = entry[4] or status
+        if entry[3]:
+            return
+        del _pending[key]
+    loop, fut, _, _, failed = entry
+    try:
+        loop.call_soon_threadsafe(_settle, fut, failed)
+    except RuntimeError:  # the loop closed: nobody waits for this operation any more
+        pass
+
+
 def _complete(request: int, status: int, user_data: int) -> None:
     # ucxx's progress thread (or the posting thread, inside the post): the request is ours to free
     _lib()[0].ucp_request_free(request)
-    with _lock:
-        entry = _pending.pop(user_data, None)
-    if entry is not None:
-        loop, fut, _ = entry
-        try:
-            loop.call_soon_threadsafe(_settle, fut, status)
-        except RuntimeError:  # the loop closed: nobody waits for this operation any more
-            pass
+    _done(user_data, status)
 
 
 _sent = _SEND_CB(lambda request, status, user_data: _complete(request, status, user_data))
 _received = _RECV_CB(lambda request, status, info, user_data: _complete(request, status, user_data))
 
 
-def _post(worker: int, parts: Sequence[tuple[int, int]], keep: Any, callback: Any, call: Any) -> asyncio.Future:
+def _post(worker: int, parts: Sequence[tuple[int, int]], keep: Any, callback: Any, call: Any, iov: bool,
+          memory: str | None) -> asyncio.Future:
+    """Post `parts` as one iov request (`iov`) or as one contiguous request each, in order, under one future."""
     if worker not in _multi:
         if (mode := thread_mode(worker)) != _THREAD_MODE_MULTI:
             raise UcpError(0, f"worker thread mode {mode} is not UCS_THREAD_MODE_MULTI: no posts from this thread")
         _multi.add(worker)
-    iov = (_Iov * len(parts))(*parts)
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
     key = next(_keys)
+    iovs = (_Iov * len(parts))(*parts) if iov else None
+    posts = [(ctypes.addressof(iovs), len(parts))] if iov else list(parts)
+    # the buffers' memory type said where known (an iov has none of its own); None: UCX asks the CUDA driver
+    # about each buffer (transport.py: UCX_MEMTYPE_CACHE)
     param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE
-                          | _OP_ATTR_FLAG_NO_IMM_CMPL, cb=ctypes.cast(callback, _VOIDP), datatype=_DATATYPE_IOV,
-                          user_data=key)
+                          | _OP_ATTR_FLAG_NO_IMM_CMPL | (0 if memory is None else _OP_ATTR_FIELD_MEMORY_TYPE),
+                          cb=ctypes.cast(callback, _VOIDP), datatype=_DATATYPE_IOV if iov else _DATATYPE_BYTES,
+                          user_data=key, memory_type=_MEMORY_TYPES.get(memory, 0))
     with _lock:
-        _pending[key] = (loop, fut, (iov, keep))
-    status = call(ctypes.addressof(iov), len(parts), ctypes.byref(param))
-    if status is not None and status >= _ERR_LAST:  # refused at once: no callback comes
-        with _lock:
-            _pending.pop(key, None)
-        fut.set_exception(UcpError(status - (1 << 64), "posting a tag message"))
+        _pending[key] = [loop, fut, (iovs, keep), len(posts), 0]
+    for address, count in posts:
+        status = call(address, count, ctypes.byref(param))
+        if status is not None and status >= _ERR_LAST:  # refused at once: no callback comes for this one
+            _done(key, status - (1 << 64))
     _lib()[0].ucp_worker_signal(worker)  # wake the progress thread (module docstring)
     return fut
 
 
-def send_iov(ep: int, worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None) -> asyncio.Future:
-    """Send `parts` ((address, bytes) in order) as one message tagged `tag` on the UCP endpoint `ep` of `worker`
-    (ucxx's `.handle` and `.worker_handle`). Returns a future of the running loop: done once UCX let go of the
-    memory, or UcpError. `parts` and `keep` (the objects owning those addresses) are held until then."""
+def send(ep: int, worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None, iov: bool = True,
+         memory: str | None = None) -> asyncio.Future:
+    """Send `parts` ((address, bytes) in order, all of `memory` when given: "cpu" or "cuda") tagged `tag` on the UCP
+    endpoint `ep` of `worker` (ucxx's `.handle` and `.worker_handle`): as one iov message, or (`iov` False) one message
+    per part, in order (UCX matches messages of one tag from one endpoint in the order they were sent). Returns a
+    future of the running loop: done once UCX let go of all the memory, or UcpError. `parts` and `keep` (the
+    objects owning those addresses) are held until then."""
     return _post(worker, parts, keep, _sent,
-                 lambda iov, count, param: _lib()[0].ucp_tag_send_nbx(ep, iov, count, tag, param))
+                 lambda at, count, param: _lib()[0].ucp_tag_send_nbx(ep, at, count, tag, param), iov, memory)
 
 
-def recv_iov(worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None) -> asyncio.Future:
-    """Post a receive of the message tagged `tag` (all 64 bits) into `parts` on `worker`. The future is done once
-    the message was placed, or UcpError, e.g. UCS_ERR_MESSAGE_TRUNCATED (-9) for a message longer than `parts`; a
-    shorter one fills `parts` from the front and completes normally."""
+def recv(worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None, iov: bool = True,
+         memory: str | None = None) -> asyncio.Future:
+    """Post receives of what `send` sends tagged `tag` (all 64 bits) into `parts` on `worker`. The future is done
+    once everything was placed, or UcpError, e.g. UCS_ERR_MESSAGE_TRUNCATED (-9) for a message longer than its
+    part; a shorter one fills its part from the front and completes normally."""
     return _post(worker, parts, keep, _received,
-                 lambda iov, count, param: _lib()[0].ucp_tag_recv_nbx(worker, iov, count, tag, _FULL_MASK, param))
+                 lambda at, count, param: _lib()[0].ucp_tag_recv_nbx(worker, at, count, tag, _FULL_MASK, param),
+                 iov, memory)
