@@ -241,7 +241,9 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
         configure(transport, what, window)
         Trace.events = [] if traced else None
         if what in srcs and what != "raw-runs":
-            ahead = "ahead" in what.split("-")
+            # in place nothing is staged, so nothing holds the producer back: all at once, as a node whose forward
+            # runs ahead of the link queues its groups
+            ahead = "ahead" in what.split("-") or what in ("kv", "kv-iov")
 
             async def kv(port=port, plan=plan, src=srcs[what], ahead=ahead, in_place=what != "kv-staged"):
                 # packed in one producer thread, running before the clock as a node's engine thread runs when its
