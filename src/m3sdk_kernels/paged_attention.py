@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .arch import Arch, e4m3_bits_scale, tiles
-from .layout import PAGE, gather_kv_ref, shuffle_width, slot_offsets
+from .layout import PAGE, PAGE_SIZE, gather_kv_ref, shuffle_width, slot_offsets
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -107,9 +107,13 @@ def q_tile(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr):
-    """Page ids of keys start .. start + BLOCK_N - 1: the sequence's pages (the last one's tail included), 0 past."""
-    n = start + tl.arange(0, BLOCK_N)
+def _tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr, ONE: tl.constexpr = False):
+    """Page ids of keys start .. start + BLOCK_N - 1: the sequence's pages (the last one's tail included), 0 past;
+    ONE (a one-page tile): the id as a scalar."""
+    if ONE:
+        n = start
+    else:
+        n = start + tl.arange(0, BLOCK_N)
     return tl.load(pages_ptr + n // PAGE, mask=n // PAGE < tl.cdiv(kv_end, PAGE), other=0)
 
 
@@ -168,23 +172,30 @@ def _dot_operand(x, DOT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
-                 qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
-                 SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
+                 qk_scale, stride_cp, stride_sp, k_desc, v_desc, head_row, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr, FP8: tl.constexpr,
+                 V_MUL: tl.constexpr, DOT: tl.constexpr,
                  KEYS_M: tl.constexpr, E4M3_BITS: tl.constexpr, E4M3_ASM: tl.constexpr,
-                 E4M3_SCALE: tl.constexpr):
+                 E4M3_SCALE: tl.constexpr, TMA: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
 
     KEYS_M (bf16 decode; sm90's dense default): the keys are the MMA's M (a decode tile's 16 rows are too few for
     an sm90 wgmma's 64): q is q^T [HEAD_DIM, BLOCK_M], acc is O^T [HEAD_DIM, BLOCK_M], and l is kept per key
-    ([BLOCK_N, BLOCK_M]), summed over the keys after the loop (no cross-warp sum per tile)."""
+    ([BLOCK_N, BLOCK_M]), summed over the keys after the loop (no cross-warp sum per tile).
+    TMA (dense decode, plain pages, BLOCK_N == PAGE): `page` is the tile's one page id, and K and V come as one
+    tensor copy each of the (page, head) slice, row head_row + page * 16 of the caches seen as [rows, HEAD_DIM]."""
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     key_ok = n < kv_end
     in_pages = n // PAGE < tl.cdiv(kv_end, PAGE)  # the keys of the sequence's pages, tails of the last included
     page = page.to(tl.int64)
     off = n % PAGE
-    k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
-                                                                   False), mask=key_ok[:, None], other=0.0)
+    if TMA:  # the slots past kv_end are read too (finite by Contract 1) and get p = 0
+        row = (head_row + page * (stride_cp // HEAD_DIM)).to(tl.int32)
+        k = k_desc.load([row, 0])
+    else:
+        k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
+                                                                       False), mask=key_ok[:, None], other=0.0)
     if KEYS_M:
         s = tl.dot(k.to(DOT), q) * qk_scale  # S^T [BLOCK_N, BLOCK_M]
         s = tl.where(key_ok[:, None] & (n[:, None] <= pos[None, :]), s, float("-inf"))
@@ -209,7 +220,10 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
+        if TMA:
+            v = v_desc.load([row, 0])
+        else:
+            v = _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
         if FP8:
             # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
             # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
@@ -223,15 +237,15 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
 
 @triton.jit
 def _attn_kernel(
-        q_ptr, k_cache, v_cache, k_scale, v_scale, page_table, cu_q, ctx_lens, sel_ptr, out_ptr, part_o, part_lse,
-        arrivals, qk_scale, num_seqs, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_cp,
-        stride_ch, stride_sp, stride_sh, stride_sel_h, stride_sel_t,
+        q_ptr, k_cache, v_cache, k_desc, v_desc, k_scale, v_scale, page_table, cu_q, ctx_lens, sel_ptr, out_ptr,
+        part_o, part_lse, arrivals, qk_scale, num_seqs, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_pt, stride_cp, stride_ch, stride_sp, stride_sh, stride_sel_h, stride_sel_t,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
         PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, E4M3_BITS: tl.constexpr,
-        E4M3_ASM: tl.constexpr, E4M3_SCALE: tl.constexpr):
+        E4M3_ASM: tl.constexpr, E4M3_SCALE: tl.constexpr, TMA: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -290,8 +304,9 @@ def _attn_kernel(
                     end = tl.where(blk >= 0, kv_end, 0)
                     page = _tile_pages(pages_ptr, start, end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
-                                             vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
-                                             SHUFFLE, FP8, V_MUL, DOT, KEYS_M, E4M3_BITS, E4M3_ASM, E4M3_SCALE)
+                                             vs_base, page, qk_scale, stride_cp, stride_sp, k_desc, v_desc, 0,
+                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, E4M3_BITS,
+                                             E4M3_ASM, E4M3_SCALE, False)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -315,8 +330,9 @@ def _attn_kernel(
                             page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
                             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
                                                          v_base, ks_base, vs_base, page, qk_scale, stride_cp,
-                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
-                                                         KEYS_M, E4M3_BITS, E4M3_ASM, E4M3_SCALE)
+                                                         stride_sp, k_desc, v_desc, 0, HEAD_DIM, BLOCK_N, X,
+                                                         SHUFFLE, FP8, V_MUL, DOT, KEYS_M, E4M3_BITS, E4M3_ASM,
+                                                         E4M3_SCALE, False)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -328,16 +344,16 @@ def _attn_kernel(
             # are issued after the previous tile's dots and waited for at once. Carried, num_stages - 1 tiles are in
             # flight, which FP8 pages need (half the bytes per tile); bf16 measured faster without (docs/perf.md).
             # (Ids carried two tiles ahead made the sm90 pipeliner give up: no cp.async at all.)
-            page = _tile_pages(pages_ptr, split * per * BLOCK_N, kv_end, BLOCK_N)
+            page = _tile_pages(pages_ptr, split * per * BLOCK_N, kv_end, BLOCK_N, TMA)
             for t in range(split * per, tl.minimum(split * per + per, tiles)):
                 if PAGE_AHEAD:
-                    nxt = _tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
+                    nxt = _tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N, TMA)
                 else:
-                    page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
+                    page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N, TMA)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
-                                             ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
-                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, E4M3_BITS,
-                                             E4M3_ASM, E4M3_SCALE)
+                                             ks_base, vs_base, page, qk_scale, stride_cp, stride_sp, k_desc, v_desc,
+                                             h * (stride_ch // HEAD_DIM), HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL,
+                                             DOT, KEYS_M, E4M3_BITS, E4M3_ASM, E4M3_SCALE, TMA)
                 if PAGE_AHEAD:
                     page = nxt
         if KEYS_M:
@@ -424,13 +440,16 @@ def dot_dtype(kv_dtype: torch.dtype) -> tl.dtype:
 
 def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: int,
                    max_context_len: int, sparse: bool, topk: int, block_size: int, fp8: bool = False,
-                   arch: Arch | None = None) -> dict:
-    """Tile shape and split count of one paged_attention call: a function of shapes and host ints only."""
+                   arch: Arch | None = None, layout: str = "plain", tma_ok: bool = False) -> dict:
+    """Tile shape and split count of one paged_attention call: a function of shapes and host ints only (and
+    `tma_ok`: the pools are contiguous CUDA tensors, not interpreted)."""
     family = ("sparse" if sparse else "attn") + ("_decode" if max_seqlen_q <= 1 else "_prefill")
     cfg = tiles(family, arch, "fp8" if fp8 else None)
     block_q = 1 if max_seqlen_q <= 1 else min(cfg["BLOCK_Q"], triton.next_power_of_2(max_seqlen_q))
     block_h = max(triton.next_power_of_2(group), triton.next_power_of_2(triton.cdiv(16, block_q)))
-    block_n = min(cfg["BLOCK_N"], block_size) if sparse else cfg["BLOCK_N"]
+    # TMA (dense decode over plain pages): a tile is one page, K and V one tensor copy each
+    tma = int(tma_ok and max_seqlen_q <= 1 and not sparse and layout == "plain" and cfg.get("TMA", 0))
+    block_n = PAGE_SIZE if tma else min(cfg["BLOCK_N"], block_size) if sparse else cfg["BLOCK_N"]
     q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     # enough programs to fill the chip, never splits so thin that the merge costs more than it spreads
     max_splits = block_q * topk if sparse else max(1, triton.cdiv(max_context_len, 4 * block_n))
@@ -439,7 +458,8 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "MERGE_LAST": cfg.get("MERGE_LAST", 0) if splits > 1 else 0,
-            "KEYS_M": int(block_q == 1 and not fp8 and cfg.get("KEYS_M", 0)),  # decode only: no row_sel there
+            "KEYS_M": int(block_q == 1 and not fp8 and not tma and cfg.get("KEYS_M", 0)),  # decode: no row_sel there
+            "TMA": tma,
             "E4M3_BITS": cfg.get("E4M3_BITS", 0) if fp8 else 0, "E4M3_ASM": cfg.get("E4M3_ASM", 0),
             "maxnreg": cfg.get("maxnreg")}
 
@@ -485,7 +505,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sparse = block_sel is not None
     topk = block_sel.shape[-1] if sparse else 1
     plan = attention_plan(t_total, num_seqs, hkv, hq // hkv, max_seqlen_q, max_context_len, sparse, topk,
-                          block_size, k_scale is not None)
+                          block_size, k_scale is not None, layout=layout,
+                          tma_ok=q.is_cuda and not interpreting() and k_cache.is_contiguous()
+                          and v_cache.is_contiguous())
+    k_desc = v_desc = None
+    if plan["TMA"]:  # K and V pools seen as [rows of HEAD_DIM], a page's slice of one head 16 of them
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        k_desc, v_desc = (TensorDescriptor.from_tensor(c.view(-1, head_dim), [PAGE_SIZE, head_dim])
+                          for c in (k_cache, v_cache))
     splits = plan["NUM_SPLITS"]
     if splits > 1:
         part_o = torch.empty(splits, t_total, hq, head_dim, dtype=torch.float32, device=q.device)
@@ -498,7 +526,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     arrivals = arrival_counters(q.device, plan["q_blocks"] * hkv) if plan["MERGE_LAST"] else out  # unread without
     limits = {"maxnreg": plan["maxnreg"]} if plan["maxnreg"] else {}
     _attn_kernel[(plan["q_blocks"], hkv, splits)](
-        q, k_cache, v_cache, ks, vs, page_table, cu_seqlens_q, context_lens, sel, out, part_o, part_lse, arrivals,
+        q, k_cache, v_cache, k_desc, v_desc, ks, vs, page_table, cu_seqlens_q, context_lens, sel, out, part_o,
+        part_lse, arrivals,
         scale * 1.4426950408889634, num_seqs, t_total, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         page_table.stride(0), k_cache.stride(0), k_cache.stride(1), ks.stride(0), ks.stride(1),
         sel.stride(0) if sparse else 0, sel.stride(1) if sparse else 0,
@@ -508,6 +537,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
         E4M3_BITS=plan["E4M3_BITS"], E4M3_ASM=plan["E4M3_ASM"], E4M3_SCALE=e4m3_bits_scale(k_cache.dtype),
+        TMA=plan["TMA"],
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -532,14 +562,16 @@ def aot_variants(arch: Arch) -> list:
         # batch 64 decode at 32K, or an 8K-token prefill chunk of one sequence
         tokens, seqs = (64, 64) if decode else (8192, 1)
         plan = attention_plan(tokens, seqs, hkv, hq // hkv, 1 if decode else tokens, 32768, sparse, m["topk"],
-                              m["block_size"], kv == "fp8", arch)
+                              m["block_size"], kv == "fp8", arch, layout, tma_ok=arch.backend == "cuda")
         kv_type = arch.fp8_triton if kv == "fp8" else "bf16"
-        types = {"q_ptr": "*bf16", "k_cache": f"*{kv_type}", "v_cache": f"*{kv_type}", "k_scale": "*fp32",
+        descs = {f"{c}_desc": f"tensordesc<{kv_type}[{PAGE_SIZE}, {d}]>" for c in "kv"} if plan["TMA"] else {}
+        types = descs | {"q_ptr": "*bf16", "k_cache": f"*{kv_type}", "v_cache": f"*{kv_type}", "k_scale": "*fp32",
                  "v_scale": "*fp32", "page_table": "*i32", "cu_q": "*i32", "ctx_lens": "*i32", "sel_ptr": "*i32",
                  "out_ptr": "*bf16", "part_o": "*fp32", "part_lse": "*fp32", "arrivals": "*i32", "qk_scale": "fp32"}
         types |= {name: "i32" for name in _attn_kernel.arg_names if name not in types}
         variants.append(AotVariant(
-            name=f"attention.{'sparse' if sparse else 'dense'}_{'decode' if decode else 'prefill'}_{kv}_{layout}",
+            name=f"attention.{'sparse' if sparse else 'dense'}_{'decode' if decode else 'prefill'}_{kv}_{layout}"
+             + (" tma" if plan["TMA"] else ""),
             kernel=_attn_kernel, types=types,
             constexprs={"NUM_HEADS": hq, "HEAD_DIM": d, "GROUP": hq // hkv, "BLOCK_H": plan["BLOCK_H"],
                         "BLOCK_Q": plan["BLOCK_Q"], "BLOCK_N": plan["BLOCK_N"], "NUM_SPLITS": plan["NUM_SPLITS"],
@@ -548,7 +580,8 @@ def aot_variants(arch: Arch) -> list:
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
                         "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"], "E4M3_BITS": plan["E4M3_BITS"],
-                        "E4M3_ASM": plan["E4M3_ASM"], "E4M3_SCALE": e4m3_bits_scale(arch.fp8_dtype)},
+                        "E4M3_ASM": plan["E4M3_ASM"], "E4M3_SCALE": e4m3_bits_scale(arch.fp8_dtype),
+                        "TMA": plan["TMA"]} | ({} if plan["TMA"] else {"k_desc": None, "v_desc": None}),
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))
