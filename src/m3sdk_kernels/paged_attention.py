@@ -176,7 +176,7 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
                  BLOCK_N: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr, FP8: tl.constexpr,
                  V_MUL: tl.constexpr, DOT: tl.constexpr,
                  KEYS_M: tl.constexpr, E4M3_BITS: tl.constexpr, E4M3_ASM: tl.constexpr,
-                 E4M3_SCALE: tl.constexpr, TMA: tl.constexpr):
+                 E4M3_SCALE: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
 
     KEYS_M (bf16 decode; sm90's dense default): the keys are the MMA's M (a decode tile's 16 rows are too few for
@@ -228,10 +228,19 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
             # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
             # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
             vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
-            pv = tl.dot((p * (vs * V_MUL)[None, :]).to(DOT), _dot_operand(v, DOT, E4M3_BITS & 2, E4M3_ASM))
+            p_op = (p * (vs * V_MUL)[None, :]).to(DOT)
+            v_op = _dot_operand(v, DOT, E4M3_BITS & 2, E4M3_ASM)
         else:
-            pv = tl.dot(p.to(DOT), v.to(DOT))
-        acc = acc * alpha[:, None] + pv
+            p_op = p.to(DOT)
+            v_op = v.to(DOT)
+        if LAZY:
+            # rescale only when some row's max grew (a program-wide branch; after the first tiles of a long split
+            # it rarely does), and accumulate in the MMA: no multiply-add over acc in most tiles. Exact.
+            if tl.max((m_new > m_i).to(tl.int32), 0) > 0:
+                acc = acc * alpha[:, None]
+            acc = tl.dot(p_op, v_op, acc)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p_op, v_op)
     return acc, m_new, l_i
 
 
@@ -245,7 +254,7 @@ def _attn_kernel(
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
         PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, E4M3_BITS: tl.constexpr,
-        E4M3_ASM: tl.constexpr, E4M3_SCALE: tl.constexpr, TMA: tl.constexpr):
+        E4M3_ASM: tl.constexpr, E4M3_SCALE: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -306,7 +315,7 @@ def _attn_kernel(
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
                                              vs_base, page, qk_scale, stride_cp, stride_sp, k_desc, v_desc, 0,
                                              HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, E4M3_BITS,
-                                             E4M3_ASM, E4M3_SCALE, False)
+                                             E4M3_ASM, E4M3_SCALE, False, LAZY)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -332,7 +341,7 @@ def _attn_kernel(
                                                          v_base, ks_base, vs_base, page, qk_scale, stride_cp,
                                                          stride_sp, k_desc, v_desc, 0, HEAD_DIM, BLOCK_N, X,
                                                          SHUFFLE, FP8, V_MUL, DOT, KEYS_M, E4M3_BITS, E4M3_ASM,
-                                                         E4M3_SCALE, False)
+                                                         E4M3_SCALE, False, LAZY)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -353,7 +362,7 @@ def _attn_kernel(
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
                                              ks_base, vs_base, page, qk_scale, stride_cp, stride_sp, k_desc, v_desc,
                                              h * (stride_ch // HEAD_DIM), HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL,
-                                             DOT, KEYS_M, E4M3_BITS, E4M3_ASM, E4M3_SCALE, TMA)
+                                             DOT, KEYS_M, E4M3_BITS, E4M3_ASM, E4M3_SCALE, TMA, LAZY)
                 if PAGE_AHEAD:
                     page = nxt
         if KEYS_M:
@@ -451,6 +460,7 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     tma = int(tma_ok and max_seqlen_q <= 1 and not sparse and layout == "plain" and cfg.get("TMA", 0))
     block_n = PAGE_SIZE if tma else min(cfg["BLOCK_N"], block_size) if sparse else cfg["BLOCK_N"]
     q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
+    keys_m = int(block_q == 1 and not fp8 and not tma and cfg.get("KEYS_M", 0))  # decode only: no row_sel there
     # enough programs to fill the chip, never splits so thin that the merge costs more than it spreads
     max_splits = block_q * topk if sparse else max(1, triton.cdiv(max_context_len, 4 * block_n))
     want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks * num_kv_heads))
@@ -458,8 +468,7 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "MERGE_LAST": cfg.get("MERGE_LAST", 0) if splits > 1 else 0,
-            "KEYS_M": int(block_q == 1 and not fp8 and not tma and cfg.get("KEYS_M", 0)),  # decode: no row_sel there
-            "TMA": tma,
+            "KEYS_M": keys_m, "TMA": tma, "LAZY": int(not keys_m and cfg.get("LAZY", 0)),
             "E4M3_BITS": cfg.get("E4M3_BITS", 0) if fp8 else 0, "E4M3_ASM": cfg.get("E4M3_ASM", 0),
             "maxnreg": cfg.get("maxnreg")}
 
@@ -537,7 +546,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
         E4M3_BITS=plan["E4M3_BITS"], E4M3_ASM=plan["E4M3_ASM"], E4M3_SCALE=e4m3_bits_scale(k_cache.dtype),
-        TMA=plan["TMA"],
+        TMA=plan["TMA"], LAZY=plan["LAZY"],
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -581,7 +590,8 @@ def aot_variants(arch: Arch) -> list:
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
                         "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"], "E4M3_BITS": plan["E4M3_BITS"],
                         "E4M3_ASM": plan["E4M3_ASM"], "E4M3_SCALE": e4m3_bits_scale(arch.fp8_dtype),
-                        "TMA": plan["TMA"]} | ({} if plan["TMA"] else {"k_desc": None, "v_desc": None}),
+                        "TMA": plan["TMA"], "LAZY": plan["LAZY"]}
+            | ({} if plan["TMA"] else {"k_desc": None, "v_desc": None}),
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))
