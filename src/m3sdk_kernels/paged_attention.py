@@ -176,7 +176,8 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
                  BLOCK_N: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr, FP8: tl.constexpr,
                  V_MUL: tl.constexpr, DOT: tl.constexpr,
                  KEYS_M: tl.constexpr, E4M3_BITS: tl.constexpr, E4M3_ASM: tl.constexpr,
-                 E4M3_SCALE: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr):
+                 E4M3_SCALE: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr,
+                 ALL_SLOTS: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
 
     KEYS_M (bf16 decode; sm90's dense default): the keys are the MMA's M (a decode tile's 16 rows are too few for
@@ -190,12 +191,18 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     in_pages = n // PAGE < tl.cdiv(kv_end, PAGE)  # the keys of the sequence's pages, tails of the last included
     page = page.to(tl.int64)
     off = n % PAGE
+    # ALL_SLOTS: K/V and their scales loaded unmasked: the tail of the sequence's last page and page 0 past its
+    # pages hold finite values (Contract 1) that the scores mask and p = 0 weighs out (no per-row predicates)
+    if ALL_SLOTS:
+        ld_ok = tl.full([BLOCK_N], 1, tl.int1)
+    else:
+        ld_ok = key_ok
     if TMA:  # the slots past kv_end are read too (finite by Contract 1) and get p = 0
         row = (head_row + page * (stride_cp // HEAD_DIM)).to(tl.int32)
         k = k_desc.load([row, 0])
     else:
         k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
-                                                                       False), mask=key_ok[:, None], other=0.0)
+                                                                       False), mask=ld_ok[:, None], other=0.0)
     if KEYS_M:
         s = tl.dot(k.to(DOT), q) * qk_scale  # S^T [BLOCK_N, BLOCK_M]
         s = tl.where(key_ok[:, None] & (n[:, None] <= pos[None, :]), s, float("-inf"))
@@ -204,12 +211,12 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         p = tl.exp2(s - m_safe[None, :])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha[None, :] + p
-        v = _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
+        v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
         acc = acc * alpha[None, :] + tl.dot(tl.trans(v).to(DOT), p.to(DOT))  # O^T
     else:
         s = tl.dot(q, tl.trans(_dot_operand(k, DOT, E4M3_BITS & 1, E4M3_ASM)))
         if FP8:  # E4M3_BITS & 1: the scale undoes _dot_operand's factor
-            ks = tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0)
+            ks = tl.load(ks_base + page * stride_sp + off, mask=ld_ok, other=0.0)
             s *= (ks * (qk_scale * (E4M3_SCALE if E4M3_BITS & 1 else 1.0)))[None, :]
         else:
             s *= qk_scale
@@ -223,11 +230,11 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         if TMA:
             v = v_desc.load([row, 0])
         else:
-            v = _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
+            v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
         if FP8:
             # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
             # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
-            vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
+            vs = tl.load(vs_base + page * stride_sp + off, mask=ld_ok, other=0.0)
             p_op = (p * (vs * V_MUL)[None, :]).to(DOT)
             v_op = _dot_operand(v, DOT, E4M3_BITS & 2, E4M3_ASM)
         else:
@@ -254,7 +261,8 @@ def _attn_kernel(
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
         PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, E4M3_BITS: tl.constexpr,
-        E4M3_ASM: tl.constexpr, E4M3_SCALE: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr):
+        E4M3_ASM: tl.constexpr, E4M3_SCALE: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr,
+        ALL_SLOTS: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -315,7 +323,7 @@ def _attn_kernel(
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
                                              vs_base, page, qk_scale, stride_cp, stride_sp, k_desc, v_desc, 0,
                                              HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, E4M3_BITS,
-                                             E4M3_ASM, E4M3_SCALE, False, LAZY)
+                                             E4M3_ASM, E4M3_SCALE, False, LAZY, ALL_SLOTS)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -341,7 +349,7 @@ def _attn_kernel(
                                                          v_base, ks_base, vs_base, page, qk_scale, stride_cp,
                                                          stride_sp, k_desc, v_desc, 0, HEAD_DIM, BLOCK_N, X,
                                                          SHUFFLE, FP8, V_MUL, DOT, KEYS_M, E4M3_BITS, E4M3_ASM,
-                                                         E4M3_SCALE, False, LAZY)
+                                                         E4M3_SCALE, False, LAZY, ALL_SLOTS)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -362,7 +370,8 @@ def _attn_kernel(
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
                                              ks_base, vs_base, page, qk_scale, stride_cp, stride_sp, k_desc, v_desc,
                                              h * (stride_ch // HEAD_DIM), HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL,
-                                             DOT, KEYS_M, E4M3_BITS, E4M3_ASM, E4M3_SCALE, TMA, LAZY)
+                                             DOT, KEYS_M, E4M3_BITS, E4M3_ASM, E4M3_SCALE, TMA, LAZY,
+                                             ALL_SLOTS)
                 if PAGE_AHEAD:
                     page = nxt
         if KEYS_M:
@@ -469,6 +478,7 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "MERGE_LAST": cfg.get("MERGE_LAST", 0) if splits > 1 else 0,
             "KEYS_M": keys_m, "TMA": tma, "LAZY": int(not keys_m and cfg.get("LAZY", 0)),
+            "ALL_SLOTS": cfg.get("ALL_SLOTS", 0),
             "E4M3_BITS": cfg.get("E4M3_BITS", 0) if fp8 else 0, "E4M3_ASM": cfg.get("E4M3_ASM", 0),
             "maxnreg": cfg.get("maxnreg")}
 
@@ -546,7 +556,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
         E4M3_BITS=plan["E4M3_BITS"], E4M3_ASM=plan["E4M3_ASM"], E4M3_SCALE=e4m3_bits_scale(k_cache.dtype),
-        TMA=plan["TMA"], LAZY=plan["LAZY"],
+        TMA=plan["TMA"], LAZY=plan["LAZY"], ALL_SLOTS=plan["ALL_SLOTS"],
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -590,7 +600,7 @@ def aot_variants(arch: Arch) -> list:
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
                         "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"], "E4M3_BITS": plan["E4M3_BITS"],
                         "E4M3_ASM": plan["E4M3_ASM"], "E4M3_SCALE": e4m3_bits_scale(arch.fp8_dtype),
-                        "TMA": plan["TMA"], "LAZY": plan["LAZY"]}
+                        "TMA": plan["TMA"], "LAZY": plan["LAZY"], "ALL_SLOTS": plan["ALL_SLOTS"]}
             | ({} if plan["TMA"] else {"k_desc": None, "v_desc": None}),
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
