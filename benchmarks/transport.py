@@ -20,7 +20,6 @@ with transport window N, e.g. kv-w8):
   kv-staged     the same pages, every message staged on both sides: gathered into a buffer, received into one
                 and scattered (UcxTransport(in_place=False); kv moves pages in runs straight from pool to pool,
                 disagg/ucp.py: host pools as one iov message per message, CUDA pools as one UCX message per piece)
-  kv-iov        on GPUs, CUDA pools in place as one iov message per message (UcxTransport(cuda_iov=True))
   kv-scattered  random page ids on both sides (index kernels on both sides)
   ucxx raw      ucxx tag send/recv of the same message sizes on endpoints like the transport's (no UCX peer error
                 handling: shared memory between the two processes); receive buffers posted and touched beforehand
@@ -199,7 +198,6 @@ def configure(transport: UcxTransport, what: str, window: int) -> None:
     """The transport settings kind `what` runs with, the same on both sides."""
     transport.window = window_of(what, window)
     transport.in_place = what != "kv-staged"
-    transport.cuda_iov = what.startswith("kv-iov")
 
 
 def plan_for(pool: KVPool, message_bytes: int, transfer_id: int,
@@ -243,7 +241,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
         if what in srcs and what != "raw-runs":
             # in place nothing is staged, so nothing holds the producer back: all at once, as a node whose forward
             # runs ahead of the link queues its groups
-            ahead = "ahead" in what.split("-") or what in ("kv", "kv-iov")
+            ahead = "ahead" in what.split("-") or what == "kv"
 
             async def kv(port=port, plan=plan, src=srcs[what], ahead=ahead, in_place=what != "kv-staged"):
                 # packed in one producer thread, running before the clock as a node's engine thread runs when its

@@ -226,17 +226,19 @@ def test_malformed_oversized_and_unauthenticated_calls_are_refused_and_the_node_
         client.close()
 
 
-@pytest.mark.parametrize("num_pages", [4, 16])
+@pytest.mark.parametrize("num_pages,iov", [(4, True), (16, True), (16, False)])
 @pytest.mark.parametrize("layers,forged_layers", [(2, 1), (1, 2)])
-def test_a_message_that_does_not_match_the_plan_never_reaches_the_pages(num_pages, layers, forged_layers):
-    """A message cut short (half the layers the receiver expects) or too long (twice: UCX truncates it) is refused
-    before a page is written, whether the pages are placed by index (4) or as a run (16)."""
+def test_a_message_that_does_not_match_the_plan_never_reaches_the_pages(num_pages, iov, layers, forged_layers):
+    """A message cut short (half the layers the receiver expects) or too long (twice: UCX truncates it) is refused,
+    and no page keeps anything of it, whether the pages are placed by index (4) or received in place as a run (16),
+    each message as one iov or as one UCX message per piece (what CUDA pools do)."""
     from m3sdk.disagg.transport import UcxTransport
 
     pool = KVPool(spec())
     rows = wire.page_rows(pool)
     sender_rows = expected_rows(pool.spec, list(range(16 * num_pages)), 0)
-    receiver, sender = UcxTransport(), UcxTransport(drain_timeout=0.5)
+    devices = ("cpu",) if iov else ()
+    receiver, sender = UcxTransport(iov_devices=devices), UcxTransport(drain_timeout=0.5, iov_devices=devices)
 
     async def run():
         await receiver.start(listen=True)
@@ -248,7 +250,7 @@ def test_a_message_that_does_not_match_the_plan_never_reaches_the_pages(num_page
         outbox = sender.outbox(forged, torch.device("cpu"))
         outbox.pack(list(forged.messages), sender_rows, torch.arange(num_pages))
         push = asyncio.ensure_future(sender.push("127.0.0.1", receiver.port, outbox))
-        with pytest.raises(TransportError, match="bad header|runcat"):
+        with pytest.raises(TransportError, match="bad header|runcat|cut short"):
             await asyncio.wait_for(receive.wait(), 10)
         push.cancel()  # its later messages match no posted buffer: they can only time out
         with contextlib.suppress(asyncio.CancelledError, TransportError):
@@ -354,18 +356,20 @@ def test_a_request_the_wire_cannot_carry_fails_without_leaving_its_receive_poste
         client.close()
 
 
-def test_pages_sent_in_place_are_released_once_sent_or_when_the_push_is_dropped():
-    """A node sends host pages in runs straight from its pool: it may reuse them only once `wait_released` says
-    no send reads them. Sent: released, and the decode side got every byte. Not received within the bound (the
-    decode side posted nothing for the transfer): the push's endpoint is dropped, the push fails, and the pages
-    are released all the same."""
+@pytest.mark.parametrize("iov", [True, False])
+def test_pages_sent_in_place_are_released_once_sent_or_when_the_push_is_dropped(iov):
+    """A node sends pages in runs straight from its pool (as one iov per message, or one UCX message per piece):
+    it may reuse them only once `wait_released` says no send reads them. Sent: released, and the decode side got
+    every byte. Not received within the bound (the decode side posted nothing for the transfer): the push's
+    endpoint is dropped, the push fails, and the pages are released all the same."""
     from m3sdk.disagg.transport import UcxTransport
 
     pool = KVPool(spec())
     rows = wire.page_rows(pool)
     tokens = list(range(16 * 16))
     sender_rows = expected_rows(pool.spec, tokens, 0)
-    receiver, sender = UcxTransport(), UcxTransport(drain_timeout=0.5)
+    devices = ("cpu",) if iov else ()
+    receiver, sender = UcxTransport(iov_devices=devices), UcxTransport(drain_timeout=0.5, iov_devices=devices)
 
     async def push(transfer_id: int, receive: bool) -> tuple:
         plan = wire.TransferPlan.build(rows, transfer_id, 16, 2, 1 << 20)

@@ -155,16 +155,16 @@ class Outbox:
     flight did not finish within the transport's drain_timeout)."""
 
     def __init__(self, plan: TransferPlan, device: torch.device, pool: BufferPool, gathers: _Gathers,
-                 in_place: bool = False, iov: bool = True):
+                 in_place: bool = False, iov_devices: tuple[str, ...] = ("cpu",)):
         self.plan, self.device, self._pool, self._gathers = plan, torch.device(device), pool, gathers
         self._frames = wire.frames(plan, self.device)
         self._layout: wire.Layout | None = None  # where the messages' pages are in the producer's pool
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[int, torch.Tensor | _InPlace]] = asyncio.Queue()
         self._in_place = in_place
-        self._iov = iov or self.device.type == "cpu"
+        self._iov = self.device.type in iov_devices
         self._host_frames: torch.Tensor | None = None
-        if self._in_place and self.device.type == "cuda":  # sent from UCX's streams: the frames must be there
+        if self._in_place and self._iov and self.device.type == "cuda":  # UCX reads them on its own streams
             torch.cuda.current_stream(self.device).synchronize()
         self.reads_pages = False  # a message was queued in place: its pages must stay until `released`
         self.released = threading.Event()
@@ -366,7 +366,7 @@ class UcxReceive:
         # host pages in runs: each message straight into them (an iov receive, ucp.py), nothing staged, so every
         # message is posted at once; otherwise `window` staging buffers
         self._in_place = transport.in_place and self._layout.runs is not None
-        self._iov = transport.cuda_iov or not dst_pages.is_cuda
+        self._iov = dst_pages.device.type in transport.iov_devices
         self._window = len(plan.messages) if self._in_place else window
         # in place: each message's header and trailer slots (its iov's first and last entries), zeroed (armed)
         self._slots = torch.zeros(len(plan.messages) if self._in_place else 0,
@@ -491,7 +491,10 @@ class UcxReceive:
         self._cancelled = True
         open_ = {tag: entry for tag, entry in self._posted.items() if not entry[1].done()}
         cancels = {}
-        for tag, (_, _, msg) in open_.items():
+        for tag, (_, fut, msg) in open_.items():
+            if self._in_place:  # ucp's own receives: those no message matched yet are taken back at once
+                ucp.cancel(fut)
+                continue
             cancels[tag] = wire.cancel_message(self._plan, msg)
             await self._transport.send_to_self(cancels[tag], tag)
         # bounded: without peer error handling UCX never fails a receive whose sender died mid-message
@@ -502,7 +505,7 @@ class UcxReceive:
                 continue
             if not fut.cancelled():
                 fut.exception()  # retrieved: a failed receive is what cancel() expects
-            if bytes(buf[:len(cancels[tag])].cpu().numpy()) != cancels[tag]:
+            if tag in cancels and bytes(buf[:len(cancels[tag])].cpu().numpy()) != cancels[tag]:
                 # real data won the race for this buffer, so our cancel message is left unmatched: take it out
                 await self._transport.drain(tag, len(cancels[tag]))
         if stuck:
@@ -535,7 +538,7 @@ class UcxTransport:
     name = "ucx"
 
     def __init__(self, options: dict[str, str] | None = None, window: int = 4, drain_timeout: float = 5.0,
-                 pool_bytes: int = 512 << 20, in_place: bool = True, cuda_iov: bool = False):
+                 pool_bytes: int = 512 << 20, in_place: bool = True, iov_devices: tuple[str, ...] = ("cpu",)):
         # ucxx pins UCX_MAX_RNDV_RAILS to 1; 2 lets a TCP rendezvous use both loopback and eth0 lanes. In-place
         # messages cross shared memory as ~8 KiB fragments through the sysv FIFO: at its default 256 slots a busy
         # CPU (load 2-5 on two cores) stalled the sender whenever the receiver was not scheduled, 0.5-2 GB/s; 4096
@@ -544,8 +547,9 @@ class UcxTransport:
         self.window = window
         # host pages in runs sent from and received into the pools' pages (ucp.py); False: staged on both sides
         self.in_place = in_place
-        # CUDA pools in place: each message as one iov (True) or one UCX message per piece (False)
-        self.cuda_iov = cuda_iov
+        # in place, pools on these devices move each message as one iov; others as one UCX message per piece
+        # (a CUDA iov crosses as host fragments: 0.5 GB/s between two H200s, session 15; ucp.py)
+        self.iov_devices = iov_devices
         self.drain_timeout = drain_timeout
         self.pool = BufferPool(pool_bytes)
         self._gathers = _Gathers()
@@ -587,7 +591,7 @@ class UcxTransport:
         return UcxReceive(self, plan, rows, dst_pages, self.window)
 
     def outbox(self, plan: TransferPlan, device: torch.device, in_place: bool = False) -> Outbox:
-        return Outbox(plan, device, self.pool, self._gathers, in_place and self.in_place, self.cuda_iov)
+        return Outbox(plan, device, self.pool, self._gathers, in_place and self.in_place, self.iov_devices)
 
     async def send_to_self(self, data: bytes, tag: int) -> None:
         if self._self_ep is None:

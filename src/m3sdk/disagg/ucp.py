@@ -68,7 +68,8 @@ class UcpError(RuntimeError):
     """A UCP operation failed (its ucs_status_t and UCX's name for it)."""
 
     def __init__(self, status: int, what: str):
-        super().__init__(f"{what}: UCX status {status} ({_lib()[1].ucs_status_string(status).decode()})")
+        super().__init__(f"{what}: UCX status {status} ({_lib()[1].ucs_status_string(status).decode()})" if status
+                         else what)
         self.status = status
 
 
@@ -90,6 +91,8 @@ def _lib() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     ucp.ucp_worker_query.restype = ctypes.c_int
     ucp.ucp_worker_signal.argtypes = [_VOIDP]
     ucp.ucp_worker_signal.restype = ctypes.c_int
+    ucp.ucp_request_cancel.argtypes = [_VOIDP, _VOIDP]
+    ucp.ucp_request_cancel.restype = None
     ucs.ucs_status_string.argtypes = [ctypes.c_int]
     ucs.ucs_status_string.restype = ctypes.c_char_p
     return ucp, ucs
@@ -105,50 +108,82 @@ def thread_mode(worker: int) -> int:
     return ctypes.c_int.from_buffer(attr, 8).value
 
 
-# operations in flight by key: [their future's loop, the future, what must live until UCX is done (iov, buffers),
-# requests of the operation still open, the first failed status]
-_pending: dict[int, list] = {}
+class _Op:
+    """One send or receive of parts under one future: its requests, freed on the poster's loop once all of them
+    completed (so `cancel`, on that loop too, never meets a freed request), and what must live until then. A part
+    that fails, or a receive's part filled short (a message other than the one posted for: a longer one fails as
+    truncated), fails the operation, and its other receives are taken back at once (`cancel`): one message per
+    piece must not leave the rest posted, waiting for bytes that will not come."""
+
+    __slots__ = ("failed", "fut", "keep", "loop", "open", "requests", "sizes", "worker")
+
+    def __init__(self, worker: int, fut: asyncio.Future, keep: Any, sizes: list[int] | None):
+        self.worker, self.fut, self.keep, self.loop = worker, fut, keep, fut.get_loop()
+        self.sizes = sizes  # receives: each request's bytes posted
+        self.open, self.failed, self.requests = len(sizes) if sizes else 0, "", []
+
+
+_PART_BITS = 20  # user_data = operation key << _PART_BITS | request index
+_ops: dict[int, _Op] = {}  # by key, until their last request completed
+_by_future: dict[asyncio.Future, _Op] = {}  # until settled on the loop (for cancel)
 _lock = threading.Lock()
 _keys = itertools.count(1)
 _multi: set[int] = set()  # workers found in UCS_THREAD_MODE_MULTI
 
 
-def _settle(fut: asyncio.Future, status: int) -> None:
-    if fut.done():
+def _settle(op: _Op) -> None:
+    # the poster's loop: every request of `op` completed
+    _by_future.pop(op.fut, None)
+    for request in op.requests:
+        _lib()[0].ucp_request_free(request)
+    op.requests.clear()
+    if op.fut.done():
         return
-    if status:
-        fut.set_exception(UcpError(status, "tag message"))
+    if op.failed:
+        op.fut.set_exception(UcpError(0, op.failed))
     else:
-        fut.set_result(None)
+        op.fut.set_result(None)
 
 
-def _done(key: int, status: int) -> None:
-    """One request of operation `key` finished: the operation completes when its last one did, with its first
-    failure (so its future says UCX let go of every part's memory)."""
+def _done(user_data: int, status: int, received: int | None = None) -> None:
+    """A request of an operation finished (`received`: a receive's bytes): the operation completes when its last
+    one did, with its first failure."""
+    key, index = user_data >> _PART_BITS, user_data & ((1 << _PART_BITS) - 1)
     with _lock:
-        entry = _pending.get(key)
-        if entry is None:
+        op = _ops.get(key)
+        if op is None:
             return
-        entry[3] -= 1
-        entry[4] = entry[4] or status
-        if entry[3]:
-            return
-        del _pending[key]
-    loop, fut, _, _, failed = entry
+        first = not op.failed
+        if status and first:
+            op.failed = f"tag message: UCX status {status} ({_lib()[1].ucs_status_string(status).decode()})"
+        elif received is not None and received != op.sizes[index] and first:
+            op.failed = f"tag message cut short: {received} bytes arrived for {op.sizes[index]} posted"
+        op.open -= 1
+        last = not op.open
+        if last:
+            del _ops[key]
     try:
-        loop.call_soon_threadsafe(_settle, fut, failed)
-    except RuntimeError:  # the loop closed: nobody waits for this operation any more
+        if last:
+            op.loop.call_soon_threadsafe(_settle, op)
+        elif first and op.failed:
+            op.loop.call_soon_threadsafe(cancel, op.fut)
+    except RuntimeError:  # the loop closed: nobody waits for this operation any more (its requests leak)
         pass
 
 
-def _complete(request: int, status: int, user_data: int) -> None:
-    # ucxx's progress thread (or the posting thread, inside the post): the request is ours to free
-    _lib()[0].ucp_request_free(request)
-    _done(user_data, status)
+class _RecvInfo(ctypes.Structure):
+    """ucp_tag_recv_info_t."""
+
+    _fields_ = [("sender_tag", _U64), ("length", _SIZE)]
 
 
-_sent = _SEND_CB(lambda request, status, user_data: _complete(request, status, user_data))
-_received = _RECV_CB(lambda request, status, info, user_data: _complete(request, status, user_data))
+def _on_recv(request: int, status: int, info: int, user_data: int) -> None:
+    # ucxx's progress thread (or the posting thread): the request is freed on the poster's loop (_settle)
+    _done(user_data, status, _RecvInfo.from_address(info).length if info and not status else None)
+
+
+_sent = _SEND_CB(lambda request, status, user_data: _done(user_data, status))
+_received = _RECV_CB(_on_recv)
 
 
 def _post(worker: int, parts: Sequence[tuple[int, int]], keep: Any, callback: Any, call: Any, iov: bool,
@@ -158,8 +193,9 @@ def _post(worker: int, parts: Sequence[tuple[int, int]], keep: Any, callback: An
         if (mode := thread_mode(worker)) != _THREAD_MODE_MULTI:
             raise UcpError(0, f"worker thread mode {mode} is not UCS_THREAD_MODE_MULTI: no posts from this thread")
         _multi.add(worker)
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
+    if len(parts) >> _PART_BITS:
+        raise ValueError(f"{len(parts)} parts in one operation")
+    fut = asyncio.get_running_loop().create_future()
     key = next(_keys)
     iovs = (_Iov * len(parts))(*parts) if iov else None
     posts = [(ctypes.addressof(iovs), len(parts))] if iov else list(parts)
@@ -168,15 +204,31 @@ def _post(worker: int, parts: Sequence[tuple[int, int]], keep: Any, callback: An
     param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE
                           | _OP_ATTR_FLAG_NO_IMM_CMPL | (0 if memory is None else _OP_ATTR_FIELD_MEMORY_TYPE),
                           cb=ctypes.cast(callback, _VOIDP), datatype=_DATATYPE_IOV if iov else _DATATYPE_BYTES,
-                          user_data=key, memory_type=_MEMORY_TYPES.get(memory, 0))
+                          memory_type=_MEMORY_TYPES.get(memory, 0))
+    op = _Op(worker, fut, (iovs, keep), [sum(n for _, n in parts)] if iov else [n for _, n in parts])
     with _lock:
-        _pending[key] = [loop, fut, (iovs, keep), len(posts), 0]
-    for address, count in posts:
-        status = call(address, count, ctypes.byref(param))
-        if status is not None and status >= _ERR_LAST:  # refused at once: no callback comes for this one
-            _done(key, status - (1 << 64))
+        _ops[key] = op
+    _by_future[fut] = op
+    for index, (address, count) in enumerate(posts):
+        param.user_data = key << _PART_BITS | index  # read by UCX during the call only
+        request = call(address, count, ctypes.byref(param))
+        if request is not None and request >= _ERR_LAST:  # refused at once: no callback comes for this one
+            _done(param.user_data, request - (1 << 64))
+        else:
+            op.requests.append(request)
     _lib()[0].ucp_worker_signal(worker)  # wake the progress thread (module docstring)
     return fut
+
+
+def cancel(fut: asyncio.Future) -> None:
+    """On the loop that posted it: take back each receive of `fut` that no message matched yet (it completes with
+    UCS_ERR_CANCELED); those a message already matched go on and complete as they will."""
+    op = _by_future.get(fut)
+    if op is None:
+        return
+    for request in list(op.requests):
+        _lib()[0].ucp_request_cancel(op.worker, request)
+    _lib()[0].ucp_worker_signal(op.worker)
 
 
 def send(ep: int, worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None, iov: bool = True,
