@@ -107,13 +107,9 @@ def q_tile(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr, ONE: tl.constexpr = False):
-    """Page ids of keys start .. start + BLOCK_N - 1: the sequence's pages (the last one's tail included), 0 past;
-    ONE (a one-page tile): the id as a scalar."""
-    if ONE:
-        n = start
-    else:
-        n = start + tl.arange(0, BLOCK_N)
+def _tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr):
+    """Page ids of keys start .. start + BLOCK_N - 1: the sequence's pages (the last one's tail included), 0 past."""
+    n = start + tl.arange(0, BLOCK_N)
     return tl.load(pages_ptr + n // PAGE, mask=n // PAGE < tl.cdiv(kv_end, PAGE), other=0)
 
 
@@ -171,6 +167,16 @@ def _dot_operand(x, DOT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _page_rows(desc, row0, row1, BLOCK_N: tl.constexpr):
+    """The 16 rows of one (page, head) slice from `row0` (BLOCK_N = 16), or those and row1's below them (32)."""
+    a = desc.load([row0, 0])
+    if BLOCK_N == PAGE:
+        return a
+    b = desc.load([row1, 0])
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (BLOCK_N, a.shape[1]))
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
                  qk_scale, stride_cp, stride_sp, k_desc, v_desc, head_row, HEAD_DIM: tl.constexpr,
                  BLOCK_N: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr, FP8: tl.constexpr,
@@ -183,8 +189,8 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     KEYS_M (bf16 decode; sm90's dense default): the keys are the MMA's M (a decode tile's 16 rows are too few for
     an sm90 wgmma's 64): q is q^T [HEAD_DIM, BLOCK_M], acc is O^T [HEAD_DIM, BLOCK_M], and l is kept per key
     ([BLOCK_N, BLOCK_M]), summed over the keys after the loop (no cross-warp sum per tile).
-    TMA (dense decode, plain pages, BLOCK_N == PAGE): `page` is the tile's one page id, and K and V come as one
-    tensor copy each of the (page, head) slice, row head_row + page * 16 of the caches seen as [rows, HEAD_DIM]."""
+    TMA (decode, plain pages, BLOCK_N = 16 or 32): K and V come as one tensor copy per (page, head) slice, row
+    head_row + page * 16 of the caches seen as [rows, HEAD_DIM]; a two-page tile joins its two copies."""
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     key_ok = n < kv_end
@@ -198,8 +204,10 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     else:
         ld_ok = key_ok
     if TMA:  # the slots past kv_end are read too (finite by Contract 1) and get p = 0
-        row = (head_row + page * (stride_cp // HEAD_DIM)).to(tl.int32)
-        k = k_desc.load([row, 0])
+        rows = (head_row + page * (stride_cp // HEAD_DIM)).to(tl.int32)
+        row0 = tl.max(tl.where(n - start < PAGE, rows, 0), 0)
+        row1 = tl.max(tl.where(n - start >= PAGE, rows, 0), 0)
+        k = _page_rows(k_desc, row0, row1, BLOCK_N)
     else:
         k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
                                                                        False), mask=ld_ok[:, None], other=0.0)
@@ -228,7 +236,7 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if TMA:
-            v = v_desc.load([row, 0])
+            v = _page_rows(v_desc, row0, row1, BLOCK_N)
         else:
             v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
         if FP8:
@@ -321,9 +329,9 @@ def _attn_kernel(
                     end = tl.where(blk >= 0, kv_end, 0)
                     page = _tile_pages(pages_ptr, start, end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
-                                             vs_base, page, qk_scale, stride_cp, stride_sp, k_desc, v_desc, 0,
-                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, E4M3_BITS,
-                                             E4M3_ASM, E4M3_SCALE, False, LAZY, ALL_SLOTS)
+                                             vs_base, page, qk_scale, stride_cp, stride_sp, k_desc, v_desc,
+                                             h * (stride_ch // HEAD_DIM), HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL,
+                                             DOT, KEYS_M, E4M3_BITS, E4M3_ASM, E4M3_SCALE, TMA, LAZY, ALL_SLOTS)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -361,12 +369,12 @@ def _attn_kernel(
             # are issued after the previous tile's dots and waited for at once. Carried, num_stages - 1 tiles are in
             # flight, which FP8 pages need (half the bytes per tile); bf16 measured faster without (docs/perf.md).
             # (Ids carried two tiles ahead made the sm90 pipeliner give up: no cp.async at all.)
-            page = _tile_pages(pages_ptr, split * per * BLOCK_N, kv_end, BLOCK_N, TMA)
+            page = _tile_pages(pages_ptr, split * per * BLOCK_N, kv_end, BLOCK_N)
             for t in range(split * per, tl.minimum(split * per + per, tiles)):
                 if PAGE_AHEAD:
-                    nxt = _tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N, TMA)
+                    nxt = _tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
                 else:
-                    page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N, TMA)
+                    page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
                                              ks_base, vs_base, page, qk_scale, stride_cp, stride_sp, k_desc, v_desc,
                                              h * (stride_ch // HEAD_DIM), HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL,
@@ -465,9 +473,11 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     cfg = tiles(family, arch, "fp8" if fp8 else None)
     block_q = 1 if max_seqlen_q <= 1 else min(cfg["BLOCK_Q"], triton.next_power_of_2(max_seqlen_q))
     block_h = max(triton.next_power_of_2(group), triton.next_power_of_2(triton.cdiv(16, block_q)))
-    # TMA (dense decode over plain pages): a tile is one page, K and V one tensor copy each
-    tma = int(tma_ok and max_seqlen_q <= 1 and not sparse and layout == "plain" and cfg.get("TMA", 0))
-    block_n = PAGE_SIZE if tma else min(cfg["BLOCK_N"], block_size) if sparse else cfg["BLOCK_N"]
+    # TMA (decode over plain pages): tiles of one or two pages, K and V one tensor copy per page each
+    tma = int(tma_ok and max_seqlen_q <= 1 and layout == "plain" and cfg.get("TMA", 0))
+    block_n = min(cfg["BLOCK_N"], block_size) if sparse else cfg["BLOCK_N"]
+    if tma:
+        block_n = min(block_n, 2 * PAGE_SIZE)
     q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     keys_m = int(block_q == 1 and not fp8 and not tma and cfg.get("KEYS_M", 0))  # decode only: no row_sel there
     # enough programs to fill the chip, never splits so thin that the merge costs more than it spreads
