@@ -71,12 +71,6 @@ def current_arch(device: torch.device | str | None = None) -> Arch:
     return _detect(index)
 
 
-def e4m3_bits_scale(dtype: torch.dtype) -> float:
-    """An e4m3 byte's sign, exponent and mantissa shifted into an fp16's (E4M3_BITS in the attention tables) read as
-    value * this: 2^(15 - exponent bias), 2^8 for OCP e4m3fn, 2^7 for gfx942's e4m3fnuz (bias 8)."""
-    return 2.0 ** (15 - (8 if dtype == torch.float8_e4m3fnuz else 7))
-
-
 def fp8_dtype(device: torch.device | str | None = None) -> torch.dtype:
     """The fp8 storage type for KV and index caches on `device`'s platform."""
     return current_arch(device).fp8_dtype

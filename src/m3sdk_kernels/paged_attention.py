@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .arch import Arch, e4m3_bits_scale, tiles
+from .arch import Arch, tiles
 from .layout import PAGE, PAGE_SIZE, gather_kv_ref, shuffle_width, slot_offsets
 
 
@@ -147,26 +147,6 @@ def _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM: tl.cons
 
 
 @triton.jit
-def _dot_operand(x, DOT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """A loaded K/V tile as the dots' operand type. BITS: the e4m3 bits shifted into an fp16 (sign to bit 15,
-    exponent and mantissa to bits 7..14), which is exactly value * 2^(15 - bias) for every finite e4m3, subnormals
-    included (`arch.e4m3_bits_scale`; the callers fold it into the scales): integer ops at full rate in place of
-    the e4m3 -> fp16 converts, which run at a fraction of it on Hopper. As Triton integer ops (any target; on sm90
-    ~10 16-bit ops per pair) or, with ASM (sm90), as PTX on 4 bytes at a time (2 x prmt, and, shift, lop3)."""
-    if BITS and ASM:
-        h = tl.inline_asm_elementwise(
-            "{ .reg .b32 a, b; prmt.b32 a, $2, 0, 0x1404; prmt.b32 b, $2, 0, 0x3424;"
-            " and.b32 $0, a, 0x7F007F00; shr.b32 $0, $0, 1; lop3.b32 $0, $0, a, 0x80008000, 0xF8;"
-            " and.b32 $1, b, 0x7F007F00; shr.b32 $1, $1, 1; lop3.b32 $1, $1, b, 0x80008000, 0xF8; }",
-            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
-        return h.to(DOT)
-    if BITS:
-        w = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-        return (((w & 0x7F) << 7) | ((w & 0x80) << 8)).to(tl.float16, bitcast=True).to(DOT)
-    return x.to(DOT)
-
-
-@triton.jit
 def _page_rows(desc, row0, row1, BLOCK_N: tl.constexpr):
     """The 16 rows of one (page, head) slice from `row0` (BLOCK_N = 16), or those and row1's below them (32)."""
     a = desc.load([row0, 0])
@@ -181,8 +161,7 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
                  qk_scale, stride_cp, stride_sp, k_desc, v_desc, head_row, HEAD_DIM: tl.constexpr,
                  BLOCK_N: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr, FP8: tl.constexpr,
                  V_MUL: tl.constexpr, DOT: tl.constexpr,
-                 KEYS_M: tl.constexpr, E4M3_BITS: tl.constexpr, E4M3_ASM: tl.constexpr,
-                 E4M3_SCALE: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr,
+                 KEYS_M: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr,
                  ALL_SLOTS: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
 
@@ -222,10 +201,9 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
         acc = acc * alpha[None, :] + tl.dot(tl.trans(v).to(DOT), p.to(DOT))  # O^T
     else:
-        s = tl.dot(q, tl.trans(_dot_operand(k, DOT, E4M3_BITS & 1, E4M3_ASM)))
-        if FP8:  # E4M3_BITS & 1: the scale undoes _dot_operand's factor
-            ks = tl.load(ks_base + page * stride_sp + off, mask=ld_ok, other=0.0)
-            s *= (ks * (qk_scale * (E4M3_SCALE if E4M3_BITS & 1 else 1.0)))[None, :]
+        s = tl.dot(q, tl.trans(k.to(DOT)))
+        if FP8:
+            s *= (tl.load(ks_base + page * stride_sp + off, mask=ld_ok, other=0.0) * qk_scale)[None, :]
         else:
             s *= qk_scale
         visible = key_ok[None, :] & (n[None, :] <= pos[:, None]) & row_sel[:, None]
@@ -244,7 +222,7 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
             # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
             vs = tl.load(vs_base + page * stride_sp + off, mask=ld_ok, other=0.0)
             p_op = (p * (vs * V_MUL)[None, :]).to(DOT)
-            v_op = _dot_operand(v, DOT, E4M3_BITS & 2, E4M3_ASM)
+            v_op = v.to(DOT)
         else:
             p_op = p.to(DOT)
             v_op = v.to(DOT)
@@ -268,8 +246,7 @@ def _attn_kernel(
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, E4M3_BITS: tl.constexpr,
-        E4M3_ASM: tl.constexpr, E4M3_SCALE: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr,
+        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr,
         ALL_SLOTS: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -331,7 +308,7 @@ def _attn_kernel(
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
                                              vs_base, page, qk_scale, stride_cp, stride_sp, k_desc, v_desc,
                                              h * (stride_ch // HEAD_DIM), HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL,
-                                             DOT, KEYS_M, E4M3_BITS, E4M3_ASM, E4M3_SCALE, TMA, LAZY, ALL_SLOTS)
+                                             DOT, KEYS_M, TMA, LAZY, ALL_SLOTS)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -356,8 +333,7 @@ def _attn_kernel(
                             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
                                                          v_base, ks_base, vs_base, page, qk_scale, stride_cp,
                                                          stride_sp, k_desc, v_desc, 0, HEAD_DIM, BLOCK_N, X,
-                                                         SHUFFLE, FP8, V_MUL, DOT, KEYS_M, E4M3_BITS, E4M3_ASM,
-                                                         E4M3_SCALE, False, LAZY, ALL_SLOTS)
+                                                         SHUFFLE, FP8, V_MUL, DOT, KEYS_M, False, LAZY, ALL_SLOTS)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -378,14 +354,14 @@ def _attn_kernel(
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
                                              ks_base, vs_base, page, qk_scale, stride_cp, stride_sp, k_desc, v_desc,
                                              h * (stride_ch // HEAD_DIM), HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL,
-                                             DOT, KEYS_M, E4M3_BITS, E4M3_ASM, E4M3_SCALE, TMA, LAZY,
+                                             DOT, KEYS_M, TMA, LAZY,
                                              ALL_SLOTS)
                 if PAGE_AHEAD:
                     page = nxt
         if KEYS_M:
             acc = tl.trans(acc)
             l_i = tl.sum(l_i, 0)
-        o = acc / (tl.where(l_i > 0, l_i, 1.0) * (V_MUL / (E4M3_SCALE if E4M3_BITS & 2 else 1.0)))[:, None]
+        o = acc / (tl.where(l_i > 0, l_i, 1.0) * V_MUL)[:, None]
         if NUM_SPLITS == 1:
             tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -489,7 +465,6 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "MERGE_LAST": cfg.get("MERGE_LAST", 0) if splits > 1 else 0,
             "KEYS_M": keys_m, "TMA": tma, "LAZY": int(not keys_m and cfg.get("LAZY", 0)),
             "ALL_SLOTS": cfg.get("ALL_SLOTS", 0),
-            "E4M3_BITS": cfg.get("E4M3_BITS", 0) if fp8 else 0, "E4M3_ASM": cfg.get("E4M3_ASM", 0),
             "maxnreg": cfg.get("maxnreg")}
 
 
@@ -565,7 +540,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
-        E4M3_BITS=plan["E4M3_BITS"], E4M3_ASM=plan["E4M3_ASM"], E4M3_SCALE=e4m3_bits_scale(k_cache.dtype),
         TMA=plan["TMA"], LAZY=plan["LAZY"], ALL_SLOTS=plan["ALL_SLOTS"],
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
@@ -608,8 +582,7 @@ def aot_variants(arch: Arch) -> list:
                         "SPARSE": sparse, "TOPK": m["topk"], "TOPK_PAD": m["topk"], "SEL_BLOCK": m["block_size"],
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
-                        "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"], "E4M3_BITS": plan["E4M3_BITS"],
-                        "E4M3_ASM": plan["E4M3_ASM"], "E4M3_SCALE": e4m3_bits_scale(arch.fp8_dtype),
+                        "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"],
                         "TMA": plan["TMA"], "LAZY": plan["LAZY"], "ALL_SLOTS": plan["ALL_SLOTS"]}
             | ({} if plan["TMA"] else {"k_desc": None, "v_desc": None}),
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],

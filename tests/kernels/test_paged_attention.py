@@ -6,14 +6,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first m3sdk_k
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from attn_cases import DTYPES, make_step, poisoned  # noqa: E402
 
 from m3sdk_kernels import arch  # noqa: E402
 from m3sdk_kernels.indexer import indexer_topk_ref  # noqa: E402
 from m3sdk_kernels.paged_attention import (  # noqa: E402
-    _dot_operand,
     arrival_counters,
     attention_plan,
     paged_attention,
@@ -156,32 +153,3 @@ def test_keys_as_mma_rows_decode(monkeypatch, merge_last):
         got, ref = run(step, q, D**-0.5, **kw)
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
-
-@triton.jit
-def _operand_kernel(x_ptr, y_ptr):
-    i = tl.arange(0, 256)
-    tl.store(y_ptr + i, _dot_operand(tl.load(x_ptr + i), tl.float32, 1, 0))
-
-
-@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8nuz"])
-def test_e4m3_bits_operand(monkeypatch, kv_dtype):
-    """E4M3_BITS: every finite e4m3 (e4m3fnuz) byte shifted into an fp16 is its value times `e4m3_bits_scale`,
-    subnormals included; attention with K, V or both converted that way (the scale folded into the score and
-    output scaling) matches the reference, dense decode and MSA decode with the chunk in one call."""
-    dtype = DTYPES[kv_dtype]
-    x = torch.arange(256, dtype=torch.uint8).view(dtype)
-    y = torch.empty(256)
-    _operand_kernel[(1,)](x, y)
-    finite = x.float().isfinite()
-    torch.testing.assert_close(y[finite] * arch.e4m3_bits_scale(dtype), x.float()[finite], atol=0, rtol=0)
-    ctx, new = [70, 5, 130], [1, 1, 3]
-    step = make_step(ctx, new, HKV, D, kv_dtype, "plain", index_dim=32)
-    q = torch.randn(sum(new), HKV * GROUP, D).to(torch.bfloat16)
-    index_q = torch.randn(sum(new), HKV, 32).to(torch.bfloat16)
-    sel = indexer_topk_ref(index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, 16, 2, 1)
-    for bits in (1, 2, 3):
-        for family in ("attn_prefill", "sparse_prefill"):
-            monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], "E4M3_BITS": bits})
-        for kw in ({}, {"block_sel": sel, "block_size": 16}):
-            got, ref = run(step, q, D**-0.5, **kw)
-            torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
