@@ -26,6 +26,9 @@ with transport window N, e.g. kv-w8):
   raw-w4        the same, at most 4 messages in flight each way (the transport's window)
   raw-runs      ucxx straight from the sender's pool into the receiver's, one message per (layer, tensor) (what
                 sending and receiving in place would cost at best: no copies, no framing), every byte checked
+  raw-put       one-sided writes (ucp_put_nbx) of each message's pieces from the sender's pool into the receiver's
+                (registered once, its keys sent ahead), a flush, then a 16-byte tag message per message; every
+                byte checked. List it after raw, whose endpoint it uses (connected by then)
   ucxx raw, EH  the same on ucxx's public create_endpoint/create_listener endpoints (peer error handling: TCP)
   perftest      ucx_perftest tag_bw, the same message size (UCX's own C loopback rate; from the libucx wheel);
                 "-e" asks it for peer error handling, like ucxx's public endpoints
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import glob
 import json
@@ -60,8 +64,8 @@ from pathlib import Path
 import torch
 
 from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
-from m3sdk.disagg import loop, wire
-from m3sdk.disagg.transport import UcxTransport, _api, _send, _worker
+from m3sdk.disagg import loop, ucp, wire
+from m3sdk.disagg.transport import UcxTransport, _api, _send, _start_send, _worker
 
 TRANSFER_ID = 4242
 
@@ -101,7 +105,8 @@ def page_tables(num_pages: int, device: torch.device, kinds: list[str]) -> dict[
     gen = torch.Generator().manual_seed(7)
     runs = torch.arange(num_pages, device=device)
     scattered = torch.randperm(num_pages, generator=gen).to(device)
-    return {k: scattered if k == "kv-scattered" else runs for k in kinds if k.startswith("kv") or k == "raw-runs"}
+    return {k: scattered if k == "kv-scattered" else runs for k in kinds
+            if k.startswith("kv") or k in ("raw-runs", "raw-put")}
 
 
 def window_of(what: str, default: int) -> int:
@@ -231,14 +236,19 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
         plan = plan_for(pool, size, TRANSFER_ID)
         raw_bufs[plan.messages[0].nbytes] = [_host_or_device(torch.ones(m.nbytes, dtype=torch.uint8, device=dev))
                                              for m in plan.messages]
+    remote: list[tuple[int, int, bytes]] = []  # the receiver's registered pool tensors (raw-put)
+    rkeys: dict[int, list[int]] = {}  # their remote keys, unpacked on the endpoint to that port
     while True:
         what, port, message_bytes, transfer_id, traced = conn.recv()
         if what == "stop":
             return
+        if what == "keys":
+            remote = port
+            continue
         plan = plan_for(pool, message_bytes, transfer_id, plan_pages(what, dsts))
         configure(transport, what, window)
         Trace.events = [] if traced else None
-        if what in srcs and what != "raw-runs":
+        if what in srcs and what not in ("raw-runs", "raw-put"):
             # in place nothing is staged, so nothing holds the producer back: all at once, as a node whose forward
             # runs ahead of the link queues its groups
             ahead = "ahead" in what.split("-") or what == "kv"
@@ -282,16 +292,30 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
                 return start
             start = loop.run(kv(), step_timeout)
         elif what.startswith("raw"):
-            async def raw(port=port, plan=plan, what=what):
+            async def raw(port=port, plan=plan, what=what, remote=remote):
                 eh = what == "raw-eh"
                 key = (eh, port)
                 if key not in raw_eps:
                     raw_eps[key] = (await ucxx.create_endpoint("127.0.0.1", port) if eh
                                     else _api().UCXEndpoint.create(_worker(), "127.0.0.1", port, False))
                 ep = raw_eps[key]
+                if what == "raw-put":
+                    if port not in rkeys:  # on an endpoint that raw connected before (its lanes known)
+                        rkeys[port] = [ucp.remote_key(ep.handle, blob) for _, _, blob in remote]
+                    parts = put_parts(plan, rows, srcs[what], remote, rkeys[port])
+                    frame = torch.ones(16, dtype=torch.uint8).numpy()
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 start = time.perf_counter()
+                if what == "raw-put":  # each message's pieces written, flushed, then a 16-byte tag message
+                    sends = []
+                    for i, msg_parts in enumerate(parts):
+                        written = ucp.put(ep.handle, ep.worker_handle, msg_parts)
+                        written.add_done_callback(lambda _, i=i: sends.append(_start_send(ep, frame, plan.tag(i))))
+                        sends.append(written)
+                    while sends:
+                        await sends.pop(0)
+                    return start
                 bufs = pool_runs(rows) if what == "raw-runs" else raw_bufs[plan.messages[0].nbytes]
                 if what == "raw-w4":  # at most 4 sends in flight, as the transport's window
                     await _windowed([lambda i=i, b=b: _send(ep, b, plan.tag(i)) for i, b in enumerate(bufs)], 4)
@@ -302,6 +326,26 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
             start = loop.run(raw(), step_timeout)
         conn.send((start, Trace.events))
         Trace.events = None
+
+
+def put_parts(plan: wire.TransferPlan, rows: list[list[torch.Tensor]], src: torch.Tensor,
+              remote: list[tuple[int, int, bytes]], rkeys: list[int]) -> list[list[tuple[int, int, int, int]]]:
+    """Per message, its pieces as one-sided writes (local address, bytes, remote address, remote key) into the
+    receiver's pool tensors `remote` ((address, bytes, packed key), in pool order), at the same offsets (raw-put's
+    page tables are the same runs on both sides)."""
+    layout = wire.Layout(plan, rows, src)
+    bases = [t.data_ptr() for layer in rows for t in layer]
+    order = sorted(range(len(bases)), key=bases.__getitem__)
+    sorted_bases = [bases[i] for i in order]
+    out = []
+    for msg in plan.messages:
+        parts = []
+        for piece in layout.pool(msg)[0]:
+            at = piece.data_ptr()
+            k = order[bisect.bisect_right(sorted_bases, at) - 1]
+            parts.append((at, piece.numel() * piece.element_size(), remote[k][0] + at - bases[k], rkeys[k]))
+        out.append(parts)
+    return out
 
 
 async def _windowed(ops: list, window: int) -> None:
@@ -387,6 +431,13 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
     traces: list[dict] = []
     transfer_id = TRANSFER_ID
     _reply(parent, proc, "sender start", 2 * step_timeout)  # the sender is set up (CUDA, UCX)
+    registered = []
+    if "raw-put" in kinds:  # the pool tensors the sender writes into, once
+        context = ucxx.core._get_ctx().context.handle
+        tensors = [t for layer in rows for t in layer]
+        registered = [ucp.register(context, t.data_ptr(), t.numel() * t.element_size(), dev.type) for t in tensors]
+        parent.send(("keys", [(t.data_ptr(), t.numel() * t.element_size(), blob)
+                              for t, (_, blob) in zip(tensors, registered, strict=True)], 0, 0, False))
     try:
         # the first round warms up (connections, staging buffers' first touch) and is not counted
         for repeat in range(repeats + 1):
@@ -402,7 +453,11 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                         for layer in rows:
                             for t in layer:
                                 t.zero_()
-                    if what == "raw-runs":  # straight into the pool's tensors, one message per (layer, tensor)
+                    if what == "raw-put":  # the sender writes the pages: a 16-byte tag message says each is there
+                        nbytes = sum(m.payload_bytes for m in plan.messages)
+                        done = loop.submit(_recv_all(plan, [torch.zeros(16, dtype=torch.uint8).numpy()
+                                                            for _ in plan.messages]))
+                    elif what == "raw-runs":  # straight into the pool's tensors, one message per (layer, tensor)
                         bufs = pool_runs(rows)
                         nbytes = sum(b.nbytes for b in bufs)
                         done = loop.submit(_recv_all(plan, bufs))
@@ -443,6 +498,8 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+        for memh, _ in registered:
+            ucp.unregister(ucxx.core._get_ctx().context.handle, memh)
         loop.run(transport.close(), step_timeout)
     return rates, traces
 

@@ -27,7 +27,7 @@ import functools
 import itertools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _VOIDP, _SIZE, _U64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
@@ -93,6 +93,22 @@ def _lib() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     ucp.ucp_worker_signal.restype = ctypes.c_int
     ucp.ucp_request_cancel.argtypes = [_VOIDP, _VOIDP]
     ucp.ucp_request_cancel.restype = None
+    ucp.ucp_mem_map.argtypes = [_VOIDP, _VOIDP, _VOIDP]
+    ucp.ucp_mem_map.restype = ctypes.c_int
+    ucp.ucp_mem_unmap.argtypes = [_VOIDP, _VOIDP]
+    ucp.ucp_mem_unmap.restype = ctypes.c_int
+    ucp.ucp_rkey_pack.argtypes = [_VOIDP, _VOIDP, _VOIDP, _VOIDP]
+    ucp.ucp_rkey_pack.restype = ctypes.c_int
+    ucp.ucp_rkey_buffer_release.argtypes = [_VOIDP]
+    ucp.ucp_rkey_buffer_release.restype = None
+    ucp.ucp_ep_rkey_unpack.argtypes = [_VOIDP, ctypes.c_char_p, _VOIDP]
+    ucp.ucp_ep_rkey_unpack.restype = ctypes.c_int
+    ucp.ucp_rkey_destroy.argtypes = [_VOIDP]
+    ucp.ucp_rkey_destroy.restype = None
+    ucp.ucp_put_nbx.restype = _VOIDP
+    ucp.ucp_put_nbx.argtypes = [_VOIDP, _VOIDP, _SIZE, _U64, _VOIDP, ctypes.POINTER(_RequestParam)]
+    ucp.ucp_ep_flush_nbx.restype = _VOIDP
+    ucp.ucp_ep_flush_nbx.argtypes = [_VOIDP, ctypes.POINTER(_RequestParam)]
     ucs.ucs_status_string.argtypes = [ctypes.c_int]
     ucs.ucs_status_string.restype = ctypes.c_char_p
     return ucp, ucs
@@ -186,38 +202,47 @@ _sent = _SEND_CB(lambda request, status, user_data: _done(user_data, status))
 _received = _RECV_CB(_on_recv)
 
 
-def _post(worker: int, parts: Sequence[tuple[int, int]], keep: Any, callback: Any, call: Any, iov: bool,
-          memory: str | None) -> asyncio.Future:
-    """Post `parts` as one iov request (`iov`) or as one contiguous request each, in order, under one future."""
+def _post(worker: int, keep: Any, callback: Any, datatype: int, memory: str | None,
+          calls: Sequence[tuple[int, Callable[[Any], int]]]) -> asyncio.Future:
+    """Post each of `calls` ((bytes, call(param) -> request)), in order, under one future."""
     if worker not in _multi:
         if (mode := thread_mode(worker)) != _THREAD_MODE_MULTI:
             raise UcpError(0, f"worker thread mode {mode} is not UCS_THREAD_MODE_MULTI: no posts from this thread")
         _multi.add(worker)
-    if len(parts) >> _PART_BITS:
-        raise ValueError(f"{len(parts)} parts in one operation")
+    if len(calls) >> _PART_BITS:
+        raise ValueError(f"{len(calls)} requests in one operation")
     fut = asyncio.get_running_loop().create_future()
     key = next(_keys)
-    iovs = (_Iov * len(parts))(*parts) if iov else None
-    posts = [(ctypes.addressof(iovs), len(parts))] if iov else list(parts)
     # the buffers' memory type said where known (an iov has none of its own); None: UCX asks the CUDA driver
     # about each buffer (transport.py: UCX_MEMTYPE_CACHE)
     param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE
                           | _OP_ATTR_FLAG_NO_IMM_CMPL | (0 if memory is None else _OP_ATTR_FIELD_MEMORY_TYPE),
-                          cb=ctypes.cast(callback, _VOIDP), datatype=_DATATYPE_IOV if iov else _DATATYPE_BYTES,
+                          cb=ctypes.cast(callback, _VOIDP), datatype=datatype,
                           memory_type=_MEMORY_TYPES.get(memory, 0))
-    op = _Op(worker, fut, (iovs, keep), [sum(n for _, n in parts)] if iov else [n for _, n in parts])
+    op = _Op(worker, fut, keep, [n for n, _ in calls])
     with _lock:
         _ops[key] = op
     _by_future[fut] = op
-    for index, (address, count) in enumerate(posts):
+    for index, (_, call) in enumerate(calls):
         param.user_data = key << _PART_BITS | index  # read by UCX during the call only
-        request = call(address, count, ctypes.byref(param))
-        if request is not None and request >= _ERR_LAST:  # refused at once: no callback comes for this one
+        request = call(ctypes.byref(param))
+        if request is None:  # done at once (a flush with nothing to wait for): no callback comes
+            _done(param.user_data, 0)
+        elif request >= _ERR_LAST:  # refused at once: no callback comes for this one
             _done(param.user_data, request - (1 << 64))
         else:
             op.requests.append(request)
     _lib()[0].ucp_worker_signal(worker)  # wake the progress thread (module docstring)
     return fut
+
+
+def _tagged(parts: Sequence[tuple[int, int]], iov: bool, post: Callable[[int, int, Any], int],
+            ) -> tuple[Any, list[tuple[int, Callable[[Any], int]]]]:
+    """`parts` as one iov request or one contiguous request each: (the iov to keep, the calls)."""
+    if iov:
+        iovs = (_Iov * len(parts))(*parts)
+        return iovs, [(sum(n for _, n in parts), lambda param: post(ctypes.addressof(iovs), len(parts), param))]
+    return None, [(n, lambda param, at=at, n=n: post(at, n, param)) for at, n in parts]
 
 
 def cancel(fut: asyncio.Future) -> None:
@@ -238,15 +263,68 @@ def send(ep: int, worker: int, parts: Sequence[tuple[int, int]], tag: int, keep:
     per part, in order (UCX matches messages of one tag from one endpoint in the order they were sent). Returns a
     future of the running loop: done once UCX let go of all the memory, or UcpError. `parts` and `keep` (the
     objects owning those addresses) are held until then."""
-    return _post(worker, parts, keep, _sent,
-                 lambda at, count, param: _lib()[0].ucp_tag_send_nbx(ep, at, count, tag, param), iov, memory)
+    iovs, calls = _tagged(parts, iov, lambda at, count, param: _lib()[0].ucp_tag_send_nbx(ep, at, count, tag, param))
+    return _post(worker, (iovs, keep), _sent, _DATATYPE_IOV if iov else _DATATYPE_BYTES, memory, calls)
 
 
 def recv(worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None, iov: bool = True,
          memory: str | None = None) -> asyncio.Future:
     """Post receives of what `send` sends tagged `tag` (all 64 bits) into `parts` on `worker`. The future is done
     once everything was placed, or UcpError, e.g. UCS_ERR_MESSAGE_TRUNCATED (-9) for a message longer than its
-    part; a shorter one fills its part from the front and completes normally."""
-    return _post(worker, parts, keep, _received,
-                 lambda at, count, param: _lib()[0].ucp_tag_recv_nbx(worker, at, count, tag, _FULL_MASK, param),
-                 iov, memory)
+    part; a shorter one fails too (`_Op`)."""
+    iovs, calls = _tagged(parts, iov, lambda at, count, param: _lib()[0].ucp_tag_recv_nbx(
+        worker, at, count, tag, _FULL_MASK, param))
+    return _post(worker, (iovs, keep), _received, _DATATYPE_IOV if iov else _DATATYPE_BYTES, memory, calls)
+
+
+class _MemMapParams(ctypes.Structure):
+    """ucp_mem_map_params_t."""
+
+    _fields_ = [("field_mask", _U64), ("address", _VOIDP), ("length", _SIZE), ("flags", ctypes.c_uint),
+                ("prot", ctypes.c_uint), ("memory_type", ctypes.c_int), ("exported_memh_buffer", _VOIDP)]
+
+
+def register(context: int, address: int, length: int, memory: str) -> tuple[int, bytes]:
+    """Map [address, address + length) of `memory` on the UCP `context` for remote writes: (its memh, its packed
+    remote key, for a peer's `remote_key`)."""
+    ucp = _lib()[0]
+    params = _MemMapParams(field_mask=0b10011, address=address, length=length,  # address, length, memory type
+                           memory_type=_MEMORY_TYPES[memory])
+    memh = _VOIDP()
+    if status := ucp.ucp_mem_map(context, ctypes.byref(params), ctypes.byref(memh)):
+        raise UcpError(status, "ucp_mem_map")
+    packed, size = _VOIDP(), _SIZE()
+    if status := ucp.ucp_rkey_pack(context, memh, ctypes.byref(packed), ctypes.byref(size)):
+        ucp.ucp_mem_unmap(context, memh)
+        raise UcpError(status, "ucp_rkey_pack")
+    blob = ctypes.string_at(packed, size.value)
+    ucp.ucp_rkey_buffer_release(packed)
+    return memh.value, blob
+
+
+def unregister(context: int, memh: int) -> None:
+    if status := _lib()[0].ucp_mem_unmap(context, memh):
+        raise UcpError(status, "ucp_mem_unmap")
+
+
+def remote_key(ep: int, blob: bytes) -> int:
+    """A peer's packed remote key (`register`), unpacked for writes on `ep`; `drop_key` when done."""
+    rkey = _VOIDP()
+    if status := _lib()[0].ucp_ep_rkey_unpack(ep, blob, ctypes.byref(rkey)):
+        raise UcpError(status, "ucp_ep_rkey_unpack")
+    return rkey.value
+
+
+def drop_key(rkey: int) -> None:
+    _lib()[0].ucp_rkey_destroy(rkey)
+
+
+def put(ep: int, worker: int, parts: Sequence[tuple[int, int, int, int]], keep: Any = None) -> asyncio.Future:
+    """Write each of `parts` ((local address, bytes, remote address, remote key)) into the peer's registered memory,
+    then flush `ep`: the future is done once every write is complete at the peer (with everything posted on `ep`
+    before the flush)."""
+    ucp = _lib()[0]
+    calls = [(n, lambda param, at=at, n=n, to=to, rkey=rkey: ucp.ucp_put_nbx(ep, at, n, to, rkey, param))
+             for at, n, to, rkey in parts]
+    calls.append((0, lambda param: ucp.ucp_ep_flush_nbx(ep, param)))
+    return _post(worker, keep, _sent, _DATATYPE_BYTES, None, calls)
