@@ -11,15 +11,14 @@ second, each process with its own GPU listed first in CUDA_VISIBLE_DEVICES (ucxx
 
 Two processes on 127.0.0.1 move the same bytes each way (--kinds picks; a "-wN" suffix on a kv kind runs it
 with transport window N, e.g. kv-w8):
-  kv            UcxTransport: a prefill node's pages packed into messages (Outbox, from another thread, as a node's
-                engine thread packs them while it computes; `window` messages ahead of the sends, "kv-ahead": all
-                at once), pushed, checked and put into the
-                decode side's KVPool pages (what a remote prefill costs beyond compute), page tables of
-                consecutive pages on both sides (a fresh engine's): each message's runs of pages move as one
-                _foreach_copy_ on each side (wire.py)
-  kv-staged     the same pages, every message staged on both sides: gathered into a buffer, received into one
-                and scattered (UcxTransport(in_place=False); kv moves pages in runs straight from pool to pool,
-                disagg/ucp.py: host pools as one iov message per message, CUDA pools as one UCX message per piece)
+  kv            UcxTransport: a prefill node's pages queued as messages (Outbox, from another thread, as a node's
+                engine thread queues them while it computes: all at once), pushed, checked, in the decode side's
+                KVPool pages (what a remote prefill costs beyond compute), page tables of consecutive pages on
+                both sides (a fresh engine's): pages in runs move straight from pool to pool (disagg/ucp.py: host
+                pools as one iov message per message, CUDA pools as one UCX message per piece: plans of pieces)
+  kv-staged     the same pages, every message staged on both sides as one UCX message (UcxTransport(in_place=
+                False), whole messages): gathered into a buffer, received into one and scattered, `window` (4)
+                messages ahead of the sends ("-ahead": all at once)
   kv-scattered  random page ids on both sides (index kernels on both sides)
   ucxx raw      ucxx tag send/recv of the same message sizes on endpoints like the transport's (no UCX peer error
                 handling: shared memory between the two processes); receive buffers posted and touched beforehand
@@ -199,18 +198,24 @@ def plan_pages(what: str, dsts: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return dsts.get(what)
 
 
+def plan_pieces(what: str, device: torch.device) -> bool:
+    """Whether kind `what` moves plans of pieces: kv on GPUs, as a GPU decode side asks (kv-staged: whole messages,
+    the path of sessions 11-14)."""
+    return UcxTransport().pieces(device) and what.startswith("kv") and what != "kv-staged"
+
+
 def configure(transport: UcxTransport, what: str, window: int) -> None:
     """The transport settings kind `what` runs with, the same on both sides."""
     transport.window = window_of(what, window)
     transport.in_place = what != "kv-staged"
 
 
-def plan_for(pool: KVPool, message_bytes: int, transfer_id: int,
-             dst: torch.Tensor | None = None) -> wire.TransferPlan:
+def plan_for(pool: KVPool, message_bytes: int, transfer_id: int, dst: torch.Tensor | None = None,
+             pieces: bool = False) -> wire.TransferPlan:
     """The transfer's plan; with the destination pages `dst` as a remote prefill builds it (their runs scattered
-    as runs), without them as plain messages (the raw rows)."""
+    as runs), without them as plain messages (the raw rows); `pieces` as a GPU decode side asks for it."""
     return wire.TransferPlan.build(wire.page_rows(pool), transfer_id, pool.spec.num_pages, pool.spec.num_layers,
-                                   message_bytes, None if dst is None else dst.tolist())
+                                   message_bytes, None if dst is None else dst.tolist(), pieces)
 
 
 def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, step_timeout: float,
@@ -245,7 +250,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
         if what == "keys":
             remote = port
             continue
-        plan = plan_for(pool, message_bytes, transfer_id, plan_pages(what, dsts))
+        plan = plan_for(pool, message_bytes, transfer_id, plan_pages(what, dsts), plan_pieces(what, dev))
         configure(transport, what, window)
         Trace.events = [] if traced else None
         if what in srcs and what not in ("raw-runs", "raw-put"):
@@ -445,7 +450,7 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                 for what in kinds:
                     port = eh_listener.port if what == "raw-eh" else transport.port
                     transfer_id += 1
-                    plan = plan_for(pool, size, transfer_id, plan_pages(what, dsts))
+                    plan = plan_for(pool, size, transfer_id, plan_pages(what, dsts), plan_pieces(what, dev))
                     nbytes = plan.total_bytes
                     traced = trace and repeat == repeats and what.startswith("kv")
                     Trace.events = [] if traced else None

@@ -237,16 +237,16 @@ def test_a_message_that_does_not_match_the_plan_never_reaches_the_pages(num_page
     pool = KVPool(spec())
     rows = wire.page_rows(pool)
     sender_rows = expected_rows(pool.spec, list(range(16 * num_pages)), 0)
-    devices = ("cpu",) if iov else ()
-    receiver, sender = UcxTransport(iov_devices=devices), UcxTransport(drain_timeout=0.5, iov_devices=devices)
+    receiver, sender = UcxTransport(), UcxTransport(drain_timeout=0.5)
+    dst = list(range(10, 10 + num_pages))
 
     async def run():
         await receiver.start(listen=True)
         await sender.start(listen=False)
-        plan = wire.TransferPlan.build(rows, 1234, num_pages, layers, 1 << 20)
-        receive = receiver.receive(plan, rows, torch.arange(10, 10 + num_pages))
+        plan = wire.TransferPlan.build(rows, 1234, num_pages, layers, 1 << 20, dst, pieces=not iov)
+        receive = receiver.receive(plan, rows, torch.tensor(dst))
         # the same transfer id and tags, cut differently: another number of layers per message
-        forged = wire.TransferPlan.build(sender_rows, 1234, num_pages, forged_layers, 1 << 20)
+        forged = wire.TransferPlan.build(sender_rows, 1234, num_pages, forged_layers, 1 << 20, dst, pieces=not iov)
         outbox = sender.outbox(forged, torch.device("cpu"))
         outbox.pack(list(forged.messages), sender_rows, torch.arange(num_pages))
         push = asyncio.ensure_future(sender.push("127.0.0.1", receiver.port, outbox))
@@ -368,11 +368,10 @@ def test_pages_sent_in_place_are_released_once_sent_or_when_the_push_is_dropped(
     rows = wire.page_rows(pool)
     tokens = list(range(16 * 16))
     sender_rows = expected_rows(pool.spec, tokens, 0)
-    devices = ("cpu",) if iov else ()
-    receiver, sender = UcxTransport(iov_devices=devices), UcxTransport(drain_timeout=0.5, iov_devices=devices)
+    receiver, sender = UcxTransport(), UcxTransport(drain_timeout=0.5)
 
     async def push(transfer_id: int, receive: bool) -> tuple:
-        plan = wire.TransferPlan.build(rows, transfer_id, 16, 2, 1 << 20)
+        plan = wire.TransferPlan.build(rows, transfer_id, 16, 2, 1 << 20, list(range(20, 36)), pieces=not iov)
         received = receiver.receive(plan, rows, torch.arange(20, 36)) if receive else None
         outbox = sender.outbox(plan, torch.device("cpu"), in_place=True)
         outbox.pack(list(plan.messages), sender_rows, torch.arange(16))
@@ -394,5 +393,45 @@ def test_pages_sent_in_place_are_released_once_sent_or_when_the_push_is_dropped(
     assert (sent, released, error) == (True, True, None)
     assert_pages(pool, tokens, list(range(20, 36)), 0)
     assert not dropped_sent and dropped_released and isinstance(dropped_error, TransportError)
+    loop.run(receiver.close())
+    loop.run(sender.close())
+
+
+@pytest.mark.parametrize("src,dst,in_place", [
+    (list(range(16)), [*range(20, 28), *range(40, 48)], True),  # the node's one run cut where the decode side's are
+    ([*range(8), *range(30, 38)], list(range(20, 36)), True),  # a source break inside a destination run: gathered
+    (list(range(16)), list(range(20, 36)), False),  # a node that does not hold its pages: gathered
+])
+def test_pieces_arrive_intact_whatever_the_two_sides_runs(src, dst, in_place):
+    """A plan of pieces (what a GPU decode side asks for) is cut where the decode side's runs are; the node sends
+    exactly those pieces: from its pool where its own pages line up, else from a staging buffer cut the same way."""
+    from m3sdk.disagg.transport import UcxTransport
+
+    pool = KVPool(spec())
+    rows = wire.page_rows(pool)
+    tokens = list(range(16 * 16))
+    sender_rows = expected_rows(pool.spec, tokens, 0)
+    receiver, sender = UcxTransport(), UcxTransport(drain_timeout=0.5)
+    # the sender's pool holds the pattern of page i at src[i]
+    moved = [[torch.zeros(64, *t.shape[1:], dtype=t.dtype) for t in layer] for layer in sender_rows]
+    for layer, tensors in zip(moved, sender_rows, strict=True):
+        for t, want in zip(layer, tensors, strict=True):
+            t[src] = want
+
+    async def run():
+        await receiver.start(listen=True)
+        await sender.start(listen=False)
+        plan = wire.TransferPlan.build(rows, 91, 16, 2, 64 << 10, dst, pieces=True)
+        received = receiver.receive(plan, rows, torch.tensor(dst))
+        outbox = sender.outbox(plan, torch.device("cpu"), in_place=in_place)
+        outbox.pack(list(plan.messages), moved, torch.tensor(src))
+        pushing = asyncio.ensure_future(sender.push("127.0.0.1", receiver.port, outbox))
+        await asyncio.wait_for(received.wait(), 10)
+        await asyncio.wait_for(pushing, 10)
+        return plan.pieces, outbox.reads_pages
+
+    pieces, reads_pages = loop.run(run(), timeout=30)
+    assert pieces and reads_pages == (in_place and src == list(range(16)))
+    assert_pages(pool, tokens, dst, 0)
     loop.run(receiver.close())
     loop.run(sender.close())

@@ -204,7 +204,7 @@ class PrefillClient:
         deadline = time.monotonic() + timeout_s
         send_pages = pages[num_cached_pages:]
         plan = TransferPlan.build(self.rows, _next_transfer_id(), len(send_pages), self.layers_per_group,
-                                  self.max_message_bytes, send_pages)
+                                  self.max_message_bytes, send_pages, self.transport.pieces(self.rows[0][0].device))
         # the node sees several engines' requests: the transfer id makes ours unique there
         node_id = re.sub(r"[^\x21-\x7e]", "_", f"{plan.transfer_id:x}.{request_id}")[:128]
         try:  # before the receive is posted: nothing to retire when a value does not fit the wire
@@ -213,7 +213,7 @@ class PrefillClient:
                 sampling=sampling_to_proto(params), transport_port=self.transport.port,
                 transfer_id=plan.transfer_id, num_cached_pages=num_cached_pages, dst_pages=send_pages,
                 layers_per_group=self.layers_per_group, max_message_bytes=self.max_message_bytes,
-                deadline_unix_s=time.time() + timeout_s)
+                deadline_unix_s=time.time() + timeout_s, message_per_piece=plan.pieces)
         except ValueError as e:  # e.g. a seed outside uint64
             raise PrefillNodeError(f"request {request_id!r} cannot be sent to a prefill node: {e}") from e
         dst = torch.tensor(send_pages, dtype=torch.int64, device=self.rows[0][0].device)

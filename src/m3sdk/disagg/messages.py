@@ -48,6 +48,7 @@ class PrefillOrder:
     layers_per_group: int
     max_message_bytes: int
     deadline: float  # time.time() seconds
+    pieces: bool = False  # each message as one transport message per piece (wire.TransferPlan.pieces)
 
     @property
     def num_pages(self) -> int:
@@ -111,7 +112,8 @@ def check_prefill(req: pb.PrefillRequest, limits: Limits, compat_hash: str, voca
                         params=_sampling_from_proto(req.sampling), transport_port=req.transport_port,
                         transfer_id=req.transfer_id, num_cached_pages=req.num_cached_pages,
                         dst_pages=list(req.dst_pages), layers_per_group=req.layers_per_group,
-                        max_message_bytes=req.max_message_bytes, deadline=req.deadline_unix_s)
+                        max_message_bytes=req.max_message_bytes, deadline=req.deadline_unix_s,
+                        pieces=req.message_per_piece)
 
 
 def _is_logprob(x: float) -> bool:

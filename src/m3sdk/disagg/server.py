@@ -109,7 +109,7 @@ class PrefillServicer(pb_grpc.PrefillNodeServicer):
             # the plan checks the cut too (a max_message_bytes below one page of a group): the caller's error
             plan = wire.TransferPlan.build(self.backend.rows, order.transfer_id,
                                            order.num_pages - order.num_cached_pages, order.layers_per_group,
-                                           order.max_message_bytes, order.dst_pages)
+                                           order.max_message_bytes, order.dst_pages, order.pieces)
         except ValueError as e:  # WireError included
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if order.request_id in self._running:

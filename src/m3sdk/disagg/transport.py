@@ -130,18 +130,27 @@ class _Gathers:
 
 class _InPlace:
     """A message sent from or received into a pool's pages (ucp.py): its header slot, its runs of pages in payload
-    order, its trailer slot (`frame`: header and trailer, 80 bytes), as (address, bytes); moved as one iov message
-    (`iov`: frame and pages in one memory) or as one UCX message per part."""
+    order, its trailer slot (`frame`: header and trailer, 80 bytes, host memory), as (address, bytes); moved as one
+    iov message (host pools) or, for plans of `pieces`, as one UCX message per part."""
 
-    __slots__ = ("iov", "keep", "memory", "parts")
+    __slots__ = ("keep", "parts")
 
-    def __init__(self, frame: torch.Tensor, pieces: list[torch.Tensor], iov: bool):
+    def __init__(self, frame: torch.Tensor, pieces: list[torch.Tensor]):
         self.keep = (frame, pieces)
         head = frame.data_ptr()
         self.parts = [(head, wire.HEADER_BYTES), *((p.data_ptr(), p.numel() * p.element_size()) for p in pieces),
                       (head + wire.HEADER_BYTES, wire.TRAILER_BYTES)]
-        self.iov = iov
-        self.memory = frame.device.type if iov else None  # parts: UCX looks up each one's
+
+
+def _buffer_parts(buf: torch.Tensor, plan: TransferPlan, msg: MessageSpec) -> list[tuple[int, int]]:
+    """A staging buffer of message `msg` cut as a plan of pieces moves it: header, each piece, trailer."""
+    at = buf.data_ptr()
+    parts = [(at, wire.HEADER_BYTES)]
+    at += wire.HEADER_BYTES
+    for n in plan.piece_bytes(msg):
+        parts.append((at, n))
+        at += n
+    return [*parts, (at, wire.TRAILER_BYTES)]
 
 
 class Outbox:
@@ -155,17 +164,17 @@ class Outbox:
     flight did not finish within the transport's drain_timeout)."""
 
     def __init__(self, plan: TransferPlan, device: torch.device, pool: BufferPool, gathers: _Gathers,
-                 in_place: bool = False, iov_devices: tuple[str, ...] = ("cpu",)):
+                 in_place: bool = False):
         self.plan, self.device, self._pool, self._gathers = plan, torch.device(device), pool, gathers
         self._frames = wire.frames(plan, self.device)
         self._layout: wire.Layout | None = None  # where the messages' pages are in the producer's pool
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[int, torch.Tensor | _InPlace]] = asyncio.Queue()
+        # in place: plans of pieces where the source pages line up with the destination's runs (the pieces must be
+        # the decode side's), otherwise host pools in runs (one iov: any cut carries the same bytes)
         self._in_place = in_place
-        self._iov = self.device.type in iov_devices
+        self._aligned = False  # the source pages line up with the destination's runs (plans of pieces)
         self._host_frames: torch.Tensor | None = None
-        if self._in_place and self._iov and self.device.type == "cuda":  # UCX reads them on its own streams
-            torch.cuda.current_stream(self.device).synchronize()
         self.reads_pages = False  # a message was queued in place: its pages must stay until `released`
         self.released = threading.Event()
         self.abandon: Callable[[], None] | None = None  # set by push: drops its endpoint, fails it (on the loop)
@@ -181,8 +190,18 @@ class Outbox:
 
     def _layout_for(self, rows: list[list[torch.Tensor]], src_pages: torch.Tensor) -> wire.Layout:
         if self._layout is None or self._layout.pages is not src_pages or self._layout.rows is not rows:
-            self._layout = wire.Layout(self.plan, rows, src_pages)  # once per transfer
+            # once per transfer; pieces cut where the decode side's are, when the source pages allow it
+            runs = self.plan.source_runs(src_pages) if self.plan.pieces else None
+            self._layout = wire.Layout(self.plan, rows, src_pages, runs)
+            self._aligned = runs is not None
         return self._layout
+
+    def _sends_in_place(self, layout: wire.Layout) -> bool:
+        if not self._in_place:
+            return False
+        if self.plan.pieces:
+            return self._aligned
+        return layout.runs is not None and self.device.type == "cpu"  # UCX moves a CUDA iov through host memory
 
     def pack(self, messages: list[MessageSpec], rows: list[list[torch.Tensor]], src_pages: torch.Tensor) -> None:
         """Gather `messages` from `rows` at `src_pages` (the transfer's source pages) into staging buffers and
@@ -193,10 +212,10 @@ class Outbox:
         with torch.inference_mode(False):
             layout = self._layout_for(rows, src_pages)
             for msg in messages:
-                if self._in_place and layout.runs is not None:
+                if self._sends_in_place(layout):
                     self.reads_pages = True
-                    item: torch.Tensor | _InPlace = _InPlace(self._frames_for(self._iov)[msg.index],
-                                                             layout.pool(msg)[0], self._iov)
+                    item: torch.Tensor | _InPlace = _InPlace(self._host_frame_table()[msg.index],
+                                                             layout.pool(msg)[0])
                 else:
                     item = self._pool.take(msg.nbytes, self.device)
                     wire.pack(self.plan, msg, self._layout, item, self._frames)
@@ -208,10 +227,9 @@ class Outbox:
                 else:
                     deliver()
 
-    def _frames_for(self, iov: bool) -> torch.Tensor:
-        """The frames of in-place messages: beside the pages in an iov (one memory type), on the host otherwise
-        (short messages of their own)."""
-        if iov or self.device.type == "cpu":
+    def _host_frame_table(self) -> torch.Tensor:
+        """The frames of in-place messages, in host memory (short messages of their own beside CUDA pieces)."""
+        if self.device.type == "cpu":
             return self._frames
         if self._host_frames is None:
             self._host_frames = wire.frames(self.plan, "cpu")
@@ -274,6 +292,9 @@ class KVTransport(Protocol):
         """Where a producer queues the packed messages of `plan` (call on the disagg loop); `in_place`: the
         producer keeps the pages unchanged until the outbox's `released` (see Outbox), so they may be sent without
         a copy."""
+
+    def pieces(self, device: torch.device) -> bool:
+        """Whether a decode side with its pool on `device` asks for plans of pieces (wire.TransferPlan.pieces)."""
 
     async def push(self, host: str, port: int, outbox: Outbox) -> None:
         """Send every message of `outbox.plan`, in order as they are queued, to the decode side at host:port."""
@@ -365,13 +386,13 @@ class UcxReceive:
         self._layout = wire.Layout(plan, rows, dst_pages, plan.runs)
         # host pages in runs: each message straight into them (an iov receive, ucp.py), nothing staged, so every
         # message is posted at once; otherwise `window` staging buffers
-        self._in_place = transport.in_place and self._layout.runs is not None
-        self._iov = dst_pages.device.type in transport.iov_devices
+        # (a CUDA iov crosses as host fragments: CUDA pools receive in place only plans of pieces)
+        self._in_place = transport.in_place and self._layout.runs is not None and (plan.pieces or not dst_pages.is_cuda)
+        self._ucp = self._in_place or plan.pieces  # receives posted through ucp.py (else ucxx's)
         self._window = len(plan.messages) if self._in_place else window
-        # in place: each message's header and trailer slots (its iov's first and last entries), zeroed (armed)
+        # in place: each message's header and trailer slots (its first and last parts), zeroed (armed), on the host
         self._slots = torch.zeros(len(plan.messages) if self._in_place else 0,
-                                  wire.HEADER_BYTES + wire.TRAILER_BYTES, dtype=torch.uint8,
-                                  device=dst_pages.device if self._iov else "cpu")
+                                  wire.HEADER_BYTES + wire.TRAILER_BYTES, dtype=torch.uint8)
         # tag -> (buffer, its receive, the message): everything posted and not yet taken
         self._posted: dict[int, tuple[torch.Tensor, asyncio.Future, MessageSpec]] = {}
         cuda = dst_pages.is_cuda
@@ -400,9 +421,12 @@ class UcxReceive:
         tag = self._plan.tag(index)
         msg = self._plan.messages[index]
         if self._in_place:
-            item = _InPlace(buf, self._layout.pool(msg)[0], self._iov)
-            self._posted[tag] = (buf, ucp.recv(_worker().handle, item.parts, tag, keep=item, iov=item.iov,
-                                               memory=item.memory), msg)
+            item = _InPlace(buf, self._layout.pool(msg)[0])
+            self._posted[tag] = (buf, ucp.recv(_worker().handle, item.parts, tag, keep=item,
+                                               iov=not self._plan.pieces), msg)
+        elif self._plan.pieces:  # staged, cut as the node sends it
+            self._posted[tag] = (buf, ucp.recv(_worker().handle, _buffer_parts(buf, self._plan, msg), tag,
+                                               keep=buf, iov=False), msg)
         else:
             self._posted[tag] = (buf, _start_recv(_ucx_buffer(buf), tag), msg)
 
@@ -492,7 +516,7 @@ class UcxReceive:
         open_ = {tag: entry for tag, entry in self._posted.items() if not entry[1].done()}
         cancels = {}
         for tag, (_, fut, msg) in open_.items():
-            if self._in_place:  # ucp's own receives: those no message matched yet are taken back at once
+            if self._ucp:  # ucp's own receives: those no message matched yet are taken back at once
                 ucp.cancel(fut)
                 continue
             cancels[tag] = wire.cancel_message(self._plan, msg)
@@ -591,7 +615,10 @@ class UcxTransport:
         return UcxReceive(self, plan, rows, dst_pages, self.window)
 
     def outbox(self, plan: TransferPlan, device: torch.device, in_place: bool = False) -> Outbox:
-        return Outbox(plan, device, self.pool, self._gathers, in_place and self.in_place, self.iov_devices)
+        return Outbox(plan, device, self.pool, self._gathers, in_place and self.in_place)
+
+    def pieces(self, device: torch.device) -> bool:
+        return torch.device(device).type not in self.iov_devices
 
     async def send_to_self(self, data: bytes, tag: int) -> None:
         if self._self_ep is None:
@@ -639,8 +666,8 @@ class UcxTransport:
                     raise TransportError(f"transfer {plan.transfer_id}: message {index} queued before {expected}")
                 if len(in_flight) >= self.window and not isinstance(item, _InPlace):  # in place: no staging held
                     await self._finish(in_flight, host, port, plan)
-                if isinstance(item, _InPlace):
-                    send = self._send_in_place(ep, item, plan.tag(index), host, port)
+                if isinstance(item, _InPlace) or plan.pieces:
+                    send = self._send_ucp(ep, plan, index, item, host, port)
                 else:
                     send = _start_send(ep, _ucx_buffer(item), plan.tag(index))
                 send.add_done_callback(outbox.count_sent)
@@ -661,10 +688,15 @@ class UcxTransport:
         finally:
             outbox.released.set()
 
-    def _send_in_place(self, ep: Any, item: _InPlace, tag: int, host: str, port: int) -> asyncio.Future:
+    def _send_ucp(self, ep: Any, plan: TransferPlan, index: int, item: torch.Tensor | _InPlace, host: str,
+                  port: int) -> asyncio.Future:
         try:
             ep.raise_on_error()  # what ucxx's own send checks first (e.g. a refused connection)
-            return ucp.send(ep.handle, ep.worker_handle, item.parts, tag, keep=item, iov=item.iov, memory=item.memory)
+            if isinstance(item, _InPlace):
+                return ucp.send(ep.handle, ep.worker_handle, item.parts, plan.tag(index), keep=item,
+                                iov=not plan.pieces)
+            return ucp.send(ep.handle, ep.worker_handle, _buffer_parts(item, plan, plan.messages[index]),
+                            plan.tag(index), keep=item, iov=False)
         except Exception as e:
             self._drop(host, port)
             raise TransportError(f"send to {host}:{port} failed: {e!r}") from e

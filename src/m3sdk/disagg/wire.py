@@ -94,12 +94,16 @@ class TransferPlan:
     messages: tuple[MessageSpec, ...]
     widths: tuple[tuple[int, ...], ...] = ()  # bytes per page of each layer's tensors
     runs: tuple[tuple[int, int, int], ...] | None = None  # (offset, first dst page, length), when long enough
+    # each message travels as one UCX message per part: header, each piece (`piece_bytes`), trailer (the decode
+    # side asks for it for pools whose iovs UCX cannot move zero-copy: CUDA memory); only with runs
+    pieces: bool = False
 
     @classmethod
     def build(cls, rows: list[list[torch.Tensor]], transfer_id: int, num_pages: int, layers_per_group: int,
-              max_message_bytes: int, dst_pages: Sequence[int] | None = None) -> TransferPlan:
+              max_message_bytes: int, dst_pages: Sequence[int] | None = None, pieces: bool = False) -> TransferPlan:
         """`dst_pages`: the destination page ids (both sides know them): their runs, when long enough, let the
-        decode side scatter without reading ids; without them it scatters by index."""
+        decode side scatter without reading ids; without them it scatters by index. `pieces`: one UCX message per
+        piece where the runs allow (see the class)."""
         if not 0 < transfer_id <= MAX_TRANSFER_ID:
             raise WireError(f"transfer_id must be in [1, {MAX_TRANSFER_ID}], got {transfer_id}")
         if not 0 < layers_per_group <= len(rows):
@@ -127,7 +131,24 @@ class TransferPlan:
                 runs = None
         if len(messages) > MAX_MESSAGES:
             raise WireError(f"transfer would need {len(messages)} messages, more than {MAX_MESSAGES}")
-        return cls(transfer_id, num_pages, tuple(messages), widths, runs)
+        return cls(transfer_id, num_pages, tuple(messages), widths, runs, pieces and runs is not None)
+
+    def piece_bytes(self, msg: MessageSpec) -> list[int]:
+        """The bytes of each of message `msg`'s pieces in payload order: per layer, per tensor, per destination run
+        within the message's pages (what the decode side's `Layout` cuts)."""
+        lo, hi = msg.page_start, msg.page_start + msg.page_count
+        counts = [min(at + n, hi) - max(at, lo) for at, _, n in self.runs or () if at < hi and at + n > lo]
+        return [n * width for layer in msg.layers for width in self.widths[layer] for n in counts]
+
+    def source_runs(self, src_pages: torch.Tensor) -> list[tuple[int, int, int]] | None:
+        """The sending side's runs cut where the destination's are (`runs`, with source page ids), so that its
+        pieces are the decode side's; None where the source pages break inside a destination run."""
+        if self.runs is None:
+            return None
+        src = src_pages.tolist()
+        if any(src[i + 1] - src[i] != 1 for at, _, n in self.runs for i in range(at, at + n - 1)):
+            return None
+        return [(at, src[at], n) for at, _, n in self.runs]
 
     def tag(self, index: int) -> int:
         """The UCX tag of message `index`."""

@@ -83,7 +83,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "compat_hash", "token_ids", "sampling", "transport_port", "transfer_id", "num_cached_pages", "dst_pages", "layers_per_group", "max_message_bytes", "deadline_unix_s")
+    __slots__ = ("request_id", "compat_hash", "token_ids", "sampling", "transport_port", "transfer_id", "num_cached_pages", "dst_pages", "layers_per_group", "max_message_bytes", "deadline_unix_s", "message_per_piece")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class PrefillRequest(_message.Message):
     LAYERS_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_PER_PIECE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     compat_hash: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -106,7 +107,8 @@ class PrefillRequest(_message.Message):
     layers_per_group: int
     max_message_bytes: int
     deadline_unix_s: float
-    def __init__(self, request_id: _Optional[str] = ..., compat_hash: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transport_port: _Optional[int] = ..., transfer_id: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., dst_pages: _Optional[_Iterable[int]] = ..., layers_per_group: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
+    message_per_piece: bool
+    def __init__(self, request_id: _Optional[str] = ..., compat_hash: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transport_port: _Optional[int] = ..., transfer_id: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., dst_pages: _Optional[_Iterable[int]] = ..., layers_per_group: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ..., message_per_piece: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
