@@ -134,13 +134,15 @@ async def run(args, address: str, node: mp.Process) -> list[dict]:
 
         # 1. correctness: remote prefill (KV, FP8 scales, index keys over UCX) == local prefill, greedy
         ids = prompt(args.check_len)
+        t = time.perf_counter()
         before = remote.num_remote
         mode("disaggregated")
         _, disagg = await bounded(engine, ids, node, args.step_timeout, args.check_tokens)
         went_remote = remote.num_remote == before + 1
         mode("colocated")
         _, local = await bounded(engine, ids, node, args.step_timeout, args.check_tokens)
-        record(step="check", prompt_tokens=len(ids), went_remote=went_remote, identical=disagg == local,
+        record(step="check", seconds=round(time.perf_counter() - t, 1), prompt_tokens=len(ids),
+               went_remote=went_remote, identical=disagg == local,
                same_prefix=next((i for i, (a, b) in enumerate(zip(disagg, local, strict=False)) if a != b),
                                 len(local)),
                disagg=disagg, colocated=local)
@@ -149,7 +151,9 @@ async def run(args, address: str, node: mp.Process) -> list[dict]:
         for n in args.lengths:
             for name in ("disaggregated", "colocated"):  # warm-up: JIT compiles for this length
                 mode(name)
+                t = time.perf_counter()
                 await bounded(engine, prompt(n), node, args.step_timeout)
+                record(step="warm-up", mode=name, prompt_tokens=n, seconds=round(time.perf_counter() - t, 1))
             times: dict[str, list[float]] = {"disaggregated": [], "colocated": []}
             for _ in range(args.repeats):
                 for name in times:

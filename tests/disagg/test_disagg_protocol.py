@@ -68,9 +68,14 @@ def assert_pages(pool: KVPool, tokens: list[int], pages: list[int], num_cached: 
             assert not got[untouched].any(), "a page outside the transfer was written"
 
 
-def test_pages_arrive_intact_in_their_pages(node):
-    # 300 tokens = 19 pages over 4 layers; 64 KiB messages force several messages per layer group
-    client, pool = make_client(node, layers_per_group=2, max_message_bytes=64 << 10)
+@pytest.mark.parametrize("pieces", [False, True])
+def test_pages_arrive_intact_in_their_pages(node, pieces):
+    # 300 tokens = 19 pages over 4 layers; 64 KiB messages force several messages per layer group. `pieces`: the
+    # decode side asks for plans of pieces where its pages form runs (as a GPU decode side does), through the node
+    from m3sdk.disagg.transport import UcxTransport
+
+    transport = UcxTransport(iov_devices=() if pieces else ("cpu",))
+    client, pool = make_client(node, layers_per_group=2, max_message_bytes=64 << 10, transport=transport)
     try:
         tokens = [(i * 37) % VOCAB for i in range(300)]
         pages = [60, 3, 17, 4, 5, 40, 41, 2, 9, 10, 11, 30, 31, 32, 33, 50, 51, 0, 63]
@@ -91,8 +96,12 @@ def test_pages_arrive_intact_in_their_pages(node):
         assert wire.TransferPlan.build(wire.page_rows(pool), 1, 25, 2, 64 << 10, pages3).runs is not None
         for t in (t for layer in wire.page_rows(pool) for t in layer):
             t.zero_()
+        received = transport.receive
+        plans = []
+        transport.receive = lambda plan, *args: plans.append(plan) or received(plan, *args)
         client.submit("r3", tokens3, GREEDY, pages3, num_cached_pages=0, timeout_s=30).result(30)
         assert_pages(pool, tokens3, pages3, 0)
+        assert [p.pieces for p in plans] == [pieces]
     finally:
         client.close()
 

@@ -81,11 +81,14 @@ class PrefillClient:
         # always travels while the rest of the prompt computes
         default = max(1, min(4, compat.num_layers // 2))
         self.layers_per_group = min(layers_per_group or default, compat.num_layers)
-        # the cap on one data message: on GPUs 256 MiB (the node's limit), since host time per message, not bytes,
-        # sets the rate there (two H200s: 50 % of p2p at 256 MiB, 25 % at 64 MiB, session 13 window 1; a 32K
-        # prompt's 4-layer group of the full model is about 155 MB, so one message); 64 MiB on CPUs. The decode
-        # side holds up to twice the transport's window of them (4 posted, 4 being placed) per transfer as staging
-        self.max_message_bytes = max_message_bytes or (256 << 20 if rows[0][0].is_cuda else 64 << 20)
+        # the cap on one data message. Staged, the decode side holds up to twice the transport's window of them (4
+        # posted, 4 being placed) per transfer: 256 MiB on GPUs (host time per message, not bytes, set the rate
+        # there: two H200s, 50 % of p2p at 256 MiB, 25 % at 64 MiB, session 13), 64 MiB on CPUs. Received in place
+        # (plans of pieces) nothing is staged, and each piece costs UCX a rendezvous: 1 GiB (8 GiB transfers, 54 %
+        # of p2p in 256 MiB messages, 81 % in 1 GiB ones, session 15 window 2). A 32K prompt's 4-layer group of
+        # the full model is about 155 MB (one message), a 128K one's 620 MB
+        self.max_message_bytes = max_message_bytes
+        self._staged_bytes = 256 << 20 if rows[0][0].is_cuda else 64 << 20
         self.heartbeat_s, self.connect_timeout = heartbeat_s, connect_timeout
         self._metadata = ((TOKEN_HEADER, f"Bearer {token}"),) if token else None
         self._targets = list(nodes)
@@ -203,8 +206,14 @@ class PrefillClient:
                    pages: list[int], num_cached_pages: int, timeout_s: float) -> RemotePrefillResult:
         deadline = time.monotonic() + timeout_s
         send_pages = pages[num_cached_pages:]
-        plan = TransferPlan.build(self.rows, _next_transfer_id(), len(send_pages), self.layers_per_group,
-                                  self.max_message_bytes, send_pages, self.transport.pieces(self.rows[0][0].device))
+        transfer_id, pieces = _next_transfer_id(), self.transport.pieces(self.rows[0][0].device)
+        message_bytes = self.max_message_bytes or (1 << 30 if pieces else self._staged_bytes)
+        plan = TransferPlan.build(self.rows, transfer_id, len(send_pages), self.layers_per_group, message_bytes,
+                                  send_pages, pieces)
+        if pieces and not plan.pieces and self.max_message_bytes is None:  # no runs: staged after all
+            message_bytes = self._staged_bytes
+            plan = TransferPlan.build(self.rows, transfer_id, len(send_pages), self.layers_per_group, message_bytes,
+                                      send_pages)
         # the node sees several engines' requests: the transfer id makes ours unique there
         node_id = re.sub(r"[^\x21-\x7e]", "_", f"{plan.transfer_id:x}.{request_id}")[:128]
         try:  # before the receive is posted: nothing to retire when a value does not fit the wire
@@ -212,7 +221,7 @@ class PrefillClient:
                 request_id=node_id, compat_hash=self.compat.digest, token_ids=token_ids,
                 sampling=sampling_to_proto(params), transport_port=self.transport.port,
                 transfer_id=plan.transfer_id, num_cached_pages=num_cached_pages, dst_pages=send_pages,
-                layers_per_group=self.layers_per_group, max_message_bytes=self.max_message_bytes,
+                layers_per_group=self.layers_per_group, max_message_bytes=message_bytes,
                 deadline_unix_s=time.time() + timeout_s, message_per_piece=plan.pieces)
         except ValueError as e:  # e.g. a seed outside uint64
             raise PrefillNodeError(f"request {request_id!r} cannot be sent to a prefill node: {e}") from e

@@ -26,7 +26,9 @@ class Limits:
     """What a node accepts. gRPC refuses bigger calls than `max_call_bytes` before they are parsed."""
 
     max_prompt_tokens: int = 1 << 17
-    max_message_bytes: int = 256 << 20  # one data-plane message (the receiver posts buffers of this size)
+    # one data-plane message: a staged decode side posts buffers of up to this size (its window of them), a
+    # decode side that receives in place (plans of pieces) asks for 1 GiB messages (client.py)
+    max_message_bytes: int = 1 << 30
     max_deadline_s: float = 3600.0
     max_in_flight: int = 256  # prefills a node holds at once; more are refused with RESOURCE_EXHAUSTED
 

@@ -585,14 +585,20 @@ class UcxTransport:
     async def start(self, listen: bool) -> None:
         import ucxx
 
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
             # UCX calls from this thread need a current CUDA context; ucxx's progress thread makes device 0's
             # current, so a process runs on one GPU, listed first in CUDA_VISIBLE_DEVICES (as dask-cuda does)
             from ucxx._cuda_context import ensure_cuda_context
 
             ensure_cuda_context(0)
+        # on a GPU host ucxx's progress thread spins rather than sleeping on the worker's event fd: the cuda_ipc
+        # transfers ran at 50 / 66 % of p2p sleeping and 59 / 76 % spinning (two H200s, session 15 window 2, 2 GiB in
+        # 256 MiB / 1 GiB messages; every path gained 3-15 points). It costs a core per process, which a GPU host
+        # has and this project's 2-core CPU machine has not (spinning slowed every path there, session 11)
+        mode = None if "UCXPY_PROGRESS_MODE" in os.environ or not cuda else "thread-polling"
         with contextlib.suppress(RuntimeError):  # already initialized by another transport of this process
-            ucxx.init(options=self.options)
+            ucxx.init(options=self.options, progress_mode=mode)
         ucxx.continuous_ucx_progress()
         if torch.cuda.is_available() and torch.cuda.is_initialized() and "cuda_copy" not in (
                 tls := ucxx.get_active_transports()):
