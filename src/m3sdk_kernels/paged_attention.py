@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .arch import Arch, tiles
-from .layout import PAGE, PAGE_SIZE, gather_kv_ref, shuffle_width, slot_offsets
+from .layout import PAGE, gather_kv_ref, shuffle_width, slot_offsets
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -108,9 +108,10 @@ def q_tile(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr):
-    """Page ids of keys start .. start + BLOCK_N - 1: the sequence's pages (the last one's tail included), 0 past."""
+    """Page ids of keys start .. start + BLOCK_N - 1: the sequence's pages (the last one's tail included), its last
+    page again past them (its first with kv_end 0): a page of the sequence's own, whatever reads it unmasked."""
     n = start + tl.arange(0, BLOCK_N)
-    return tl.load(pages_ptr + n // PAGE, mask=n // PAGE < tl.cdiv(kv_end, PAGE), other=0)
+    return tl.load(pages_ptr + tl.minimum(n // PAGE, tl.maximum(tl.cdiv(kv_end, PAGE) - 1, 0)))
 
 
 @triton.jit
@@ -147,49 +148,30 @@ def _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM: tl.cons
 
 
 @triton.jit
-def _page_rows(desc, row0, row1, BLOCK_N: tl.constexpr):
-    """The 16 rows of one (page, head) slice from `row0` (BLOCK_N = 16), or those and row1's below them (32)."""
-    a = desc.load([row0, 0])
-    if BLOCK_N == PAGE:
-        return a
-    b = desc.load([row1, 0])
-    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (BLOCK_N, a.shape[1]))
-
-
-@triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
-                 qk_scale, stride_cp, stride_sp, k_desc, v_desc, head_row, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr, FP8: tl.constexpr,
-                 V_MUL: tl.constexpr, DOT: tl.constexpr,
-                 KEYS_M: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr,
-                 ALL_SLOTS: tl.constexpr):
+                 qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
+                 SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
+                 KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
 
     KEYS_M (bf16 decode; sm90's dense default): the keys are the MMA's M (a decode tile's 16 rows are too few for
     an sm90 wgmma's 64): q is q^T [HEAD_DIM, BLOCK_M], acc is O^T [HEAD_DIM, BLOCK_M], and l is kept per key
-    ([BLOCK_N, BLOCK_M]), summed over the keys after the loop (no cross-warp sum per tile).
-    TMA (decode, plain pages, BLOCK_N = 16 or 32): K and V come as one tensor copy per (page, head) slice, row
-    head_row + page * 16 of the caches seen as [rows, HEAD_DIM]; a two-page tile joins its two copies."""
+    ([BLOCK_N, BLOCK_M]), summed over the keys after the loop (no cross-warp sum per tile)."""
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     key_ok = n < kv_end
     in_pages = n // PAGE < tl.cdiv(kv_end, PAGE)  # the keys of the sequence's pages, tails of the last included
     page = page.to(tl.int64)
     off = n % PAGE
-    # ALL_SLOTS: K/V and their scales loaded unmasked: the tail of the sequence's last page and page 0 past its
-    # pages hold finite values (Contract 1) that the scores mask and p = 0 weighs out (no per-row predicates)
+    # ALL_SLOTS: K/V loaded unmasked (no per-row predicates): keys past kv_end read the tail of the sequence's last
+    # page or (past its pages) that page again, finite values (Contract 1) that the masked scores weigh by p = 0.
+    # The scale loads keep their masks (unmasked too, the sm90 dense kernel spilled).
     if ALL_SLOTS:
         ld_ok = tl.full([BLOCK_N], 1, tl.int1)
     else:
         ld_ok = key_ok
-    if TMA:  # the slots past kv_end are read too (finite by Contract 1) and get p = 0
-        rows = (head_row + page * (stride_cp // HEAD_DIM)).to(tl.int32)
-        row0 = tl.max(tl.where(n - start < PAGE, rows, 0), 0)
-        row1 = tl.max(tl.where(n - start >= PAGE, rows, 0), 0)
-        k = _page_rows(k_desc, row0, row1, BLOCK_N)
-    else:
-        k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
-                                                                       False), mask=ld_ok[:, None], other=0.0)
+    k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
+                                                                   False), mask=ld_ok[:, None], other=0.0)
     if KEYS_M:
         s = tl.dot(k.to(DOT), q) * qk_scale  # S^T [BLOCK_N, BLOCK_M]
         s = tl.where(key_ok[:, None] & (n[:, None] <= pos[None, :]), s, float("-inf"))
@@ -203,7 +185,7 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     else:
         s = tl.dot(q, tl.trans(k.to(DOT)))
         if FP8:
-            s *= (tl.load(ks_base + page * stride_sp + off, mask=ld_ok, other=0.0) * qk_scale)[None, :]
+            s *= (tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0) * qk_scale)[None, :]
         else:
             s *= qk_scale
         visible = key_ok[None, :] & (n[None, :] <= pos[:, None]) & row_sel[:, None]
@@ -213,41 +195,28 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
-            v = _page_rows(v_desc, row0, row1, BLOCK_N)
-        else:
-            v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
+        v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
         if FP8:
             # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
             # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
-            vs = tl.load(vs_base + page * stride_sp + off, mask=ld_ok, other=0.0)
-            p_op = (p * (vs * V_MUL)[None, :]).to(DOT)
-            v_op = v.to(DOT)
+            vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
+            pv = tl.dot((p * (vs * V_MUL)[None, :]).to(DOT), v.to(DOT))
         else:
-            p_op = p.to(DOT)
-            v_op = v.to(DOT)
-        if LAZY:
-            # rescale only when some row's max grew (a program-wide branch; after the first tiles of a long split
-            # it rarely does), and accumulate in the MMA: no multiply-add over acc in most tiles. Exact.
-            if tl.max((m_new > m_i).to(tl.int32), 0) > 0:
-                acc = acc * alpha[:, None]
-            acc = tl.dot(p_op, v_op, acc)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p_op, v_op)
+            pv = tl.dot(p.to(DOT), v.to(DOT))
+        acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
 @triton.jit
 def _attn_kernel(
-        q_ptr, k_cache, v_cache, k_desc, v_desc, k_scale, v_scale, page_table, cu_q, ctx_lens, sel_ptr, out_ptr,
-        part_o, part_lse, arrivals, qk_scale, num_seqs, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_pt, stride_cp, stride_ch, stride_sp, stride_sh, stride_sel_h, stride_sel_t,
+        q_ptr, k_cache, v_cache, k_scale, v_scale, page_table, cu_q, ctx_lens, sel_ptr, out_ptr, part_o, part_lse,
+        arrivals, qk_scale, num_seqs, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_cp,
+        stride_ch, stride_sp, stride_sh, stride_sel_h, stride_sel_t,
         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr,
-        ALL_SLOTS: tl.constexpr):
+        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -306,9 +275,8 @@ def _attn_kernel(
                     end = tl.where(blk >= 0, kv_end, 0)
                     page = _tile_pages(pages_ptr, start, end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
-                                             vs_base, page, qk_scale, stride_cp, stride_sp, k_desc, v_desc,
-                                             h * (stride_ch // HEAD_DIM), HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL,
-                                             DOT, KEYS_M, TMA, LAZY, ALL_SLOTS)
+                                             vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
+                                             SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -332,8 +300,8 @@ def _attn_kernel(
                             page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
                             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
                                                          v_base, ks_base, vs_base, page, qk_scale, stride_cp,
-                                                         stride_sp, k_desc, v_desc, 0, HEAD_DIM, BLOCK_N, X,
-                                                         SHUFFLE, FP8, V_MUL, DOT, KEYS_M, False, LAZY, ALL_SLOTS)
+                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
+                                                         KEYS_M, ALL_SLOTS)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -352,10 +320,8 @@ def _attn_kernel(
                 else:
                     page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
-                                             ks_base, vs_base, page, qk_scale, stride_cp, stride_sp, k_desc, v_desc,
-                                             h * (stride_ch // HEAD_DIM), HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL,
-                                             DOT, KEYS_M, TMA, LAZY,
-                                             ALL_SLOTS)
+                                             ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
+                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)
                 if PAGE_AHEAD:
                     page = nxt
         if KEYS_M:
@@ -442,20 +408,15 @@ def dot_dtype(kv_dtype: torch.dtype) -> tl.dtype:
 
 def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: int,
                    max_context_len: int, sparse: bool, topk: int, block_size: int, fp8: bool = False,
-                   arch: Arch | None = None, layout: str = "plain", tma_ok: bool = False) -> dict:
-    """Tile shape and split count of one paged_attention call: a function of shapes and host ints only (and
-    `tma_ok`: the pools are contiguous CUDA tensors, not interpreted)."""
+                   arch: Arch | None = None) -> dict:
+    """Tile shape and split count of one paged_attention call: a function of shapes and host ints only."""
     family = ("sparse" if sparse else "attn") + ("_decode" if max_seqlen_q <= 1 else "_prefill")
     cfg = tiles(family, arch, "fp8" if fp8 else None)
     block_q = 1 if max_seqlen_q <= 1 else min(cfg["BLOCK_Q"], triton.next_power_of_2(max_seqlen_q))
     block_h = max(triton.next_power_of_2(group), triton.next_power_of_2(triton.cdiv(16, block_q)))
-    # TMA (decode over plain pages): tiles of one or two pages, K and V one tensor copy per page each
-    tma = int(tma_ok and max_seqlen_q <= 1 and layout == "plain" and cfg.get("TMA", 0))
     block_n = min(cfg["BLOCK_N"], block_size) if sparse else cfg["BLOCK_N"]
-    if tma:
-        block_n = min(block_n, 2 * PAGE_SIZE)
     q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
-    keys_m = int(block_q == 1 and not fp8 and not tma and cfg.get("KEYS_M", 0))  # decode only: no row_sel there
+    keys_m = int(block_q == 1 and not fp8 and cfg.get("KEYS_M", 0))  # decode only: no row_sel there
     # enough programs to fill the chip, never splits so thin that the merge costs more than it spreads
     max_splits = block_q * topk if sparse else max(1, triton.cdiv(max_context_len, 4 * block_n))
     want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks * num_kv_heads))
@@ -463,8 +424,7 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "MERGE_LAST": cfg.get("MERGE_LAST", 0) if splits > 1 else 0,
-            "KEYS_M": keys_m, "TMA": tma, "LAZY": int(not keys_m and cfg.get("LAZY", 0)),
-            "ALL_SLOTS": cfg.get("ALL_SLOTS", 0),
+            "KEYS_M": keys_m, "ALL_SLOTS": cfg.get("ALL_SLOTS", 0),
             "maxnreg": cfg.get("maxnreg")}
 
 
@@ -509,15 +469,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sparse = block_sel is not None
     topk = block_sel.shape[-1] if sparse else 1
     plan = attention_plan(t_total, num_seqs, hkv, hq // hkv, max_seqlen_q, max_context_len, sparse, topk,
-                          block_size, k_scale is not None, layout=layout,
-                          tma_ok=q.is_cuda and not interpreting() and k_cache.is_contiguous()
-                          and v_cache.is_contiguous())
-    k_desc = v_desc = None
-    if plan["TMA"]:  # K and V pools seen as [rows of HEAD_DIM], a page's slice of one head 16 of them
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        k_desc, v_desc = (TensorDescriptor.from_tensor(c.view(-1, head_dim), [PAGE_SIZE, head_dim])
-                          for c in (k_cache, v_cache))
+                          block_size, k_scale is not None)
     splits = plan["NUM_SPLITS"]
     if splits > 1:
         part_o = torch.empty(splits, t_total, hq, head_dim, dtype=torch.float32, device=q.device)
@@ -530,8 +482,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     arrivals = arrival_counters(q.device, plan["q_blocks"] * hkv) if plan["MERGE_LAST"] else out  # unread without
     limits = {"maxnreg": plan["maxnreg"]} if plan["maxnreg"] else {}
     _attn_kernel[(plan["q_blocks"], hkv, splits)](
-        q, k_cache, v_cache, k_desc, v_desc, ks, vs, page_table, cu_seqlens_q, context_lens, sel, out, part_o,
-        part_lse, arrivals,
+        q, k_cache, v_cache, ks, vs, page_table, cu_seqlens_q, context_lens, sel, out, part_o, part_lse, arrivals,
         scale * 1.4426950408889634, num_seqs, t_total, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         page_table.stride(0), k_cache.stride(0), k_cache.stride(1), ks.stride(0), ks.stride(1),
         sel.stride(0) if sparse else 0, sel.stride(1) if sparse else 0,
@@ -540,7 +491,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
-        TMA=plan["TMA"], LAZY=plan["LAZY"], ALL_SLOTS=plan["ALL_SLOTS"],
+        ALL_SLOTS=plan["ALL_SLOTS"],
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -565,16 +516,14 @@ def aot_variants(arch: Arch) -> list:
         # batch 64 decode at 32K, or an 8K-token prefill chunk of one sequence
         tokens, seqs = (64, 64) if decode else (8192, 1)
         plan = attention_plan(tokens, seqs, hkv, hq // hkv, 1 if decode else tokens, 32768, sparse, m["topk"],
-                              m["block_size"], kv == "fp8", arch, layout, tma_ok=arch.backend == "cuda")
+                              m["block_size"], kv == "fp8", arch)
         kv_type = arch.fp8_triton if kv == "fp8" else "bf16"
-        descs = {f"{c}_desc": f"tensordesc<{kv_type}[{PAGE_SIZE}, {d}]>" for c in "kv"} if plan["TMA"] else {}
-        types = descs | {"q_ptr": "*bf16", "k_cache": f"*{kv_type}", "v_cache": f"*{kv_type}", "k_scale": "*fp32",
+        types = {"q_ptr": "*bf16", "k_cache": f"*{kv_type}", "v_cache": f"*{kv_type}", "k_scale": "*fp32",
                  "v_scale": "*fp32", "page_table": "*i32", "cu_q": "*i32", "ctx_lens": "*i32", "sel_ptr": "*i32",
                  "out_ptr": "*bf16", "part_o": "*fp32", "part_lse": "*fp32", "arrivals": "*i32", "qk_scale": "fp32"}
         types |= {name: "i32" for name in _attn_kernel.arg_names if name not in types}
         variants.append(AotVariant(
-            name=f"attention.{'sparse' if sparse else 'dense'}_{'decode' if decode else 'prefill'}_{kv}_{layout}"
-             + (" tma" if plan["TMA"] else ""),
+            name=f"attention.{'sparse' if sparse else 'dense'}_{'decode' if decode else 'prefill'}_{kv}_{layout}",
             kernel=_attn_kernel, types=types,
             constexprs={"NUM_HEADS": hq, "HEAD_DIM": d, "GROUP": hq // hkv, "BLOCK_H": plan["BLOCK_H"],
                         "BLOCK_Q": plan["BLOCK_Q"], "BLOCK_N": plan["BLOCK_N"], "NUM_SPLITS": plan["NUM_SPLITS"],
@@ -583,8 +532,7 @@ def aot_variants(arch: Arch) -> list:
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
                         "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"],
-                        "TMA": plan["TMA"], "LAZY": plan["LAZY"], "ALL_SLOTS": plan["ALL_SLOTS"]}
-            | ({} if plan["TMA"] else {"k_desc": None, "v_desc": None}),
+                        "ALL_SLOTS": plan["ALL_SLOTS"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))
