@@ -16,6 +16,7 @@ with transport window N, e.g. kv-w8):
                 KVPool pages (what a remote prefill costs beyond compute), page tables of consecutive pages on
                 both sides (a fresh engine's): pages in runs move straight from pool to pool (disagg/ucp.py: host
                 pools as one iov message per message, CUDA pools as one UCX message per piece: plans of pieces)
+  kv-pieces     kv with plans of pieces on any device (a CPU's default is one iov per message)
   kv-staged     the same pages, every message staged on both sides as one UCX message (UcxTransport(in_place=
                 False), whole messages): gathered into a buffer, received into one and scattered, `window` (4)
                 messages ahead of the sends ("-ahead": all at once)
@@ -201,7 +202,7 @@ def plan_pages(what: str, dsts: dict[str, torch.Tensor]) -> torch.Tensor | None:
 def plan_pieces(what: str, device: torch.device) -> bool:
     """Whether kind `what` moves plans of pieces: kv on GPUs, as a GPU decode side asks (kv-staged: whole messages,
     the path of sessions 11-14)."""
-    return UcxTransport().pieces(device) and what.startswith("kv") and what != "kv-staged"
+    return what == "kv-pieces" or (UcxTransport().pieces(device) and what.startswith("kv") and what != "kv-staged")
 
 
 def configure(transport: UcxTransport, what: str, window: int) -> None:
@@ -256,7 +257,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
         if what in srcs and what not in ("raw-runs", "raw-put"):
             # in place nothing is staged, so nothing holds the producer back: all at once, as a node whose forward
             # runs ahead of the link queues its groups
-            ahead = "ahead" in what.split("-") or what == "kv"
+            ahead = "ahead" in what.split("-") or what in ("kv", "kv-pieces")
 
             async def kv(port=port, plan=plan, src=srcs[what], ahead=ahead, in_place=what != "kv-staged"):
                 # packed in one producer thread, running before the clock as a node's engine thread runs when its
