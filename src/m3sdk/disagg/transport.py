@@ -278,6 +278,7 @@ class Receive(Protocol):
 
 class KVTransport(Protocol):
     name: str
+    in_place: bool  # pages in runs move straight from and into the pools (see UcxTransport)
 
     async def start(self, listen: bool) -> None:
         """Initialize; `listen` (decode side) opens the port prefill nodes push to."""
