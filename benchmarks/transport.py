@@ -446,8 +446,20 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                               for t, (_, blob) in zip(tensors, registered, strict=True)], 0, 0, False))
     try:
         # the first round warms up (connections, staging buffers' first touch) and is not counted
+        def baseline(size: int) -> None:
+            if cuda:
+                rates.setdefault(("p2p", size), []).append(p2p(plan_for(pool, size, TRANSFER_ID).total_bytes, dev))
+                return
+            for flags in ((), ("-e",)):
+                rate = perftest(size, max(8, total_bytes // size), flags)
+                rates.setdefault(("perftest" + "".join(flags), size), []).append(rate)
+
         for repeat in range(repeats + 1):
             for size in sizes:
+                # each repeat's baseline beside its transfers, before them in even repeats and after in odd ones, so
+                # that a load that rises or falls through a repeat weighs on both alike (pairs, then medians)
+                if repeat and not repeat % 2:
+                    baseline(size)
                 for what in kinds:
                     port = eh_listener.port if what == "raw-eh" else transport.port
                     transfer_id += 1
@@ -492,12 +504,8 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                     if traced:
                         traces.append(timeline(what, size, start, end, sent_events, Trace.events))
                     Trace.events = None
-                if repeat and cuda:
-                    rates.setdefault(("p2p", size), []).append(p2p(plan.total_bytes, dev))
-                elif repeat:  # interleaved with the others, so each row sees the same load
-                    for flags in ((), ("-e",)):
-                        rate = perftest(size, max(8, total_bytes // size), flags)
-                        rates.setdefault(("perftest" + "".join(flags), size), []).append(rate)
+                if repeat % 2:
+                    baseline(size)
     finally:
         with contextlib.suppress(OSError):
             parent.send(("stop", 0, 0, 0, False))
