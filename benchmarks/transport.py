@@ -14,9 +14,8 @@ with transport window N, e.g. kv-w8):
   kv            UcxTransport: a prefill node's pages queued as messages (Outbox, from another thread, as a node's
                 engine thread queues them while it computes: all at once), pushed, checked, in the decode side's
                 KVPool pages (what a remote prefill costs beyond compute), page tables of consecutive pages on
-                both sides (a fresh engine's): pages in runs move straight from pool to pool (disagg/ucp.py: host
-                pools as one iov message per message, CUDA pools as one UCX message per piece: plans of pieces)
-  kv-pieces     kv with plans of pieces on any device (a CPU's default is one iov per message)
+                both sides (a fresh engine's): pages in runs move straight from pool to pool, each message as one
+                UCX message per piece (plans of pieces, disagg/ucp.py)
   kv-staged     the same pages, every message staged on both sides as one UCX message (UcxTransport(in_place=
                 False), whole messages): gathered into a buffer, received into one and scattered, `window` (4)
                 messages ahead of the sends ("-ahead": all at once)
@@ -199,10 +198,10 @@ def plan_pages(what: str, dsts: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return dsts.get(what)
 
 
-def plan_pieces(what: str, device: torch.device) -> bool:
-    """Whether kind `what` moves plans of pieces: kv on GPUs, as a GPU decode side asks (kv-staged: whole messages,
-    the path of sessions 11-14)."""
-    return what == "kv-pieces" or (UcxTransport().pieces(device) and what.startswith("kv") and what != "kv-staged")
+def plan_pieces(what: str) -> bool:
+    """Whether kind `what` moves plans of pieces, as a decode side that receives in place asks (kv-staged: whole
+    messages, the GPU path of sessions 11-14; kv-scattered has no runs, so whole messages too)."""
+    return what.startswith("kv") and what != "kv-staged"
 
 
 def configure(transport: UcxTransport, what: str, window: int) -> None:
@@ -251,13 +250,13 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
         if what == "keys":
             remote = port
             continue
-        plan = plan_for(pool, message_bytes, transfer_id, plan_pages(what, dsts), plan_pieces(what, dev))
+        plan = plan_for(pool, message_bytes, transfer_id, plan_pages(what, dsts), plan_pieces(what))
         configure(transport, what, window)
         Trace.events = [] if traced else None
         if what in srcs and what not in ("raw-runs", "raw-put"):
             # in place nothing is staged, so nothing holds the producer back: all at once, as a node whose forward
             # runs ahead of the link queues its groups
-            ahead = "ahead" in what.split("-") or what in ("kv", "kv-pieces")
+            ahead = "ahead" in what.split("-") or what == "kv"
 
             async def kv(port=port, plan=plan, src=srcs[what], ahead=ahead, in_place=what != "kv-staged"):
                 # packed in one producer thread, running before the clock as a node's engine thread runs when its
@@ -463,7 +462,7 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                 for what in kinds:
                     port = eh_listener.port if what == "raw-eh" else transport.port
                     transfer_id += 1
-                    plan = plan_for(pool, size, transfer_id, plan_pages(what, dsts), plan_pieces(what, dev))
+                    plan = plan_for(pool, size, transfer_id, plan_pages(what, dsts), plan_pieces(what))
                     nbytes = plan.total_bytes
                     traced = trace and repeat == repeats and what.startswith("kv")
                     Trace.events = [] if traced else None

@@ -71,10 +71,10 @@ def assert_pages(pool: KVPool, tokens: list[int], pages: list[int], num_cached: 
 @pytest.mark.parametrize("pieces", [False, True])
 def test_pages_arrive_intact_in_their_pages(node, pieces):
     # 300 tokens = 19 pages over 4 layers; 64 KiB messages force several messages per layer group. `pieces`: the
-    # decode side asks for plans of pieces where its pages form runs (as a GPU decode side does), through the node
+    # decode side receives in place (the default), asking for plans of pieces where its pages form runs
     from m3sdk.disagg.transport import UcxTransport
 
-    transport = UcxTransport(iov_devices=() if pieces else ("cpu",))
+    transport = UcxTransport(in_place=pieces)
     client, pool = make_client(node, layers_per_group=2, max_message_bytes=64 << 10, transport=transport)
     try:
         tokens = [(i * 37) % VOCAB for i in range(300)]
@@ -235,12 +235,12 @@ def test_malformed_oversized_and_unauthenticated_calls_are_refused_and_the_node_
         client.close()
 
 
-@pytest.mark.parametrize("num_pages,iov", [(4, True), (16, True), (16, False)])
+@pytest.mark.parametrize("num_pages", [4, 16])
 @pytest.mark.parametrize("layers,forged_layers", [(2, 1), (1, 2)])
-def test_a_message_that_does_not_match_the_plan_never_reaches_the_pages(num_pages, iov, layers, forged_layers):
+def test_a_message_that_does_not_match_the_plan_never_reaches_the_pages(num_pages, layers, forged_layers):
     """A message cut short (half the layers the receiver expects) or too long (twice: UCX truncates it) is refused,
-    and no page keeps anything of it, whether the pages are placed by index (4) or received in place as a run (16),
-    each message as one iov or as one UCX message per piece (what CUDA pools do)."""
+    and no page keeps anything of it, whether the pages are placed by index (4: staged) or received in place as a
+    run (16: a plan of pieces, one UCX message per piece)."""
     from m3sdk.disagg.transport import UcxTransport
 
     pool = KVPool(spec())
@@ -252,10 +252,10 @@ def test_a_message_that_does_not_match_the_plan_never_reaches_the_pages(num_page
     async def run():
         await receiver.start(listen=True)
         await sender.start(listen=False)
-        plan = wire.TransferPlan.build(rows, 1234, num_pages, layers, 1 << 20, dst, pieces=not iov)
+        plan = wire.TransferPlan.build(rows, 1234, num_pages, layers, 1 << 20, dst, pieces=True)
         receive = receiver.receive(plan, rows, torch.tensor(dst))
         # the same transfer id and tags, cut differently: another number of layers per message
-        forged = wire.TransferPlan.build(sender_rows, 1234, num_pages, forged_layers, 1 << 20, dst, pieces=not iov)
+        forged = wire.TransferPlan.build(sender_rows, 1234, num_pages, forged_layers, 1 << 20, dst, pieces=True)
         outbox = sender.outbox(forged, torch.device("cpu"))
         outbox.pack(list(forged.messages), sender_rows, torch.arange(num_pages))
         push = asyncio.ensure_future(sender.push("127.0.0.1", receiver.port, outbox))
@@ -365,10 +365,9 @@ def test_a_request_the_wire_cannot_carry_fails_without_leaving_its_receive_poste
         client.close()
 
 
-@pytest.mark.parametrize("iov", [True, False])
-def test_pages_sent_in_place_are_released_once_sent_or_when_the_push_is_dropped(iov):
-    """A node sends pages in runs straight from its pool (as one iov per message, or one UCX message per piece):
-    it may reuse them only once `wait_released` says no send reads them. Sent: released, and the decode side got
+def test_pages_sent_in_place_are_released_once_sent_or_when_the_push_is_dropped():
+    """A node sends pages in runs straight from its pool (a plan of pieces): it may reuse them only once
+    `wait_released` says no send reads them. Sent: released, and the decode side got
     every byte. Not received within the bound (the decode side posted nothing for the transfer): the push's
     endpoint is dropped, the push fails, and the pages are released all the same."""
     from m3sdk.disagg.transport import UcxTransport
@@ -380,7 +379,7 @@ def test_pages_sent_in_place_are_released_once_sent_or_when_the_push_is_dropped(
     receiver, sender = UcxTransport(), UcxTransport(drain_timeout=0.5)
 
     async def push(transfer_id: int, receive: bool) -> tuple:
-        plan = wire.TransferPlan.build(rows, transfer_id, 16, 2, 1 << 20, list(range(20, 36)), pieces=not iov)
+        plan = wire.TransferPlan.build(rows, transfer_id, 16, 2, 1 << 20, list(range(20, 36)), pieces=True)
         received = receiver.receive(plan, rows, torch.arange(20, 36)) if receive else None
         outbox = sender.outbox(plan, torch.device("cpu"), in_place=True)
         outbox.pack(list(plan.messages), sender_rows, torch.arange(16))

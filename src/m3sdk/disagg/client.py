@@ -84,10 +84,9 @@ class PrefillClient:
         # the cap on one data message. Staged, the decode side holds up to twice the transport's window of them (4
         # posted, 4 being placed) per transfer: 256 MiB on GPUs (host time per message, not bytes, set the rate
         # there: two H200s, 50 % of p2p at 256 MiB, 25 % at 64 MiB, session 13), 64 MiB on CPUs. Received in place
-        # nothing is staged, and larger messages cost UCX fewer rendezvous: 1 GiB (two H200s, plans of pieces on 8
-        # GiB: 54 % of p2p in 256 MiB messages, 81 % in 1 GiB ones, session 15 window 2; this CPU, one iov per
-        # message: 6.3 / 8.5 / 13.1 GB/s in 64 / 256 / 1024 MiB messages). A 32K prompt's 4-layer group of the
-        # full model is about 155 MB (one message), a 128K one's 620 MB
+        # nothing is staged, and larger messages cut larger pieces (each a rendezvous of UCX's): 1 GiB (two H200s,
+        # 8 GiB: 54 % of p2p in 256 MiB messages, 81 % in 1 GiB ones, session 15 window 2). A 32K prompt's 4-layer
+        # group of the full model is about 155 MB (one message), a 128K one's 620 MB
         self.max_message_bytes = max_message_bytes
         self._staged_bytes = 256 << 20 if rows[0][0].is_cuda else 64 << 20
         self.heartbeat_s, self.connect_timeout = heartbeat_s, connect_timeout
@@ -207,16 +206,14 @@ class PrefillClient:
                    pages: list[int], num_cached_pages: int, timeout_s: float) -> RemotePrefillResult:
         deadline = time.monotonic() + timeout_s
         send_pages = pages[num_cached_pages:]
-        device = self.rows[0][0].device
-        transfer_id, pieces = _next_transfer_id(), self.transport.pieces(device)
+        transfer_id, pieces = _next_transfer_id(), self.transport.in_place
         message_bytes = self.max_message_bytes or 1 << 30
         plan = TransferPlan.build(self.rows, transfer_id, len(send_pages), self.layers_per_group, message_bytes,
                                   send_pages, pieces)
-        in_place = self.transport.in_place and plan.runs is not None and (plan.pieces or device.type == "cpu")
-        if not in_place and self.max_message_bytes is None:  # staged after all: the staging sizes
+        if not plan.pieces and self.max_message_bytes is None:  # staged (no runs): the staging sizes
             message_bytes = self._staged_bytes
             plan = TransferPlan.build(self.rows, transfer_id, len(send_pages), self.layers_per_group, message_bytes,
-                                      send_pages, pieces)
+                                      send_pages)
         # the node sees several engines' requests: the transfer id makes ours unique there
         node_id = re.sub(r"[^\x21-\x7e]", "_", f"{plan.transfer_id:x}.{request_id}")[:128]
         try:  # before the receive is posted: nothing to retire when a value does not fit the wire

@@ -4,10 +4,11 @@ The decode side posts receive buffers for a transfer's messages (`receive`); the
 messages as they are computed and queues them in an `Outbox` (from any thread), which `push` sends in order;
 the decode side checks each message against the plan before it scatters the pages into its pool (wire.py).
 ucxx offers two-sided tag messaging (no one-sided RMA from Python), so "posted buffers + scatter" is the shape of
-the protocol. Host pools whose pages form runs skip both staging copies (`in_place`, the default): each message
-is one UCX iov message from the node's pages into the decode side's (ucp.py, ctypes on libucp), the node keeping
-its pages until the sends let go of them (Outbox.wait_released), the decode side checking header and trailer once
-the message arrived and zeroing a failed transfer's pages (UcxReceive.cancel).
+the protocol. A decode side whose pages form runs (`in_place`, the default) asks for plans of pieces: each message
+travels as one UCX message per part (header, each (layer, tensor, run) piece, trailer; ucp.py, ctypes on libucp)
+straight from the node's pages into its own, so neither side copies; the node keeps its pages until the sends let
+go of them (Outbox.wait_released), the decode side checks header and trailer once the message arrived and zeroes
+a failed transfer's pages (UcxReceive.cancel).
 
 Connection direction: the decode side listens; a prefill node connects to the port the decode side declared,
 on the address its gRPC call came from. So a node never parses a peer-supplied UCX address (a malformed one
@@ -129,9 +130,9 @@ class _Gathers:
 
 
 class _InPlace:
-    """A message sent from or received into a pool's pages (ucp.py): its header slot, its runs of pages in payload
-    order, its trailer slot (`frame`: header and trailer, 80 bytes, host memory), as (address, bytes); moved as one
-    iov message (host pools) or, for plans of `pieces`, as one UCX message per part."""
+    """A message sent from or received into a pool's pages (ucp.py), as the parts of a plan of pieces: its header
+    slot, its pieces in payload order, its trailer slot (`frame`: header and trailer, 80 bytes of host memory), as
+    (address, bytes)."""
 
     __slots__ = ("keep", "parts")
 
@@ -157,9 +158,11 @@ class Outbox:
     """The packed messages of one transfer, from the producer (the prefill backend, any thread) to `push`, which
     sends them in plan order as they come. Create it on the disagg loop.
 
-    `in_place` (host pools): a message whose pages form runs (a fresh engine's page tables) is not gathered but
-    sent straight from the pool's pages (ucp.py), so the node's copy goes; the producer then keeps those pages
-    unchanged until `released` is set (`reads_pages` says whether it must). `push` sets `released` when it ends,
+    `in_place`: a message of a plan of pieces whose source pages line up with the decode side's runs (a fresh
+    engine's page tables do) is not gathered but sent straight from the pool's pages (ucp.py), so the node's copy
+    goes; the producer then keeps those pages unchanged until `released` is set (`reads_pages` says whether it
+    must). Otherwise a message is gathered into a staging buffer, sent as one UCX message or, for a plan of pieces,
+    cut the same way. `push` sets `released` when it ends,
     however it ends: every message sent, or the push failed or was cancelled (its endpoint dropped when a send in
     flight did not finish within the transport's drain_timeout)."""
 
@@ -170,10 +173,8 @@ class Outbox:
         self._layout: wire.Layout | None = None  # where the messages' pages are in the producer's pool
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[int, torch.Tensor | _InPlace]] = asyncio.Queue()
-        # in place: plans of pieces where the source pages line up with the destination's runs (the pieces must be
-        # the decode side's), otherwise host pools in runs (one iov: any cut carries the same bytes)
         self._in_place = in_place
-        self._aligned = False  # the source pages line up with the destination's runs (plans of pieces)
+        self._aligned = False  # the source pages line up with the destination's runs: its pieces are the decode's
         self._host_frames: torch.Tensor | None = None
         self.reads_pages = False  # a message was queued in place: its pages must stay until `released`
         self.released = threading.Event()
@@ -196,12 +197,6 @@ class Outbox:
             self._aligned = runs is not None
         return self._layout
 
-    def _sends_in_place(self, layout: wire.Layout) -> bool:
-        if not self._in_place:
-            return False
-        if self.plan.pieces:
-            return self._aligned
-        return layout.runs is not None and self.device.type == "cpu"  # UCX moves a CUDA iov through host memory
 
     def pack(self, messages: list[MessageSpec], rows: list[list[torch.Tensor]], src_pages: torch.Tensor) -> None:
         """Gather `messages` from `rows` at `src_pages` (the transfer's source pages) into staging buffers and
@@ -212,7 +207,7 @@ class Outbox:
         with torch.inference_mode(False):
             layout = self._layout_for(rows, src_pages)
             for msg in messages:
-                if self._sends_in_place(layout):
+                if self._in_place and self._aligned:
                     self.reads_pages = True
                     item: torch.Tensor | _InPlace = _InPlace(self._host_frame_table()[msg.index],
                                                              layout.pool(msg)[0])
@@ -278,7 +273,7 @@ class Receive(Protocol):
 
 class KVTransport(Protocol):
     name: str
-    in_place: bool  # pages in runs move straight from and into the pools (see UcxTransport)
+    in_place: bool  # the decode side asks for plans of pieces, and a node may send from its pages (UcxTransport)
 
     async def start(self, listen: bool) -> None:
         """Initialize; `listen` (decode side) opens the port prefill nodes push to."""
@@ -294,8 +289,6 @@ class KVTransport(Protocol):
         producer keeps the pages unchanged until the outbox's `released` (see Outbox), so they may be sent without
         a copy."""
 
-    def pieces(self, device: torch.device) -> bool:
-        """Whether a decode side with its pool on `device` asks for plans of pieces (wire.TransferPlan.pieces)."""
 
     async def push(self, host: str, port: int, outbox: Outbox) -> None:
         """Send every message of `outbox.plan`, in order as they are queued, to the decode side at host:port."""
@@ -385,11 +378,10 @@ class UcxReceive:
                  dst_pages: torch.Tensor, window: int):
         self._transport, self._plan, self._dst = transport, plan, dst_pages
         self._layout = wire.Layout(plan, rows, dst_pages, plan.runs)
-        # host pages in runs: each message straight into them (an iov receive, ucp.py), nothing staged, so every
-        # message is posted at once; otherwise `window` staging buffers
-        # (a CUDA iov crosses as host fragments: CUDA pools receive in place only plans of pieces)
-        self._in_place = transport.in_place and self._layout.runs is not None and (plan.pieces or not dst_pages.is_cuda)
-        self._ucp = self._in_place or plan.pieces  # receives posted through ucp.py (else ucxx's)
+        # a plan of pieces: each message straight into the pages (ucp.py), nothing staged, so every message is posted
+        # at once; otherwise `window` staging buffers (of a plan of pieces, cut as the node sends them)
+        self._in_place = transport.in_place and plan.pieces
+        self._ucp = plan.pieces  # receives posted through ucp.py (else ucxx's)
         self._window = len(plan.messages) if self._in_place else window
         # in place: each message's header and trailer slots (its first and last parts), zeroed (armed), on the host
         self._slots = torch.zeros(len(plan.messages) if self._in_place else 0,
@@ -423,11 +415,10 @@ class UcxReceive:
         msg = self._plan.messages[index]
         if self._in_place:
             item = _InPlace(buf, self._layout.pool(msg)[0])
-            self._posted[tag] = (buf, ucp.recv(_worker().handle, item.parts, tag, keep=item,
-                                               iov=not self._plan.pieces), msg)
+            self._posted[tag] = (buf, ucp.recv(_worker().handle, item.parts, tag, keep=item), msg)
         elif self._plan.pieces:  # staged, cut as the node sends it
-            self._posted[tag] = (buf, ucp.recv(_worker().handle, _buffer_parts(buf, self._plan, msg), tag,
-                                               keep=buf, iov=False), msg)
+            self._posted[tag] = (buf, ucp.recv(_worker().handle, _buffer_parts(buf, self._plan, msg), tag, keep=buf),
+                                 msg)
         else:
             self._posted[tag] = (buf, _start_recv(_ucx_buffer(buf), tag), msg)
 
@@ -563,18 +554,13 @@ class UcxTransport:
     name = "ucx"
 
     def __init__(self, options: dict[str, str] | None = None, window: int = 4, drain_timeout: float = 5.0,
-                 pool_bytes: int = 512 << 20, in_place: bool = True, iov_devices: tuple[str, ...] = ("cpu",)):
-        # ucxx pins UCX_MAX_RNDV_RAILS to 1; 2 lets a TCP rendezvous use both loopback and eth0 lanes. In-place
-        # messages cross shared memory as ~8 KiB fragments through the sysv FIFO: at its default 256 slots a busy
-        # CPU (load 2-5 on two cores) stalled the sender whenever the receiver was not scheduled, 0.5-2 GB/s; 4096
-        # slots (about 33 MiB of shared memory per worker) kept 3.6-4.2 GB/s in the same runs (session 14)
-        self.options = {"MAX_RNDV_RAILS": "2", "SYSV_FIFO_SIZE": "4096", **(options or {})}
+                 pool_bytes: int = 512 << 20, in_place: bool = True):
+        # ucxx pins UCX_MAX_RNDV_RAILS to 1; 2 lets a TCP rendezvous use both loopback and eth0 lanes
+        self.options = {"MAX_RNDV_RAILS": "2", **(options or {})}
         self.window = window
-        # host pages in runs sent from and received into the pools' pages (ucp.py); False: staged on both sides
+        # pages in runs sent from and received into the pools' pages (plans of pieces, ucp.py); False: staged on
+        # both sides, each message one UCX message
         self.in_place = in_place
-        # in place, pools on these devices move each message as one iov; others as one UCX message per piece
-        # (a CUDA iov crosses as host fragments: 0.5 GB/s between two H200s, session 15; ucp.py)
-        self.iov_devices = iov_devices
         self.drain_timeout = drain_timeout
         self.pool = BufferPool(pool_bytes)
         self._gathers = _Gathers()
@@ -624,8 +610,6 @@ class UcxTransport:
     def outbox(self, plan: TransferPlan, device: torch.device, in_place: bool = False) -> Outbox:
         return Outbox(plan, device, self.pool, self._gathers, in_place and self.in_place)
 
-    def pieces(self, device: torch.device) -> bool:
-        return torch.device(device).type not in self.iov_devices
 
     async def send_to_self(self, data: bytes, tag: int) -> None:
         if self._self_ep is None:
@@ -699,11 +683,8 @@ class UcxTransport:
                   port: int) -> asyncio.Future:
         try:
             ep.raise_on_error()  # what ucxx's own send checks first (e.g. a refused connection)
-            if isinstance(item, _InPlace):
-                return ucp.send(ep.handle, ep.worker_handle, item.parts, plan.tag(index), keep=item,
-                                iov=not plan.pieces)
-            return ucp.send(ep.handle, ep.worker_handle, _buffer_parts(item, plan, plan.messages[index]),
-                            plan.tag(index), keep=item, iov=False)
+            parts = item.parts if isinstance(item, _InPlace) else _buffer_parts(item, plan, plan.messages[index])
+            return ucp.send(ep.handle, ep.worker_handle, parts, plan.tag(index), keep=item)
         except Exception as e:
             self._drop(host, port)
             raise TransportError(f"send to {host}:{port} failed: {e!r}") from e

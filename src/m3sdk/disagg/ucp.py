@@ -1,22 +1,23 @@
-"""Tag sends and receives of scatter lists (UCP_DATATYPE_IOV), which ucxx's Python API lacks, through ctypes on the
-libucp that ucxx itself loaded (the libucx wheel), on ucxx's worker and endpoints.
+"""UCP calls that ucxx's Python API lacks, through ctypes on the libucp that ucxx itself loaded (the libucx wheel),
+on ucxx's worker and endpoints: tag messages from and into many buffers under one future (a message's parts: its
+header slot, one piece per (layer, tensor, run of pages), its trailer slot), cancelling posted receives, and
+one-sided writes into a peer's registered memory (`register` / `put`: the benchmark's raw-put probe).
 
-Why: a message sent from one staging buffer must first be gathered from the pool's pages, and one received into
-a staging buffer must then be scattered into them. As iovs (the header slot, one entry per (layer, tensor, run of
-pages), the trailer slot) both copies go. Between two processes of one host UCX 1.21 then moves an iov message as
-"rendezvous fragmented copy-in copy-out" over sysv shared memory (UCX_PROTO_INFO=y): the sender copies into
-shared fragments and the receiver out of them, in parallel, against one `process_vm_readv` by the receiver for
-a contiguous message. Probed on this 2-core machine, two processes, 16 messages of 36 pieces, GB/s medians of 5
-(load 1-2): iov into iov 15.9 / 15.2 at 63 / 15 MiB, contiguous into contiguous 9.8 / 9.6 (docs/perf.md,
-session 14).
+Why parts: a message sent from one staging buffer must first be gathered from the pool's pages, and one received
+into a staging buffer then scattered into them; sent as one UCX message per part, both copies go. UCX matches the
+messages of one tag from one endpoint in the order they were sent, so the decode side posts the parts in order on
+the message's tag. Each part is a rendezvous with one zero-copy read by the receiver (`cma` between processes of
+one host, `cuda_ipc` between GPUs: UCX_PROTO_INFO=y); an iov message of the same parts moved through host memory
+as fragments copied in and out (sysv), at 0.5 GB/s between two H200s, and on this CPU faster than contiguous
+messages in 1 GiB messages but slower in 64 MiB ones and falling apart under load (docs/perf.md, sessions 14-15).
 
 ucxx creates its worker with UCS_THREAD_MODE_MULTI (checked here with ucp_worker_query before first use), so
 posting from the disagg loop's thread while ucxx's progress thread progresses the worker is allowed. That thread
-sleeps until the worker's event fd fires, so every post signals the worker (ucp_worker_signal), as ucxx does for
-its own requests: without it the fragments of a message moved only when some other event woke the thread (rates
-of 0.1-1 GB/s, and a flush that waited 60 s, in the probes). Completions arrive in a ctypes callback on that thread
-(or inside the post), which hands them to the poster's asyncio loop. ctypes releases the GIL around every foreign
-call, so the callback (which takes the GIL) cannot deadlock with a post that holds the worker's lock.
+may sleep until the worker's event fd fires, so every post signals the worker (ucp_worker_signal), as ucxx does for
+its own requests: without it a message moved only when some other event woke the thread (0.1-1 GB/s, and a flush
+that waited 60 s, in session 14's probes). Completions arrive in a ctypes callback on that thread (or inside the
+post), which hands them to the poster's asyncio loop; the requests are freed there. ctypes releases the GIL around
+every foreign call, so the callback (which takes the GIL) cannot deadlock with a post that holds the worker's lock.
 """
 
 from __future__ import annotations
@@ -39,11 +40,9 @@ _RECV_CB = ctypes.CFUNCTYPE(None, _VOIDP, ctypes.c_int, _VOIDP, _VOIDP)
 _OP_ATTR_FIELD_CALLBACK = 1 << 1
 _OP_ATTR_FIELD_USER_DATA = 1 << 2
 _OP_ATTR_FIELD_DATATYPE = 1 << 3
-_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
 _OP_ATTR_FLAG_NO_IMM_CMPL = 1 << 16  # always a request and its callback, even when UCX could finish at once
-_DATATYPE_IOV = 2
 _DATATYPE_BYTES = 1 << 3  # ucp_dt_make_contig(1): a contiguous buffer, its length in bytes
-_MEMORY_TYPES = {"cpu": 0, "cuda": 1}  # ucs_memory_type_t: UCS_MEMORY_TYPE_HOST, UCS_MEMORY_TYPE_CUDA
+_MEMORY_TYPES = {"cpu": 0, "cuda": 1}  # ucs_memory_type_t: UCS_MEMORY_TYPE_HOST, UCS_MEMORY_TYPE_CUDA (register)
 _THREAD_MODE_MULTI = 2
 _ERR_LAST = (1 << 64) - 100  # a returned pointer at or above this is a negative ucs_status_t
 _FULL_MASK = (1 << 64) - 1
@@ -56,12 +55,6 @@ class _RequestParam(ctypes.Structure):
                 ("cb", _VOIDP),  # a union of callback pointers (_SEND_CB, _RECV_CB)
                 ("datatype", _U64), ("user_data", _VOIDP), ("reply_buffer", _VOIDP),
                 ("memory_type", ctypes.c_int), ("recv_info", _VOIDP), ("memh", _VOIDP)]
-
-
-class _Iov(ctypes.Structure):
-    """ucp_dt_iov_t."""
-
-    _fields_ = [("buffer", _VOIDP), ("length", _SIZE)]
 
 
 class UcpError(RuntimeError):
@@ -202,9 +195,9 @@ _sent = _SEND_CB(lambda request, status, user_data: _done(user_data, status))
 _received = _RECV_CB(_on_recv)
 
 
-def _post(worker: int, keep: Any, callback: Any, datatype: int, memory: str | None,
-          calls: Sequence[tuple[int, Callable[[Any], int]]]) -> asyncio.Future:
-    """Post each of `calls` ((bytes, call(param) -> request)), in order, under one future."""
+def _post(worker: int, keep: Any, callback: Any, calls: Sequence[tuple[int, Callable[[Any], int]]]) -> asyncio.Future:
+    """Post each of `calls` ((bytes, call(param) -> request)), in order, under one future. UCX finds each buffer's
+    memory type (transport.py: UCX_MEMTYPE_CACHE)."""
     if worker not in _multi:
         if (mode := thread_mode(worker)) != _THREAD_MODE_MULTI:
             raise UcpError(0, f"worker thread mode {mode} is not UCS_THREAD_MODE_MULTI: no posts from this thread")
@@ -213,12 +206,8 @@ def _post(worker: int, keep: Any, callback: Any, datatype: int, memory: str | No
         raise ValueError(f"{len(calls)} requests in one operation")
     fut = asyncio.get_running_loop().create_future()
     key = next(_keys)
-    # the buffers' memory type said where known (an iov has none of its own); None: UCX asks the CUDA driver
-    # about each buffer (transport.py: UCX_MEMTYPE_CACHE)
     param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE
-                          | _OP_ATTR_FLAG_NO_IMM_CMPL | (0 if memory is None else _OP_ATTR_FIELD_MEMORY_TYPE),
-                          cb=ctypes.cast(callback, _VOIDP), datatype=datatype,
-                          memory_type=_MEMORY_TYPES.get(memory, 0))
+                          | _OP_ATTR_FLAG_NO_IMM_CMPL, cb=ctypes.cast(callback, _VOIDP), datatype=_DATATYPE_BYTES)
     op = _Op(worker, fut, keep, [n for n, _ in calls])
     with _lock:
         _ops[key] = op
@@ -236,15 +225,6 @@ def _post(worker: int, keep: Any, callback: Any, datatype: int, memory: str | No
     return fut
 
 
-def _tagged(parts: Sequence[tuple[int, int]], iov: bool, post: Callable[[int, int, Any], int],
-            ) -> tuple[Any, list[tuple[int, Callable[[Any], int]]]]:
-    """`parts` as one iov request or one contiguous request each: (the iov to keep, the calls)."""
-    if iov:
-        iovs = (_Iov * len(parts))(*parts)
-        return iovs, [(sum(n for _, n in parts), lambda param: post(ctypes.addressof(iovs), len(parts), param))]
-    return None, [(n, lambda param, at=at, n=n: post(at, n, param)) for at, n in parts]
-
-
 def cancel(fut: asyncio.Future) -> None:
     """On the loop that posted it: take back each receive of `fut` that no message matched yet (it completes with
     UCS_ERR_CANCELED); those a message already matched go on and complete as they will."""
@@ -256,25 +236,22 @@ def cancel(fut: asyncio.Future) -> None:
     _lib()[0].ucp_worker_signal(op.worker)
 
 
-def send(ep: int, worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None, iov: bool = True,
-         memory: str | None = None) -> asyncio.Future:
-    """Send `parts` ((address, bytes) in order, all of `memory` when given: "cpu" or "cuda") tagged `tag` on the UCP
-    endpoint `ep` of `worker` (ucxx's `.handle` and `.worker_handle`): as one iov message, or (`iov` False) one message
-    per part, in order (UCX matches messages of one tag from one endpoint in the order they were sent). Returns a
-    future of the running loop: done once UCX let go of all the memory, or UcpError. `parts` and `keep` (the
-    objects owning those addresses) are held until then."""
-    iovs, calls = _tagged(parts, iov, lambda at, count, param: _lib()[0].ucp_tag_send_nbx(ep, at, count, tag, param))
-    return _post(worker, (iovs, keep), _sent, _DATATYPE_IOV if iov else _DATATYPE_BYTES, memory, calls)
+def send(ep: int, worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None) -> asyncio.Future:
+    """Send `parts` ((address, bytes)) as one message each, in order, tagged `tag` on the UCP endpoint `ep` of
+    `worker` (ucxx's `.handle` and `.worker_handle`). Returns a future of the running loop: done once UCX let go of
+    all the memory, or UcpError. `keep` (the objects owning those addresses) is held until then."""
+    ucp = _lib()[0]
+    return _post(worker, keep, _sent, [(n, lambda param, at=at, n=n: ucp.ucp_tag_send_nbx(ep, at, n, tag, param))
+                                       for at, n in parts])
 
 
-def recv(worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None, iov: bool = True,
-         memory: str | None = None) -> asyncio.Future:
-    """Post receives of what `send` sends tagged `tag` (all 64 bits) into `parts` on `worker`. The future is done
-    once everything was placed, or UcpError, e.g. UCS_ERR_MESSAGE_TRUNCATED (-9) for a message longer than its
-    part; a shorter one fails too (`_Op`)."""
-    iovs, calls = _tagged(parts, iov, lambda at, count, param: _lib()[0].ucp_tag_recv_nbx(
-        worker, at, count, tag, _FULL_MASK, param))
-    return _post(worker, (iovs, keep), _received, _DATATYPE_IOV if iov else _DATATYPE_BYTES, memory, calls)
+def recv(worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None) -> asyncio.Future:
+    """Post receives, in order, of what `send` sends tagged `tag` (all 64 bits) into `parts` on `worker`. The future
+    is done once every part was filled, or UcpError: UCS_ERR_MESSAGE_TRUNCATED (-9) for a message longer than its
+    part, "cut short" for a shorter one (`_Op`)."""
+    ucp = _lib()[0]
+    return _post(worker, keep, _received, [(n, lambda param, at=at, n=n: ucp.ucp_tag_recv_nbx(
+        worker, at, n, tag, _FULL_MASK, param)) for at, n in parts])
 
 
 class _MemMapParams(ctypes.Structure):
@@ -327,4 +304,4 @@ def put(ep: int, worker: int, parts: Sequence[tuple[int, int, int, int]], keep: 
     calls = [(n, lambda param, at=at, n=n, to=to, rkey=rkey: ucp.ucp_put_nbx(ep, at, n, to, rkey, param))
              for at, n, to, rkey in parts]
     calls.append((0, lambda param: ucp.ucp_ep_flush_nbx(ep, param)))
-    return _post(worker, keep, _sent, _DATATYPE_BYTES, None, calls)
+    return _post(worker, keep, _sent, calls)

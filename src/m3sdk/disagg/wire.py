@@ -10,18 +10,20 @@ keep each message under a byte cap. One message is
 Both sides derive the same plan from the same `KVCacheSpec` (the handshake checked they agree) and the
 parameters of the Prefill call, so the receiver knows every message's exact size and posts buffers of it.
 
-Every message travels as one UCX message, received into a staging buffer; its header and trailer are checked
+A staged message travels as one UCX message, received into a staging buffer; its header and trailer are checked
 against the plan before a single page is written (a message cut short, from another transfer or misplaced never
 reaches the cache), then its pages are scattered into the pool. Where the destination pages form runs of
 `MIN_RUN` pages or more on average (a fresh engine's page tables do), the plan carries them and the scatter (like
-the node's gather, whose source runs it finds itself) copies one contiguous piece per (layer, tensor, run), all
-in one `torch._foreach_copy_` with the header and trailer, the pieces worked out once per transfer (`Layout`);
-otherwise one index kernel per tensor. No host sync but the header and trailer check (one copy to the host).
+the node's gather) copies one contiguous piece per (layer, tensor, run), all in one `torch._foreach_copy_` with
+the header and trailer, the pieces worked out once per transfer (`Layout`); otherwise one index kernel per
+tensor. No host sync but the header and trailer check (one copy to the host).
 
-Receiving each (layer, tensor, run) straight into the pool's pages ("direct" messages, wire versions 2 and 3 on
-CPUs) was measured and dropped: it takes out the decode side's copy, but each part is a UCX message of its own
-(38 per 64 MiB message of an 8-layer pool), and on two H200s it ran at 17.7 GB/s against 32.7 staged, on the
-2-core CPU machine within the noise of staged at 64 MiB and below it at 16 and 4 MiB (docs/disaggregation.md).
+A decode side that receives in place asks for a plan of `pieces`: the same bytes, each message as one transport
+message per part (header, each (layer, tensor, destination run) piece, trailer), received straight into its
+pages and checked once they arrived (the transport zeroes a failed transfer's pages). Session 11 had dropped such
+"direct" messages (two H200s: 17.7 GB/s against 32.7 staged) while Python work per message paced everything;
+with that gone (sessions 12-13) and UCX's progress thread spinning on GPU hosts, they beat staging from 1 GiB
+messages on (docs/perf.md, session 15).
 """
 
 from __future__ import annotations
@@ -94,8 +96,8 @@ class TransferPlan:
     messages: tuple[MessageSpec, ...]
     widths: tuple[tuple[int, ...], ...] = ()  # bytes per page of each layer's tensors
     runs: tuple[tuple[int, int, int], ...] | None = None  # (offset, first dst page, length), when long enough
-    # each message travels as one UCX message per part: header, each piece (`piece_bytes`), trailer (the decode
-    # side asks for it for pools whose iovs UCX cannot move zero-copy: CUDA memory); only with runs
+    # each message travels as one transport message per part: header, each piece (`piece_bytes`), trailer (a
+    # decode side that receives in place asks for it); only with runs
     pieces: bool = False
 
     @classmethod
