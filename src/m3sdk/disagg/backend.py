@@ -4,10 +4,10 @@ leave a group of layers at a time while the following layers still compute.
 The core runs a continuous scheduler that reports each step plan (through the EngineConfig.scheduler seam). When
 a plan holds the step that completes one of our prompts (the step samples it), a forward hook after the last
 layer of each group of layers packs that group's pages of the prompt into the transfer's outbox, and the push
-sends them while the next layers run. On a CPU, pages in runs are sent straight from the pool (an in-place
-outbox: no copy), so a finish hook holds the request's pages until its sends let go of them; otherwise packing
-copies, and the core may free and reuse the pages at once. The first token comes with the step's chunk, after
-every message was packed.
+sends them while the next layers run. Pages that line up with the decode side's runs (a plan of pieces) are sent
+straight from the pool (an in-place outbox: no copy), so a finish hook holds the request's pages until its sends
+let go of them; otherwise packing copies, and the core may free and reuse the pages at once. The first token
+comes with the step's chunk, after every message was packed.
 """
 
 from __future__ import annotations
