@@ -101,9 +101,9 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
     # FP8 KV on the H200 (docs/perf.md): page ids carried one tile ahead (PAGE_AHEAD, session 11); one-warp programs
     # of 32-key tiles, 2 stages (no cross-warp reduction in the loop, as MSA decode; 189 registers, 10 per SM):
     # session 14 window 3, b64 32K: 0.746-0.751 -> 0.714 ms against 4-warp programs of 128-key tiles at 3 stages.
-    # ALL_SLOTS (K/V loads without per-key predicates; the loop is issue-bound): session 15 window 2, b64 32K:
-    # 0.719-0.723 -> 0.667 ms
-    "attn_decode:fp8": {"sm90": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 2, "SPLIT_PROGRAMS": 1056,
+    # ALL_SLOTS (K/V loads without per-key predicates; the loop is issue-bound) and then 3 stages (198 registers, no
+    # spill): session 15 window 3, b64 32K: 0.735 (masked, 2 stages) -> 0.656-0.675 (ALL_SLOTS) -> 0.608 ms
+    "attn_decode:fp8": {"sm90": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "SPLIT_PROGRAMS": 1056,
                                  "PAGE_AHEAD": 1, "ALL_SLOTS": 1}},
     # prefill / verification: BLOCK_Q query tokens x the group's heads as the MMA's M rows. On AMD a 128 x 64
     # FP8 tile spills (the fp8 -> fp16 converts and the pipeliner's register prefetch): 128 x 32, one stage.
@@ -124,8 +124,8 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
     # 32 threads, 21 KB: 10 per SM). Session 14 window 2, b64 32K / 128K: 0.0530 / 0.0522 -> 0.0491 / 0.0491 ms
     # device time (62 -> 67 % of the read floor, 1.25x -> 1.34x SDPA pre-gathered) against session 13's two 2-warp
     # programs of 64-key tiles; 2048 programs (two waves), 16-key tiles, 4 stages, register caps: slower.
-    # ALL_SLOTS as dense FP8: session 15 window 2, the same from DRAM (0.0489-0.0490 vs 0.0485-0.0491 ms), with every
-    # page in L2 0.0430 -> 0.0418
+    # ALL_SLOTS as dense FP8: session 15 windows 2-3, the same from DRAM (0.0489-0.0495 vs 0.0487-0.0497 ms), with
+    # every page in L2 0.0430 -> 0.0418; 2 / 4 stages, 2048 programs under a 128 / 168-register cap: slower
     "sparse_decode:fp8": {"sm90": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "SPLIT_PROGRAMS": 1024,
                                    "PAGE_AHEAD": 1, "MERGE_LAST": 1, "ALL_SLOTS": 1}},
     # sm90: 4 query tokens x 16 heads (one warpgroup's 64 MMA rows): a tile's block union is smaller, so less work
