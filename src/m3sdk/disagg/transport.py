@@ -378,10 +378,9 @@ class UcxReceive:
                  dst_pages: torch.Tensor, window: int):
         self._transport, self._plan, self._dst = transport, plan, dst_pages
         self._layout = wire.Layout(plan, rows, dst_pages, plan.runs)
-        # a plan of pieces: each message straight into the pages (ucp.py), nothing staged, so every message is posted
-        # at once; otherwise `window` staging buffers (of a plan of pieces, cut as the node sends them)
-        self._in_place = transport.in_place and plan.pieces
-        self._ucp = plan.pieces  # receives posted through ucp.py (else ucxx's)
+        # a plan of pieces (what an in-place decode side asks for): each message straight into the pages (ucp.py),
+        # nothing staged, so every message is posted at once; otherwise `window` staging buffers
+        self._in_place = plan.pieces
         self._window = len(plan.messages) if self._in_place else window
         # in place: each message's header and trailer slots (its first and last parts), zeroed (armed), on the host
         self._slots = torch.zeros(len(plan.messages) if self._in_place else 0,
@@ -416,9 +415,6 @@ class UcxReceive:
         if self._in_place:
             item = _InPlace(buf, self._layout.pool(msg)[0])
             self._posted[tag] = (buf, ucp.recv(_worker().handle, item.parts, tag, keep=item), msg)
-        elif self._plan.pieces:  # staged, cut as the node sends it
-            self._posted[tag] = (buf, ucp.recv(_worker().handle, _buffer_parts(buf, self._plan, msg), tag, keep=buf),
-                                 msg)
         else:
             self._posted[tag] = (buf, _start_recv(_ucx_buffer(buf), tag), msg)
 
@@ -508,7 +504,7 @@ class UcxReceive:
         open_ = {tag: entry for tag, entry in self._posted.items() if not entry[1].done()}
         cancels = {}
         for tag, (_, fut, msg) in open_.items():
-            if self._ucp:  # ucp's own receives: those no message matched yet are taken back at once
+            if self._in_place:  # ucp's own receives: those no message matched yet are taken back at once
                 ucp.cancel(fut)
                 continue
             cancels[tag] = wire.cancel_message(self._plan, msg)
