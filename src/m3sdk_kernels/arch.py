@@ -102,7 +102,8 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
     # of 32-key tiles, 2 stages (no cross-warp reduction in the loop, as MSA decode; 189 registers, 10 per SM):
     # session 14 window 3, b64 32K: 0.746-0.751 -> 0.714 ms against 4-warp programs of 128-key tiles at 3 stages.
     # ALL_SLOTS (K/V loads without per-key predicates; the loop is issue-bound) and then 3 stages (198 registers, no
-    # spill): session 15 window 3, b64 32K: 0.735 (masked, 2 stages) -> 0.656-0.675 (ALL_SLOTS) -> 0.608 ms
+    # spill): session 15 window 3, b64 32K: 0.735 (masked, 2 stages) -> 0.656-0.675 (ALL_SLOTS) -> 0.608 ms; window
+    # 4: 0.741 -> 0.617 ms (128K: 2.95 -> 2.65); 4 stages: 0.717 (7 programs per SM fit: two waves)
     "attn_decode:fp8": {"sm90": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "SPLIT_PROGRAMS": 1056,
                                  "PAGE_AHEAD": 1, "ALL_SLOTS": 1}},
     # prefill / verification: BLOCK_Q query tokens x the group's heads as the MMA's M rows. On AMD a 128 x 64
