@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import multiprocessing as mp
 import os
@@ -56,9 +57,17 @@ def engine_settings(args) -> dict:
                 enable_prefix_caching=False)  # every run computes (or receives) its whole prompt
 
 
-def _node(conn, settings: dict, listen: str) -> None:
+def _dump_stacks(every: float) -> None:
+    """Every `every` s, every thread's stack to stderr (0: never): where a run that outlives its window spends it."""
+    if every > 0:
+        faulthandler.dump_traceback_later(every, repeat=True, file=sys.stderr)
+
+
+def _node(conn, settings: dict, listen: str, dump_every: float = 0.0) -> None:
     from m3sdk.disagg.backend import EngineBackend
     from m3sdk.node import PrefillNode
+
+    _dump_stacks(dump_every)
 
     backend = EngineBackend(EngineConfig(**settings))
     node = PrefillNode(backend, listen).start()
@@ -182,13 +191,16 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=120.0, help="s for the node to load and answer")
     parser.add_argument("--step-timeout", type=float, default=90.0, help="s for one generation (JIT included)")
     parser.add_argument("--prefill-timeout", type=float, default=60.0, help="the engine's deadline per remote prefill")
+    parser.add_argument("--dump-every", type=float, default=0.0,
+                        help="dump every thread's stack of both processes to stderr every this many seconds")
     args = parser.parse_args()
+    _dump_stacks(args.dump_every)
     first, second = args.gpus.split(",")
     listen = f"127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     os.environ["CUDA_VISIBLE_DEVICES"] = f"{first},{second}"
-    node = ctx.Process(target=_node, args=(child, engine_settings(args), listen), daemon=True)
+    node = ctx.Process(target=_node, args=(child, engine_settings(args), listen, args.dump_every), daemon=True)
     node.start()
     os.environ["CUDA_VISIBLE_DEVICES"] = f"{second},{first}"  # before this process touches CUDA
     try:
