@@ -162,9 +162,9 @@ class Outbox:
     engine's page tables do) is not gathered but sent straight from the pool's pages (ucp.py), so the node's copy
     goes; the producer then keeps those pages unchanged until `released` is set (`reads_pages` says whether it
     must). Otherwise a message is gathered into a staging buffer, sent as one UCX message or, for a plan of pieces,
-    cut the same way. `push` sets `released` when it ends,
-    however it ends: every message sent, or the push failed or was cancelled (its endpoint dropped when a send in
-    flight did not finish within the transport's drain_timeout)."""
+    cut the same way. `push` sets `released` when it ends, however it ends: every message sent, or the push failed
+    or was cancelled (its endpoint dropped when a send in flight did not finish within the transport's
+    drain_timeout)."""
 
     def __init__(self, plan: TransferPlan, device: torch.device, pool: BufferPool, gathers: _Gathers,
                  in_place: bool = False):
@@ -196,7 +196,6 @@ class Outbox:
             self._layout = wire.Layout(self.plan, rows, src_pages, runs)
             self._aligned = runs is not None
         return self._layout
-
 
     def pack(self, messages: list[MessageSpec], rows: list[list[torch.Tensor]], src_pages: torch.Tensor) -> None:
         """Gather `messages` from `rows` at `src_pages` (the transfer's source pages) into staging buffers and
@@ -288,7 +287,6 @@ class KVTransport(Protocol):
         """Where a producer queues the packed messages of `plan` (call on the disagg loop); `in_place`: the
         producer keeps the pages unchanged until the outbox's `released` (see Outbox), so they may be sent without
         a copy."""
-
 
     async def push(self, host: str, port: int, outbox: Outbox) -> None:
         """Send every message of `outbox.plan`, in order as they are queued, to the decode side at host:port."""
@@ -605,7 +603,6 @@ class UcxTransport:
 
     def outbox(self, plan: TransferPlan, device: torch.device, in_place: bool = False) -> Outbox:
         return Outbox(plan, device, self.pool, self._gathers, in_place and self.in_place)
-
 
     async def send_to_self(self, data: bytes, tag: int) -> None:
         if self._self_ep is None:
