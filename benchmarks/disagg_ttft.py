@@ -146,10 +146,15 @@ async def run(args, address: str, node: mp.Process) -> list[dict]:
         t = time.perf_counter()
         before = remote.num_remote
         mode("disaggregated")
-        _, disagg = await bounded(engine, ids, node, args.step_timeout, args.check_tokens)
+        first, disagg = await bounded(engine, ids, node, args.step_timeout, args.check_tokens)
+        record(step="check-run", mode="disaggregated", prompt_tokens=len(ids), first_token_s=round(first, 2),
+               seconds=round(time.perf_counter() - t, 1))
         went_remote = remote.num_remote == before + 1
         mode("colocated")
-        _, local = await bounded(engine, ids, node, args.step_timeout, args.check_tokens)
+        t1 = time.perf_counter()
+        first, local = await bounded(engine, ids, node, args.step_timeout, args.check_tokens)
+        record(step="check-run", mode="colocated", prompt_tokens=len(ids), first_token_s=round(first, 2),
+               seconds=round(time.perf_counter() - t1, 1))
         record(step="check", seconds=round(time.perf_counter() - t, 1), prompt_tokens=len(ids),
                went_remote=went_remote, identical=disagg == local,
                same_prefix=next((i for i, (a, b) in enumerate(zip(disagg, local, strict=False)) if a != b),
