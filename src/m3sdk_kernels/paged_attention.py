@@ -406,6 +406,14 @@ def dot_dtype(kv_dtype: torch.dtype) -> tl.dtype:
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[kv_dtype]
 
 
+# MERGE_LAST's merge is unrolled over the splits (_merge_rows), and its compile time grows much faster than the
+# split count: sm90 on the CPU machine (triton 3.9), dense FP8 decode of one sequence: 1.8 s at 4 splits, 6.3 s at
+# 32, 18.9 s at 64, 861 s at 256 (a 32K context); on the H200 (triton 3.6) a first 4K-token request stalled 38 s and
+# an 8K one > 140 s in these compiles (docs/perf.md, session 15). Past this many splits (few sequences, long
+# contexts) the merge kernel, vectorized over the splits, does it: one launch more, compiled in about a second.
+MERGE_LAST_MAX_SPLITS = 16
+
+
 def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, max_seqlen_q: int,
                    max_context_len: int, sparse: bool, topk: int, block_size: int, fp8: bool = False,
                    arch: Arch | None = None) -> dict:
@@ -423,7 +431,8 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     splits = min(1 << (want.bit_length() - 1), triton.next_power_of_2(max_splits))
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-            "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0), "MERGE_LAST": cfg.get("MERGE_LAST", 0) if splits > 1 else 0,
+            "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0),
+            "MERGE_LAST": cfg.get("MERGE_LAST", 0) if 1 < splits <= MERGE_LAST_MAX_SPLITS else 0,
             "KEYS_M": keys_m, "ALL_SLOTS": cfg.get("ALL_SLOTS", 0),
             "maxnreg": cfg.get("maxnreg")}
 

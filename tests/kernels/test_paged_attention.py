@@ -11,6 +11,7 @@ from attn_cases import DTYPES, make_step, poisoned  # noqa: E402
 from m3sdk_kernels import arch  # noqa: E402
 from m3sdk_kernels.indexer import indexer_topk_ref  # noqa: E402
 from m3sdk_kernels.paged_attention import (  # noqa: E402
+    MERGE_LAST_MAX_SPLITS,
     arrival_counters,
     attention_plan,
     paged_attention,
@@ -84,6 +85,17 @@ def test_splits_and_gqa_padding(monkeypatch, merge_last):
     if merge_last:
         assert not arrival_counters(q.device, 3 * HKV)[: 3 * HKV].any()
         torch.testing.assert_close(run(step, q, 0.3)[0], got, atol=0, rtol=0)
+
+
+def test_merge_last_only_for_few_splits():
+    """A long context of few sequences splits wide; past MERGE_LAST_MAX_SPLITS the merge kernel merges, since the
+    last program's unrolled merge took minutes to compile at 256 splits (a first 32K request would stall on it)."""
+    wide = attention_plan(1, 1, 4, 16, 1, 32768, False, 1, 128, fp8=True, arch=arch.ARCHS["sm90"])
+    batch = attention_plan(64, 64, 4, 16, 1, 32768, False, 1, 128, fp8=True, arch=arch.ARCHS["sm90"])
+    msa = attention_plan(1, 1, 4, 16, 1, 32768, True, 16, 128, fp8=True, arch=arch.ARCHS["sm90"])
+    assert wide["NUM_SPLITS"] > MERGE_LAST_MAX_SPLITS and wide["MERGE_LAST"] == 0
+    assert 1 < batch["NUM_SPLITS"] <= MERGE_LAST_MAX_SPLITS and batch["MERGE_LAST"] == 1
+    assert msa["NUM_SPLITS"] == MERGE_LAST_MAX_SPLITS and msa["MERGE_LAST"] == 1
 
 
 @pytest.mark.parametrize("page_ahead", [0, 1])
