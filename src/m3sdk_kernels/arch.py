@@ -78,7 +78,8 @@ def fp8_dtype(device: torch.device | str | None = None) -> torch.dtype:
 
 # Tile tables: family -> arch name -> launch parameters. BLOCK_* are tile extents, num_warps / num_stages go to
 # the launch, SPLIT_PROGRAMS is the program count split-KV aims at (a shape-only rule, so CUDA graphs replay),
-# MERGE_LAST merges the splits in their last program instead of a second kernel, maxnreg caps registers per thread
+# MERGE_LAST merges the splits in their last program instead of a second kernel (plans of up to
+# paged_attention.MERGE_LAST_MAX_SPLITS splits), maxnreg caps registers per thread
 # (NVIDIA: more programs resident per SM).
 # Families of the MoE/quant kernels are added by their own modules' authors below the attention ones.
 TILES: dict[str, dict[str, dict[str, int]]] = {
