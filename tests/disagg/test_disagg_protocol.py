@@ -411,7 +411,7 @@ def test_pages_sent_in_place_are_released_once_sent_or_when_the_push_is_dropped(
     (list(range(16)), list(range(20, 36)), False),  # a node that does not hold its pages: gathered
 ])
 def test_pieces_arrive_intact_whatever_the_two_sides_runs(src, dst, in_place):
-    """A plan of pieces (what a GPU decode side asks for) is cut where the decode side's runs are; the node sends
+    """A plan of pieces (what an in-place decode side asks for) is cut where the decode side's runs are; the node sends
     exactly those pieces: from its pool where its own pages line up, else from a staging buffer cut the same way."""
     from m3sdk.disagg.transport import UcxTransport
 
