@@ -193,11 +193,6 @@ class Trace:
         tr.ucp.send, tr.ucp.recv = traced_ucp_send, traced_ucp_recv
 
 
-def plan_pages(what: str, dsts: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The destination pages the plan is built with (none for the raw kinds)."""
-    return dsts.get(what)
-
-
 def plan_pieces(what: str) -> bool:
     """Whether kind `what` moves plans of pieces, as a decode side that receives in place asks (kv-staged: whole
     messages, the GPU path of sessions 11-14; kv-scattered has no runs, so whole messages too)."""
@@ -250,7 +245,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
         if what == "keys":
             remote = port
             continue
-        plan = plan_for(pool, message_bytes, transfer_id, plan_pages(what, dsts), plan_pieces(what))
+        plan = plan_for(pool, message_bytes, transfer_id, dsts.get(what), plan_pieces(what))
         configure(transport, what, window)
         Trace.events = [] if traced else None
         if what in srcs and what not in ("raw-runs", "raw-put"):
@@ -462,7 +457,7 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                 for what in kinds:
                     port = eh_listener.port if what == "raw-eh" else transport.port
                     transfer_id += 1
-                    plan = plan_for(pool, size, transfer_id, plan_pages(what, dsts), plan_pieces(what))
+                    plan = plan_for(pool, size, transfer_id, dsts.get(what), plan_pieces(what))
                     nbytes = plan.total_bytes
                     traced = trace and repeat == repeats and what.startswith("kv")
                     Trace.events = [] if traced else None

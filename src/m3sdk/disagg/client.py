@@ -31,7 +31,7 @@ from m3sdk.disagg.compat import PROTOCOL_VERSION, CompatInfo
 from m3sdk.disagg.messages import check_reply, sampling_to_proto
 from m3sdk.disagg.server import TOKEN_HEADER
 from m3sdk.disagg.transport import KVTransport, TransportError, UcxTransport
-from m3sdk.disagg.wire import MAX_TRANSFER_ID, TransferPlan, WireError
+from m3sdk.disagg.wire import MAX_TRANSFER_ID, TransferPlan, WireError, long_runs
 from m3sdk.errors import PrefillNodeError
 from m3sdk.observability import get_logger
 from m3sdk.params import SamplingParams
@@ -206,14 +206,11 @@ class PrefillClient:
                    pages: list[int], num_cached_pages: int, timeout_s: float) -> RemotePrefillResult:
         deadline = time.monotonic() + timeout_s
         send_pages = pages[num_cached_pages:]
-        transfer_id, pieces = _next_transfer_id(), self.transport.in_place
-        message_bytes = self.max_message_bytes or 1 << 30
-        plan = TransferPlan.build(self.rows, transfer_id, len(send_pages), self.layers_per_group, message_bytes,
-                                  send_pages, pieces)
-        if not plan.pieces and self.max_message_bytes is None:  # staged (no runs): the staging sizes
-            message_bytes = self._staged_bytes
-            plan = TransferPlan.build(self.rows, transfer_id, len(send_pages), self.layers_per_group, message_bytes,
-                                      send_pages)
+        # a plan of pieces where the transport receives in place and the pages form runs; staged otherwise
+        pieces = self.transport.in_place and long_runs(send_pages) is not None
+        message_bytes = self.max_message_bytes or (1 << 30 if pieces else self._staged_bytes)
+        plan = TransferPlan.build(self.rows, _next_transfer_id(), len(send_pages), self.layers_per_group,
+                                  message_bytes, send_pages, pieces)
         # the node sees several engines' requests: the transfer id makes ours unique there
         node_id = re.sub(r"[^\x21-\x7e]", "_", f"{plan.transfer_id:x}.{request_id}")[:128]
         try:  # before the receive is posted: nothing to retire when a value does not fit the wire

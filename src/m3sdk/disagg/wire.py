@@ -128,9 +128,7 @@ class TransferPlan:
         if dst_pages is not None:
             if len(dst_pages) != num_pages:
                 raise WireError(f"{len(dst_pages)} destination pages for a transfer of {num_pages}")
-            runs = _host_runs(dst_pages)
-            if len(runs) * MIN_RUN > num_pages:  # short runs: index kernels
-                runs = None
+            runs = long_runs(dst_pages)
         if len(messages) > MAX_MESSAGES:
             raise WireError(f"transfer would need {len(messages)} messages, more than {MAX_MESSAGES}")
         return cls(transfer_id, num_pages, tuple(messages), widths, runs, pieces and runs is not None)
@@ -171,8 +169,9 @@ def _trailer(plan: TransferPlan, msg: MessageSpec) -> bytes:
     return _TRAILER.pack(TRAILER_MAGIC, msg.index, plan.transfer_id)
 
 
-def _host_runs(pages: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
-    """(offset, first page, length) of each run of consecutive page ids."""
+def long_runs(pages: Sequence[int]) -> tuple[tuple[int, int, int], ...] | None:
+    """(offset, first page, length) of each run of consecutive page ids, when they are `MIN_RUN` pages long on
+    average (a plan carries them; shorter: index kernels); None otherwise."""
     runs: list[tuple[int, int, int]] = []
     for i, page in enumerate(pages):
         if runs and runs[-1][1] + runs[-1][2] == page:
@@ -180,7 +179,7 @@ def _host_runs(pages: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
             runs[-1] = (at, first, length + 1)
         else:
             runs.append((i, page, 1))
-    return tuple(runs)
+    return tuple(runs) if len(runs) * MIN_RUN <= len(pages) else None
 
 
 def _runs(pages: torch.Tensor) -> list[tuple[int, int, int]] | None:
