@@ -97,10 +97,12 @@ class BufferPool:
 
 
 class _Gathers:
-    """A thread per transport that waits, in the order they were packed, for the device gathers of packed messages
-    (UCX reads a buffer on its own streams: the gather must be done before the send starts) and hands each
-    message on to its outbox. Before, the push found a gather unfinished and waited for it in asyncio.to_thread:
-    a loop -> thread -> loop round trip per message, on the host time that paces the GPU transfer."""
+    """A thread per transport that waits, in the order they were packed, for the device work that wrote packed
+    messages (their pages, or their gather into a staging buffer: UCX reads on its own streams, so a send must not
+    start before it is done) and delivers each message (Outbox._deliver: for a plan of pieces it posts the sends
+    right there). Until session 16 this thread handed each message to the loop, whose push posted it: on two H200s
+    the first send of a 2 GiB transfer left 0.7-1.0 ms after the clock, through the producer's thread, this one and
+    the loop (docs/perf.md)."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[torch.cuda.Event, Callable[[], Any]] | None] = queue.SimpleQueue()
@@ -132,26 +134,27 @@ class _Gathers:
 class _InPlace:
     """A message sent from or received into a pool's pages (ucp.py), as the parts of a plan of pieces: its header
     slot, its pieces in payload order, its trailer slot (`frame`: header and trailer, 80 bytes of host memory), as
-    (address, bytes)."""
+    (address, bytes, memory type)."""
 
     __slots__ = ("keep", "parts")
 
     def __init__(self, frame: torch.Tensor, pieces: list[torch.Tensor]):
         self.keep = (frame, pieces)
-        head = frame.data_ptr()
-        self.parts = [(head, wire.HEADER_BYTES), *((p.data_ptr(), p.numel() * p.element_size()) for p in pieces),
-                      (head + wire.HEADER_BYTES, wire.TRAILER_BYTES)]
+        head, memory = frame.data_ptr(), pieces[0].device.type if pieces else "cpu"
+        self.parts = [(head, wire.HEADER_BYTES, "cpu"),
+                      *((p.data_ptr(), p.numel() * p.element_size(), memory) for p in pieces),
+                      (head + wire.HEADER_BYTES, wire.TRAILER_BYTES, "cpu")]
 
 
-def _buffer_parts(buf: torch.Tensor, plan: TransferPlan, msg: MessageSpec) -> list[tuple[int, int]]:
+def _buffer_parts(buf: torch.Tensor, plan: TransferPlan, msg: MessageSpec) -> list[tuple[int, int, str]]:
     """A staging buffer of message `msg` cut as a plan of pieces moves it: header, each piece, trailer."""
-    at = buf.data_ptr()
-    parts = [(at, wire.HEADER_BYTES)]
+    at, memory = buf.data_ptr(), buf.device.type
+    parts = [(at, wire.HEADER_BYTES, memory)]
     at += wire.HEADER_BYTES
     for n in plan.piece_bytes(msg):
-        parts.append((at, n))
+        parts.append((at, n, memory))
         at += n
-    return [*parts, (at, wire.TRAILER_BYTES)]
+    return [*parts, (at, wire.TRAILER_BYTES, memory)]
 
 
 class Outbox:
@@ -164,15 +167,26 @@ class Outbox:
     must). Otherwise a message is gathered into a staging buffer, sent as one UCX message or, for a plan of pieces,
     cut the same way. `push` sets `released` when it ends, however it ends: every message sent, or the push failed
     or was cancelled (its endpoint dropped when a send in flight did not finish within the transport's
-    drain_timeout)."""
+    drain_timeout).
+
+    A plan of pieces' messages are posted by the thread that finds them ready (the producer's on a CPU, the
+    transport's device-wait thread on a GPU) once the push runs (`start_sending`), and reach the push as posted
+    sends; otherwise, and before the push started, the push posts them."""
 
     def __init__(self, plan: TransferPlan, device: torch.device, pool: BufferPool, gathers: _Gathers,
-                 in_place: bool = False):
+                 posting: threading.Lock, in_place: bool = False):
         self.plan, self.device, self._pool, self._gathers = plan, torch.device(device), pool, gathers
         self._frames = wire.frames(plan, self.device)
         self._layout: wire.Layout | None = None  # where the messages' pages are in the producer's pool
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[tuple[int, torch.Tensor | _InPlace]] = asyncio.Queue()
+        # (index, message, its send: posted by the producer's side (a future), failed to post there (the error), or
+        # left to the push (None))
+        self._queue: asyncio.Queue[tuple[int, torch.Tensor | _InPlace, asyncio.Future | Exception | None]] = \
+            asyncio.Queue()
+        # the push's poster of a message (from any thread) while the push runs; set and used under the transport's
+        # posting lock, which endpoints are dropped under too
+        self._sender: Callable[[int, torch.Tensor | _InPlace], asyncio.Future] | None = None
+        self._posting = posting
         self._in_place = in_place
         self._aligned = False  # the source pages line up with the destination's runs: its pieces are the decode's
         self._host_frames: torch.Tensor | None = None
@@ -213,13 +227,43 @@ class Outbox:
                 else:
                     item = self._pool.take(msg.nbytes, self.device)
                     wire.pack(self.plan, msg, self._layout, item, self._frames)
-                deliver = functools.partial(self._loop.call_soon_threadsafe, self._queue.put_nowait, (msg.index, item))
+                deliver = functools.partial(self._deliver, msg.index, item)
                 if self.device.type == "cuda":  # UCX reads on its own streams: sent once the pages or gather are done
                     ready = torch.cuda.Event()
                     ready.record(torch.cuda.current_stream(self.device))
                     self._gathers.put(ready, deliver)
                 else:
                     deliver()
+
+    def _deliver(self, index: int, item: torch.Tensor | _InPlace) -> None:
+        """From the thread that found message `index` ready: post its sends now if the push lets this side do it,
+        and queue it for the push. Under the posting lock, so that once the push stopped this side's posting
+        (`stop_sending`), every send posted here is on its way to the queue."""
+        with self._posting:
+            send: asyncio.Future | Exception | None = None
+            if self._sender is not None:
+                try:
+                    send = self._sender(index, item)
+                except Exception as e:  # the push raises it
+                    send = e
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, item, send))
+
+    def start_sending(self, sender: Callable[[int, torch.Tensor | _InPlace], asyncio.Future]) -> None:
+        """From the push (on the loop): `sender` posts a message's sends, from whichever thread finds it ready."""
+        with self._posting:
+            self._sender = sender
+
+    async def stop_sending(self) -> list[tuple[asyncio.Future, torch.Tensor | _InPlace]]:
+        """No more posts from the producer's side; returns the sends posted there that the push did not take."""
+        with self._posting:
+            self._sender = None
+        await asyncio.sleep(0)  # the queueing of those posted before (call_soon_threadsafe) runs first
+        posted = []
+        while not self._queue.empty():
+            _, item, send = self._queue.get_nowait()
+            if isinstance(send, asyncio.Future):
+                posted.append((send, item))
+        return posted
 
     def _host_frame_table(self) -> torch.Tensor:
         """The frames of in-place messages, in host memory (short messages of their own beside CUDA pieces)."""
@@ -255,8 +299,8 @@ class Outbox:
         if not send.cancelled() and send.exception() is None:
             self.sent += 1
 
-    async def get(self) -> tuple[int, torch.Tensor | _InPlace]:
-        """The next packed message whose gather is done."""
+    async def get(self) -> tuple[int, torch.Tensor | _InPlace, asyncio.Future | Exception | None]:
+        """The next packed message whose gather is done, with its send (see `_queue`)."""
         return await self._queue.get()
 
 
@@ -561,6 +605,8 @@ class UcxTransport:
         self._listener: Any = None
         self._accepted: list[Any] = []  # endpoints prefill nodes opened to us: kept alive with the transport
         self._endpoints: dict[tuple[str, int], Any] = {}
+        # held by every post from a producer's side (Outbox._deliver) and while an endpoint is dropped
+        self._posting = threading.Lock()
         self._self_ep: Any = None
 
     async def start(self, listen: bool) -> None:
@@ -602,7 +648,7 @@ class UcxTransport:
         return UcxReceive(self, plan, rows, dst_pages, self.window)
 
     def outbox(self, plan: TransferPlan, device: torch.device, in_place: bool = False) -> Outbox:
-        return Outbox(plan, device, self.pool, self._gathers, in_place and self.in_place)
+        return Outbox(plan, device, self.pool, self._gathers, self._posting, in_place and self.in_place)
 
     async def send_to_self(self, data: bytes, tag: int) -> None:
         if self._self_ep is None:
@@ -624,7 +670,8 @@ class UcxTransport:
         return self._endpoints[key]
 
     def _drop(self, host: str, port: int) -> None:
-        ep = self._endpoints.pop((host, port), None)
+        with self._posting:  # no post on it from a producer's side from here on (_post_pieces checks)
+            ep = self._endpoints.pop((host, port), None)
         if ep is not None:
             ep.close_blocking(period=10**8, max_attempts=1)
 
@@ -643,17 +690,23 @@ class UcxTransport:
             task.cancel()
 
         outbox.abandon = abandon
+        if plan.pieces:  # the producer's side posts each message as soon as it is ready (Outbox._deliver)
+            outbox.start_sending(functools.partial(self._post_pieces, ep, host, port, plan, asyncio.get_running_loop()))
         try:
             for expected in range(len(plan.messages)):
-                index, item = await outbox.get()
+                index, item, send = await outbox.get()
                 if index != expected:
                     raise TransportError(f"transfer {plan.transfer_id}: message {index} queued before {expected}")
-                if len(in_flight) >= self.window and not isinstance(item, _InPlace):  # in place: no staging held
-                    await self._finish(in_flight, host, port, plan)
-                if isinstance(item, _InPlace) or plan.pieces:
-                    send = self._send_ucp(ep, plan, index, item, host, port)
-                else:
-                    send = _start_send(ep, _ucx_buffer(item), plan.tag(index))
+                if isinstance(send, Exception):
+                    self._drop(host, port)
+                    raise TransportError(f"send to {host}:{port} failed: {send!r}") from send
+                if send is None:  # not posted by the producer's side: here
+                    if len(in_flight) >= self.window and not isinstance(item, _InPlace):  # in place: nothing staged
+                        await self._finish(in_flight, host, port, plan)
+                    if isinstance(item, _InPlace) or plan.pieces:
+                        send = self._send_ucp(ep, plan, index, item, host, port)
+                    else:
+                        send = _start_send(ep, _ucx_buffer(item), plan.tag(index))
                 send.add_done_callback(outbox.count_sent)
                 in_flight.append((send, item))
             while in_flight:
@@ -662,22 +715,33 @@ class UcxTransport:
             if abandoned:  # its endpoint is gone: the sends in flight will not finish
                 raise TransportError(f"push of transfer {plan.transfer_id} to {host}:{port} dropped: its sends "
                                      "held the node's pages past the producer's bound") from None
-            # the endpoint is shared by every transfer to this decode side: let the messages in flight finish
-            # rather than abort it, unless they cannot finish in time
+            # the endpoint is shared by every transfer to this decode side: let the messages in flight (with those
+            # the producer's side posted and the push did not take yet) finish rather than abort it, unless they
+            # cannot finish in time
+            in_flight.extend(await outbox.stop_sending())
             if in_flight:
                 _, late = await asyncio.wait([send for send, _ in in_flight], timeout=self.drain_timeout)
                 if late:
                     self._drop(host, port)
             raise
         finally:
+            await outbox.stop_sending()
             outbox.released.set()
+
+    def _post_pieces(self, ep: Any, host: str, port: int, plan: TransferPlan, loop: asyncio.AbstractEventLoop,
+                     index: int, item: torch.Tensor | _InPlace) -> asyncio.Future:
+        """Post message `index` of a plan of pieces, one UCX message per part, from any thread (off the loop under
+        the posting lock: Outbox._deliver); its future is `loop`'s."""
+        if self._endpoints.get((host, port)) is not ep:
+            raise TransportError(f"the endpoint to {host}:{port} was dropped")
+        ep.raise_on_error()  # what ucxx's own send checks first (e.g. a refused connection)
+        parts = item.parts if isinstance(item, _InPlace) else _buffer_parts(item, plan, plan.messages[index])
+        return ucp.send(ep.handle, ep.worker_handle, parts, plan.tag(index), keep=item, loop=loop)
 
     def _send_ucp(self, ep: Any, plan: TransferPlan, index: int, item: torch.Tensor | _InPlace, host: str,
                   port: int) -> asyncio.Future:
         try:
-            ep.raise_on_error()  # what ucxx's own send checks first (e.g. a refused connection)
-            parts = item.parts if isinstance(item, _InPlace) else _buffer_parts(item, plan, plan.messages[index])
-            return ucp.send(ep.handle, ep.worker_handle, parts, plan.tag(index), keep=item)
+            return self._post_pieces(ep, host, port, plan, asyncio.get_running_loop(), index, item)
         except Exception as e:
             self._drop(host, port)
             raise TransportError(f"send to {host}:{port} failed: {e!r}") from e

@@ -12,12 +12,15 @@ as fragments copied in and out (sysv), at 0.5 GB/s between two H200s, and on thi
 messages in 1 GiB messages but slower in 64 MiB ones and falling apart under load (docs/perf.md, sessions 14-15).
 
 ucxx creates its worker with UCS_THREAD_MODE_MULTI (checked here with ucp_worker_query before first use), so
-posting from the disagg loop's thread while ucxx's progress thread progresses the worker is allowed. That thread
+posting from any thread (the disagg loop's, or the node's thread that saw a message's pages computed: transport.py)
+while ucxx's progress thread progresses the worker is allowed. That thread
 may sleep until the worker's event fd fires, so every post signals the worker (ucp_worker_signal), as ucxx does for
 its own requests: without it a message moved only when some other event woke the thread (0.1-1 GB/s, and a flush
 that waited 60 s, in session 14's probes). Completions arrive in a ctypes callback on that thread (or inside the
-post), which hands them to the poster's asyncio loop; the requests are freed there. ctypes releases the GIL around
-every foreign call, so the callback (which takes the GIL) cannot deadlock with a post that holds the worker's lock.
+post), which hands them to the operation's asyncio loop; the requests are freed there, after the waiter was woken.
+ctypes releases the GIL around every foreign call, so the callback (which takes the GIL) cannot deadlock with a post
+that holds the worker's lock. Every request says its buffer's memory type (UCX would otherwise ask the CUDA driver
+about each buffer: UCX_MEMTYPE_CACHE=n, transport.py).
 """
 
 from __future__ import annotations
@@ -40,9 +43,10 @@ _RECV_CB = ctypes.CFUNCTYPE(None, _VOIDP, ctypes.c_int, _VOIDP, _VOIDP)
 _OP_ATTR_FIELD_CALLBACK = 1 << 1
 _OP_ATTR_FIELD_USER_DATA = 1 << 2
 _OP_ATTR_FIELD_DATATYPE = 1 << 3
+_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
 _OP_ATTR_FLAG_NO_IMM_CMPL = 1 << 16  # always a request and its callback, even when UCX could finish at once
 _DATATYPE_BYTES = 1 << 3  # ucp_dt_make_contig(1): a contiguous buffer, its length in bytes
-_MEMORY_TYPES = {"cpu": 0, "cuda": 1}  # ucs_memory_type_t: UCS_MEMORY_TYPE_HOST, UCS_MEMORY_TYPE_CUDA (register)
+_MEMORY_TYPES = {"cpu": 0, "cuda": 1}  # ucs_memory_type_t: UCS_MEMORY_TYPE_HOST, UCS_MEMORY_TYPE_CUDA
 _THREAD_MODE_MULTI = 2
 _ERR_LAST = (1 << 64) - 100  # a returned pointer at or above this is a negative ucs_status_t
 _FULL_MASK = (1 << 64) - 1
@@ -118,18 +122,20 @@ def thread_mode(worker: int) -> int:
 
 
 class _Op:
-    """One send or receive of parts under one future: its requests, freed on the poster's loop once all of them
+    """One send or receive of parts under one future: its requests, freed on the future's loop once all of them
     completed (so `cancel`, on that loop too, never meets a freed request), and what must live until then. A part
     that fails, or a receive's part filled short (a message other than the one posted for: a longer one fails as
     truncated), fails the operation, and its other receives are taken back at once (`cancel`): one message per
-    piece must not leave the rest posted, waiting for bytes that will not come."""
+    piece must not leave the rest posted, waiting for bytes that will not come. `open` counts the requests not yet
+    completed plus one for the posting itself, so an operation posted from another thread than its loop's settles
+    only once every request it posted was recorded."""
 
     __slots__ = ("failed", "fut", "keep", "loop", "open", "requests", "sizes", "worker")
 
-    def __init__(self, worker: int, fut: asyncio.Future, keep: Any, sizes: list[int] | None):
+    def __init__(self, worker: int, fut: asyncio.Future, keep: Any, sizes: list[int]):
         self.worker, self.fut, self.keep, self.loop = worker, fut, keep, fut.get_loop()
-        self.sizes = sizes  # receives: each request's bytes posted
-        self.open, self.failed, self.requests = len(sizes) if sizes else 0, "", []
+        self.sizes = sizes  # each request's bytes posted (receives: checked against what arrived)
+        self.open, self.failed, self.requests = len(sizes) + 1, "", []
 
 
 _PART_BITS = 20  # user_data = operation key << _PART_BITS | request index
@@ -141,17 +147,22 @@ _multi: set[int] = set()  # workers found in UCS_THREAD_MODE_MULTI
 
 
 def _settle(op: _Op) -> None:
-    # the poster's loop: every request of `op` completed
+    # the operation's loop: every request of `op` completed. The waiter is woken first (its callbacks are queued
+    # ahead of the frees): freeing a message's 38 requests through ctypes took about 0.1 ms
     _by_future.pop(op.fut, None)
-    for request in op.requests:
-        _lib()[0].ucp_request_free(request)
-    op.requests.clear()
-    if op.fut.done():
-        return
-    if op.failed:
-        op.fut.set_exception(UcpError(0, op.failed))
-    else:
-        op.fut.set_result(None)
+    if not op.fut.done():
+        if op.failed:
+            op.fut.set_exception(UcpError(0, op.failed))
+        else:
+            op.fut.set_result(None)
+    requests, op.requests = op.requests, []
+    op.loop.call_soon(_free, requests)
+
+
+def _free(requests: list[int]) -> None:
+    free = _lib()[0].ucp_request_free
+    for request in requests:
+        free(request)
 
 
 def _done(user_data: int, status: int, received: int | None = None) -> None:
@@ -167,6 +178,12 @@ def _done(user_data: int, status: int, received: int | None = None) -> None:
             op.failed = f"tag message: UCX status {status} ({_lib()[1].ucs_status_string(status).decode()})"
         elif received is not None and received != op.sizes[index] and first:
             op.failed = f"tag message cut short: {received} bytes arrived for {op.sizes[index]} posted"
+    _release(key, op, first and bool(op.failed))
+
+
+def _release(key: int, op: _Op, failed_now: bool = False) -> None:
+    """One of `op`'s open counts (a request, or the posting) is over: the last one settles it on its loop."""
+    with _lock:
         op.open -= 1
         last = not op.open
         if last:
@@ -174,7 +191,7 @@ def _done(user_data: int, status: int, received: int | None = None) -> None:
     try:
         if last:
             op.loop.call_soon_threadsafe(_settle, op)
-        elif first and op.failed:
+        elif failed_now:
             op.loop.call_soon_threadsafe(cancel, op.fut)
     except RuntimeError:  # the loop closed: nobody waits for this operation any more (its requests leak)
         pass
@@ -195,39 +212,48 @@ _sent = _SEND_CB(lambda request, status, user_data: _done(user_data, status))
 _received = _RECV_CB(_on_recv)
 
 
-def _post(worker: int, keep: Any, callback: Any, calls: Sequence[tuple[int, Callable[[Any], int]]]) -> asyncio.Future:
-    """Post each of `calls` ((bytes, call(param) -> request)), in order, under one future. UCX finds each buffer's
-    memory type (transport.py: UCX_MEMTYPE_CACHE)."""
+def _post(worker: int, keep: Any, callback: Any, calls: Sequence[tuple[int, str | None, Callable[[Any], int]]],
+          loop: asyncio.AbstractEventLoop | None) -> asyncio.Future:
+    """Post each of `calls` ((bytes, memory type, call(param) -> request)), in order, under one future of `loop`
+    (the running one if None; posting from another thread is allowed). The memory type ("cpu", "cuda") is told to
+    UCX, so that it does not look it up per buffer (None: no buffer, or let UCX find out)."""
     if worker not in _multi:
         if (mode := thread_mode(worker)) != _THREAD_MODE_MULTI:
             raise UcpError(0, f"worker thread mode {mode} is not UCS_THREAD_MODE_MULTI: no posts from this thread")
         _multi.add(worker)
     if len(calls) >> _PART_BITS:
         raise ValueError(f"{len(calls)} requests in one operation")
-    fut = asyncio.get_running_loop().create_future()
+    fut = (loop or asyncio.get_running_loop()).create_future()
     key = next(_keys)
-    param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE
-                          | _OP_ATTR_FLAG_NO_IMM_CMPL, cb=ctypes.cast(callback, _VOIDP), datatype=_DATATYPE_BYTES)
-    op = _Op(worker, fut, keep, [n for n, _ in calls])
+    mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE | _OP_ATTR_FLAG_NO_IMM_CMPL
+    param = _RequestParam(cb=ctypes.cast(callback, _VOIDP), datatype=_DATATYPE_BYTES)
+    op = _Op(worker, fut, keep, [n for n, _, _ in calls])
     with _lock:
         _ops[key] = op
     _by_future[fut] = op
-    for index, (_, call) in enumerate(calls):
-        param.user_data = key << _PART_BITS | index  # read by UCX during the call only
-        request = call(ctypes.byref(param))
-        if request is None:  # done at once (a flush with nothing to wait for): no callback comes
-            _done(param.user_data, 0)
-        elif request >= _ERR_LAST:  # refused at once: no callback comes for this one
-            _done(param.user_data, request - (1 << 64))
-        else:
-            op.requests.append(request)
-    _lib()[0].ucp_worker_signal(worker)  # wake the progress thread (module docstring)
+    try:
+        for index, (_, memory, call) in enumerate(calls):
+            param.user_data = key << _PART_BITS | index  # read by UCX during the call only
+            if memory is None:
+                param.op_attr_mask = mask
+            else:
+                param.op_attr_mask, param.memory_type = mask | _OP_ATTR_FIELD_MEMORY_TYPE, _MEMORY_TYPES[memory]
+            request = call(ctypes.byref(param))
+            if request is None:  # done at once (a flush with nothing to wait for): no callback comes
+                _done(param.user_data, 0)
+            elif request >= _ERR_LAST:  # refused at once: no callback comes for this one
+                _done(param.user_data, request - (1 << 64))
+            else:
+                op.requests.append(request)
+    finally:
+        _lib()[0].ucp_worker_signal(worker)  # wake the progress thread (module docstring)
+        _release(key, op)  # the posting is over: the operation may settle once its requests completed
     return fut
 
 
 def cancel(fut: asyncio.Future) -> None:
-    """On the loop that posted it: take back each receive of `fut` that no message matched yet (it completes with
-    UCS_ERR_CANCELED); those a message already matched go on and complete as they will."""
+    """On the future's loop, for a receive posted there: take back each of its receives that no message matched yet
+    (it completes with UCS_ERR_CANCELED); those a message already matched go on and complete as they will."""
     op = _by_future.get(fut)
     if op is None:
         return
@@ -236,22 +262,24 @@ def cancel(fut: asyncio.Future) -> None:
     _lib()[0].ucp_worker_signal(op.worker)
 
 
-def send(ep: int, worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None) -> asyncio.Future:
-    """Send `parts` ((address, bytes)) as one message each, in order, tagged `tag` on the UCP endpoint `ep` of
-    `worker` (ucxx's `.handle` and `.worker_handle`). Returns a future of the running loop: done once UCX let go of
-    all the memory, or UcpError. `keep` (the objects owning those addresses) is held until then."""
+def send(ep: int, worker: int, parts: Sequence[tuple[int, int, str]], tag: int, keep: Any = None,
+         loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Future:
+    """Send `parts` ((address, bytes, memory type)) as one message each, in order, tagged `tag` on the UCP endpoint
+    `ep` of `worker` (ucxx's `.handle` and `.worker_handle`), from any thread. Returns a future of `loop` (the
+    running one if None): done once UCX let go of all the memory, or UcpError. `keep` (the objects owning those
+    addresses) is held until then."""
     ucp = _lib()[0]
-    return _post(worker, keep, _sent, [(n, lambda param, at=at, n=n: ucp.ucp_tag_send_nbx(ep, at, n, tag, param))
-                                       for at, n in parts])
+    return _post(worker, keep, _sent, [(n, memory, lambda param, at=at, n=n: ucp.ucp_tag_send_nbx(
+        ep, at, n, tag, param)) for at, n, memory in parts], loop)
 
 
-def recv(worker: int, parts: Sequence[tuple[int, int]], tag: int, keep: Any = None) -> asyncio.Future:
-    """Post receives, in order, of what `send` sends tagged `tag` (all 64 bits) into `parts` on `worker`. The future
-    is done once every part was filled, or UcpError: UCS_ERR_MESSAGE_TRUNCATED (-9) for a message longer than its
-    part, "cut short" for a shorter one (`_Op`)."""
+def recv(worker: int, parts: Sequence[tuple[int, int, str]], tag: int, keep: Any = None) -> asyncio.Future:
+    """Post receives, in order, of what `send` sends tagged `tag` (all 64 bits) into `parts` ((address, bytes,
+    memory type)) on `worker`, from the running loop. The future is done once every part was filled, or UcpError:
+    UCS_ERR_MESSAGE_TRUNCATED (-9) for a message longer than its part, "cut short" for a shorter one (`_Op`)."""
     ucp = _lib()[0]
-    return _post(worker, keep, _received, [(n, lambda param, at=at, n=n: ucp.ucp_tag_recv_nbx(
-        worker, at, n, tag, _FULL_MASK, param)) for at, n in parts])
+    return _post(worker, keep, _received, [(n, memory, lambda param, at=at, n=n: ucp.ucp_tag_recv_nbx(
+        worker, at, n, tag, _FULL_MASK, param)) for at, n, memory in parts], None)
 
 
 class _MemMapParams(ctypes.Structure):
@@ -301,7 +329,7 @@ def put(ep: int, worker: int, parts: Sequence[tuple[int, int, int, int]], keep: 
     then flush `ep`: the future is done once every write is complete at the peer (with everything posted on `ep`
     before the flush)."""
     ucp = _lib()[0]
-    calls = [(n, lambda param, at=at, n=n, to=to, rkey=rkey: ucp.ucp_put_nbx(ep, at, n, to, rkey, param))
+    calls = [(n, None, lambda param, at=at, n=n, to=to, rkey=rkey: ucp.ucp_put_nbx(ep, at, n, to, rkey, param))
              for at, n, to, rkey in parts]
-    calls.append((0, lambda param: ucp.ucp_ep_flush_nbx(ep, param)))
-    return _post(worker, keep, _sent, calls)
+    calls.append((0, None, lambda param: ucp.ucp_ep_flush_nbx(ep, param)))
+    return _post(worker, keep, _sent, calls, None)
