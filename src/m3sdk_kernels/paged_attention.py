@@ -148,10 +148,29 @@ def _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM: tl.cons
 
 
 @triton.jit
+def _halves(x, H: tl.constexpr):
+    """A [2 * H] vector as its two halves."""
+    return tl.split(tl.permute(tl.reshape(x, [2, H]), [1, 0]))
+
+
+@triton.jit
+def _e4m3_to_f16(x, DOT: tl.constexpr):
+    """e4m3 -> fp16 (exact) by PTX cvt, 4 bytes per call. Not pure, so Triton keeps it where it is: V is converted in
+    registers and reaches the dot through an fp16 shared-memory copy (ldmatrix) instead of Triton moving the convert
+    behind the dot-operand load, which reads row-major fp8 V a byte at a time (LDS.U8 and byte packing: ~200 of the
+    1178 sm90 SASS instructions of an MSA decode tile). The interpreter (DOT fp32) converts plainly."""
+    if DOT == tl.float16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x.to(tl.int8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+    return x.to(DOT)
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
                  SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-                 KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr):
+                 KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr, V_F16: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
 
     KEYS_M (bf16 decode; sm90's dense default): the keys are the MMA's M (a decode tile's 16 rows are too few for
@@ -195,13 +214,33 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
         if FP8:
             # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
             # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
             vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
-            pv = tl.dot((p * (vs * V_MUL)[None, :]).to(DOT), v.to(DOT))
+            pw = (p * (vs * V_MUL)[None, :]).to(DOT)
+            if V_F16 == 2:
+                v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
+                pv = tl.dot(pw, _e4m3_to_f16(v, DOT))
+            elif V_F16:
+                # plain pages: V converted in registers (_e4m3_to_f16), a half tile at a time, so the two fp16
+                # copies share one shared-memory buffer (a whole tile's made 29 KB per program: 7 per SM)
+                H: tl.constexpr = BLOCK_N // 2
+                p0, p1 = tl.split(tl.permute(tl.reshape(pw, [pw.shape[0], 2, H]), [0, 2, 1]))
+                pg0, pg1 = _halves(page, H)
+                ok0, ok1 = _halves(ld_ok, H)
+                h = tl.arange(0, H)
+                v0 = tl.load(v_base + pg0[:, None] * stride_cp + ((start + h) % PAGE)[:, None] * HEAD_DIM + d[None, :],
+                             mask=ok0[:, None], other=0.0)
+                v1 = tl.load(v_base + pg1[:, None] * stride_cp + ((start + H + h) % PAGE)[:, None] * HEAD_DIM
+                             + d[None, :], mask=ok1[:, None], other=0.0)
+                pv = tl.dot(p0, _e4m3_to_f16(v0, DOT))
+                pv = tl.dot(p1, _e4m3_to_f16(v1, DOT), pv)
+            else:
+                v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
+                pv = tl.dot(pw, v.to(DOT))
         else:
+            v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
             pv = tl.dot(p.to(DOT), v.to(DOT))
         acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
@@ -216,7 +255,8 @@ def _attn_kernel(
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr):
+        PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr,
+        V_F16: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -276,7 +316,7 @@ def _attn_kernel(
                     page = _tile_pages(pages_ptr, start, end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
                                              vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
-                                             SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)
+                                             SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS, V_F16)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -301,7 +341,7 @@ def _attn_kernel(
                             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
                                                          v_base, ks_base, vs_base, page, qk_scale, stride_cp,
                                                          stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
-                                                         KEYS_M, ALL_SLOTS)
+                                                         KEYS_M, ALL_SLOTS, V_F16)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -321,7 +361,7 @@ def _attn_kernel(
                     page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
                                              ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
-                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)
+                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS, V_F16)
                 if PAGE_AHEAD:
                     page = nxt
         if KEYS_M:
@@ -433,7 +473,7 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0),
             "MERGE_LAST": cfg.get("MERGE_LAST", 0) if 1 < splits <= MERGE_LAST_MAX_SPLITS else 0,
-            "KEYS_M": keys_m, "ALL_SLOTS": cfg.get("ALL_SLOTS", 0),
+            "KEYS_M": keys_m, "ALL_SLOTS": cfg.get("ALL_SLOTS", 0), "V_F16": int(fp8 and cfg.get("V_F16", 0)),
             "maxnreg": cfg.get("maxnreg")}
 
 
@@ -500,7 +540,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
-        ALL_SLOTS=plan["ALL_SLOTS"],
+        ALL_SLOTS=plan["ALL_SLOTS"], V_F16=plan["V_F16"] and layout == "plain",
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -541,7 +581,7 @@ def aot_variants(arch: Arch) -> list:
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
                         "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"],
-                        "ALL_SLOTS": plan["ALL_SLOTS"]},
+                        "ALL_SLOTS": plan["ALL_SLOTS"], "V_F16": plan["V_F16"] and layout == "plain"},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))

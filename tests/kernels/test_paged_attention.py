@@ -165,3 +165,25 @@ def test_keys_as_mma_rows_decode(monkeypatch, merge_last):
         got, ref = run(step, q, D**-0.5, **kw)
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
+
+
+@pytest.mark.parametrize("all_slots", [0, 1], ids=["masked", "all-slots"])
+@pytest.mark.parametrize("v_f16", [1, 2], ids=["halves", "whole-tile"])
+def test_fp8_decode_v_in_registers(monkeypatch, v_f16, all_slots):
+    """V_F16 (FP8 plain pages): V converted to fp16 before its dot, the whole tile or two halves loaded apart (dense
+    32-key tiles: a page each; MSA 16-key tiles of 16-token blocks: half a page each), with and without per-key load
+    masks, against the reference; SHUFFLE pages ignore the flag."""
+    for family, extra in (("attn_decode:fp8", {"BLOCK_N": 32, "SPLIT_PROGRAMS": 24}),
+                          ("sparse_decode:fp8", {"BLOCK_N": 16})):
+        monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], **extra, "V_F16": v_f16,
+                                                         "ALL_SLOTS": all_slots})
+    ctx, new = DECODE
+    assert attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128, fp8=True)["V_F16"] == v_f16
+    assert attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128)["V_F16"] == 0
+    step = make_step(ctx, new, HKV, D, "fp8", "plain", index_dim=32)
+    q = torch.randn(sum(new), HKV * GROUP, D).to(torch.bfloat16)
+    index_q = torch.randn(sum(new), HKV, 32).to(torch.bfloat16)
+    sel = indexer_topk_ref(index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, 16, 2, 1)
+    for kw in ({}, {"block_sel": sel, "block_size": 16}):
+        got, ref = run(step, q, D**-0.5, **kw)
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
