@@ -16,6 +16,7 @@ receives) its whole prompt.
 2. TTFT: random prompts (distinct, so no prefix cache hits) of each length, warm-up of each mode and length,
    then `repeats` pairs, the modes alternating. TTFT is from the call to the first streamed token.
 Prints a table; with --out appends each row to OUT/disagg.jsonl as it is measured.
+--phases adds, per timed run, a timeline of the request's phases in both processes (Phases, below) to the rows.
 Every wait has a deadline: the node's start (--start-timeout), each generation (--step-timeout), each remote
 prefill (--prefill-timeout, the engine's own deadline, with prefill_fallback="error" so a failed remote prefill
 ends the run rather than being timed as a local one); a prefill node that dies ends the run at once.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import faulthandler
 import json
 import multiprocessing as mp
@@ -33,6 +35,7 @@ import signal
 import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,15 +66,120 @@ def _dump_stacks(every: float) -> None:
         faulthandler.dump_traceback_later(every, repeat=True, file=sys.stderr)
 
 
-def _node(conn, settings: dict, listen: str, dump_every: float = 0.0) -> None:
+class Phases:
+    """--phases: host timestamps (perf_counter: one clock for the processes of a host) of one request's way through
+    both processes, taken by wrapping the code each phase ends in, as (name, seconds). Decode process: the call
+    (submit), the remote prefill started by the engine thread (d.start), its job on the disagg loop (d.job), the
+    receive posted right before the Prefill call (d.receive), the receive complete (d.received), the reply checked
+    (d.reply: the call and the receive both ended), the outcome taken by the engine thread (d.poll), each engine
+    step's end (d.step), the first token at the caller (first). Node process: the Prefill handler entered (n.rpc),
+    the request handed to its engine (n.submit), each step planned (n.plan), each group of layers packed (n.pack),
+    the sampled request finishing (n.finish0) and its in-place sends released (n.finish1), its chunk emitted
+    (n.emit), the push done (n.pushed), the reply returned (n.reply)."""
+
+    events: list[tuple[str, float]] = []
+
+    @classmethod
+    def note(cls, name: str) -> None:
+        cls.events.append((name, time.perf_counter()))
+
+    @classmethod
+    def take(cls) -> list[tuple[str, float]]:
+        events, cls.events = cls.events, []
+        return events
+
+    @classmethod
+    def _wrap(cls, owner, attr: str, before: str | None = None, after: str | None = None) -> None:
+        inner = getattr(owner, attr)
+        if asyncio.iscoroutinefunction(inner):
+            async def wrapped(*args, **kwargs):
+                if before:
+                    cls.note(before)
+                try:
+                    return await inner(*args, **kwargs)
+                finally:
+                    if after:
+                        cls.note(after)
+        else:
+            def wrapped(*args, **kwargs):
+                if before:
+                    cls.note(before)
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    if after:
+                        cls.note(after)
+        setattr(owner, attr, wrapped)
+
+    @classmethod
+    def install_decode(cls) -> None:
+        from m3sdk.core import EngineCore
+        from m3sdk.disagg import client, remote, transport
+
+        cls._wrap(remote.RemotePrefill, "start", after="d.start")
+        cls._wrap(client.PrefillClient, "_job", before="d.job")
+        cls._wrap(transport.UcxTransport, "receive", after="d.receive")
+        cls._wrap(transport.UcxReceive, "wait", after="d.received")
+        cls._wrap(client, "check_reply", before="d.reply")
+        poll = remote.RemotePrefill.poll
+
+        def traced_poll(self):
+            out = poll(self)
+            if out:
+                cls.note("d.poll")
+            return out
+
+        remote.RemotePrefill.poll = traced_poll
+        cls._wrap(EngineCore, "step", after="d.step")
+
+    @classmethod
+    def install_node(cls) -> None:
+        from m3sdk.disagg import backend, server, transport
+
+        cls._wrap(server.PrefillServicer, "Prefill", before="n.rpc", after="n.reply")
+        cls._wrap(backend.EngineBackend, "prefill", before="n.submit")
+        cls._wrap(backend.EngineBackend, "_on_plan", before="n.plan")
+        cls._wrap(backend.EngineBackend, "_pack", after="n.pack")
+        cls._wrap(backend.EngineBackend, "_on_finish", before="n.finish0", after="n.finish1")
+        emit = backend.EngineBackend._emit
+
+        def traced_emit(self, chunks):
+            if any(c.finish_reason is not None for c in chunks):
+                cls.note("n.emit")
+            emit(self, chunks)
+
+        backend.EngineBackend._emit = traced_emit
+        cls._wrap(transport.UcxTransport, "push", after="n.pushed")
+
+    @staticmethod
+    def serve(conn) -> None:
+        """In the node process: answer each request on `conn` with the events noted since the last one."""
+        def run() -> None:
+            with contextlib.suppress(EOFError, OSError):
+                while conn.recv() is not None:
+                    conn.send(Phases.take())
+        threading.Thread(target=run, name="phases", daemon=True).start()
+
+    @staticmethod
+    def timeline(events: list[tuple[str, float]], start: float) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for name, t in sorted(events, key=lambda e: e[1]):
+            out.setdefault(name, []).append(round((t - start) * 1e3, 2))
+        return out
+
+
+def _node(conn, settings: dict, listen: str, dump_every: float = 0.0, phases: bool = False) -> None:
     from m3sdk.disagg.backend import EngineBackend
     from m3sdk.node import PrefillNode
 
     _dump_stacks(dump_every)
-
+    if phases:  # before the backend binds its hooks
+        Phases.install_node()
     backend = EngineBackend(EngineConfig(**settings))
     node = PrefillNode(backend, listen).start()
     conn.send(node.address)
+    if phases:
+        Phases.serve(conn)
     try:
         node.serve_until_signal(grace=2.0)
     finally:
@@ -86,10 +194,12 @@ def free_port() -> int:
 
 async def first_token_s(engine: Engine, ids: list[int], max_tokens: int = 2) -> tuple[float, list[int]]:
     start = time.perf_counter()
+    Phases.events.append(("submit", start))
     ttft, tokens = None, []
     async for chunk in engine.stream(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)):
         if chunk.token_ids and ttft is None:
             ttft = time.perf_counter() - start
+            Phases.note("first")
         tokens += chunk.token_ids
     return ttft, tokens
 
@@ -109,8 +219,17 @@ async def bounded(engine: Engine, ids: list[int], node: mp.Process, timeout: flo
     return task.result()
 
 
-async def run(args, address: str, node: mp.Process) -> list[dict]:
+async def run(args, address: str, node: mp.Process, conn) -> list[dict]:
     rows = []
+    if args.phases:
+        Phases.install_decode()
+        conn.recv()  # the node's address, sent when it serves
+
+    def node_phases() -> list[tuple[str, float]]:
+        conn.send(True)
+        if not conn.poll(10):
+            raise SystemExit("the prefill node sent no phases in 10 s")
+        return conn.recv()
 
     def record(**row) -> None:
         rows.append(row)
@@ -173,10 +292,19 @@ async def run(args, address: str, node: mp.Process) -> list[dict]:
                 for name in times:
                     mode(name)
                     before = remote.num_remote
+                    if args.phases:
+                        Phases.take()
+                        node_phases()
                     ttft, _ = await bounded(engine, prompt(n), node, args.step_timeout)
                     if (remote.num_remote > before) != (name == "disaggregated"):
                         raise SystemExit(f"{name} run of {n} tokens went the wrong way (remote fallback?)")
                     times[name].append(ttft)
+                    if args.phases:
+                        await asyncio.sleep(0.05)  # the second token's step (max_tokens=2) and the node's end
+                        events = Phases.take() + node_phases()
+                        start = next(t for e, t in events if e == "submit")
+                        record(step="phases", mode=name, prompt_tokens=n, ttft_s=round(ttft, 4),
+                               ms=Phases.timeline(events, start))
             for name, ts in times.items():
                 record(step="ttft", mode=name, prompt_tokens=n, ttft_s=ts, median_s=statistics.median(ts))
     return rows
@@ -196,6 +324,8 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=120.0, help="s for the node to load and answer")
     parser.add_argument("--step-timeout", type=float, default=90.0, help="s for one generation (JIT included)")
     parser.add_argument("--prefill-timeout", type=float, default=60.0, help="the engine's deadline per remote prefill")
+    parser.add_argument("--phases", action="store_true", help="a timeline of each timed run's phases in both "
+                        "processes (ms from the call), as rows")
     parser.add_argument("--dump-every", type=float, default=0.0,
                         help="dump every thread's stack of both processes to stderr every this many seconds")
     args = parser.parse_args()
@@ -205,11 +335,12 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     os.environ["CUDA_VISIBLE_DEVICES"] = f"{first},{second}"
-    node = ctx.Process(target=_node, args=(child, engine_settings(args), listen, args.dump_every), daemon=True)
+    node = ctx.Process(target=_node, args=(child, engine_settings(args), listen, args.dump_every, args.phases),
+                       daemon=True)
     node.start()
     os.environ["CUDA_VISIBLE_DEVICES"] = f"{second},{first}"  # before this process touches CUDA
     try:
-        rows = asyncio.run(run(args, listen, node))
+        rows = asyncio.run(run(args, listen, node, parent))
     finally:
         if node.is_alive():
             os.kill(node.pid, signal.SIGTERM)

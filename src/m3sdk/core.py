@@ -306,7 +306,12 @@ class EngineCore:
     def _run(self, emit: Emit, on_dead: OnDead) -> None:
         try:
             while self._handle_inbox():
-                chunks = self._remote_outcomes() + self.step()
+                if remote := self._remote_outcomes():
+                    # a prefill node's first tokens go out before this engine's next step, which would hold them
+                    # for a whole decode step (its launch, eager: 7 ms on a CPU; docs/perf.md, session 16)
+                    self._publish_stats()
+                    emit(remote)
+                chunks = self.step()
                 if self._pending:
                     chunks, self._pending = self._pending + chunks, []
                 # stats first: a waiter woken by its last chunk then reads its pages as freed
