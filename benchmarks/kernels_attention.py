@@ -595,7 +595,11 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
     for var in variants:
         if var["mode"] == "check":
             kvs, layouts = (var.get("kv", "fp8"),), (var.get("layout", "plain"),)
-            errs = with_tiles(var["tiles"], lambda: check_correctness(kvs=kvs, layouts=layouts))  # noqa: B023
+            try:
+                errs = with_tiles(var["tiles"], lambda: check_correctness(kvs=kvs, layouts=layouts))  # noqa: B023
+            except Exception as e:  # noqa: BLE001 (a candidate failing to build must not lose the other rows)
+                print(f"check FAILED {type(e).__name__}: {str(e)[:150]} {json.dumps(var['tiles'])}", flush=True)
+                continue
             worst = max(v for k, v in errs.items() if "mismatch" not in k)
             with open(results, "a") as f:
                 f.write(json.dumps({"step": "sweep check", "tiles": var["tiles"], "errors": errs}) + "\n")
