@@ -578,7 +578,8 @@ def record_row(row: dict, results: str) -> None:
 
 def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> None:
     """Tile variants set in-process, FP8 unless "kv" says bf16. A decode variant {"mode": "dense"|"sparse", "kv",
-    "ctx", "tiles": {family: overrides}, "layout" (plain), "inline", "l2_pages" (see `make_kv`, `decode_inputs`)}
+    "ctx", "tiles": {family: overrides}, "layout" (plain), "inline", "l2_pages", "sorted" (see `make_kv`,
+    `decode_inputs`)}
     (batch 64) is compiled, its output compared with the reference at the timed shape (rel L2 in the row), then
     timed (`timings`) against SDPA timed the same way (contiguous bf16 KV for dense, the pre-gathered selected KV
     for MSA), then compared again. "tiles": "best" takes the fastest (graph_ms) of the variants timed before for the
@@ -615,7 +616,7 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
         mode, kv, ctx, batch = var["mode"], var["kv"], var["ctx"], var.get("batch", 64)
         layout = var.get("layout", "plain")
         change = best[(mode, kv, layout)][1] if var["tiles"] == "best" else var["tiles"]
-        key = (mode, kv, ctx, batch, var.get("inline", False), var.get("l2_pages", 0), layout)
+        key = (mode, kv, ctx, batch, var.get("inline", False), var.get("l2_pages", 0), layout, var.get("sorted", False))
         decode_inputs(inputs, key)
         cu, lens, q, sel, k, v, ks, vs, table, ref, peer = inputs[key]
 
@@ -648,15 +649,16 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
              "graph_ms": t["graph_ms"], "host_us": t["host_us"], "graph_of_floor": floor / t["graph_ms"],
              "peer": "SDPA " + ("pre-gathered selected bf16 KV" if mode == "sparse" else "contiguous bf16"),
              "peer_ms": peer["ms"], "peer_graph_ms": peer["graph_ms"], "peer_host_us": peer["host_us"],
-             "tiles": json.dumps(change), "inline_scales": key[4], "l2_pages": key[5], "rel_err": err,
-             "rel_err_after": err_after}
+             "tiles": json.dumps(change), "inline_scales": key[4], "l2_pages": key[5], "sorted_pages": key[7],
+             "rel_err": err, "rel_err_after": err_after}
         rows.append(r)
         record_row(r, results)
         print(f"{mode:6} {kv:4} {layout[:5]:5} {ctx // 1024:4}K err {err:.1e}/{err_after:.1e} eager {t['ms']:.4f} "
               f"graph {t['graph_ms']:.4f} "
               f"({r['graph_of_floor']:.0%} floor, {peer['graph_ms'] / t['graph_ms']:.2f}x SDPA graph "
               f"{peer['graph_ms']:.4f}; eager {peer['ms'] / t['ms']:.2f}x) host {t['host_us']:.0f}us "
-              f"{json.dumps(change)}{' inline scales' if key[4] else ''}{f' L2 {key[5]} pages' if key[5] else ''}",
+              f"{json.dumps(change)}{' inline scales' if key[4] else ''}{f' L2 {key[5]} pages' if key[5] else ''}"
+              f"{' sorted pages' if key[7] else ''}",
               flush=True)
         if not math.isnan(t["graph_ms"]) and ((mode, kv, layout) not in best
                                               or t["graph_ms"] < best[(mode, kv, layout)][0]):
@@ -664,14 +666,14 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
 
 
 def decode_inputs(inputs: dict, key: tuple) -> None:
-    """inputs[key] for a decode sweep variant, key = (mode, kv, ctx, batch, inline scales, L2 pages, layout): the
-    metadata,
-    q, the selection (MSA), the pages, the reference output and SDPA's timings; the previous shape's are dropped (128K
-    FP8 pages are 8.6 GB). L2 pages > 0 maps every page id onto the first that many pages, which then stay in L2
-    between the back-to-back calls of the CUDA-graph timing: the kernel without DRAM's cost (a diagnostic)."""
+    """inputs[key] for a decode sweep variant, key = (mode, kv, ctx, batch, inline scales, L2 pages, layout, sorted):
+    the metadata, q, the selection (MSA), the pages, the reference output and SDPA's timings; the previous shape's are
+    dropped (128K FP8 pages are 8.6 GB). L2 pages > 0 maps every page id onto the first that many pages, which then
+    stay in L2 between the back-to-back calls of the CUDA-graph timing: the kernel without DRAM's cost (a
+    diagnostic). Sorted: each sequence's pages are consecutive in the pool, in order (long runs, as SDPA reads)."""
     if key in inputs:
         return
-    mode, kv, ctx, batch, inline, l2_pages, layout = key
+    mode, kv, ctx, batch, inline, l2_pages, layout, in_order = key
     inputs.clear()
     torch.cuda.empty_cache()
     cu, lens = decode_meta(batch, ctx)
@@ -680,6 +682,8 @@ def decode_inputs(inputs: dict, key: tuple) -> None:
     k, v, ks, vs, table = make_kv(batch, ctx, kv, layout, inline)
     if l2_pages:
         table = table % l2_pages
+    if in_order:
+        table = torch.arange(table.numel(), device=DEV, dtype=torch.int32).view_as(table)
     ref = paged_attention_ref(q, k, v, table, cu, lens, D**-0.5, ks, vs, layout, sel, BS)
     n = TOPK * BS if mode == "sparse" else ctx
     kc = torch.randn(batch, HKV, n, D, device=DEV, dtype=torch.bfloat16)
@@ -693,7 +697,8 @@ def sweep_gather(rows: list, read_bw: float, var: dict, inputs: dict, results: s
     same context (made here when none were): {"mode": "gather", "ctx", "splits", "scales", "num_warps",
     "num_stages", "dense"}: MSA's selected blocks, or with "dense" every block of every sequence."""
     ctx, dense = var["ctx"], var.get("dense", False)
-    key = ("dense" if dense else "sparse", "fp8", ctx, 64, var.get("inline", False), var.get("l2_pages", 0), "plain")
+    key = ("dense" if dense else "sparse", "fp8", ctx, 64, var.get("inline", False), var.get("l2_pages", 0), "plain",
+           False)
     decode_inputs(inputs, key)
     _, _, _, sel, k, v, ks, vs, table, _, _ = inputs[key]
     if dense:
