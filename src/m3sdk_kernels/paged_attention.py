@@ -540,7 +540,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
-        ALL_SLOTS=plan["ALL_SLOTS"], V_F16=plan["V_F16"] and layout == "plain",
+        ALL_SLOTS=plan["ALL_SLOTS"], V_F16=plan["V_F16"] if layout == "plain" else 0,
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -581,7 +581,7 @@ def aot_variants(arch: Arch) -> list:
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
                         "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"],
-                        "ALL_SLOTS": plan["ALL_SLOTS"], "V_F16": plan["V_F16"] and layout == "plain"},
+                        "ALL_SLOTS": plan["ALL_SLOTS"], "V_F16": plan["V_F16"] if layout == "plain" else 0},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))
