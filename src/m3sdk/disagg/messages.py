@@ -86,8 +86,10 @@ def check_prefill(req: pb.PrefillRequest, limits: Limits, compat_hash: str, voca
     n = len(req.token_ids)
     if not 0 < n <= limits.max_prompt_tokens:
         raise WireError(f"token_ids must hold 1..{limits.max_prompt_tokens} tokens, got {n}")
-    bad = next((t for t in req.token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    # one copy out of the message, then min and max in C: a generator over the message's 32K ids took 1.2 ms here
+    token_ids = list(req.token_ids)
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
         raise WireError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if not 0 < req.transport_port < 65536:
         raise WireError(f"transport_port must be in [1, 65535], got {req.transport_port}")
@@ -110,7 +112,7 @@ def check_prefill(req: pb.PrefillRequest, limits: Limits, compat_hash: str, voca
                         f"got {req.max_message_bytes}")
     if not math.isfinite(req.deadline_unix_s) or not now < req.deadline_unix_s <= now + limits.max_deadline_s:
         raise WireError(f"deadline must be within the next {limits.max_deadline_s:.0f} s")
-    return PrefillOrder(request_id=req.request_id, token_ids=list(req.token_ids),
+    return PrefillOrder(request_id=req.request_id, token_ids=token_ids,
                         params=_sampling_from_proto(req.sampling), transport_port=req.transport_port,
                         transfer_id=req.transfer_id, num_cached_pages=req.num_cached_pages,
                         dst_pages=list(req.dst_pages), layers_per_group=req.layers_per_group,
