@@ -190,6 +190,7 @@ class Outbox:
         self._in_place = in_place
         self._aligned = False  # the source pages line up with the destination's runs: its pieces are the decode's
         self._host_frames: torch.Tensor | None = None
+        self._items: dict[int, _InPlace] = {}  # in-place messages' parts, by index (worked out once)
         self.reads_pages = False  # a message was queued in place: its pages must stay until `released`
         self.released = threading.Event()
         self.abandon: Callable[[], None] | None = None  # set by push: drops its endpoint, fails it (on the loop)
@@ -201,7 +202,11 @@ class Outbox:
         a few calls. On the H200 pair Python ran several times slower while UCX moved data, and building eight
         messages' pieces between two packs held the second send 1-2.7 ms (session 13 window 3)."""
         with torch.inference_mode(False):
-            self._layout_for(rows, src_pages).prepare()
+            layout = self._layout_for(rows, src_pages)
+            layout.prepare()
+            if self._in_place and self._aligned:  # its parts too: a pack then queues them as they are
+                for msg in self.plan.messages:
+                    self._in_place_item(msg)
 
     def _layout_for(self, rows: list[list[torch.Tensor]], src_pages: torch.Tensor) -> wire.Layout:
         if self._layout is None or self._layout.pages is not src_pages or self._layout.rows is not rows:
@@ -218,35 +223,46 @@ class Outbox:
         class): queued without a copy, and `reads_pages` is set."""
         # the engine calls this from its forward (inference mode): pooled buffers must stay ordinary tensors
         with torch.inference_mode(False):
-            layout = self._layout_for(rows, src_pages)
-            for msg in messages:
-                if self._in_place and self._aligned:
-                    self.reads_pages = True
-                    item: torch.Tensor | _InPlace = _InPlace(self._host_frame_table()[msg.index],
-                                                             layout.pool(msg)[0])
-                else:
-                    item = self._pool.take(msg.nbytes, self.device)
-                    wire.pack(self.plan, msg, self._layout, item, self._frames)
-                deliver = functools.partial(self._deliver, msg.index, item)
-                if self.device.type == "cuda":  # UCX reads on its own streams: sent once the pages or gather are done
-                    ready = torch.cuda.Event()
-                    ready.record(torch.cuda.current_stream(self.device))
-                    self._gathers.put(ready, deliver)
-                else:
-                    deliver()
+            self._layout_for(rows, src_pages)
+            if self._in_place and self._aligned:  # the pages of all of them are ready at one point of the stream
+                self.reads_pages = True
+                self._ready([(msg.index, self._in_place_item(msg)) for msg in messages])
+                return
+            for msg in messages:  # each after its own gather: its send need not wait for the next gather
+                buf = self._pool.take(msg.nbytes, self.device)
+                wire.pack(self.plan, msg, self._layout, buf, self._frames)
+                self._ready([(msg.index, buf)])
 
-    def _deliver(self, index: int, item: torch.Tensor | _InPlace) -> None:
-        """From the thread that found message `index` ready: post its sends now if the push lets this side do it,
-        and queue it for the push. Under the posting lock, so that once the push stopped this side's posting
-        (`stop_sending`), every send posted here is on its way to the queue."""
+    def _in_place_item(self, msg: MessageSpec) -> _InPlace:
+        item = self._items.get(msg.index)
+        if item is None:
+            item = self._items[msg.index] = _InPlace(self._host_frame_table()[msg.index], self._layout.pool(msg)[0])
+        return item
+
+    def _ready(self, batch: list[tuple[int, torch.Tensor | _InPlace]]) -> None:
+        """Deliver `batch` once the work queued so far on the current stream ran (UCX reads on its own streams):
+        on a GPU from the transport's device-wait thread, on a CPU now."""
+        deliver = functools.partial(self._deliver, batch)
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            self._gathers.put(ready, deliver)
+        else:
+            deliver()
+
+    def _deliver(self, batch: list[tuple[int, torch.Tensor | _InPlace]]) -> None:
+        """From the thread that found the messages of `batch` ready: post their sends now if the push lets this side
+        do it, and queue them for the push. Under the posting lock, so that once the push stopped this side's
+        posting (`stop_sending`), every send posted here is on its way to the queue."""
         with self._posting:
-            send: asyncio.Future | Exception | None = None
-            if self._sender is not None:
-                try:
-                    send = self._sender(index, item)
-                except Exception as e:  # the push raises it
-                    send = e
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, item, send))
+            for index, item in batch:
+                send: asyncio.Future | Exception | None = None
+                if self._sender is not None:
+                    try:
+                        send = self._sender(index, item)
+                    except Exception as e:  # the push raises it
+                        send = e
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, (index, item, send))
 
     def start_sending(self, sender: Callable[[int, torch.Tensor | _InPlace], asyncio.Future]) -> None:
         """From the push (on the loop): `sender` posts a message's sends, from whichever thread finds it ready."""
