@@ -292,11 +292,12 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
                 outbox.prepare(rows, src)  # a node does it when it plans the step, before the forward
                 prepared = time.perf_counter()
                 producer = asyncio.ensure_future(asyncio.to_thread(produce))
+                # the push waits for the first message, as a node's push, started with the Prefill call, does
+                push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
                 await asyncio.sleep(0.002)  # the thread is up and waiting
                 start = time.perf_counter()
                 if Trace.events is not None:  # making the outbox and its pieces, before the clock
                     Trace.events += [("outbox", 0, made), ("prepared", 0, prepared)]
-                push = asyncio.ensure_future(transport.push("127.0.0.1", port, outbox))
                 go.set()
                 await asyncio.gather(producer, push)
                 return start
