@@ -70,12 +70,13 @@ class Phases:
     """--phases: host timestamps (perf_counter: one clock for the processes of a host) of one request's way through
     both processes, taken by wrapping the code each phase ends in, as (name, seconds). Decode process: the call
     (submit), the remote prefill started by the engine thread (d.start), its job on the disagg loop (d.job), the
-    receive posted right before the Prefill call (d.receive), the receive complete (d.received), the reply checked
-    (d.reply: the call and the receive both ended), the outcome taken by the engine thread (d.poll), each engine
-    step's end (d.step), the first token at the caller (first). Node process: the Prefill handler entered (n.rpc),
-    the request handed to its engine (n.submit), each step planned (n.plan), each group of layers packed (n.pack),
-    the sampled request finishing (n.finish0) and its in-place sends released (n.finish1), its chunk emitted
-    (n.emit), the push done (n.pushed), the reply returned (n.reply)."""
+    receive posted right after the Prefill call left (d.receive), the receive complete (d.received), the reply
+    checked (d.reply: the call and the receive both ended), the outcome taken by the engine thread (d.poll), each
+    engine step's end (d.step), the first token at the caller (first). Node process: the Prefill handler entered
+    (n.rpc), the call checked (n.checked), the work started (n.serve), the request handed to its engine
+    (n.submit), each step planned (n.plan), each group of layers packed (n.pack), the sampled request finishing
+    (n.finish0) and its in-place sends released (n.finish1), its chunk emitted (n.emit), the push done (n.pushed),
+    the reply returned (n.reply)."""
 
     events: list[tuple[str, float]] = []
 
@@ -137,6 +138,8 @@ class Phases:
         from m3sdk.disagg import backend, server, transport
 
         cls._wrap(server.PrefillServicer, "Prefill", before="n.rpc", after="n.reply")
+        cls._wrap(server, "check_prefill", after="n.checked")
+        cls._wrap(server.PrefillServicer, "_serve", before="n.serve")
         cls._wrap(backend.EngineBackend, "prefill", before="n.submit")
         cls._wrap(backend.EngineBackend, "_on_plan", before="n.plan")
         cls._wrap(backend.EngineBackend, "_pack", after="n.pack")

@@ -30,7 +30,7 @@ from m3sdk.disagg._proto import m3sdk_disagg_pb2_grpc as pb_grpc
 from m3sdk.disagg.compat import PROTOCOL_VERSION, CompatInfo
 from m3sdk.disagg.messages import check_reply, sampling_to_proto
 from m3sdk.disagg.server import TOKEN_HEADER
-from m3sdk.disagg.transport import KVTransport, TransportError, UcxTransport
+from m3sdk.disagg.transport import KVTransport, Receive, TransportError, UcxTransport
 from m3sdk.disagg.wire import MAX_TRANSFER_ID, TransferPlan, WireError, long_runs
 from m3sdk.errors import PrefillNodeError
 from m3sdk.observability import get_logger
@@ -213,7 +213,7 @@ class PrefillClient:
                                   message_bytes, send_pages, pieces)
         # the node sees several engines' requests: the transfer id makes ours unique there
         node_id = re.sub(r"[^\x21-\x7e]", "_", f"{plan.transfer_id:x}.{request_id}")[:128]
-        try:  # before the receive is posted: nothing to retire when a value does not fit the wire
+        try:  # before anything is posted: nothing to retire when a value does not fit the wire
             request = pb.PrefillRequest(
                 request_id=node_id, compat_hash=self.compat.digest, token_ids=token_ids,
                 sampling=sampling_to_proto(params), transport_port=self.transport.port,
@@ -222,13 +222,19 @@ class PrefillClient:
                 deadline_unix_s=time.time() + timeout_s, message_per_piece=plan.pieces)
         except ValueError as e:  # e.g. a seed outside uint64
             raise PrefillNodeError(f"request {request_id!r} cannot be sent to a prefill node: {e}") from e
-        dst = torch.tensor(send_pages, dtype=torch.int64, device=self.rows[0][0].device)
-        receive = self.transport.receive(plan, self.rows, dst)
         call = node.stub.Prefill(request, timeout=timeout_s, metadata=self._metadata)
-        waits = {asyncio.ensure_future(call), asyncio.ensure_future(receive.wait())}
+        receive: Receive | None = None
+        waits: set[asyncio.Future] = set()
         down = asyncio.ensure_future(node.down.wait())
         ok = False
         try:
+            # the call leaves first (grpc's task runs now), then this side posts its receives while the node admits
+            # the prompt: UCX holds a message that comes before its receive (an unexpected message) until it is
+            # posted, and the posting came before the call and took 1-5 ms on the H200 pair (session 16)
+            await asyncio.sleep(0)
+            dst = torch.tensor(send_pages, dtype=torch.int64, device=self.rows[0][0].device)
+            receive = self.transport.receive(plan, self.rows, dst)
+            waits = {asyncio.ensure_future(call), asyncio.ensure_future(receive.wait())}
             pending = set(waits)
             while pending:
                 done, pending = await asyncio.wait(pending | {down}, timeout=deadline - time.monotonic(),
@@ -254,7 +260,8 @@ class PrefillClient:
             down.cancel()
             if not ok:
                 call.cancel()
-                await receive.cancel()
+                if receive is not None:
+                    await receive.cancel()
                 for t in waits:
                     t.cancel()
                 abort = asyncio.ensure_future(self._abort(node, node_id))

@@ -13,7 +13,9 @@ from m3sdk.cache.kv_pool import KVCacheSpec
 from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb
 from m3sdk_kernels.layout import PAGE_SIZE
 
-PROTOCOL_VERSION = 2  # 2: PrefillRequest.message_per_piece (a node of 1 would ignore it and send whole messages)
+# 2: PrefillRequest.message_per_piece (a node of 1 would ignore it and send whole messages); 3: a group's pages are
+# cut into messages evenly (wire.TransferPlan.build: a peer of 2 cuts them differently)
+PROTOCOL_VERSION = 3
 
 
 def _dtype_name(dtype: object) -> str:
