@@ -121,10 +121,10 @@ def pool_runs(rows: list[list[torch.Tensor]]) -> list:
 
 class Trace:
     """Per-message host timestamps (perf_counter: one clock for the processes of a host) of one transfer, taken
-    by wrapping the transport's steps: node side queued by the producer (pack0), gathered (pack), taken by the push
-    (ready: for a plan of pieces after its sends were posted), send start / all parts posted / done (send0, posted,
-    send1); decode side receive posted / completed, scatter start / end (checked and queued). Only with --trace,
-    for the last repeat of each kv kind."""
+    by wrapping the transport's steps: node side queued by the producer (pack0), gathered (pack), its device work
+    done (deliver), taken by the push (ready: for a plan of pieces after its sends were posted), send start / all
+    parts posted / done (send0, posted, send1); decode side receive posted / completed, scatter start / end
+    (checked and queued). Only with --trace, for the last repeat of each kv kind."""
 
     events: list[tuple[str, int, float]] | None = None
 
@@ -140,7 +140,8 @@ class Trace:
                 cls.events.append((event, index, time.perf_counter()))
 
         pack, check, place, send, recv = wire.pack, wire.check, wire.place, tr._start_send, tr._start_recv
-        get, ucp_send, ucp_recv, outbox_pack = tr.Outbox.get, tr.ucp.send, tr.ucp.recv, tr.Outbox.pack
+        get, ucp_send, ucp_recv, outbox_pack, deliver = (tr.Outbox.get, tr.ucp.send, tr.ucp.recv, tr.Outbox.pack,
+                                                         tr.Outbox._deliver)
 
         def on_done(fut, event: str, index: int) -> None:  # from any thread: the callback is added on its loop
             fut.get_loop().call_soon_threadsafe(fut.add_done_callback, lambda _: note(event, index))
@@ -185,6 +186,11 @@ class Trace:
                 note("pack0", msg.index)
             outbox_pack(self, messages, *args)
 
+        def traced_deliver(self, batch):  # the device work done (GPU: the transport's device-wait thread)
+            for index, _ in batch:
+                note("deliver", index)
+            deliver(self, batch)
+
         def traced_ucp_send(ep, worker, parts, tag, **kw):  # a plan of pieces: from the producer's side or the push
             note("send0", tag & mask)
             done = ucp_send(ep, worker, parts, tag, **kw)
@@ -200,7 +206,7 @@ class Trace:
 
         wire.pack, wire.check, wire.place, tr._start_send, tr._start_recv, tr.Outbox.get, tr.Outbox.pack = (
             traced_pack, traced_check, traced_place, traced_send, traced_recv, traced_get, traced_outbox_pack)
-        tr.ucp.send, tr.ucp.recv = traced_ucp_send, traced_ucp_recv
+        tr.ucp.send, tr.ucp.recv, tr.Outbox._deliver = traced_ucp_send, traced_ucp_recv, traced_deliver
 
 
 def plan_pieces(what: str) -> bool:
@@ -546,7 +552,8 @@ def trace_line(t: dict) -> str:
 
     first = {k: v[0] for k, v in ev.items() if v}
     return (f"trace {t['what']} {t['message_mib']} MiB: total {t['total_ms']:.2f} ms, n={len(ev.get('send0', []))}; "
-            f"medians: pack0->send0 {span('pack0', 'send0')} post {span('send0', 'posted')} pack->ready "
+            f"medians: pack0->deliver {span('pack0', 'deliver')} ->send0 {span('deliver', 'send0')} post "
+            f"{span('send0', 'posted')} pack->ready "
             f"{span('pack', 'ready')} ready->send {span('ready', 'send0')} send "
             f"{span('send0', 'send1')} recv-gap {gap('recv1')} scatter {span('scatter0', 'scatter1')} (check "
             f"{span('scatter0', 'checked')} post {span('checked', 'place0')} place {span('place0', 'scatter1')}) "
