@@ -170,7 +170,8 @@ def _e4m3_to_f16(x, DOT: tl.constexpr):
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
                  SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-                 KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr, V_F16: tl.constexpr):
+                 KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr, V_F16: tl.constexpr, MOD_AND: tl.constexpr,
+                 LAZY: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
 
     KEYS_M (bf16 decode; sm90's dense default): the keys are the MMA's M (a decode tile's 16 rows are too few for
@@ -181,7 +182,10 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     key_ok = n < kv_end
     in_pages = n // PAGE < tl.cdiv(kv_end, PAGE)  # the keys of the sequence's pages, tails of the last included
     page = page.to(tl.int64)
-    off = n % PAGE
+    if MOD_AND:  # n >= 0: a mask, not the signed remainder's fixups (sm90 SASS of the MSA FP8 loop 1174 -> 1065)
+        off = n & (PAGE - 1)
+    else:
+        off = n % PAGE
     # ALL_SLOTS: K/V loaded unmasked (no per-row predicates): keys past kv_end read the tail of the sequence's last
     # page or (past its pages) that page again, finite values (Contract 1) that the masked scores weigh by p = 0.
     # The scale loads keep their masks (unmasked too, the sm90 dense kernel spilled).
@@ -230,10 +234,16 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
                 pg0, pg1 = _halves(page, H)
                 ok0, ok1 = _halves(ld_ok, H)
                 h = tl.arange(0, H)
-                v0 = tl.load(v_base + pg0[:, None] * stride_cp + ((start + h) % PAGE)[:, None] * HEAD_DIM + d[None, :],
+                if MOD_AND:
+                    o0 = (start + h) & (PAGE - 1)
+                    o1 = (start + H + h) & (PAGE - 1)
+                else:
+                    o0 = (start + h) % PAGE
+                    o1 = (start + H + h) % PAGE
+                v0 = tl.load(v_base + pg0[:, None] * stride_cp + o0[:, None] * HEAD_DIM + d[None, :],
                              mask=ok0[:, None], other=0.0)
-                v1 = tl.load(v_base + pg1[:, None] * stride_cp + ((start + H + h) % PAGE)[:, None] * HEAD_DIM
-                             + d[None, :], mask=ok1[:, None], other=0.0)
+                v1 = tl.load(v_base + pg1[:, None] * stride_cp + o1[:, None] * HEAD_DIM + d[None, :],
+                             mask=ok1[:, None], other=0.0)
                 pv = tl.dot(p0, _e4m3_to_f16(v0, DOT))
                 pv = tl.dot(p1, _e4m3_to_f16(v1, DOT), pv)
             else:
@@ -242,7 +252,12 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         else:
             v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
             pv = tl.dot(p.to(DOT), v.to(DOT))
-        acc = acc * alpha[:, None] + pv
+        if LAZY:  # rescale only when some row's max grew (decode: one branch for the program's rows)
+            if tl.min(alpha) < 1.0:
+                acc = acc * alpha[:, None]
+            acc += pv
+        else:
+            acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
@@ -256,7 +271,7 @@ def _attn_kernel(
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
         PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr,
-        V_F16: tl.constexpr):
+        V_F16: tl.constexpr, MOD_AND: tl.constexpr, LAZY: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -316,7 +331,7 @@ def _attn_kernel(
                     page = _tile_pages(pages_ptr, start, end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
                                              vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
-                                             SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS, V_F16)
+                                             SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS, V_F16, MOD_AND, LAZY)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -341,7 +356,7 @@ def _attn_kernel(
                             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
                                                          v_base, ks_base, vs_base, page, qk_scale, stride_cp,
                                                          stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
-                                                         KEYS_M, ALL_SLOTS, V_F16)
+                                                         KEYS_M, ALL_SLOTS, V_F16, MOD_AND, LAZY)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -361,7 +376,8 @@ def _attn_kernel(
                     page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
                                              ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
-                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS, V_F16)
+                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS, V_F16,
+                                             MOD_AND, LAZY)
                 if PAGE_AHEAD:
                     page = nxt
         if KEYS_M:
@@ -474,6 +490,7 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0),
             "MERGE_LAST": cfg.get("MERGE_LAST", 0) if 1 < splits <= MERGE_LAST_MAX_SPLITS else 0,
             "KEYS_M": keys_m, "ALL_SLOTS": cfg.get("ALL_SLOTS", 0), "V_F16": int(fp8 and cfg.get("V_F16", 0)),
+            "MOD_AND": cfg.get("MOD_AND", 0), "LAZY": int(block_q == 1 and not keys_m and cfg.get("LAZY", 0)),
             "maxnreg": cfg.get("maxnreg")}
 
 
@@ -540,7 +557,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
-        ALL_SLOTS=plan["ALL_SLOTS"], V_F16=plan["V_F16"] if layout == "plain" else 0,
+        ALL_SLOTS=plan["ALL_SLOTS"], V_F16=plan["V_F16"] if layout == "plain" else 0, MOD_AND=plan["MOD_AND"],
+        LAZY=plan["LAZY"],
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -581,7 +599,8 @@ def aot_variants(arch: Arch) -> list:
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
                         "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"],
-                        "ALL_SLOTS": plan["ALL_SLOTS"], "V_F16": plan["V_F16"] if layout == "plain" else 0},
+                        "ALL_SLOTS": plan["ALL_SLOTS"], "V_F16": plan["V_F16"] if layout == "plain" else 0,
+                        "MOD_AND": plan["MOD_AND"], "LAZY": plan["LAZY"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))

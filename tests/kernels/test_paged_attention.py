@@ -167,16 +167,18 @@ def test_keys_as_mma_rows_decode(monkeypatch, merge_last):
 
 
 
+@pytest.mark.parametrize("lazy", [0, 1], ids=["", "lazy-mask"])
 @pytest.mark.parametrize("all_slots", [0, 1], ids=["masked", "all-slots"])
-@pytest.mark.parametrize("v_f16", [1, 2], ids=["halves", "whole-tile"])
-def test_fp8_decode_v_in_registers(monkeypatch, v_f16, all_slots):
+@pytest.mark.parametrize("v_f16", [0, 1, 2], ids=["fp8-operand", "halves", "whole-tile"])
+def test_fp8_decode_v_in_registers(monkeypatch, v_f16, all_slots, lazy):
     """V_F16 (FP8 plain pages): V converted to fp16 before its dot, the whole tile or two halves loaded apart (dense
     32-key tiles: a page each; MSA 16-key tiles of 16-token blocks: half a page each), with and without per-key load
-    masks, against the reference; SHUFFLE pages ignore the flag."""
+    masks, with the accumulator rescaled only when a row's max grew (LAZY) and slots by a mask (MOD_AND), against
+    the reference."""
     for family, extra in (("attn_decode:fp8", {"BLOCK_N": 32, "SPLIT_PROGRAMS": 24}),
                           ("sparse_decode:fp8", {"BLOCK_N": 16})):
         monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], **extra, "V_F16": v_f16,
-                                                         "ALL_SLOTS": all_slots})
+                                                         "ALL_SLOTS": all_slots, "LAZY": lazy, "MOD_AND": lazy})
     ctx, new = DECODE
     assert attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128, fp8=True)["V_F16"] == v_f16
     assert attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128)["V_F16"] == 0
