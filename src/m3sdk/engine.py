@@ -171,12 +171,17 @@ class Engine:
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             ids = tokenizer.encode(tokenizer.apply_chat_template(prompt), add_special_tokens=False)
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
-            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-            if bad:
-                raise InvalidRequestError(f"token ids must be ints, got {bad[:5]!r}")
-            ids = [int(t) for t in prompt]
-            outside = [t for t in ids if not 0 <= t < core.vocab_size]
-            if outside:
+            # a list of plain ints (the common case) is checked by type and min/max only: the per-item checks
+            # below took 14 ms for a 32K-token prompt, all of it added to its time to first token
+            if all(type(t) is int for t in prompt):
+                ids = list(prompt)
+            else:
+                bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+                if bad:
+                    raise InvalidRequestError(f"token ids must be ints, got {bad[:5]!r}")
+                ids = [int(t) for t in prompt]
+            if ids and not (0 <= min(ids) and max(ids) < core.vocab_size):
+                outside = [t for t in ids if not 0 <= t < core.vocab_size]
                 raise InvalidRequestError(f"token ids {outside[:5]} are outside the vocabulary "
                                           f"(size {core.vocab_size})")
         else:
