@@ -31,9 +31,9 @@ with transport window N, e.g. kv-w8):
   ucxx raw, EH  the same on ucxx's public create_endpoint/create_listener endpoints (peer error handling: TCP)
   perftest      ucx_perftest tag_bw, the same message size (UCX's own C loopback rate; from the libucx wheel);
                 "-e" asks it for peer error handling, like ucxx's public endpoints
-Rates are GB/s (1e9 bytes/s), from the sender's first pack or send to the receiver's last scatter or receive
-(the transfer's Outbox is made before: a node makes it when the Prefill call arrives, before it computes; the
-receiver posts its first buffers before, as a decode side does before it calls Prefill); each cell gives
+Rates are GB/s (1e9 bytes/s), from the sender's first pack or send to the receiver's last scatter or receive, as
+its event loop sees it (the transfer's Outbox is made and its push started before: a node does both when the
+Prefill call arrives, before it computes; the receiver posts its buffers before); each cell gives
 min / median / max over the repeats (the machine is shared), after one warm-up round.
 The transports each side actually uses are printed by UCX_LOG_LEVEL=info (e.g. "tag(sysv/memory cma/memory)").
 Every wait has a deadline (--step-timeout): a transfer that does not finish, or a sender process that dies (a
@@ -379,6 +379,13 @@ def _host_or_device(t: torch.Tensor):
     return t if t.is_cuda else t.numpy()
 
 
+async def _ended(wait) -> float:
+    """When `wait` returned, on the loop that receives (where a decode side's job sees its receive complete; the
+    main thread's wake-up from the loop's future is no part of the transfer)."""
+    await wait
+    return time.perf_counter()
+
+
 async def _recv_all(plan: wire.TransferPlan, bufs: list, window: int | None = None) -> None:
     import ucxx
 
@@ -484,26 +491,25 @@ def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, devic
                                 t.zero_()
                     if what == "raw-put":  # the sender writes the pages: a 16-byte tag message says each is there
                         nbytes = sum(m.payload_bytes for m in plan.messages)
-                        done = loop.submit(_recv_all(plan, [torch.zeros(16, dtype=torch.uint8).numpy()
-                                                            for _ in plan.messages]))
+                        done = loop.submit(_ended(_recv_all(plan, [torch.zeros(16, dtype=torch.uint8).numpy()
+                                                                   for _ in plan.messages])))
                     elif what == "raw-runs":  # straight into the pool's tensors, one message per (layer, tensor)
                         bufs = pool_runs(rows)
                         nbytes = sum(b.nbytes for b in bufs)
-                        done = loop.submit(_recv_all(plan, bufs))
+                        done = loop.submit(_ended(_recv_all(plan, bufs)))
                     elif what in dsts:
                         configure(transport, what, window)
                         receive = loop.run(_post(transport, plan, rows, dsts[what]), step_timeout)
-                        done = loop.submit(receive.wait())
+                        done = loop.submit(_ended(receive.wait()))
                     else:
                         bufs = [_host_or_device(torch.zeros(m.nbytes, dtype=torch.uint8, device=dev))
                                 for m in plan.messages]
                         if cuda:
                             torch.cuda.synchronize(dev)
-                        done = loop.submit(_recv_all(plan, bufs, 4 if what == "raw-w4" else None))
+                        done = loop.submit(_ended(_recv_all(plan, bufs, 4 if what == "raw-w4" else None)))
                     parent.send((what, port, size, transfer_id, traced))
                     step = f"{what} {size >> 20} MiB round {repeat}"
-                    _result(done, proc, step, step_timeout)
-                    end = time.perf_counter()
+                    end = _result(done, proc, step, step_timeout)
                     if what in dsts and not repeat:
                         check(rows, dsts[what], what)
                     # from the sender's first pack or send (perf_counter is one clock for all processes of the
