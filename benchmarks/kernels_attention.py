@@ -578,7 +578,7 @@ def record_row(row: dict, results: str) -> None:
 
 def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> None:
     """Tile variants set in-process, FP8 unless "kv" says bf16. A decode variant {"mode": "dense"|"sparse", "kv",
-    "ctx", "tiles": {family: overrides}, "layout" (plain), "inline", "l2_pages", "sorted" (see `make_kv`,
+    "ctx", "tiles": {family: overrides}, "layout" (plain), "inline", "l2_pages", "sorted", "topk" (see `make_kv`,
     `decode_inputs`)}
     (batch 64) is compiled, its output compared with the reference at the timed shape (rel L2 in the row), then
     timed (`timings`) against SDPA timed the same way (contiguous bf16 KV for dense, the pre-gathered selected KV
@@ -616,7 +616,8 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
         mode, kv, ctx, batch = var["mode"], var["kv"], var["ctx"], var.get("batch", 64)
         layout = var.get("layout", "plain")
         change = best[(mode, kv, layout)][1] if var["tiles"] == "best" else var["tiles"]
-        key = (mode, kv, ctx, batch, var.get("inline", False), var.get("l2_pages", 0), layout, var.get("sorted", False))
+        key = (mode, kv, ctx, batch, var.get("inline", False), var.get("l2_pages", 0), layout, var.get("sorted", False),
+               var.get("topk", TOPK))
         decode_inputs(inputs, key)
         cu, lens, q, sel, k, v, ks, vs, table, ref, peer = inputs[key]
 
@@ -639,12 +640,12 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
                   flush=True)
             continue
         if mode == "sparse":
-            nbytes = batch * HKV * TOPK * BS * 2 * (D * k.element_size() + (4 if kv == "fp8" else 0))
+            nbytes = batch * HKV * key[8] * BS * 2 * (D * k.element_size() + (4 if kv == "fp8" else 0))
         else:
             nbytes = batch * ctx * HKV * 2 * (D * k.element_size() + (4 if kv == "fp8" else 0))
         floor = nbytes / read_bw / 1e9
         r = {"kernel": "MSA sparse decode" if mode == "sparse" else "dense decode",
-             "shape": f"b{batch} ctx {ctx // 1024}K" + (" top16" if mode == "sparse" else ""), "kv": kv,
+             "shape": f"b{batch} ctx {ctx // 1024}K" + (f" top{key[8]}" if mode == "sparse" else ""), "kv": kv,
              "layout": layout, "ms": t["ms"], "floor_ms": floor, "TB/s": nbytes / t["graph_ms"] / 1e9,
              "graph_ms": t["graph_ms"], "host_us": t["host_us"], "graph_of_floor": floor / t["graph_ms"],
              "peer": "SDPA " + ("pre-gathered selected bf16 KV" if mode == "sparse" else "contiguous bf16"),
@@ -666,26 +667,27 @@ def sweep(rows: list, read_bw: float, variants: list[dict], results: str) -> Non
 
 
 def decode_inputs(inputs: dict, key: tuple) -> None:
-    """inputs[key] for a decode sweep variant, key = (mode, kv, ctx, batch, inline scales, L2 pages, layout, sorted):
+    """inputs[key] for a decode sweep variant, key = (mode, kv, ctx, batch, inline scales, L2 pages, layout, sorted,
+    topk: MSA's blocks per token, the first of the 16 random ones):
     the metadata, q, the selection (MSA), the pages, the reference output and SDPA's timings; the previous shape's are
     dropped (128K FP8 pages are 8.6 GB). L2 pages > 0 maps every page id onto the first that many pages, which then
     stay in L2 between the back-to-back calls of the CUDA-graph timing: the kernel without DRAM's cost (a
     diagnostic). Sorted: each sequence's pages are consecutive in the pool, in order (long runs, as SDPA reads)."""
     if key in inputs:
         return
-    mode, kv, ctx, batch, inline, l2_pages, layout, in_order = key
+    mode, kv, ctx, batch, inline, l2_pages, layout, in_order, topk = key
     inputs.clear()
     torch.cuda.empty_cache()
     cu, lens = decode_meta(batch, ctx)
     q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
-    sel = random_selection(batch, ctx) if mode == "sparse" else None
+    sel = random_selection(batch, ctx)[..., :topk].contiguous() if mode == "sparse" else None
     k, v, ks, vs, table = make_kv(batch, ctx, kv, layout, inline)
     if l2_pages:
         table = table % l2_pages
     if in_order:
         table = torch.arange(table.numel(), device=DEV, dtype=torch.int32).view_as(table)
     ref = paged_attention_ref(q, k, v, table, cu, lens, D**-0.5, ks, vs, layout, sel, BS)
-    n = TOPK * BS if mode == "sparse" else ctx
+    n = topk * BS if mode == "sparse" else ctx
     kc = torch.randn(batch, HKV, n, D, device=DEV, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     peer = timings(lambda: F.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True))
@@ -698,7 +700,7 @@ def sweep_gather(rows: list, read_bw: float, var: dict, inputs: dict, results: s
     "num_stages", "dense"}: MSA's selected blocks, or with "dense" every block of every sequence."""
     ctx, dense = var["ctx"], var.get("dense", False)
     key = ("dense" if dense else "sparse", "fp8", ctx, 64, var.get("inline", False), var.get("l2_pages", 0), "plain",
-           False)
+           False, TOPK)
     decode_inputs(inputs, key)
     _, _, _, sel, k, v, ks, vs, table, _, _ = inputs[key]
     if dense:

@@ -271,11 +271,17 @@ def _attn_kernel(
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
         PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr,
-        V_F16: tl.constexpr, MOD_AND: tl.constexpr, LAZY: tl.constexpr):
+        V_F16: tl.constexpr, MOD_AND: tl.constexpr, LAZY: tl.constexpr, ONE_EACH: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    seq, q_start, n_q, first = q_tile(cu_q, num_seqs, pid, BLOCK_Q)
+    if ONE_EACH:  # decode with one query token per sequence (cu_q = 0, 1, ..): no search for the program's sequence
+        seq = pid
+        q_start = pid
+        n_q = 1
+        first = 0
+    else:
+        seq, q_start, n_q, first = q_tile(cu_q, num_seqs, pid, BLOCK_Q)
     if first < n_q:
         BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
         ctx = tl.load(ctx_lens + seq)
@@ -491,6 +497,8 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             "MERGE_LAST": cfg.get("MERGE_LAST", 0) if 1 < splits <= MERGE_LAST_MAX_SPLITS else 0,
             "KEYS_M": keys_m, "ALL_SLOTS": cfg.get("ALL_SLOTS", 0), "V_F16": int(fp8 and cfg.get("V_F16", 0)),
             "MOD_AND": cfg.get("MOD_AND", 0), "LAZY": int(block_q == 1 and not keys_m and cfg.get("LAZY", 0)),
+            # every sequence has exactly one query token (max_seqlen_q is the true maximum: Contract 2's metadata)
+            "ONE_EACH": int(max_seqlen_q == 1 and num_tokens == num_seqs and cfg.get("ONE_EACH", 0)),
             "maxnreg": cfg.get("maxnreg")}
 
 
@@ -519,7 +527,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_seqlen_q: int | None = None, max_context_len: int | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton `paged_attention_ref`. Pass the host ints `max_seqlen_q` / `max_context_len` (the step's metadata
-    has them) to avoid a device sync; they only pick tile shapes and split counts, never change results.
+    has them) to avoid a device sync; they pick tile shapes and split counts, and `max_seqlen_q` must be the true
+    maximum (with ONE_EACH, a decode batch of one token per sequence maps programs to sequences directly).
     `out` ([T, Hq, D], q's dtype) receives the result when given (a CUDA graph's static buffer)."""
     t_total, hq, head_dim = q.shape
     num_seqs = context_lens.shape[0]
@@ -558,7 +567,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
         ALL_SLOTS=plan["ALL_SLOTS"], V_F16=plan["V_F16"] if layout == "plain" else 0, MOD_AND=plan["MOD_AND"],
-        LAZY=plan["LAZY"],
+        LAZY=plan["LAZY"], ONE_EACH=plan["ONE_EACH"],
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -600,7 +609,7 @@ def aot_variants(arch: Arch) -> list:
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
                         "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"],
                         "ALL_SLOTS": plan["ALL_SLOTS"], "V_F16": plan["V_F16"] if layout == "plain" else 0,
-                        "MOD_AND": plan["MOD_AND"], "LAZY": plan["LAZY"]},
+                        "MOD_AND": plan["MOD_AND"], "LAZY": plan["LAZY"], "ONE_EACH": plan["ONE_EACH"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))

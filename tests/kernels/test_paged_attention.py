@@ -189,3 +189,23 @@ def test_fp8_decode_v_in_registers(monkeypatch, v_f16, all_slots, lazy):
     for kw in ({}, {"block_sel": sel, "block_size": 16}):
         got, ref = run(step, q, D**-0.5, **kw)
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_decode_one_token_each(monkeypatch, kv_dtype):
+    """ONE_EACH: a decode batch of one query token per sequence maps program i to sequence i without searching
+    cu_seqlens_q (dense and MSA decode against the reference); a batch where some sequence has no token keeps the
+    search."""
+    for family in ("attn_decode", "attn_decode:fp8", "sparse_decode", "sparse_decode:fp8"):
+        if "sm90" in arch.TILES.get(family, {}):
+            monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], "ONE_EACH": 1})
+    ctx, new = DECODE
+    assert attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128)["ONE_EACH"] == 1
+    assert attention_plan(len(ctx) - 1, len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128)["ONE_EACH"] == 0
+    step = make_step(ctx, new, HKV, D, kv_dtype, "plain", index_dim=32)
+    q = torch.randn(sum(new), HKV * GROUP, D).to(torch.bfloat16)
+    index_q = torch.randn(sum(new), HKV, 32).to(torch.bfloat16)
+    sel = indexer_topk_ref(index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, 16, 2, 1)
+    for kw in ({}, {"block_sel": sel, "block_size": 16}):
+        got, ref = run(step, q, D**-0.5, **kw)
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
