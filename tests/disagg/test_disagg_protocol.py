@@ -28,6 +28,7 @@ from m3sdk.cache.kv_pool import KVPool  # noqa: E402
 from m3sdk.disagg import loop, wire  # noqa: E402
 from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb  # noqa: E402
 from m3sdk.disagg.client import PrefillClient  # noqa: E402
+from m3sdk.disagg.messages import pack_token_ids  # noqa: E402
 from m3sdk.disagg.transport import TransportError  # noqa: E402
 from m3sdk.errors import PrefillNodeError  # noqa: E402
 from m3sdk.params import SamplingParams  # noqa: E402
@@ -198,7 +199,7 @@ def _raw(address: str, method: str, payload: bytes, token: str | None = TOKEN) -
 
 
 def test_malformed_oversized_and_unauthenticated_calls_are_refused_and_the_node_keeps_serving(node):
-    good = pb.PrefillRequest(request_id="ok", compat_hash=compat().digest, token_ids=[1, 2, 3],
+    good = pb.PrefillRequest(request_id="ok", compat_hash=compat().digest, token_ids=pack_token_ids([1, 2, 3]),
                              transport_port=1, transfer_id=5, dst_pages=[0], layers_per_group=1,
                              max_message_bytes=1 << 20, deadline_unix_s=time.time() + 60)
 
@@ -215,8 +216,9 @@ def test_malformed_oversized_and_unauthenticated_calls_are_refused_and_the_node_
     # not protobuf at all: grpc's deserializer refuses it (status UNKNOWN in grpc.aio)
     assert _raw(node, "Prefill", b"\xff\xff\xff\x0f garbage") in (grpc.StatusCode.UNKNOWN,
                                                                    grpc.StatusCode.INTERNAL)
-    assert _raw(node, "Prefill", variant(token_ids=[1] * 200_000)) == grpc.StatusCode.RESOURCE_EXHAUSTED
-    invalid = [variant(token_ids=[VOCAB]), variant(token_ids=[-1]), variant(dst_pages=[-3]),
+    assert _raw(node, "Prefill", variant(token_ids=pack_token_ids([1] * 200_000))) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    invalid = [variant(token_ids=pack_token_ids([VOCAB])), variant(token_ids=pack_token_ids([-1])),
+               variant(token_ids=b"\x01\x00\x00\x00\x02"), variant(dst_pages=[-3]),
                variant(dst_pages=[1, 2]), variant(num_cached_pages=1), variant(compat_hash="0" * 64),
                variant(request_id="has space"), variant(layers_per_group=99), variant(max_message_bytes=10),
                variant(max_message_bytes=1 << 31), variant(deadline_unix_s=time.time() - 1),

@@ -28,7 +28,7 @@ from m3sdk.disagg import loop
 from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb
 from m3sdk.disagg._proto import m3sdk_disagg_pb2_grpc as pb_grpc
 from m3sdk.disagg.compat import PROTOCOL_VERSION, CompatInfo
-from m3sdk.disagg.messages import check_reply, sampling_to_proto
+from m3sdk.disagg.messages import check_reply, pack_token_ids, sampling_to_proto
 from m3sdk.disagg.server import TOKEN_HEADER
 from m3sdk.disagg.transport import KVTransport, Receive, TransportError, UcxTransport
 from m3sdk.disagg.wire import MAX_TRANSFER_ID, TransferPlan, WireError, long_runs
@@ -215,7 +215,7 @@ class PrefillClient:
         node_id = re.sub(r"[^\x21-\x7e]", "_", f"{plan.transfer_id:x}.{request_id}")[:128]
         try:  # before anything is posted: nothing to retire when a value does not fit the wire
             request = pb.PrefillRequest(
-                request_id=node_id, compat_hash=self.compat.digest, token_ids=token_ids,
+                request_id=node_id, compat_hash=self.compat.digest, token_ids=pack_token_ids(token_ids),
                 sampling=sampling_to_proto(params), transport_port=self.transport.port,
                 transfer_id=plan.transfer_id, num_cached_pages=num_cached_pages, dst_pages=send_pages,
                 layers_per_group=self.layers_per_group, max_message_bytes=message_bytes,

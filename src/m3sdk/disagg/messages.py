@@ -6,10 +6,15 @@ computes anything; the decode side checks the node's replies. A refusal is a `Wi
 
 from __future__ import annotations
 
+import array
 import math
 import re
+import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb
 from m3sdk.disagg.wire import MAX_TRANSFER_ID, WireError
@@ -34,8 +39,8 @@ class Limits:
 
     @property
     def max_call_bytes(self) -> int:
-        # token ids and page ids are varints of at most 5 bytes each, plus small fixed fields
-        return 10 * self.max_prompt_tokens + (64 << 10)
+        # token ids of 4 bytes and page ids (varints of at most 5 bytes) per token at most, plus small fixed fields
+        return 9 * self.max_prompt_tokens + (64 << 10)
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,16 @@ class PrefillOrder:
     @property
     def num_pages(self) -> int:
         return -(-len(self.token_ids) // PAGE_SIZE)
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as PrefillRequest.token_ids carries them: 4-byte little-endian signed integers."""
+    packed = array.array("i", token_ids)
+    if packed.itemsize != 4:
+        raise ValueError(f"this platform's C int is {packed.itemsize} bytes, not 4")
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -83,14 +98,16 @@ def check_prefill(req: pb.PrefillRequest, limits: Limits, compat_hash: str, voca
     if req.compat_hash != compat_hash:
         raise WireError(f"compat_hash {req.compat_hash[:16]!r}... does not match this node's "
                         f"{compat_hash[:16]!r}...: handshake again")
-    n = len(req.token_ids)
+    if len(req.token_ids) % 4:
+        raise WireError(f"token_ids must be 4 bytes per token, got {len(req.token_ids)} bytes")
+    ids = np.frombuffer(req.token_ids, dtype="<i4")
+    n = len(ids)
     if not 0 < n <= limits.max_prompt_tokens:
         raise WireError(f"token_ids must hold 1..{limits.max_prompt_tokens} tokens, got {n}")
-    # one copy out of the message, then min and max in C: a generator over the message's 32K ids took 1.2 ms here
-    token_ids = list(req.token_ids)
-    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        bad = ids[(ids < 0) | (ids >= vocab_size)][0]
         raise WireError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    token_ids = ids.tolist()
     if not 0 < req.transport_port < 65536:
         raise WireError(f"transport_port must be in [1, 65535], got {req.transport_port}")
     if not 0 < req.transfer_id <= MAX_TRANSFER_ID:
@@ -103,7 +120,8 @@ def check_prefill(req: pb.PrefillRequest, limits: Limits, compat_hash: str, voca
     if len(req.dst_pages) != num_pages - req.num_cached_pages:
         raise WireError(f"dst_pages must name the {num_pages - req.num_cached_pages} pages sent, got "
                         f"{len(req.dst_pages)}")
-    if any(p < 0 for p in req.dst_pages) or len(set(req.dst_pages)) != len(req.dst_pages):
+    dst_pages = list(req.dst_pages)
+    if min(dst_pages) < 0 or len(set(dst_pages)) != len(dst_pages):
         raise WireError("dst_pages must be distinct non-negative page ids")
     if not 0 < req.layers_per_group <= num_layers:
         raise WireError(f"layers_per_group must be in [1, {num_layers}], got {req.layers_per_group}")
@@ -115,7 +133,7 @@ def check_prefill(req: pb.PrefillRequest, limits: Limits, compat_hash: str, voca
     return PrefillOrder(request_id=req.request_id, token_ids=token_ids,
                         params=_sampling_from_proto(req.sampling), transport_port=req.transport_port,
                         transfer_id=req.transfer_id, num_cached_pages=req.num_cached_pages,
-                        dst_pages=list(req.dst_pages), layers_per_group=req.layers_per_group,
+                        dst_pages=dst_pages, layers_per_group=req.layers_per_group,
                         max_message_bytes=req.max_message_bytes, deadline=req.deadline_unix_s,
                         pieces=req.message_per_piece)
 

@@ -83,10 +83,9 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "compat_hash", "token_ids", "sampling", "transport_port", "transfer_id", "num_cached_pages", "dst_pages", "layers_per_group", "max_message_bytes", "deadline_unix_s", "message_per_piece")
+    __slots__ = ("request_id", "compat_hash", "sampling", "transport_port", "transfer_id", "num_cached_pages", "dst_pages", "layers_per_group", "max_message_bytes", "deadline_unix_s", "message_per_piece", "token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_PORT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -96,9 +95,9 @@ class PrefillRequest(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_PER_PIECE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     compat_hash: str
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     transport_port: int
     transfer_id: int
@@ -108,7 +107,8 @@ class PrefillRequest(_message.Message):
     max_message_bytes: int
     deadline_unix_s: float
     message_per_piece: bool
-    def __init__(self, request_id: _Optional[str] = ..., compat_hash: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transport_port: _Optional[int] = ..., transfer_id: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., dst_pages: _Optional[_Iterable[int]] = ..., layers_per_group: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ..., message_per_piece: _Optional[bool] = ...) -> None: ...
+    token_ids: bytes
+    def __init__(self, request_id: _Optional[str] = ..., compat_hash: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transport_port: _Optional[int] = ..., transfer_id: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., dst_pages: _Optional[_Iterable[int]] = ..., layers_per_group: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ..., message_per_piece: _Optional[bool] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
