@@ -39,6 +39,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc.aio
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,13 +71,14 @@ class Phases:
     """--phases: host timestamps (perf_counter: one clock for the processes of a host) of one request's way through
     both processes, taken by wrapping the code each phase ends in, as (name, seconds). Decode process: the call
     (submit), the remote prefill started by the engine thread (d.start), its job on the disagg loop (d.job), the
-    receive posted right after the Prefill call left (d.receive), the receive complete (d.received), the reply
-    checked (d.reply: the call and the receive both ended), the outcome taken by the engine thread (d.poll), each
-    engine step's end (d.step), the first token at the caller (first). Node process: the Prefill handler entered
-    (n.rpc), the call checked (n.checked), the work started (n.serve), the request handed to its engine
-    (n.submit), each step planned (n.plan), each group of layers packed (n.pack), the sampled request finishing
-    (n.finish0) and its in-place sends released (n.finish1), its chunk emitted (n.emit), the push done (n.pushed),
-    the reply returned (n.reply)."""
+    transfer found in place or staged (d.pieces / d.staged), the Prefill call made (d.call), the receive made right
+    after (d.receive) and each of its messages posted (d.post), the receive complete (d.received), the reply checked
+    (d.reply: the call and the receive both ended), the outcome taken by the engine thread (d.poll), each engine
+    step's end (d.step), the first token at the caller (first). Node process: the Prefill handler entered (n.rpc),
+    the call checked (n.checked), the work started (n.serve), the request handed to its engine (n.submit), each step
+    planned (n.plan), each group of layers packed (n.pack) and each message's first send posted (n.send0), the
+    sampled request finishing (n.finish0) and its in-place sends released (n.finish1), its chunk emitted (n.emit),
+    the push done (n.pushed), the reply returned (n.reply)."""
 
     events: list[tuple[str, float]] = []
 
@@ -119,6 +121,23 @@ class Phases:
 
         cls._wrap(remote.RemotePrefill, "start", after="d.start")
         cls._wrap(client.PrefillClient, "_job", before="d.job")
+        call = grpc.aio._channel.UnaryUnaryMultiCallable.__call__
+
+        def traced_call(self, *args, **kwargs):
+            if self._method.endswith(b"/Prefill"):
+                cls.note("d.call")
+            return call(self, *args, **kwargs)
+
+        grpc.aio._channel.UnaryUnaryMultiCallable.__call__ = traced_call
+        cls._wrap(transport.UcxReceive, "_post", after="d.post")
+        long_runs = client.long_runs
+
+        def traced_long_runs(pages):  # whether the transfer is a plan of pieces (in place) or staged
+            runs = long_runs(pages)
+            cls.note("d.pieces" if runs is not None else "d.staged")
+            return runs
+
+        client.long_runs = traced_long_runs
         cls._wrap(transport.UcxTransport, "receive", after="d.receive")
         cls._wrap(transport.UcxReceive, "wait", after="d.received")
         cls._wrap(client, "check_reply", before="d.reply")
@@ -153,6 +172,8 @@ class Phases:
 
         backend.EngineBackend._emit = traced_emit
         cls._wrap(transport.UcxTransport, "push", after="n.pushed")
+        cls._wrap(transport.ucp, "send", before="n.send0")  # a plan of pieces' message
+        cls._wrap(transport, "_start_send", before="n.send0")  # a staged message
 
     @staticmethod
     def serve(conn) -> None:
