@@ -221,7 +221,7 @@ def test_malformed_oversized_and_unauthenticated_calls_are_refused_and_the_node_
                variant(token_ids=b"\x01\x00\x00\x00\x02"), variant(dst_pages=[-3]),
                variant(dst_pages=[1, 2]), variant(num_cached_pages=1), variant(compat_hash="0" * 64),
                variant(request_id="has space"), variant(layers_per_group=99), variant(max_message_bytes=10),
-               variant(max_message_bytes=1 << 31), variant(deadline_unix_s=time.time() - 1),
+               variant(max_message_bytes=(1 << 31) + 1), variant(deadline_unix_s=time.time() - 1),
                variant(transfer_id=0), variant(transport_port=70000)]
     for payload in invalid:
         assert _raw(node, "Prefill", payload) == grpc.StatusCode.INVALID_ARGUMENT

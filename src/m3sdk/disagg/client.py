@@ -84,9 +84,10 @@ class PrefillClient:
         # the cap on one data message. Staged, the decode side holds up to twice the transport's window of them (4
         # posted, 4 being placed) per transfer: 256 MiB on GPUs (host time per message, not bytes, set the rate
         # there: two H200s, 50 % of p2p at 256 MiB, 25 % at 64 MiB, session 13), 64 MiB on CPUs. Received in place
-        # nothing is staged, and larger messages cut larger pieces (each a rendezvous of UCX's): 1 GiB (two H200s,
-        # 8 GiB: 54 % of p2p in 256 MiB messages, 81 % in 1 GiB ones, session 15 window 2). A 32K prompt's 4-layer
-        # group of the full model is about 155 MB (one message), a 128K one's 620 MB
+        # nothing is staged, and larger messages cut larger pieces (each a rendezvous of UCX's): 2 GiB (two H200s,
+        # 8 GiB: 54 % of p2p in 256 MiB messages, 81 % in 1 GiB ones, session 15 window 2; 2 GiB transfers 79 % in
+        # 1 GiB messages, 80 % in 2 GiB ones, 8 GiB 90 / 92 %, session 16 window 3). A 32K prompt's 4-layer group of
+        # the full model is about 155 MB (one message), a 128K one's 620 MB
         self.max_message_bytes = max_message_bytes
         self._staged_bytes = 256 << 20 if rows[0][0].is_cuda else 64 << 20
         self.heartbeat_s, self.connect_timeout = heartbeat_s, connect_timeout
@@ -208,7 +209,7 @@ class PrefillClient:
         send_pages = pages[num_cached_pages:]
         # a plan of pieces where the transport receives in place and the pages form runs; staged otherwise
         pieces = self.transport.in_place and long_runs(send_pages) is not None
-        message_bytes = self.max_message_bytes or (1 << 30 if pieces else self._staged_bytes)
+        message_bytes = self.max_message_bytes or (1 << 31 if pieces else self._staged_bytes)
         plan = TransferPlan.build(self.rows, _next_transfer_id(), len(send_pages), self.layers_per_group,
                                   message_bytes, send_pages, pieces)
         # the node sees several engines' requests: the transfer id makes ours unique there

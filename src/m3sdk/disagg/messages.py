@@ -32,8 +32,8 @@ class Limits:
 
     max_prompt_tokens: int = 1 << 17
     # one data-plane message: a staged decode side posts buffers of up to this size (its window of them), a
-    # decode side that receives in place (plans of pieces) asks for 1 GiB messages (client.py)
-    max_message_bytes: int = 1 << 30
+    # decode side that receives in place (plans of pieces) asks for 2 GiB messages (client.py)
+    max_message_bytes: int = 1 << 31
     max_deadline_s: float = 3600.0
     max_in_flight: int = 256  # prefills a node holds at once; more are refused with RESOURCE_EXHAUSTED
 
