@@ -524,12 +524,15 @@ class UcxReceive:
         plan = self._plan
         count = len(plan.messages)
         self._layout.prepare()
-        with _using(self._io):
+        # in place, arming and checks touch host slots only: no stream switch (CUDA calls that on the H200 pair
+        # contend with UCX's spinning progress thread)
+        io = None if self._in_place else self._io
+        with _using(io):
             first = [self._arm(index) for index in range(min(self._window, count))]
-        if self._io is not None:
-            self._io.synchronize()
-            if self._in_place:
-                self._before.synchronize()
+        if io is not None:
+            io.synchronize()
+        elif self._dst.is_cuda:
+            self._before.synchronize()
         for index, buf in enumerate(first):
             self._post(index, buf)
         index = 0
@@ -544,7 +547,7 @@ class UcxReceive:
             msgs = list(plan.messages[index:index + len(bufs)])
             self._release(wait=False)
             following = range(index + self._window, min(index + len(bufs) + self._window, count))
-            with _using(self._io):
+            with _using(io):
                 armed = [self._arm(i) for i in following]
                 self._check(msgs, bufs)
             for i, buf in zip(following, armed, strict=True):  # before the scatter, so UCX can fill them meanwhile
