@@ -148,30 +148,10 @@ def _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM: tl.cons
 
 
 @triton.jit
-def _halves(x, H: tl.constexpr):
-    """A [2 * H] vector as its two halves."""
-    return tl.split(tl.permute(tl.reshape(x, [2, H]), [1, 0]))
-
-
-@triton.jit
-def _e4m3_to_f16(x, DOT: tl.constexpr):
-    """e4m3 -> fp16 (exact) by PTX cvt, 4 bytes per call. Not pure, so Triton keeps it where it is: V is converted in
-    registers and reaches the dot through an fp16 shared-memory copy (ldmatrix) instead of Triton moving the convert
-    behind the dot-operand load, which reads row-major fp8 V a byte at a time (LDS.U8 and byte packing: ~200 of the
-    1178 sm90 SASS instructions of an MSA decode tile). The interpreter (DOT fp32) converts plainly."""
-    if DOT == tl.float16:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [x.to(tl.int8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
-    return x.to(DOT)
-
-
-@triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
                  SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-                 KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr, V_F16: tl.constexpr, MOD_AND: tl.constexpr,
-                 LAZY: tl.constexpr):
+                 KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
 
     KEYS_M (bf16 decode; sm90's dense default): the keys are the MMA's M (a decode tile's 16 rows are too few for
@@ -182,10 +162,7 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     key_ok = n < kv_end
     in_pages = n // PAGE < tl.cdiv(kv_end, PAGE)  # the keys of the sequence's pages, tails of the last included
     page = page.to(tl.int64)
-    if MOD_AND:  # n >= 0: a mask, not the signed remainder's fixups (sm90 SASS of the MSA FP8 loop 1174 -> 1065)
-        off = n & (PAGE - 1)
-    else:
-        off = n % PAGE
+    off = n % PAGE
     # ALL_SLOTS: K/V loaded unmasked (no per-row predicates): keys past kv_end read the tail of the sequence's last
     # page or (past its pages) that page again, finite values (Contract 1) that the masked scores weigh by p = 0.
     # The scale loads keep their masks (unmasked too, the sm90 dense kernel spilled).
@@ -218,46 +195,15 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
         if FP8:
             # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
             # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
             vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
-            pw = (p * (vs * V_MUL)[None, :]).to(DOT)
-            if V_F16 == 2:
-                v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
-                pv = tl.dot(pw, _e4m3_to_f16(v, DOT))
-            elif V_F16:
-                # plain pages: V converted in registers (_e4m3_to_f16), a half tile at a time, so the two fp16
-                # copies share one shared-memory buffer (a whole tile's made 29 KB per program: 7 per SM)
-                H: tl.constexpr = BLOCK_N // 2
-                p0, p1 = tl.split(tl.permute(tl.reshape(pw, [pw.shape[0], 2, H]), [0, 2, 1]))
-                pg0, pg1 = _halves(page, H)
-                ok0, ok1 = _halves(ld_ok, H)
-                h = tl.arange(0, H)
-                if MOD_AND:
-                    o0 = (start + h) & (PAGE - 1)
-                    o1 = (start + H + h) & (PAGE - 1)
-                else:
-                    o0 = (start + h) % PAGE
-                    o1 = (start + H + h) % PAGE
-                v0 = tl.load(v_base + pg0[:, None] * stride_cp + o0[:, None] * HEAD_DIM + d[None, :],
-                             mask=ok0[:, None], other=0.0)
-                v1 = tl.load(v_base + pg1[:, None] * stride_cp + o1[:, None] * HEAD_DIM + d[None, :],
-                             mask=ok1[:, None], other=0.0)
-                pv = tl.dot(p0, _e4m3_to_f16(v0, DOT))
-                pv = tl.dot(p1, _e4m3_to_f16(v1, DOT), pv)
-            else:
-                v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
-                pv = tl.dot(pw, v.to(DOT))
+            pv = tl.dot((p * (vs * V_MUL)[None, :]).to(DOT), v.to(DOT))
         else:
-            v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
             pv = tl.dot(p.to(DOT), v.to(DOT))
-        if LAZY:  # rescale only when some row's max grew (decode: one branch for the program's rows)
-            if tl.min(alpha) < 1.0:
-                acc = acc * alpha[:, None]
-            acc += pv
-        else:
-            acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
@@ -271,11 +217,14 @@ def _attn_kernel(
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
         PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr,
-        V_F16: tl.constexpr, MOD_AND: tl.constexpr, LAZY: tl.constexpr, ONE_EACH: tl.constexpr):
+        ONE_EACH: tl.constexpr, MERGE_EAGER: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    if ONE_EACH:  # decode with one query token per sequence (cu_q = 0, 1, ..): no search for the program's sequence
+    if ONE_EACH:
+        # decode, one query token per sequence (cu_q = 0, 1, ..): program i is sequence i. The search of cu_q is 6
+        # dependent loads ahead of the first page ids at b64 (H200 session 16 window 4, b64 32K: MSA FP8 0.0490-0.0496
+        # -> 0.0480-0.0481 ms, MSA bf16 0.0818 -> 0.0727, dense unchanged)
         seq = pid
         q_start = pid
         n_q = 1
@@ -337,7 +286,7 @@ def _attn_kernel(
                     page = _tile_pages(pages_ptr, start, end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
                                              vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
-                                             SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS, V_F16, MOD_AND, LAZY)
+                                             SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -362,7 +311,7 @@ def _attn_kernel(
                             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
                                                          v_base, ks_base, vs_base, page, qk_scale, stride_cp,
                                                          stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
-                                                         KEYS_M, ALL_SLOTS, V_F16, MOD_AND, LAZY)
+                                                         KEYS_M, ALL_SLOTS)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -382,8 +331,7 @@ def _attn_kernel(
                     page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
                                              ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
-                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS, V_F16,
-                                             MOD_AND, LAZY)
+                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)
                 if PAGE_AHEAD:
                     page = nxt
         if KEYS_M:
@@ -409,14 +357,15 @@ def _attn_kernel(
                     tl.debug_barrier()
                     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                              _merge_rows(part_o, part_lse, tok.to(tl.int64) * NUM_HEADS + head, num_tokens,
-                                         row_ok, NUM_HEADS, HEAD_DIM, NUM_SPLITS, BLOCK_M).to(out_ptr.dtype.element_ty),
+                                         row_ok, NUM_HEADS, HEAD_DIM, NUM_SPLITS, BLOCK_M,
+                                         MERGE_EAGER).to(out_ptr.dtype.element_ty),
                              mask=row_ok[:, None])
                     tl.store(count, 0)
 
 
 @triton.jit
 def _merge_rows(part_o, part_lse, row0, num_tokens, row_ok, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr):
+                NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, EAGER: tl.constexpr):
     """LSE-weighted mean of the NUM_SPLITS normalized partial outputs of rows `row0` (token * heads + head) of a
     MERGE_LAST program's tile; L2 loads (.cg): the partials were written by other programs of this launch."""
     d = tl.arange(0, HEAD_DIM)
@@ -430,7 +379,9 @@ def _merge_rows(part_o, part_lse, row0, num_tokens, row_ok, NUM_HEADS: tl.conste
     for s in tl.static_range(NUM_SPLITS):
         row = s * num_tokens * NUM_HEADS + row0
         w = tl.exp2(tl.load(part_lse + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m)
-        o += w[:, None] * tl.load(part_o + row[:, None] * HEAD_DIM + d[None, :], mask=(w > 0)[:, None], other=0.0,
+        # EAGER: every split wrote its partial (finite; 0 where it saw no key), so the loads need not wait for w
+        ok = row_ok[:, None] if EAGER else (w > 0)[:, None]
+        o += w[:, None] * tl.load(part_o + row[:, None] * HEAD_DIM + d[None, :], mask=ok, other=0.0,
                                   cache_modifier=".cg")
         w_sum += w
     return o / tl.maximum(w_sum, 1e-30)[:, None]
@@ -495,10 +446,10 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0),
             "MERGE_LAST": cfg.get("MERGE_LAST", 0) if 1 < splits <= MERGE_LAST_MAX_SPLITS else 0,
-            "KEYS_M": keys_m, "ALL_SLOTS": cfg.get("ALL_SLOTS", 0), "V_F16": int(fp8 and cfg.get("V_F16", 0)),
-            "MOD_AND": cfg.get("MOD_AND", 0), "LAZY": int(block_q == 1 and not keys_m and cfg.get("LAZY", 0)),
+            "KEYS_M": keys_m, "ALL_SLOTS": cfg.get("ALL_SLOTS", 0),
             # every sequence has exactly one query token (max_seqlen_q is the true maximum: Contract 2's metadata)
-            "ONE_EACH": int(max_seqlen_q == 1 and num_tokens == num_seqs and cfg.get("ONE_EACH", 0)),
+            "ONE_EACH": int(max_seqlen_q == 1 and num_tokens == num_seqs),
+            "MERGE_EAGER": cfg.get("MERGE_EAGER", 0),
             "maxnreg": cfg.get("maxnreg")}
 
 
@@ -528,7 +479,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton `paged_attention_ref`. Pass the host ints `max_seqlen_q` / `max_context_len` (the step's metadata
     has them) to avoid a device sync; they pick tile shapes and split counts, and `max_seqlen_q` must be the true
-    maximum (with ONE_EACH, a decode batch of one token per sequence maps programs to sequences directly).
+    maximum (a decode batch of one token per sequence maps programs to sequences directly).
     `out` ([T, Hq, D], q's dtype) receives the result when given (a CUDA graph's static buffer)."""
     t_total, hq, head_dim = q.shape
     num_seqs = context_lens.shape[0]
@@ -566,8 +517,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
-        ALL_SLOTS=plan["ALL_SLOTS"], V_F16=plan["V_F16"] if layout == "plain" else 0, MOD_AND=plan["MOD_AND"],
-        LAZY=plan["LAZY"], ONE_EACH=plan["ONE_EACH"],
+        ALL_SLOTS=plan["ALL_SLOTS"], ONE_EACH=plan["ONE_EACH"], MERGE_EAGER=plan["MERGE_EAGER"],
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -608,8 +558,8 @@ def aot_variants(arch: Arch) -> list:
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
                         "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"],
-                        "ALL_SLOTS": plan["ALL_SLOTS"], "V_F16": plan["V_F16"] if layout == "plain" else 0,
-                        "MOD_AND": plan["MOD_AND"], "LAZY": plan["LAZY"], "ONE_EACH": plan["ONE_EACH"]},
+                        "ALL_SLOTS": plan["ALL_SLOTS"], "ONE_EACH": plan["ONE_EACH"],
+                        "MERGE_EAGER": plan["MERGE_EAGER"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))

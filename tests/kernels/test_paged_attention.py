@@ -167,40 +167,22 @@ def test_keys_as_mma_rows_decode(monkeypatch, merge_last):
 
 
 
-@pytest.mark.parametrize("lazy", [0, 1], ids=["", "lazy-mask"])
-@pytest.mark.parametrize("all_slots", [0, 1], ids=["masked", "all-slots"])
-@pytest.mark.parametrize("v_f16", [0, 1, 2], ids=["fp8-operand", "halves", "whole-tile"])
-def test_fp8_decode_v_in_registers(monkeypatch, v_f16, all_slots, lazy):
-    """V_F16 (FP8 plain pages): V converted to fp16 before its dot, the whole tile or two halves loaded apart (dense
-    32-key tiles: a page each; MSA 16-key tiles of 16-token blocks: half a page each), with and without per-key load
-    masks, with the accumulator rescaled only when a row's max grew (LAZY) and slots by a mask (MOD_AND), against
-    the reference."""
-    for family, extra in (("attn_decode:fp8", {"BLOCK_N": 32, "SPLIT_PROGRAMS": 24}),
-                          ("sparse_decode:fp8", {"BLOCK_N": 16})):
-        monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], **extra, "V_F16": v_f16,
-                                                         "ALL_SLOTS": all_slots, "LAZY": lazy, "MOD_AND": lazy})
-    ctx, new = DECODE
-    assert attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128, fp8=True)["V_F16"] == v_f16
-    assert attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128)["V_F16"] == 0
-    step = make_step(ctx, new, HKV, D, "fp8", "plain", index_dim=32)
-    q = torch.randn(sum(new), HKV * GROUP, D).to(torch.bfloat16)
-    index_q = torch.randn(sum(new), HKV, 32).to(torch.bfloat16)
-    sel = indexer_topk_ref(index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, 16, 2, 1)
-    for kw in ({}, {"block_sel": sel, "block_size": 16}):
-        got, ref = run(step, q, D**-0.5, **kw)
-        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
-
-
+@pytest.mark.parametrize("eager", [0, 1], ids=["merge", "merge-eager"])
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
-def test_decode_one_token_each(monkeypatch, kv_dtype):
-    """ONE_EACH: a decode batch of one query token per sequence maps program i to sequence i without searching
-    cu_seqlens_q (dense and MSA decode against the reference); a batch where some sequence has no token keeps the
-    search."""
-    for family in ("attn_decode", "attn_decode:fp8", "sparse_decode", "sparse_decode:fp8"):
-        if "sm90" in arch.TILES.get(family, {}):
-            monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], "ONE_EACH": 1})
+def test_decode_one_token_each(monkeypatch, kv_dtype, eager):
+    """A decode batch of one query token per sequence maps program i to sequence i without searching cu_seqlens_q
+    (ONE_EACH; a batch where some sequence has no token keeps the search): dense decode in 4 splits of 16-key tiles
+    (short contexts leave splits empty) and MSA decode, merged by the last program of each token's splits, its
+    partial loads waiting for the weights or not (MERGE_EAGER), against the reference."""
+    for family, extra in (("attn_decode", {"BLOCK_N": 16, "SPLIT_PROGRAMS": 1 << 12}),
+                          ("attn_decode:fp8", {"BLOCK_N": 16, "SPLIT_PROGRAMS": 1 << 12}),
+                          ("sparse_decode", {}), ("sparse_decode:fp8", {})):
+        monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], **extra, "MERGE_LAST": 1,
+                                                         "MERGE_EAGER": eager})
     ctx, new = DECODE
-    assert attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128)["ONE_EACH"] == 1
+    plan = attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128, fp8=kv_dtype == "fp8")
+    assert plan["ONE_EACH"] == 1 and plan["NUM_SPLITS"] == 4 and plan["MERGE_LAST"] == 1
+    assert plan["MERGE_EAGER"] == eager
     assert attention_plan(len(ctx) - 1, len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128)["ONE_EACH"] == 0
     step = make_step(ctx, new, HKV, D, kv_dtype, "plain", index_dim=32)
     q = torch.randn(sum(new), HKV * GROUP, D).to(torch.bfloat16)
