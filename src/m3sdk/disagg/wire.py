@@ -34,6 +34,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from m3sdk.cache.kv_pool import KVPool
@@ -175,15 +176,17 @@ def _trailer(plan: TransferPlan, msg: MessageSpec) -> bytes:
 
 def long_runs(pages: Sequence[int]) -> tuple[tuple[int, int, int], ...] | None:
     """(offset, first page, length) of each run of consecutive page ids, when they are `MIN_RUN` pages long on
-    average (a plan carries them; shorter: index kernels); None otherwise."""
-    runs: list[tuple[int, int, int]] = []
-    for i, page in enumerate(pages):
-        if runs and runs[-1][1] + runs[-1][2] == page:
-            at, first, length = runs[-1]
-            runs[-1] = (at, first, length + 1)
-        else:
-            runs.append((i, page, 1))
-    return tuple(runs) if len(runs) * MIN_RUN <= len(pages) else None
+    average (a plan carries them; shorter: index kernels); None otherwise. In numpy: both sides work it out for
+    every transfer, and a Python loop over a 32K prompt's 2048 pages took 0.3-0.6 ms on the H200 host."""
+    ids = np.asarray(pages, dtype=np.int64)
+    if not len(ids):
+        return ()
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    if (len(breaks) + 1) * MIN_RUN > len(ids):
+        return None
+    starts = [0, *breaks.tolist()]
+    ends = [*starts[1:], len(ids)]
+    return tuple((a, page, b - a) for a, b, page in zip(starts, ends, ids[starts].tolist(), strict=True))
 
 
 def _runs(pages: torch.Tensor) -> list[tuple[int, int, int]] | None:
