@@ -217,7 +217,11 @@ def _attn_kernel(
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
         PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr,
-        ONE_EACH: tl.constexpr, MERGE_EAGER: tl.constexpr):
+        ONE_EACH: tl.constexpr, MERGE_EAGER: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched as a programmatic dependent (CUDA): the next kernel may launch at once; this one reads
+        # nothing before the previous kernel is done
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -449,7 +453,7 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             "KEYS_M": keys_m, "ALL_SLOTS": cfg.get("ALL_SLOTS", 0),
             # every sequence has exactly one query token (max_seqlen_q is the true maximum: Contract 2's metadata)
             "ONE_EACH": int(max_seqlen_q == 1 and num_tokens == num_seqs),
-            "MERGE_EAGER": cfg.get("MERGE_EAGER", 0),
+            "MERGE_EAGER": cfg.get("MERGE_EAGER", 0), "PDL": cfg.get("PDL", 0),
             "maxnreg": cfg.get("maxnreg")}
 
 
@@ -507,6 +511,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sel = block_sel if sparse else page_table
     arrivals = arrival_counters(q.device, plan["q_blocks"] * hkv) if plan["MERGE_LAST"] else out  # unread without
     limits = {"maxnreg": plan["maxnreg"]} if plan["maxnreg"] else {}
+    pdl = bool(plan["PDL"]) and q.is_cuda and not interpreting()
+    if pdl:
+        limits["launch_pdl"] = True
     _attn_kernel[(plan["q_blocks"], hkv, splits)](
         q, k_cache, v_cache, ks, vs, page_table, cu_seqlens_q, context_lens, sel, out, part_o, part_lse, arrivals,
         scale * 1.4426950408889634, num_seqs, t_total, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -517,7 +524,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
-        ALL_SLOTS=plan["ALL_SLOTS"], ONE_EACH=plan["ONE_EACH"], MERGE_EAGER=plan["MERGE_EAGER"],
+        ALL_SLOTS=plan["ALL_SLOTS"], ONE_EACH=plan["ONE_EACH"], MERGE_EAGER=plan["MERGE_EAGER"], PDL=pdl,
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -559,7 +566,7 @@ def aot_variants(arch: Arch) -> list:
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
                         "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"],
                         "ALL_SLOTS": plan["ALL_SLOTS"], "ONE_EACH": plan["ONE_EACH"],
-                        "MERGE_EAGER": plan["MERGE_EAGER"]},
+                        "MERGE_EAGER": plan["MERGE_EAGER"], "PDL": plan["PDL"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))
