@@ -167,22 +167,19 @@ def test_keys_as_mma_rows_decode(monkeypatch, merge_last):
 
 
 
-@pytest.mark.parametrize("eager", [0, 1], ids=["merge", "merge-eager"])
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
-def test_decode_one_token_each(monkeypatch, kv_dtype, eager):
+def test_decode_one_token_each(monkeypatch, kv_dtype):
     """A decode batch of one query token per sequence maps program i to sequence i without searching cu_seqlens_q
     (ONE_EACH; a batch where some sequence has no token keeps the search): dense decode in 4 splits of 16-key tiles
-    (short contexts leave splits empty) and MSA decode, merged by the last program of each token's splits, its
-    partial loads waiting for the weights or not (MERGE_EAGER), against the reference."""
+    (short contexts leave splits empty: their partials are zeros the merge loads without waiting for their weights)
+    and MSA decode, merged by the last program of each token's splits, against the reference."""
     for family, extra in (("attn_decode", {"BLOCK_N": 16, "SPLIT_PROGRAMS": 1 << 12}),
                           ("attn_decode:fp8", {"BLOCK_N": 16, "SPLIT_PROGRAMS": 1 << 12}),
                           ("sparse_decode", {}), ("sparse_decode:fp8", {})):
-        monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], **extra, "MERGE_LAST": 1,
-                                                         "MERGE_EAGER": eager})
+        monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], **extra, "MERGE_LAST": 1})
     ctx, new = DECODE
     plan = attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128, fp8=kv_dtype == "fp8")
     assert plan["ONE_EACH"] == 1 and plan["NUM_SPLITS"] == 4 and plan["MERGE_LAST"] == 1
-    assert plan["MERGE_EAGER"] == eager
     assert attention_plan(len(ctx) - 1, len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128)["ONE_EACH"] == 0
     step = make_step(ctx, new, HKV, D, kv_dtype, "plain", index_dim=32)
     q = torch.randn(sum(new), HKV * GROUP, D).to(torch.bfloat16)
