@@ -450,7 +450,7 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0),
             "MERGE_LAST": cfg.get("MERGE_LAST", 0) if 1 < splits <= MERGE_LAST_MAX_SPLITS else 0,
             "KEYS_M": keys_m, "ALL_SLOTS": cfg.get("ALL_SLOTS", 0),
-            # every sequence has exactly one query token (max_seqlen_q is the true maximum: Contract 2's metadata)
+            # every sequence has exactly one query token (max_seqlen_q is never below the true maximum: Contract 2)
             "ONE_EACH": int(max_seqlen_q == 1 and num_tokens == num_seqs),
             "PDL": cfg.get("PDL", 0),
             "maxnreg": cfg.get("maxnreg")}
@@ -481,8 +481,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_seqlen_q: int | None = None, max_context_len: int | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton `paged_attention_ref`. Pass the host ints `max_seqlen_q` / `max_context_len` (the step's metadata
-    has them) to avoid a device sync; they pick tile shapes and split counts, and `max_seqlen_q` must be the true
-    maximum (a decode batch of one token per sequence maps programs to sequences directly).
+    has them) to avoid a device sync; they pick tile shapes and split counts and must not be below the true maxima
+    (with `max_seqlen_q` 1 and as many tokens as sequences, programs map to sequences directly).
     `out` ([T, Hq, D], q's dtype) receives the result when given (a CUDA graph's static buffer)."""
     t_total, hq, head_dim = q.shape
     num_seqs = context_lens.shape[0]
