@@ -114,13 +114,9 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
         "gfx942": {"BLOCK_N": 32, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 1, "SPLIT_PROGRAMS": 608},
         "gfx950": {"BLOCK_N": 32, "BLOCK_Q": 8, "num_warps": 8, "num_stages": 1, "SPLIT_PROGRAMS": 512},
     },
-    # MSA: same kernel walking the selected blocks; decode splits the top-k over programs. PDL (sm90): launched as a
-    # programmatic dependent, waiting for the previous kernel before reading anything (session 16 window 5, b64 32K,
-    # with the merge's partial loads no longer waiting for their weights: FP8 0.0473-0.0475 -> 0.0459-0.0461 ms,
-    # 128K 0.0472 -> 0.0460, bf16 0.0710 -> 0.0702; dense decode unchanged by it)
+    # MSA: same kernel walking the selected blocks; decode splits the top-k over programs
     "sparse_decode": {
-        "sm90": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 3, "SPLIT_PROGRAMS": 528, "MERGE_LAST": 1,
-                 "PDL": 1},
+        "sm90": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 3, "SPLIT_PROGRAMS": 528, "MERGE_LAST": 1},
         "gfx942": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1216},
         "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
     },
@@ -131,9 +127,12 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
     # device time (62 -> 67 % of the read floor, 1.25x -> 1.34x SDPA pre-gathered) against session 13's two 2-warp
     # programs of 64-key tiles; 2048 programs (two waves), 16-key tiles, 4 stages, register caps: slower.
     # ALL_SLOTS as dense FP8: session 15 windows 2-3, the same from DRAM (0.0489-0.0495 vs 0.0487-0.0497 ms), with
-    # every page in L2 0.0430 -> 0.0418; 2 / 4 stages, 2048 programs under a 128 / 168-register cap: slower
+    # every page in L2 0.0430 -> 0.0418; 2 / 4 stages, 2048 programs under a 128 / 168-register cap: slower.
+    # PDL: launched as a programmatic dependent, waiting for the previous kernel before reading anything (session 16,
+    # b64: window 5, with the merge's partial loads no longer waiting for their weights, 32K 0.0473-0.0475 -> 0.0459-
+    # 0.0461 ms, 128K 0.0472 -> 0.0460; window 6, PDL off / on: 0.0477 / 0.0470-0.0471, 128K 0.0479 / 0.0470)
     "sparse_decode:fp8": {"sm90": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "SPLIT_PROGRAMS": 1024,
-                                   "PAGE_AHEAD": 1, "MERGE_LAST": 1, "ALL_SLOTS": 1}},
+                                   "PAGE_AHEAD": 1, "MERGE_LAST": 1, "ALL_SLOTS": 1, "PDL": 1}},
     # sm90: 4 query tokens x 16 heads (one warpgroup's 64 MMA rows): a tile's block union is smaller, so less work
     # on blocks other rows chose (H200, 32K tokens: 46.8 -> 29.9 ms random selections, 12.7 -> 12.1 smooth)
     "sparse_prefill": {

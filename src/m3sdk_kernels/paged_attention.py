@@ -228,7 +228,7 @@ def _attn_kernel(
     if ONE_EACH:
         # decode, one query token per sequence (cu_q = 0, 1, ..): program i is sequence i. The search of cu_q is 6
         # dependent loads ahead of the first page ids at b64 (H200 session 16 window 4, b64 32K: MSA FP8 0.0490-0.0496
-        # -> 0.0480-0.0481 ms, MSA bf16 0.0818 -> 0.0727, dense unchanged)
+        # -> 0.0480-0.0481 ms, dense unchanged)
         seq = pid
         q_start = pid
         n_q = 1
