@@ -157,14 +157,17 @@ def test_keys_as_mma_rows_decode(monkeypatch, merge_last):
                                                          "MERGE_LAST": merge_last})
     ctx, new = DECODE
     assert attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128)["KEYS_M"] == 1
-    step = make_step(ctx, new, HKV, D, "bf16", "plain")
+    dense_and_msa_decode_match(make_step(ctx, new, HKV, D, "bf16", "plain"), new)
+
+
+def dense_and_msa_decode_match(step, new: list[int]) -> None:
+    """Dense decode, then MSA decode over the reference indexer's top-2 of 16-key blocks, against the reference."""
     q = torch.randn(sum(new), HKV * GROUP, D).to(torch.bfloat16)
     index_q = torch.randn(sum(new), HKV, 32).to(torch.bfloat16)
     sel = indexer_topk_ref(index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, 16, 2, 1)
     for kw in ({}, {"block_sel": sel, "block_size": 16}):
         got, ref = run(step, q, D**-0.5, **kw)
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
-
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
@@ -181,10 +184,4 @@ def test_decode_one_token_each(monkeypatch, kv_dtype):
     plan = attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128, fp8=kv_dtype == "fp8")
     assert plan["ONE_EACH"] == 1 and plan["NUM_SPLITS"] == 4 and plan["MERGE_LAST"] == 1
     assert attention_plan(len(ctx) - 1, len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128)["ONE_EACH"] == 0
-    step = make_step(ctx, new, HKV, D, kv_dtype, "plain", index_dim=32)
-    q = torch.randn(sum(new), HKV * GROUP, D).to(torch.bfloat16)
-    index_q = torch.randn(sum(new), HKV, 32).to(torch.bfloat16)
-    sel = indexer_topk_ref(index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, 16, 2, 1)
-    for kw in ({}, {"block_sel": sel, "block_size": 16}):
-        got, ref = run(step, q, D**-0.5, **kw)
-        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    dense_and_msa_decode_match(make_step(ctx, new, HKV, D, kv_dtype, "plain"), new)
