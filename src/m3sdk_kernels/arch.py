@@ -71,6 +71,13 @@ def current_arch(device: torch.device | str | None = None) -> Arch:
     return _detect(index)
 
 
+def pdl_launch(wanted: object, x: torch.Tensor) -> dict:
+    """Launch options of a kernel that a tile table lets start as a programmatic dependent (PDL: griddepcontrol,
+    CUDA only): `{"launch_pdl": True}` when `wanted` and `x` lives on a CUDA device with compiled kernels (not
+    under TRITON_INTERPRET=1), else {}. The kernel's PDL constexpr is `bool()` of the result."""
+    return {"launch_pdl": True} if wanted and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" else {}
+
+
 def fp8_dtype(device: torch.device | str | None = None) -> torch.dtype:
     """The fp8 storage type for KV and index caches on `device`'s platform."""
     return current_arch(device).fp8_dtype

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .arch import Arch, current_arch, tiles
+from .arch import Arch, current_arch, pdl_launch, tiles
 from .cache_write import quantize_fp8_ref
 from .quant import INTERPRET, fp8_grid
 
@@ -73,13 +73,13 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         r = residual if residual is not None else x
         cfg = tiles("rms_norm", current_arch(x.device))
         # PDL (the table's, sm90) where the output is fp8: it feeds an FP8 GEMM, which launches so too
-        pdl = bool(cfg.get("PDL", 0)) and fp8_dtype is not None and x.is_cuda and not INTERPRET
+        launch = pdl_launch(cfg.get("PDL", 0) and fp8_dtype is not None, x)
         _add_rms_norm_kernel[(t,)](
             x, r, weight, y, scale if scale is not None else y, h, hdim, x.stride(0), r.stride(0), y.stride(0),
             h.stride(0), eps, HAS_RESIDUAL=residual is not None, FP8_OUT=fp8_dtype is not None,
             FP8_MAX=torch.finfo(fp8_dtype).max if fp8_dtype is not None else 0.0,
-            BLOCK_H=triton.next_power_of_2(hdim), PDL=pdl, INTERPRET=INTERPRET, num_warps=cfg["num_warps"],
-            **({"launch_pdl": True} if pdl else {}))
+            BLOCK_H=triton.next_power_of_2(hdim), PDL=bool(launch), INTERPRET=INTERPRET,
+            num_warps=cfg["num_warps"], **launch)
     return y, scale, h
 
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .arch import Arch, tiles
+from .arch import Arch, pdl_launch, tiles
 from .layout import PAGE, gather_kv_ref, shuffle_width, slot_offsets
 
 
@@ -510,9 +510,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sel = block_sel if sparse else page_table
     arrivals = arrival_counters(q.device, plan["q_blocks"] * hkv) if plan["MERGE_LAST"] else out  # unread without
     limits = {"maxnreg": plan["maxnreg"]} if plan["maxnreg"] else {}
-    pdl = bool(plan["PDL"]) and q.is_cuda and not interpreting()
-    if pdl:
-        limits["launch_pdl"] = True
+    limits |= pdl_launch(plan["PDL"], q)
     _attn_kernel[(plan["q_blocks"], hkv, splits)](
         q, k_cache, v_cache, ks, vs, page_table, cu_seqlens_q, context_lens, sel, out, part_o, part_lse, arrivals,
         scale * 1.4426950408889634, num_seqs, t_total, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -523,7 +521,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
-        ALL_SLOTS=plan["ALL_SLOTS"], ONE_EACH=plan["ONE_EACH"], PDL=pdl,
+        ALL_SLOTS=plan["ALL_SLOTS"], ONE_EACH=plan["ONE_EACH"], PDL="launch_pdl" in limits,
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,

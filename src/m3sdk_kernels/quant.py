@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .arch import Arch, current_arch, tiles
+from .arch import Arch, current_arch, pdl_launch, tiles
 from .cache_write import quantize_fp8_ref
 
 MX_BLOCK = 32
@@ -244,11 +244,6 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, alpha, limit,
     tl.store(s_ptr + row, scale)
 
 
-def _pdl_launch(pdl: bool) -> dict:
-    # the launch option only where it means something (a CUDA device, compiled kernels)
-    return {"launch_pdl": True} if pdl else {}
-
-
 def _quant_rows(x: torch.Tensor, k: int, fp8_dtype: torch.dtype | None, pdl: bool,
                 swiglu: tuple[float, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
     fp8_dtype = fp8_dtype or current_arch(x.device).fp8_dtype
@@ -260,12 +255,12 @@ def _quant_rows(x: torch.Tensor, k: int, fp8_dtype: torch.dtype | None, pdl: boo
         # the whole row in one tile where it fits: one read (a row of M3's 6144 in 1024-wide steps was 12
         # dependent loads, most of the 4-8 us the launch cost at decode)
         block = min(triton.next_power_of_2(k), t["BLOCK_K"])
-        pdl = pdl and x.is_cuda and not INTERPRET
+        launch = pdl_launch(pdl, x)
         alpha, limit = swiglu or (0.0, 0.0)
         _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), alpha, limit,
                                  FP8_MAX=torch.finfo(fp8_dtype).max, BLOCK_K=block, ONE_TILE=k <= block,
-                                 SWIGLU=swiglu is not None, PDL=pdl, INTERPRET=INTERPRET, num_warps=t["num_warps"],
-                                 **_pdl_launch(pdl))
+                                 SWIGLU=swiglu is not None, PDL=bool(launch), INTERPRET=INTERPRET,
+                                 num_warps=t["num_warps"], **launch)
     return q, s
 
 
@@ -465,7 +460,8 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
     # fp32 partials of every split (unused without a split: any fp32 pointer will do)
     ws = torch.empty(tiles_mn * split * t["BLOCK_M"] * t["BLOCK_N"] if split > 1 else 1, dtype=torch.float32,
                      device=x_q.device)
-    pdl = bool(t.get("PDL", 0)) and x_q.is_cuda and not INTERPRET
+    launch = pdl_launch(t.get("PDL", 0), x_q)
+    pdl = bool(launch)
     w_desc = None
     if t.get("TMA", 0) and t.get("SWAP_AB", 0) and x_q.is_cuda and not INTERPRET:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -476,7 +472,7 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
         BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"], SPLIT_K=split,
         STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0), EVEN_K=k % t["BLOCK_K"] == 0, PDL=pdl,
         PREFETCH=t.get("PREFETCH", 0) if pdl else 0, num_warps=t["num_warps"], num_stages=t["num_stages"],
-        **_pdl_launch(pdl))
+        **launch)
     return out
 
 
