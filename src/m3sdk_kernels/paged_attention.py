@@ -407,90 +407,6 @@ def _merge_kernel(part_o, part_lse, out_ptr, num_tokens, stride_ot, stride_oh, N
     tl.store(out_ptr + t * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _msa_warp_tile(blks, jb, i, pages_ptr, ctx, TILES_PER: tl.constexpr, SEL_BLOCK: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """(keys [SPLITS, BLOCK_N], their visibility, page ids) of tile i of every warp's slice of the selection, whose
-    block ids + 1 (0: none) are `blks` [SPLITS, BLOCKS_PER], indexed by `jb`; see `_sel_tile`."""
-    blk = tl.sum(tl.where(jb[None, :] == i // TILES_PER, blks, 0), 1) - 1
-    n = (tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N)[:, None] + tl.arange(0, BLOCK_N)[None, :]
-    ok = (blk >= 0)[:, None] & (n < ctx)
-    page = tl.load(pages_ptr + tl.minimum(n // PAGE, tl.maximum(tl.cdiv(ctx, PAGE) - 1, 0)))
-    return n, ok, page
-
-
-@triton.jit
-def _msa_decode_warps_kernel(
-        q_ptr, k_cache, v_cache, k_scale, v_scale, page_table, ctx_lens, sel_ptr, out_ptr, qk_scale, stride_qt,
-        stride_qh, stride_ot, stride_oh, stride_pt, stride_cp, stride_ch, stride_sp, stride_sh, stride_sel_h,
-        stride_sel_t, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLITS: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, X: tl.constexpr,
-        SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
-    """MSA decode of a batch of one query token per sequence (token t is sequence t): one program per (token, KV
-    head), its selection cut into SPLITS slices, one per warp (SPLITS is the leading dim of every tile, which a
-    batched tl.dot lays out one warp each), merged by LSE inside the program at the end. The split-program kernel
-    stores partials, counts arrivals and has its last program reload them: a fixed tail per program that this one
-    replaces by a cross-warp reduction in shared memory. Loads are unmasked (ALL_SLOTS, Contract 1)."""
-    if PDL:  # see _attn_kernel
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    ctx = tl.load(ctx_lens + t)
-    hh = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, HEAD_DIM)
-    head = h * GROUP + hh
-    row_ok = hh < GROUP
-    q = tl.load(q_ptr + t * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    q = tl.broadcast_to(q.to(DOT)[None, :, :], (SPLITS, BLOCK_H, HEAD_DIM))
-    TILES_PER: tl.constexpr = SEL_BLOCK // BLOCK_N
-    BLOCKS_PER: tl.constexpr = (TOPK + SPLITS - 1) // SPLITS
-    w = tl.arange(0, SPLITS)
-    jb = tl.arange(0, TOPK_PAD // SPLITS)  # >= BLOCKS_PER: SPLITS is a power of 2, <= TOPK_PAD
-    idx = w[:, None] * BLOCKS_PER + jb[None, :]
-    blks = tl.load(sel_ptr + h * stride_sel_h + t.to(tl.int64) * stride_sel_t + idx,
-                   mask=(jb[None, :] < BLOCKS_PER) & (idx < TOPK), other=-1) + 1
-    pages_ptr = page_table + t.to(tl.int64) * stride_pt
-    k_base = k_cache + h * stride_ch
-    v_base = v_cache + h * stride_ch
-    ks_base = k_scale + h * stride_sh
-    vs_base = v_scale + h * stride_sh
-    acc = tl.zeros([SPLITS, BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    m_i = tl.full([SPLITS, BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([SPLITS, BLOCK_H], dtype=tl.float32)
-    n, ok, page = _msa_warp_tile(blks, jb, 0, pages_ptr, ctx, TILES_PER, SEL_BLOCK, BLOCK_N)
-    for i in range(0, BLOCKS_PER * TILES_PER):
-        # page ids carried one tile ahead (PAGE_AHEAD of the split-program kernel)
-        n_next, ok_next, page_next = _msa_warp_tile(blks, jb, i + 1, pages_ptr, ctx, TILES_PER, SEL_BLOCK, BLOCK_N)
-        pg = page.to(tl.int64)
-        off = n % PAGE
-        slot = pg[:, :, None] * stride_cp
-        k = tl.load(k_base + slot + slot_offsets(off[:, :, None], d[None, None, :], HEAD_DIM, X, SHUFFLE, False))
-        s = tl.dot(q, tl.permute(k.to(DOT), (0, 2, 1)))  # [SPLITS, BLOCK_H, BLOCK_N]
-        if FP8:
-            s *= (tl.load(ks_base + pg * stride_sp + off, mask=ok, other=0.0) * qk_scale)[:, None, :]
-        else:
-            s *= qk_scale
-        s = tl.where(ok[:, None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 2))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, :, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 2)
-        v = tl.load(v_base + slot + slot_offsets(off[:, :, None], d[None, None, :], HEAD_DIM, X, SHUFFLE, True))
-        if FP8:  # p * amax of the token's V row, as in _attend_tile
-            p *= (tl.load(vs_base + pg * stride_sp + off, mask=ok, other=0.0) * V_MUL)[:, None, :]
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(DOT), v.to(DOT))
-        m_i = m_new
-        n, ok, page = n_next, ok_next, page_next
-    m = tl.max(m_i, 0)
-    wgt = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 for a slice that saw no key
-    den = tl.sum(l_i * wgt, 0)
-    o = tl.sum(acc * wgt[:, :, None], 0) / (tl.where(den > 0, den, 1.0) * V_MUL)[:, None]
-    tl.store(out_ptr + t * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
-
-
 def interpreting() -> bool:
     """Under TRITON_INTERPRET=1 the kernels do their dots in fp32 (a bf16 tl.dot is wrong in the interpreter)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -529,18 +445,13 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     max_splits = block_q * topk if sparse else max(1, triton.cdiv(max_context_len, 4 * block_n))
     want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks * num_kv_heads))
     splits = min(1 << (want.bit_length() - 1), triton.next_power_of_2(max_splits))
-    # every sequence has exactly one query token (max_seqlen_q is never below the true maximum: Contract 2)
-    one_each = int(max_seqlen_q == 1 and num_tokens == num_seqs)
-    # MSA decode with the chip full at WARP_SPLITS splits or fewer: one program per (token, KV head), a warp per split
-    warps = cfg.get("WARP_SPLITS", 0)
-    warp_splits = warps if sparse and one_each and warps and splits <= warps <= triton.next_power_of_2(topk) else 0
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0),
             "MERGE_LAST": cfg.get("MERGE_LAST", 0) if 1 < splits <= MERGE_LAST_MAX_SPLITS else 0,
             "KEYS_M": keys_m, "ALL_SLOTS": cfg.get("ALL_SLOTS", 0),
-            "ONE_EACH": one_each,
-            "WARP_SPLITS": warp_splits,
+            # every sequence has exactly one query token (max_seqlen_q is never below the true maximum: Contract 2)
+            "ONE_EACH": int(max_seqlen_q == 1 and num_tokens == num_seqs),
             "PDL": cfg.get("PDL", 0),
             "maxnreg": cfg.get("maxnreg")}
 
@@ -588,39 +499,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     topk = block_sel.shape[-1] if sparse else 1
     plan = attention_plan(t_total, num_seqs, hkv, hq // hkv, max_seqlen_q, max_context_len, sparse, topk,
                           block_size, k_scale is not None)
-    fp8 = k_scale is not None
-    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
-    sel = block_sel if sparse else page_table
-    limits = {"maxnreg": plan["maxnreg"]} if plan["maxnreg"] else {}
-    limits |= pdl_launch(plan["PDL"], q)
-    shape_args = {"HEAD_DIM": head_dim, "GROUP": hq // hkv, "BLOCK_H": plan["BLOCK_H"], "BLOCK_N": plan["BLOCK_N"],
-                  "TOPK": topk, "TOPK_PAD": triton.next_power_of_2(topk), "SEL_BLOCK": block_size,
-                  "X": shuffle_width(k_cache.dtype), "SHUFFLE": layout == "shuffle", "FP8": fp8,
-                  "V_MUL": torch.finfo(v_cache.dtype).max if fp8 else 1.0, "DOT": dot_dtype(k_cache.dtype),
-                  "PDL": "launch_pdl" in limits}
-    if plan["WARP_SPLITS"]:
-        _msa_decode_warps_kernel[(t_total, hkv)](
-            q, k_cache, v_cache, ks, vs, page_table, context_lens, sel, out, scale * 1.4426950408889634,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_table.stride(0), k_cache.stride(0),
-            k_cache.stride(1), ks.stride(0), ks.stride(1), sel.stride(0), sel.stride(1),
-            SPLITS=plan["WARP_SPLITS"], **shape_args, num_warps=plan["WARP_SPLITS"], num_stages=plan["num_stages"],
-            **limits)
-        return out
     splits = plan["NUM_SPLITS"]
     if splits > 1:
         part_o = torch.empty(splits, t_total, hq, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(splits, t_total, hq, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unread
+    fp8 = k_scale is not None
+    ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
+    sel = block_sel if sparse else page_table
     arrivals = arrival_counters(q.device, plan["q_blocks"] * hkv) if plan["MERGE_LAST"] else out  # unread without
+    limits = {"maxnreg": plan["maxnreg"]} if plan["maxnreg"] else {}
+    limits |= pdl_launch(plan["PDL"], q)
     _attn_kernel[(plan["q_blocks"], hkv, splits)](
         q, k_cache, v_cache, ks, vs, page_table, cu_seqlens_q, context_lens, sel, out, part_o, part_lse, arrivals,
         scale * 1.4426950408889634, num_seqs, t_total, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         page_table.stride(0), k_cache.stride(0), k_cache.stride(1), ks.stride(0), ks.stride(1),
         sel.stride(0) if sparse else 0, sel.stride(1) if sparse else 0,
-        NUM_HEADS=hq, BLOCK_Q=plan["BLOCK_Q"], NUM_SPLITS=splits, SPARSE=sparse, PAGE_AHEAD=plan["PAGE_AHEAD"],
-        MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"], ALL_SLOTS=plan["ALL_SLOTS"], ONE_EACH=plan["ONE_EACH"],
-        **shape_args, num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
+        NUM_HEADS=hq, HEAD_DIM=head_dim, GROUP=hq // hkv, BLOCK_H=plan["BLOCK_H"], BLOCK_Q=plan["BLOCK_Q"],
+        BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle",
+        FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
+        V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
+        PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
+        ALL_SLOTS=plan["ALL_SLOTS"], ONE_EACH=plan["ONE_EACH"], PDL="launch_pdl" in limits,
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                      HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
