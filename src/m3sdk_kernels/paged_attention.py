@@ -444,9 +444,7 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     # enough programs to fill the chip, never splits so thin that the merge costs more than it spreads
     max_splits = block_q * topk if sparse else max(1, triton.cdiv(max_context_len, 4 * block_n))
     want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks * num_kv_heads))
-    # MSA decode slices the selection in powers of 2 (TOPK_PAD // NUM_SPLITS); SPLITS_ANY lets dense splits be any count
-    splits = want if cfg.get("SPLITS_ANY") and not sparse else 1 << (want.bit_length() - 1)
-    splits = min(splits, triton.next_power_of_2(max_splits))
+    splits = min(1 << (want.bit_length() - 1), triton.next_power_of_2(max_splits))
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
             "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0),
