@@ -113,7 +113,7 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
     # spill): session 15 window 3, b64 32K: 0.735 (masked, 2 stages) -> 0.656-0.675 (ALL_SLOTS) -> 0.608 ms; window
     # 4: 0.741 -> 0.617 ms (128K: 2.95 -> 2.65); 4 stages: 0.717 (7 programs per SM fit: two waves)
     "attn_decode:fp8": {"sm90": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "SPLIT_PROGRAMS": 1056,
-                                 "PAGE_AHEAD": 1, "ALL_SLOTS": 1, "KEYS_M": 0}},
+                                 "PAGE_AHEAD": 1, "ALL_SLOTS": 1}},
     # prefill / verification: BLOCK_Q query tokens x the group's heads as the MMA's M rows. On AMD a 128 x 64
     # FP8 tile spills (the fp8 -> fp16 converts and the pipeliner's register prefetch): 128 x 32, one stage.
     "attn_prefill": {

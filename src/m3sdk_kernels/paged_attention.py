@@ -173,11 +173,7 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
                                                                    False), mask=ld_ok[:, None], other=0.0)
     if KEYS_M:
-        s = tl.dot(k.to(DOT), q)  # S^T [BLOCK_N, BLOCK_M]
-        if FP8:
-            s *= (tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0) * qk_scale)[:, None]
-        else:
-            s *= qk_scale
+        s = tl.dot(k.to(DOT), q) * qk_scale  # S^T [BLOCK_N, BLOCK_M]
         s = tl.where(key_ok[:, None] & (n[:, None] <= pos[None, :]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -185,11 +181,7 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha[None, :] + p
         v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
-        if FP8:  # V's per-token scales weigh P^T's rows (see the rows-as-M branch)
-            pv = p * (tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0) * V_MUL)[:, None]
-        else:
-            pv = p
-        acc = acc * alpha[None, :] + tl.dot(tl.trans(v).to(DOT), pv.to(DOT))  # O^T
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v).to(DOT), p.to(DOT))  # O^T
     else:
         s = tl.dot(q, tl.trans(k.to(DOT)))
         if FP8:
@@ -448,7 +440,7 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     block_h = max(triton.next_power_of_2(group), triton.next_power_of_2(triton.cdiv(16, block_q)))
     block_n = min(cfg["BLOCK_N"], block_size) if sparse else cfg["BLOCK_N"]
     q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
-    keys_m = int(block_q == 1 and cfg.get("KEYS_M", 0))  # decode only: no row_sel there
+    keys_m = int(block_q == 1 and not fp8 and cfg.get("KEYS_M", 0))  # decode only: no row_sel there
     # enough programs to fill the chip, never splits so thin that the merge costs more than it spreads
     max_splits = block_q * topk if sparse else max(1, triton.cdiv(max_context_len, 4 * block_n))
     want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks * num_kv_heads))
