@@ -34,6 +34,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from gpu_timing import read_bandwidth
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(".")
@@ -58,15 +59,6 @@ def step_slice(args) -> None:
     size = sum(f.stat().st_size for f in args.slice.glob("*.safetensors"))
     record(step="slice", path=str(args.slice), dense=args.dense, sparse=args.sparse, gbytes=size / 1e9,
            seconds=time.perf_counter() - t)
-
-
-def read_bandwidth() -> float:
-    """Read TB/s of a 4 GiB reduction (median of CUDA-event timings)."""
-    import triton
-
-    x = torch.randn(2 << 30, dtype=torch.bfloat16, device="cuda")
-    ms = triton.testing.do_bench(lambda: x.sum(dtype=torch.float32), warmup=20, rep=100, return_mode="median")
-    return (2 << 30) * 2 / ms / 1e9
 
 
 def fill_cache(kv, seed: int = 0) -> None:
@@ -225,7 +217,7 @@ def step_decode(args) -> None:
 
     dev = torch.device("cuda")
     tp_size = args.tp[0]
-    bw = read_bandwidth()
+    bw = read_bandwidth() / 1e3  # TB/s
     record(step="bandwidth", read_tb_s=bw, device=torch.cuda.get_device_name(0), torch=torch.__version__,
            triton=triton.__version__)
     t = time.perf_counter()
