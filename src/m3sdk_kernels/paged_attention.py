@@ -148,63 +148,6 @@ def _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM: tl.cons
 
 
 @triton.jit
-def _tile_slots(start, kv_end, page, BLOCK_N: tl.constexpr, ALL_SLOTS: tl.constexpr):
-    """Keys start .. start + BLOCK_N - 1 of a tile with page ids `page`: (keys, visible (< kv_end), inside the
-    sequence's pages (tails of the last included), int64 page ids, slots in their pages, the K/V load mask)."""
-    n = start + tl.arange(0, BLOCK_N)
-    key_ok = n < kv_end
-    # ALL_SLOTS: K/V loaded unmasked (no per-row predicates): keys past kv_end read the tail of the sequence's last
-    # page or (past its pages) that page again, finite values (Contract 1) that the masked scores weigh by p = 0.
-    # The scale loads keep their masks (unmasked too, the sm90 dense kernel spilled).
-    if ALL_SLOTS:
-        ld_ok = tl.full([BLOCK_N], 1, tl.int1)
-    else:
-        ld_ok = key_ok
-    return n, key_ok, n // PAGE < tl.cdiv(kv_end, PAGE), page.to(tl.int64), n % PAGE, ld_ok
-
-
-@triton.jit
-def _tile_scores(q, start, kv_end, pos, row_sel, k_base, ks_base, page, qk_scale, stride_cp, stride_sp,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr,
-                 FP8: tl.constexpr, DOT: tl.constexpr, ALL_SLOTS: tl.constexpr):
-    """Base-2 scores [BLOCK_M, BLOCK_N] of q's rows against a tile's keys, -inf where a key is not visible."""
-    n, key_ok, _, page, off, ld_ok = _tile_slots(start, kv_end, page, BLOCK_N, ALL_SLOTS)
-    d = tl.arange(0, HEAD_DIM)
-    k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
-                                                                   False), mask=ld_ok[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k.to(DOT)))
-    if FP8:
-        s *= (tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0) * qk_scale)[None, :]
-    else:
-        s *= qk_scale
-    visible = key_ok[None, :] & (n[None, :] <= pos[:, None]) & row_sel[:, None]
-    return tl.where(visible, s, float("-inf"))
-
-
-@triton.jit
-def _tile_update(acc, m_i, l_i, s, start, kv_end, v_base, vs_base, page, stride_cp, stride_sp,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr,
-                 FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr, ALL_SLOTS: tl.constexpr):
-    """Online-softmax update of (acc, m_i, l_i) with a tile's scores `s` (`_tile_scores`) and its V rows."""
-    _, key_ok, in_pages, page, off, ld_ok = _tile_slots(start, kv_end, page, BLOCK_N, ALL_SLOTS)
-    d = tl.arange(0, HEAD_DIM)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at zero weight
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
-    if FP8:
-        # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
-        # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
-        vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
-        pv = tl.dot((p * (vs * V_MUL)[None, :]).to(DOT), v.to(DOT))
-    else:
-        pv = tl.dot(p.to(DOT), v.to(DOT))
-    return acc * alpha[:, None] + pv, m_new, l_i
-
-
-@triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
                  SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
@@ -214,11 +157,22 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     KEYS_M (bf16 decode; sm90's dense default): the keys are the MMA's M (a decode tile's 16 rows are too few for
     an sm90 wgmma's 64): q is q^T [HEAD_DIM, BLOCK_M], acc is O^T [HEAD_DIM, BLOCK_M], and l is kept per key
     ([BLOCK_N, BLOCK_M]), summed over the keys after the loop (no cross-warp sum per tile)."""
+    n = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    key_ok = n < kv_end
+    in_pages = n // PAGE < tl.cdiv(kv_end, PAGE)  # the keys of the sequence's pages, tails of the last included
+    page = page.to(tl.int64)
+    off = n % PAGE
+    # ALL_SLOTS: K/V loaded unmasked (no per-row predicates): keys past kv_end read the tail of the sequence's last
+    # page or (past its pages) that page again, finite values (Contract 1) that the masked scores weigh by p = 0.
+    # The scale loads keep their masks (unmasked too, the sm90 dense kernel spilled).
+    if ALL_SLOTS:
+        ld_ok = tl.full([BLOCK_N], 1, tl.int1)
+    else:
+        ld_ok = key_ok
+    k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
+                                                                   False), mask=ld_ok[:, None], other=0.0)
     if KEYS_M:
-        n, key_ok, in_pages, page, off, ld_ok = _tile_slots(start, kv_end, page, BLOCK_N, ALL_SLOTS)
-        d = tl.arange(0, HEAD_DIM)
-        k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X,
-                                                                       SHUFFLE, False), mask=ld_ok[:, None], other=0.0)
         s = tl.dot(k.to(DOT), q) * qk_scale  # S^T [BLOCK_N, BLOCK_M]
         s = tl.where(key_ok[:, None] & (n[:, None] <= pos[None, :]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
@@ -229,10 +183,27 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
         acc = acc * alpha[None, :] + tl.dot(tl.trans(v).to(DOT), p.to(DOT))  # O^T
     else:
-        s = _tile_scores(q, start, kv_end, pos, row_sel, k_base, ks_base, page, qk_scale, stride_cp, stride_sp,
-                         HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, DOT, ALL_SLOTS)
-        acc, m_new, l_i = _tile_update(acc, m_i, l_i, s, start, kv_end, v_base, vs_base, page, stride_cp, stride_sp,
-                                       HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, ALL_SLOTS)
+        s = tl.dot(q, tl.trans(k.to(DOT)))
+        if FP8:
+            s *= (tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0) * qk_scale)[None, :]
+        else:
+            s *= qk_scale
+        visible = key_ok[None, :] & (n[None, :] <= pos[:, None]) & row_sel[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at zero weight
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
+        if FP8:
+            # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
+            # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
+            vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
+            pv = tl.dot((p * (vs * V_MUL)[None, :]).to(DOT), v.to(DOT))
+        else:
+            pv = tl.dot(p.to(DOT), v.to(DOT))
+        acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
@@ -246,7 +217,7 @@ def _attn_kernel(
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
         PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr,
-        ONE_EACH: tl.constexpr, QK_AHEAD: tl.constexpr, PDL: tl.constexpr):
+        ONE_EACH: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched as a programmatic dependent (CUDA): the next kernel may launch at once; this one reads
         # nothing before the previous kernel is done
         tl.extra.cuda.gdc_launch_dependents()
@@ -308,40 +279,20 @@ def _attn_kernel(
                 jb = tl.arange(0, TOPK_PAD // NUM_SPLITS)  # >= BLOCKS_PER: splits are powers of 2, <= TOPK_PAD
                 blks = tl.load(sel_row + lo + jb, mask=(jb < BLOCKS_PER) & (lo + jb < TOPK), other=-1) + 1
                 start, end, page = _sel_tile(blks, jb, 0, pages_ptr, kv_end, TILES_PER, SEL_BLOCK, BLOCK_N)
-            if QK_AHEAD:
-                # tile i + 1's scores in the iteration of tile i's softmax and P.V: two independent chains per
-                # iteration for the scheduler of a one-warp program. The K ids of tile i + 2 and (again) the V ids
-                # of tile i + 1 are read an iteration ahead, so both copies take their addresses from ids carried
-                # one iteration, which the pipeliner issues stages ahead
-                s = _tile_scores(q, start, end, pos, row_sel, k_base, ks_base, page, qk_scale, stride_cp, stride_sp,
-                                 HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, DOT, ALL_SLOTS)
-                k_start, k_end, k_page = _sel_tile(blks, jb, 1, pages_ptr, kv_end, TILES_PER, SEL_BLOCK, BLOCK_N)
-                for i in range(0, n_tiles - 1):
-                    s_next = _tile_scores(q, k_start, k_end, pos, row_sel, k_base, ks_base, k_page, qk_scale,
-                                          stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, DOT, ALL_SLOTS)
-                    acc, m_i, l_i = _tile_update(acc, m_i, l_i, s, start, end, v_base, vs_base, page, stride_cp,
-                                                 stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, ALL_SLOTS)
-                    s = s_next
-                    start, end, page = _sel_tile(blks, jb, i + 1, pages_ptr, kv_end, TILES_PER, SEL_BLOCK, BLOCK_N)
-                    k_start, k_end, k_page = _sel_tile(blks, jb, i + 2, pages_ptr, kv_end, TILES_PER, SEL_BLOCK,
-                                                       BLOCK_N)
-                acc, m_i, l_i = _tile_update(acc, m_i, l_i, s, start, end, v_base, vs_base, page, stride_cp, stride_sp,
-                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, ALL_SLOTS)
-            else:
-                for i in range(0, n_tiles):
-                    if PAGE_AHEAD:
-                        nxt_start, nxt_end, nxt = _sel_tile(blks, jb, i + 1, pages_ptr, kv_end, TILES_PER,
-                                                            SEL_BLOCK, BLOCK_N)
-                    else:
-                        blk = tl.load(sel_row + lo + i // TILES_PER)
-                        start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
-                        end = tl.where(blk >= 0, kv_end, 0)
-                        page = _tile_pages(pages_ptr, start, end, BLOCK_N)
-                    acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base,
-                                                 ks_base, vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM,
-                                                 BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)
-                    if PAGE_AHEAD:
-                        start, end, page = nxt_start, nxt_end, nxt
+            for i in range(0, n_tiles):
+                if PAGE_AHEAD:
+                    nxt_start, nxt_end, nxt = _sel_tile(blks, jb, i + 1, pages_ptr, kv_end, TILES_PER, SEL_BLOCK,
+                                                        BLOCK_N)
+                else:
+                    blk = tl.load(sel_row + lo + i // TILES_PER)
+                    start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
+                    end = tl.where(blk >= 0, kv_end, 0)
+                    page = _tile_pages(pages_ptr, start, end, BLOCK_N)
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
+                                             vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
+                                             SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)
+                if PAGE_AHEAD:
+                    start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
             # prefill / verification: walk the sorted union of the tile's tokens' blocks, each loaded once
             qq = first + tl.arange(0, BLOCK_Q)
@@ -501,9 +452,6 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             "KEYS_M": keys_m, "ALL_SLOTS": cfg.get("ALL_SLOTS", 0),
             # every sequence has exactly one query token (max_seqlen_q is never below the true maximum: Contract 2)
             "ONE_EACH": int(max_seqlen_q == 1 and num_tokens == num_seqs),
-            # MSA decode, rows as M: each tile's scores computed one tile ahead (needs the page ids carried ahead)
-            "QK_AHEAD": int(sparse and block_q == 1 and not keys_m and cfg.get("PAGE_AHEAD", 0)
-                            and cfg.get("QK_AHEAD", 0)),
             "PDL": cfg.get("PDL", 0),
             "maxnreg": cfg.get("maxnreg")}
 
@@ -573,8 +521,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
-        ALL_SLOTS=plan["ALL_SLOTS"], ONE_EACH=plan["ONE_EACH"], QK_AHEAD=plan["QK_AHEAD"],
-        PDL="launch_pdl" in limits,
+        ALL_SLOTS=plan["ALL_SLOTS"], ONE_EACH=plan["ONE_EACH"], PDL="launch_pdl" in limits,
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
@@ -615,8 +562,7 @@ def aot_variants(arch: Arch) -> list:
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
                         "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"],
-                        "ALL_SLOTS": plan["ALL_SLOTS"], "ONE_EACH": plan["ONE_EACH"], "QK_AHEAD": plan["QK_AHEAD"],
-                        "PDL": plan["PDL"]},
+                        "ALL_SLOTS": plan["ALL_SLOTS"], "ONE_EACH": plan["ONE_EACH"], "PDL": plan["PDL"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))
