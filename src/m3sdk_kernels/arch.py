@@ -138,8 +138,13 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
     # PDL: launched as a programmatic dependent, waiting for the previous kernel before reading anything (session 16,
     # b64: window 5, with the merge's partial loads no longer waiting for their weights, 32K 0.0473-0.0475 -> 0.0459-
     # 0.0461 ms, 128K 0.0472 -> 0.0460; window 6, PDL off / on: 0.0477 / 0.0470-0.0471, 128K 0.0479 / 0.0470)
+    # FEW_BELOW: with fewer than 1024 programs at 16 splits (batch < 16), 2-warp programs of 64-key tiles (session 17
+    # window 11, 32K, device ms against SDPA pre-gathered: b1 0.0180 -> 0.0095 (0.40 -> 0.75x; 4 warps 0.0088),
+    # b8 0.0250 -> 0.0134 (0.46 -> 0.85x; 4 warps 0.0176); b16 / b32 keep the one-warp shape: 0.0222 / 0.0341, 1.09 /
+    # 1.04x, against 0.0301 / 0.0476 with 4 warps)
     "sparse_decode:fp8": {"sm90": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "SPLIT_PROGRAMS": 1024,
-                                   "PAGE_AHEAD": 1, "MERGE_LAST": 1, "ALL_SLOTS": 1, "PDL": 1}},
+                                   "PAGE_AHEAD": 1, "MERGE_LAST": 1, "ALL_SLOTS": 1, "PDL": 1,
+                                   "FEW_BELOW": 1024, "FEW_BLOCK_N": 64, "FEW_WARPS": 2}},
     # sm90: 4 query tokens x 16 heads (one warpgroup's 64 MMA rows): a tile's block union is smaller, so less work
     # on blocks other rows chose (H200, 32K tokens: 46.8 -> 29.9 ms random selections, 12.7 -> 12.1 smooth)
     "sparse_prefill": {

@@ -438,15 +438,26 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     cfg = tiles(family, arch, "fp8" if fp8 else None)
     block_q = 1 if max_seqlen_q <= 1 else min(cfg["BLOCK_Q"], triton.next_power_of_2(max_seqlen_q))
     block_h = max(triton.next_power_of_2(group), triton.next_power_of_2(triton.cdiv(16, block_q)))
-    block_n = min(cfg["BLOCK_N"], block_size) if sparse else cfg["BLOCK_N"]
     q_blocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
     keys_m = int(block_q == 1 and not fp8 and cfg.get("KEYS_M", 0))  # decode only: no row_sel there
-    # enough programs to fill the chip, never splits so thin that the merge costs more than it spreads
-    max_splits = block_q * topk if sparse else max(1, triton.cdiv(max_context_len, 4 * block_n))
     want = max(1, cfg["SPLIT_PROGRAMS"] // max(1, q_blocks * num_kv_heads))
-    splits = min(1 << (want.bit_length() - 1), triton.next_power_of_2(max_splits))
+
+    def shape(tile_n: int) -> tuple[int, int]:
+        """(BLOCK_N, split count) at key tiles of tile_n: enough programs to fill the chip, never splits so thin
+        that the merge costs more than it spreads."""
+        block_n = min(tile_n, block_size) if sparse else tile_n
+        max_splits = block_q * topk if sparse else max(1, triton.cdiv(max_context_len, 4 * block_n))
+        return block_n, min(1 << (want.bit_length() - 1), triton.next_power_of_2(max_splits))
+
+    block_n, splits = shape(cfg["BLOCK_N"])
+    num_warps = cfg["num_warps"]
+    # FEW_BELOW: programs that do not fill the chip even at the most splits (few tokens) each take the whole call's
+    # time, so they run wider (FEW_WARPS warps, FEW_BLOCK_N-key tiles) and walk their tiles faster
+    if q_blocks * num_kv_heads * splits < cfg.get("FEW_BELOW", 0):
+        block_n, splits = shape(cfg["FEW_BLOCK_N"])
+        num_warps = cfg["FEW_WARPS"]
     return {"BLOCK_Q": block_q, "BLOCK_H": block_h, "BLOCK_N": block_n, "NUM_SPLITS": splits,
-            "q_blocks": q_blocks, "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+            "q_blocks": q_blocks, "num_warps": num_warps, "num_stages": cfg["num_stages"],
             "PAGE_AHEAD": cfg.get("PAGE_AHEAD", 0),
             "MERGE_LAST": cfg.get("MERGE_LAST", 0) if 1 < splits <= MERGE_LAST_MAX_SPLITS else 0,
             "KEYS_M": keys_m, "ALL_SLOTS": cfg.get("ALL_SLOTS", 0),
@@ -541,20 +552,28 @@ def aot_variants(arch: Arch) -> list:
     modes = [(sparse, decode, kv, arch.kv_layout) for sparse in (False, True) for decode in (True, False)
              for kv in ("bf16", "fp8")]
     modes += [(sparse, True, "fp8", other) for sparse in (False, True)]
-    variants = []
+    # batch 64 decode at 32K, or an 8K-token prefill chunk of one sequence; and batch 1 decode where its tiles differ
+    # (FEW_BELOW)
+    shapes = []
     for sparse, decode, kv, layout in modes:
-        # batch 64 decode at 32K, or an 8K-token prefill chunk of one sequence
-        tokens, seqs = (64, 64) if decode else (8192, 1)
-        plan = attention_plan(tokens, seqs, hkv, hq // hkv, 1 if decode else tokens, 32768, sparse, m["topk"],
-                              m["block_size"], kv == "fp8", arch)
+        name = f"attention.{'sparse' if sparse else 'dense'}_{'decode' if decode else 'prefill'}_{kv}_{layout}"
+        tokens = 64 if decode else 8192
+        plan = attention_plan(tokens, 64 if decode else 1, hkv, hq // hkv, 1 if decode else tokens, 32768, sparse,
+                              m["topk"], m["block_size"], kv == "fp8", arch)
+        shapes.append((name, sparse, kv, layout, plan))
+        if decode:
+            few = attention_plan(1, 1, hkv, hq // hkv, 1, 32768, sparse, m["topk"], m["block_size"], kv == "fp8", arch)
+            if (few["num_warps"], few["BLOCK_N"]) != (plan["num_warps"], plan["BLOCK_N"]):
+                shapes.append((name + "_b1", sparse, kv, layout, few))
+    variants = []
+    for name, sparse, kv, layout, plan in shapes:
         kv_type = arch.fp8_triton if kv == "fp8" else "bf16"
         types = {"q_ptr": "*bf16", "k_cache": f"*{kv_type}", "v_cache": f"*{kv_type}", "k_scale": "*fp32",
                  "v_scale": "*fp32", "page_table": "*i32", "cu_q": "*i32", "ctx_lens": "*i32", "sel_ptr": "*i32",
                  "out_ptr": "*bf16", "part_o": "*fp32", "part_lse": "*fp32", "arrivals": "*i32", "qk_scale": "fp32"}
         types |= {name: "i32" for name in _attn_kernel.arg_names if name not in types}
         variants.append(AotVariant(
-            name=f"attention.{'sparse' if sparse else 'dense'}_{'decode' if decode else 'prefill'}_{kv}_{layout}",
-            kernel=_attn_kernel, types=types,
+            name=name, kernel=_attn_kernel, types=types,
             constexprs={"NUM_HEADS": hq, "HEAD_DIM": d, "GROUP": hq // hkv, "BLOCK_H": plan["BLOCK_H"],
                         "BLOCK_Q": plan["BLOCK_Q"], "BLOCK_N": plan["BLOCK_N"], "NUM_SPLITS": plan["NUM_SPLITS"],
                         "X": 16 if kv == "fp8" else 8, "SHUFFLE": layout == "shuffle", "FP8": kv == "fp8",

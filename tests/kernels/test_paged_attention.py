@@ -98,6 +98,22 @@ def test_merge_last_only_for_few_splits():
     assert msa["NUM_SPLITS"] == MERGE_LAST_MAX_SPLITS and msa["MERGE_LAST"] == 1
 
 
+def test_few_tokens_take_wider_msa_programs():
+    """sm90 FP8 MSA decode: a batch whose programs do not fill the chip even at 16 splits (FEW_BELOW) runs 2-warp
+    programs of 64-key tiles; from 16 tokens on, one-warp programs of 32-key tiles. Both match the reference over
+    128-token blocks (two / four tiles a block) with a selection that drops blocks."""
+    sm90 = arch.ARCHS["sm90"]
+    few = attention_plan(2, 2, HKV, GROUP, 1, 1000, True, 4, 128, fp8=True, arch=sm90)
+    full = attention_plan(16, 16, 4, 16, 1, 32768, True, 16, 128, fp8=True, arch=sm90)
+    assert (few["num_warps"], few["BLOCK_N"]) == (2, 64) and (full["num_warps"], full["BLOCK_N"]) == (1, 32)
+    ctx, new = [1000, 700], [1, 1]
+    step = make_step(ctx, new, HKV, D, "fp8", "plain")
+    sel = torch.tensor([[[7, 2, -1, 5], [0, 5, 3, -1]], [[1, 7, 4, -1], [5, 2, 0, -1]]], dtype=torch.int32)
+    q = torch.randn(2, HKV * GROUP, D).to(torch.bfloat16)
+    got, ref = run(step, q, D**-0.5, block_sel=sel, block_size=128)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("page_ahead", [0, 1])
 @pytest.mark.parametrize("programs", [8, 24], ids=["1-split", "2-splits"])
 def test_dense_fp8_decode_many_tiles_per_split(monkeypatch, programs, page_ahead):
