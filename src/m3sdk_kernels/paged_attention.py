@@ -571,7 +571,7 @@ def aot_variants(arch: Arch) -> list:
         types = {"q_ptr": "*bf16", "k_cache": f"*{kv_type}", "v_cache": f"*{kv_type}", "k_scale": "*fp32",
                  "v_scale": "*fp32", "page_table": "*i32", "cu_q": "*i32", "ctx_lens": "*i32", "sel_ptr": "*i32",
                  "out_ptr": "*bf16", "part_o": "*fp32", "part_lse": "*fp32", "arrivals": "*i32", "qk_scale": "fp32"}
-        types |= {name: "i32" for name in _attn_kernel.arg_names if name not in types}
+        types |= {arg: "i32" for arg in _attn_kernel.arg_names if arg not in types}
         variants.append(AotVariant(
             name=name, kernel=_attn_kernel, types=types,
             constexprs={"NUM_HEADS": hq, "HEAD_DIM": d, "GROUP": hq // hkv, "BLOCK_H": plan["BLOCK_H"],

@@ -100,8 +100,9 @@ def test_merge_last_only_for_few_splits():
 
 def test_few_tokens_take_wider_msa_programs():
     """sm90 FP8 MSA decode: a batch whose programs do not fill the chip even at 16 splits (FEW_BELOW) runs 2-warp
-    programs of 64-key tiles; from 16 tokens on, one-warp programs of 32-key tiles. Both match the reference over
-    128-token blocks (two / four tiles a block) with a selection that drops blocks."""
+    programs of 64-key tiles; from 16 tokens on, one-warp programs of 32-key tiles (the other tests set FEW_BELOW 0
+    to keep their small batches on that shape). The wide one matches the reference over 128-token blocks (two tiles
+    a block) with a selection that drops blocks."""
     sm90 = arch.ARCHS["sm90"]
     few = attention_plan(2, 2, HKV, GROUP, 1, 1000, True, 4, 128, fp8=True, arch=sm90)
     full = attention_plan(16, 16, 4, 16, 1, 32768, True, 16, 128, fp8=True, arch=sm90)
@@ -141,7 +142,8 @@ def test_sparse_decode_splits_and_unsorted_selection(monkeypatch, programs, layo
     last program of each (token, KV head) (MERGE_LAST, sm90's FP8 default)."""
     fp8 = arch.TILES["sparse_decode:fp8"]["sm90"]  # the FP8 entry overrides the family's
     monkeypatch.setitem(arch.TILES["sparse_decode:fp8"], "sm90", {**fp8, "BLOCK_N": 8, "SPLIT_PROGRAMS": programs,
-                                                                  "PAGE_AHEAD": ahead, "MERGE_LAST": merge_last})
+                                                                  "PAGE_AHEAD": ahead, "MERGE_LAST": merge_last,
+                                                                  "FEW_BELOW": 0})
     assert attention_plan(2, 2, HKV, GROUP, 1, 100, True, 4, 16, fp8=True)["NUM_SPLITS"] == (4 if programs > 8 else 2)
     ctx, new = [100, 40], [1, 1]
     step = make_step(ctx, new, HKV, D, "fp8", layout)
@@ -194,7 +196,7 @@ def test_decode_one_token_each(monkeypatch, kv_dtype):
     and MSA decode, merged by the last program of each token's splits, against the reference."""
     for family, extra in (("attn_decode", {"BLOCK_N": 16, "SPLIT_PROGRAMS": 1 << 12}),
                           ("attn_decode:fp8", {"BLOCK_N": 16, "SPLIT_PROGRAMS": 1 << 12}),
-                          ("sparse_decode", {}), ("sparse_decode:fp8", {})):
+                          ("sparse_decode", {}), ("sparse_decode:fp8", {"FEW_BELOW": 0})):
         monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], **extra, "MERGE_LAST": 1})
     ctx, new = DECODE
     plan = attention_plan(len(ctx), len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128, fp8=kv_dtype == "fp8")
