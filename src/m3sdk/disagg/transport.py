@@ -719,9 +719,8 @@ class UcxTransport:
                 index, item, send = await outbox.get()
                 if index != expected:
                     raise TransportError(f"transfer {plan.transfer_id}: message {index} queued before {expected}")
-                if isinstance(send, Exception):
-                    self._drop(host, port)
-                    raise TransportError(f"send to {host}:{port} failed: {send!r}") from send
+                if isinstance(send, Exception):  # the producer's side failed to post it
+                    raise self._send_failed(host, port, send) from send
                 if send is None:  # not posted by the producer's side: here
                     if len(in_flight) >= self.window and not isinstance(item, _InPlace):  # in place: nothing staged
                         await self._finish(in_flight, host, port, plan)
@@ -765,8 +764,12 @@ class UcxTransport:
         try:
             return self._post_pieces(ep, host, port, plan, asyncio.get_running_loop(), index, item)
         except Exception as e:
-            self._drop(host, port)
-            raise TransportError(f"send to {host}:{port} failed: {e!r}") from e
+            raise self._send_failed(host, port, e) from e
+
+    def _send_failed(self, host: str, port: int, e: Exception) -> TransportError:
+        """A send to host:port could not be posted: its endpoint is dropped; the error for the push to raise."""
+        self._drop(host, port)
+        return TransportError(f"send to {host}:{port} failed: {e!r}")
 
     async def _finish(self, in_flight: deque[tuple[asyncio.Future, torch.Tensor | _InPlace]], host: str, port: int,
                       plan: TransferPlan) -> None:
