@@ -14,6 +14,13 @@ import pytest  # noqa: E402
 from oracle import load_oracle, make_oracle_checkpoint, write_byte_tokenizer
 
 
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where kernel tests put their tensors: the GPU when one is present (kernels run compiled), else the CPU
+    (kernels run in the Triton interpreter, switched on above). The one place that decides."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @pytest.fixture(autouse=True)
 def seeded_torch():
     """Random inputs the same in every run whatever ran before (engine tests in threads and processes consume
