@@ -97,8 +97,8 @@ class _Scanner:
     def _raw(self, end: int) -> None:
         """Emit buf[pos:end] verbatim as content (a tool call that did not parse)."""
         if end > self.pos:
+            self.events.append((_CONTENT, "\n" * self.has_content + self.buf[self.pos:end]))
             self.has_content = True
-            self.events.append((_CONTENT, self.buf[self.pos:end]))
         self.pos = self.scan = end
 
     def _enter(self, mode: str, at: int) -> None:
@@ -175,10 +175,14 @@ class _Scanner:
             self._enter(_CONTENT, tag + len(close))
             return True
         if buf.startswith(_INVOKE_OPEN, tag):
-            end = buf.find(INVOKE_CLOSE, tag)
+            # scan past the text already searched, so a long argument streams in linear time
+            end = buf.find(INVOKE_CLOSE, max(tag, self.scan - len(INVOKE_CLOSE) + 1))
             if end < 0:
                 if final:  # cut off by the end of the reply
+                    self.pos = start
                     self._raw(len(buf))
+                else:
+                    self.scan = len(buf)
                 return final
             body = buf[tag:end].rstrip()
             if m3 and body.endswith(NS):
@@ -197,7 +201,7 @@ class _Scanner:
                           or (m3 and tag == start and NS.startswith(rest))):
             return False
         # anything else ends the block: it is content from here on
-        self.mode, self.pos, self.scan, self.lstrip = _CONTENT, start, start, False
+        self._enter(_CONTENT, start)
         return True
 
     def run(self, final: bool) -> list[tuple[str, Any]]:
