@@ -19,6 +19,7 @@ The rules:
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,10 +47,14 @@ _INVOKE_OPEN = "<invoke"
 _WAIT = object()  # the text so far does not decide: wait for more
 
 
-def _held_prefix(buf: str, start: int, markers: Sequence[str]) -> int:
+@functools.cache
+def _longest(markers: tuple[str, ...]) -> int:
+    return max(len(m) for m in markers)
+
+
+def _held_prefix(buf: str, start: int, markers: tuple[str, ...]) -> int:
     """Length of the longest tail of buf[start:] that is a proper prefix of a marker (it may grow into one)."""
-    longest = min(max(len(m) for m in markers) - 1, len(buf) - start)
-    for k in range(longest, 0, -1):
+    for k in range(min(_longest(markers) - 1, len(buf) - start), 0, -1):
         tail = buf[len(buf) - k:]
         if any(m.startswith(tail) for m in markers):
             return k

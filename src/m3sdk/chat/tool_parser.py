@@ -144,7 +144,7 @@ def _value(node: _Node, schema: Mapping[str, Any]) -> Any:
     for kind, sub in sorted(kinds, key=lambda ks: ks[0] != "null"):
         if (value := _as(node, kind, sub)) is not _FAIL:
             return value
-    return node.raw
+    return _guess(node) if node.children else node.raw  # fits no type: as if untyped, elements kept apart
 
 
 def _object(children: list[_Node], schema: Mapping[str, Any]) -> dict[str, Any]:
@@ -155,7 +155,8 @@ def _object(children: list[_Node], schema: Mapping[str, Any]) -> dict[str, Any]:
         by_name.setdefault(child.name, []).append(child)
     out: dict[str, Any] = {}
     for name, nodes in by_name.items():
-        sub = properties.get(name) or (extra if isinstance(extra, Mapping) else {})
+        sub = properties.get(name, extra)
+        sub = sub if isinstance(sub, Mapping) else {}
         if len(nodes) == 1:
             out[name] = _value(nodes[0], sub)
         else:  # a repeated element is a list, each element one item
