@@ -95,6 +95,8 @@ CORPUS = [
          None, [("now", {"x": 1, "y": "a b", "z": [True, None], "w": {"k": "v"}})]),
     case("no_tools_given", render_tool_call("search", {"query": "42", "limit": 5}), None, None,
          [("search", {"query": 42, "limit": 5})], tools=None),
+    case("odd_property_names", render_tool_call("now", {"2fa": "on", "my key": 1, "ключ": "значение", "a.b-c": []}),
+         None, None, [("now", {"2fa": "on", "my key": 1, "ключ": "значение", "a.b-c": ""})]),
     case("unknown_tool_untyped", render_tool_call("teleport", {"to": "Mars", "fast": True}), None, None,
          [("teleport", {"to": "Mars", "fast": True})]),
     case("unicode_arguments", "天気を調べます。" + render_tool_call("get_weather", {"city": "東京 🌸", "days": 1}),

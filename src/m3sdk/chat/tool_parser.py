@@ -18,7 +18,8 @@ from m3sdk.chat.markup import NS
 
 _NS = re.escape(NS)
 _INVOKE = re.compile(r"""<invoke\s+name\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+))\s*>""")
-_OPEN = re.compile(rf"\s*(?:{_NS}\s*)?<([A-Za-z_][\w.:\-]*)>")
+# an argument element: its name is the property's, whatever characters it holds but markup and line breaks
+_OPEN = re.compile(rf"\s*(?:{_NS}\s*)?<([^\s<>/][^<>/\n]*)>")
 _M2_PARAM = re.compile(r"""<parameter\s+name\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+))\s*>(.*?)</parameter>""",
                        re.S)
 _TRUE, _FALSE, _NULL = ("true", "1", "yes", "on"), ("false", "0", "no", "off"), ("null", "none", "nil", "")
