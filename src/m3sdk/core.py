@@ -165,11 +165,11 @@ class EngineCore:
                                  f"{max_model_len}: raise kv_cache_memory or lower max_model_len")
             max_model_len = num_pages * PAGE_SIZE
             log.warning("max_model_len lowered to fit the KV cache", max_model_len=max_model_len)
-        cache = _by_name(CACHE_MANAGERS, config.cache_manager, "cache_manager")(
+        cache = CACHE_MANAGERS.get(config.cache_manager)(
             dataclasses.replace(spec, num_pages=num_pages), config.enable_prefix_caching)
         factory = config.scheduler
         if isinstance(factory, str):
-            factory = _by_name(SCHEDULERS, factory, "scheduler")
+            factory = SCHEDULERS.get(factory)
         scheduler = factory(cache, config)
         log.info("engine built", model=str(path), device=str(device), dtype=str(dtype), pages=num_pages,
                  max_model_len=max_model_len)
@@ -558,8 +558,3 @@ class EngineCore:
             **(self.spec.stats() if self.spec is not None else {}),
         }
 
-
-def _by_name(registry: dict[str, Any], name: str, what: str) -> Any:
-    if name not in registry:
-        raise ValueError(f"unknown {what} {name!r}; registered: {sorted(registry)}")
-    return registry[name]
