@@ -179,7 +179,7 @@ class EngineCore:
                 config=mc, embed_tokens=model.embed_tokens, lm_head=model.lm_head, checkpoint=str(path),
                 device=device, dtype=dtype, model=model, kv_spec=cache.kv.spec, num_cache_pages=num_pages,
                 max_num_seqs=config.max_num_seqs, max_model_len=max_model_len))
-        runner = ModelRunner(model, cache, device)
+        runner = ModelRunner(model, cache, device, mirror=tp)
         if config.resolve_cuda_graphs(device) and DecodeGraphs.supported(model):
             # With a drafter: decode (1 token) and verify (1 + k tokens) steps, returning the aux states the drafter
             # reads; the drafter's own steps too. Under tensor parallel the workers capture and replay the same
