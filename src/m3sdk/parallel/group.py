@@ -1,14 +1,15 @@
 """Tensor parallel at run time: rank 0 is the engine's own process; ranks 1..N-1 are worker processes.
 
 Design (docs/serving.md): only rank 0 schedules. Rank 0's ModelRunner hands every eager forward to
-`TensorParallel.mirror` before it runs it (the runner's StepMirror): a small header (token count, batch,
-page-table width, host ints, aux layers) goes over a pipe, then the step's integer inputs (token ids, positions,
-slots, cu_seqlens, context lengths, page table) go as one int64 tensor broadcast over the process group (NCCL
-between GPUs, gloo on a CPU), and every rank runs the same forward. The row-parallel layers all-reduce their
-partial outputs themselves (o_proj and each MLP/MoE: model/layers.py RowParallelLinear), which makes the hidden states identical on every rank; lm_head is
-split over the vocabulary (sharding.VocabParallelHead), so every rank computes its slice of the logits at the
-step's logits indices (broadcast too) and an all-gather joins them; rank 0 alone samples. Workers hold their own
-KV pool of the same page count (its spec comes over the pipe before the first step) and never see requests.
+`TensorParallel.mirror` before it runs it (the runner's StepMirror): a small header (token count, batch, page-table
+width, host ints, aux layers) goes over a pipe, then the step's integer inputs (token ids, positions, slots,
+cu_seqlens, context lengths, page table) go as one int64 tensor broadcast over the process group (NCCL between GPUs,
+gloo on a CPU), and every rank runs the same forward. The row-parallel layers all-reduce their partial outputs
+themselves (o_proj and each MLP/MoE: model/layers.py RowParallelLinear), which makes the hidden states identical on
+every rank; lm_head is split over the vocabulary (sharding.VocabParallelHead), so every rank computes its slice of
+the logits at the step's logits indices (broadcast too) and an all-gather joins them; rank 0 alone samples. Workers
+hold their own KV pool of the same page count (its spec comes over the pipe before the first step) and never see
+requests.
 
 With CUDA graphs (parallel/graphs.py) every worker builds the same DecodeGraphs as rank 0, so all ranks capture the
 same graphs, with the same collectives inside, in the same order; a step rank 0 replays goes to the workers as a
