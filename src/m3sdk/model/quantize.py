@@ -21,17 +21,12 @@ from torch import nn
 
 from m3sdk.model.layers import DenseMLP, Fp8Activation, SparseMoE
 from m3sdk_kernels.arch import current_arch
-from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, quantize_experts, serving_layout
-from m3sdk_kernels.quant import (
-    fp8_gemm,
-    fp8_gemm_ref,
-    fp8_linear,
-    fp8_linear_ref,
-    quantize_fp8_weight,
-    swiglu_quantize_fp8,
-    swiglu_quantize_fp8_ref,
-)
-from m3sdk_kernels.router import route, route_ref
+from m3sdk_kernels.experts import Experts, quantize_experts, serving_layout
+from m3sdk_kernels.formats import quantize_fp8_weight
+from m3sdk_kernels.moe import fused_moe
+from m3sdk_kernels.quant import fp8_gemm, fp8_linear, swiglu_quantize_fp8
+from m3sdk_kernels.reference import fp8_gemm_ref, fp8_linear_ref, fused_moe_ref, route_ref, swiglu_quantize_fp8_ref
+from m3sdk_kernels.router import route
 
 QUANTIZATIONS = ("none", "fp8", "mxfp4")
 _EXPERT_TENSORS = ("gate_up", "down", "gate_up_scale", "down_scale", "gate_up_row", "down_row")
