@@ -269,7 +269,7 @@ def test_read_before_the_verdict_drafts_like_the_read_after_it(tmp_path, monkeyp
     some or all of their drafts, one verifying fewer than k (3 requests: a padding context in bucket 4); with and
     without the draft vocabulary's embedding table."""
     if not table:
-        monkeypatch.setattr(eagle3, "DRAFT_EMBED_TABLE_BYTES", 0)
+        monkeypatch.setattr(eagle3.drafter, "DRAFT_EMBED_TABLE_BYTES", 0)
     W = published_tensors()
     head = load_eagle3(write(tmp_path / "st", W), target_info())
     after, before = (Eagle3Drafter(head, k, max_num_seqs=4, capacity=96) for _ in range(2))
