@@ -4,8 +4,8 @@
         done = await engine.generate("The capital of France is", SamplingParams(max_tokens=32))
 """
 
-from m3sdk.config import EngineConfig
-from m3sdk.engine import Engine
+from typing import TYPE_CHECKING, Any
+
 from m3sdk.errors import (
     CheckpointError,
     ConfigError,
@@ -17,6 +17,10 @@ from m3sdk.errors import (
 )
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, Completion, Timings, Usage
+
+if TYPE_CHECKING:
+    from m3sdk.config import EngineConfig
+    from m3sdk.engine import Engine
 
 __all__ = [
     "CheckpointError",
@@ -34,3 +38,16 @@ __all__ = [
     "Timings",
     "Usage",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # torch and the kernels load on first use of the engine: `import m3sdk` (and `m3sdk --help`) stays light
+    if name == "Engine":
+        from m3sdk.engine import Engine
+
+        return Engine
+    if name == "EngineConfig":
+        from m3sdk.config import EngineConfig
+
+        return EngineConfig
+    raise AttributeError(f"module 'm3sdk' has no attribute {name!r}")
