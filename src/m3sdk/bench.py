@@ -411,5 +411,6 @@ async def main_async(args: argparse.Namespace, config: EngineConfig) -> list[dic
         args.json.write_text(json.dumps(results[0] if len(results) == 1 else results, indent=1))
     if failed := [r for r in results if r["completed"] == 0]:
         reason = next(iter(failed[0]["failure_reasons"]))
-        raise M3Error(f"every request of {len(failed)} of {len(results)} runs failed, e.g.: {reason}")
+        where = "" if len(results) == 1 else f" of {len(failed)} of the {len(results)} sweep points"
+        raise M3Error(f"every request{where} failed, e.g. {reason}")
     return results
