@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from m3sdk.cache.kv_pool import KVPool
+from m3sdk.staging import to_device
 
 MAGIC = b"M3KV"
 TRAILER_MAGIC = b"M3KE"
@@ -212,13 +213,6 @@ def _words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return a, b
 
 
-def _on(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if idx.device == device:
-        return idx
-    # from pinned memory the copy is queued, not waited for (a pageable one would hold the host)
-    return idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx.to(device)
-
-
 class Layout:
     """Where each message of one transfer lives in one side's pool (`rows` at `pages`, the transfer's page ids on
     this side), worked out once per transfer, so that moving a message costs a few Python calls whatever its
@@ -245,7 +239,7 @@ class Layout:
         self.plan, self.rows, self.pages = plan, rows, pages
         self.runs = runs if runs is not None else _runs(pages)
         self.unit, self._flat = _flat_views(rows)
-        self.index = None if self.runs is not None else _on(pages, rows[0][0].device)
+        self.index = None if self.runs is not None else to_device(pages, pages.dtype, rows[0][0].device)
         self._pieces: dict[int, tuple[list[torch.Tensor], list[int]]] = {}  # message -> pool pieces, their sizes
         if self.runs is not None:
             self._starts = [at for at, _, _ in self.runs]
