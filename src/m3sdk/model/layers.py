@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from m3sdk_kernels.cache_write import gemma_rms_norm_ref
-from m3sdk_kernels.moe import Experts, fused_moe, swiglu_oai_ref
-from m3sdk_kernels.norm import add_rms_norm, add_rms_norm_ref
+from m3sdk_kernels.experts import Experts
+from m3sdk_kernels.moe import fused_moe
+from m3sdk_kernels.norm import add_rms_norm
+from m3sdk_kernels.reference import add_rms_norm_ref, gemma_rms_norm_ref, swiglu_oai_ref
 from m3sdk_kernels.router import route as fused_route
 
 

@@ -38,8 +38,8 @@ from m3sdk.errors import CheckpointError
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 from m3sdk.model.quantize import QuantizedMoE, quantize_model
-from m3sdk_kernels.moe import empty_experts
-from m3sdk_kernels.quant import MX_BLOCK, dequantize_mxfp4, dequantize_mxfp8
+from m3sdk_kernels.experts import empty_experts
+from m3sdk_kernels.formats import MX_BLOCK, dequantize_mxfp4, dequantize_mxfp8
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -13,7 +13,7 @@ from torch import nn
 
 from m3sdk.model.layers import RotaryEmbedding
 from m3sdk.speculative.eagle3.config import Eagle3Config
-from m3sdk_kernels.cache_write import rope_ref
+from m3sdk_kernels.reference import rope_ref
 
 
 class RMSNorm(nn.Module):
