@@ -14,21 +14,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from m3sdk.registry import Registry
+from m3sdk.staging import to_device
 
 if TYPE_CHECKING:
     from m3sdk.cache.kv_pool import KVPool
 
 PAGE_SIZE = 16
-
-
-def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A host list as a tensor on `device` without blocking the host: to a GPU through pinned memory and a
-    non-blocking copy (`torch.tensor(..., device="cuda")` waits for the whole stream, which would stall the
-    overlapped engine step behind the forward still running)."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass
