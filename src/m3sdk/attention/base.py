@@ -60,8 +60,23 @@ class AttentionMetadata:
         )
 
 
+@dataclass(frozen=True)
+class AttentionShapes:
+    """A model's attention widths, for a backend to decide at build how it serves each op. `index_dim` and
+    `block_size`: the MSA indexer's (None without sparse layers)."""
+
+    head_dim: int
+    rotary_dim: int
+    index_dim: int | None = None
+    block_size: int | None = None
+
+
 class AttentionBackend(Protocol):
     """Cache writes, indexer selection and paged attention of one layer (dense, or MSA with `block_sel`)."""
+
+    def bind(self, shapes: AttentionShapes) -> None:
+        """Called once when the model is built: the backend decides here, never at a request, how it serves each
+        op for these shapes."""
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None,
                  meta: AttentionMetadata, kv: KVPool) -> None:
