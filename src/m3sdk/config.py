@@ -35,6 +35,10 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
     max_waiting_requests: int = 1024  # admitted but not yet running; beyond it EngineOverloadedError
+    # Per request: stop strings (and stop token ids) and the characters of one stop string. Every step matches each
+    # stream's new text against its stop strings, so 100,000 of them (or one of 10 MB) would slow every stream.
+    max_stop_strings: int = 64
+    max_stop_length: int = 1024
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: gpu_memory_fraction (or a CPU default)
     gpu_memory_fraction: float = 0.9  # of the device memory free after loading the model
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bf16" | "fp8" | "fp32"
@@ -89,7 +93,8 @@ class EngineConfig:
         if isinstance(self.prefill_timeout, bool) or not isinstance(self.prefill_timeout, int | float) \
                 or not self.prefill_timeout > 0:
             problems.append(f"prefill_timeout must be a positive number of seconds, got {self.prefill_timeout!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "tensor_parallel_size",
+                     "max_stop_strings", "max_stop_length"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 problems.append(f"{name} must be an int >= 1, got {value!r}")
