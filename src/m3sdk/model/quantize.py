@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from m3sdk.config import QUANTIZATIONS
 from m3sdk.model.layers import DenseMLP, Fp8Activation, SparseMoE
 from m3sdk_kernels.arch import current_arch
 from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, quantize_experts, serving_layout
@@ -33,7 +34,6 @@ from m3sdk_kernels.quant import (
 )
 from m3sdk_kernels.router import route, route_ref
 
-QUANTIZATIONS = ("none", "fp8", "mxfp4")
 _EXPERT_TENSORS = ("gate_up", "down", "gate_up_scale", "down_scale", "gate_up_row", "down_row")
 
 
