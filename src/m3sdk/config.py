@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from m3sdk.speculative.registry import DRAFTERS
+
 BUNDLED_MODELS = {"m3-tiny": Path(__file__).parent / "assets" / "m3-tiny"}
 
 QUANTIZATIONS = ("none", "fp8", "mxfp4")  # m3sdk/model/quantize.py
-SPECULATIVE_METHODS = ("ngram", "eagle3", "mtp")
 _DTYPES = ("float32", "bfloat16")
 _CACHE_DTYPES = ("auto", "bf16", "fp8", "fp32")
 
@@ -32,8 +33,8 @@ class SpecConfig:
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.method not in DRAFTERS:
+            raise ValueError(f"speculative method must be one of {DRAFTERS.names()}, got {self.method!r}")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(f"num_speculative_tokens must be an int in [1, 16], got {k!r}")

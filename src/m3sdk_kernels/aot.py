@@ -28,6 +28,8 @@ KERNEL_MODULES: list[str] = [
     "m3sdk_kernels.paged_attention",
     "m3sdk_kernels.indexer",
     "m3sdk_kernels.router",
+    "m3sdk_kernels.moe_align",
+    "m3sdk_kernels.mx_convert",
     "m3sdk_kernels.moe",
     "m3sdk_kernels.quant",
     "m3sdk_kernels.norm",

@@ -5,43 +5,8 @@ import triton
 import triton.language as tl
 
 from .arch import Arch, tiles
-from .layout import PAGE, gather_index_keys_ref
-from .paged_attention import _tile_pages, dot_dtype, q_tile, seq_of_block
-
-
-def indexer_topk_ref(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
-                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int, topk: int,
-                     local_blocks: int) -> torch.Tensor:
-    """index_q [T, Hidx, Di] -> int32 [Hidx, T, topk] selected block ids, valid first, -1 padded.
-
-    score[j, t, b] = max over cached keys s <= pos(t) in block b of index_q[t, j] . index_key[s] (fp32, raw dot
-    products: ranking needs no softmax). The query's own block and the `local_blocks - 1` before it are forced in.
-    """
-    t_total, hidx, _ = index_q.shape
-    out = torch.full((hidx, t_total, topk), -1, dtype=torch.int32, device=index_q.device)
-    cu = cu_seqlens_q.tolist()
-    for i, ctx in enumerate(context_lens.tolist()):
-        lo, hi = cu[i], cu[i + 1]
-        n = hi - lo
-        if n == 0:
-            continue
-        keys = gather_index_keys_ref(index_cache, page_table[i, : -(-ctx // 16)], ctx)  # [L, Di]
-        scores = torch.einsum("nhd,ld->hnl", index_q[lo:hi].float(), keys)
-        q_pos = torch.arange(ctx - n, ctx, device=index_q.device)
-        future = torch.arange(ctx, device=index_q.device)[None, None, :] > q_pos[None, :, None]
-        scores = scores.masked_fill(future, float("-inf"))
-        num_blocks = -(-ctx // block_size)
-        scores = torch.nn.functional.pad(scores, (0, num_blocks * block_size - ctx), value=float("-inf"))
-        block_scores = scores.view(hidx, n, num_blocks, block_size).amax(dim=-1)
-        q_block = q_pos // block_size
-        for back in range(local_blocks):
-            local = (q_block - back).clamp(min=0)
-            block_scores.scatter_(-1, local.view(1, n, 1).expand(hidx, n, 1), float("inf"))
-        k = min(topk, num_blocks)
-        vals, idx = block_scores.topk(k, dim=-1)
-        out[:, lo:hi, :k] = idx.masked_fill(vals == float("-inf"), -1).to(torch.int32)
-    return out
-
+from .layout import PAGE
+from .paged_attention import dot_dtype, q_tile, seq_of_block, tile_pages
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
 #
@@ -84,12 +49,12 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_s
         per = tl.cdiv(num_blocks, tl.num_programs(1))  # blocks per chunk
         # PAGE_AHEAD: the next block's page ids loaded one iteration early (as in paged_attention), so the key
         # copies do not wait on a page-id load of their own iteration and num_stages - 1 blocks can be in flight
-        page = _tile_pages(pages_ptr, chunk * per * SEL_BLOCK, kv_end, SEL_BLOCK)
+        page = tile_pages(pages_ptr, chunk * per * SEL_BLOCK, kv_end, SEL_BLOCK)
         for b in range(chunk * per, tl.minimum(chunk * per + per, tl.cdiv(kv_end, SEL_BLOCK))):
             if PAGE_AHEAD:
-                nxt = _tile_pages(pages_ptr, (b + 1) * SEL_BLOCK, kv_end, SEL_BLOCK)
+                nxt = tile_pages(pages_ptr, (b + 1) * SEL_BLOCK, kv_end, SEL_BLOCK)
             else:
-                page = _tile_pages(pages_ptr, b * SEL_BLOCK, kv_end, SEL_BLOCK)
+                page = tile_pages(pages_ptr, b * SEL_BLOCK, kv_end, SEL_BLOCK)
                 nxt = page
             n = b * SEL_BLOCK + tl.arange(0, SEL_BLOCK)
             key_ok = n < kv_end

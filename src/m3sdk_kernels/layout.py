@@ -35,67 +35,6 @@ def cache_shape(kind: str, layout: str, num_pages: int, num_kv_heads: int, head_
     return (num_pages, num_kv_heads, PAGE_SIZE // x, head_dim, x)
 
 
-def store_tokens_ref(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, kind: str,
-                     layout: str) -> None:
-    """Write `values` [T, kv_heads, head_dim] (already in the cache dtype) into their slots."""
-    page, off = slot_mapping // PAGE_SIZE, slot_mapping % PAGE_SIZE
-    if layout == "plain":
-        cache[page, :, off] = values
-        return
-    x = shuffle_width(cache.dtype)
-    t, h, d = values.shape
-    if kind == "k":
-        cache[page, :, :, off] = values.view(t, h, d // x, x)
-    else:
-        cache[page, :, off // x, :, off % x] = values
-
-
-def gather_tokens_ref(cache: torch.Tensor, pages: torch.Tensor, length: int, kind: str,
-                      layout: str) -> torch.Tensor:
-    """The first `length` tokens of a sequence whose logical pages are `pages`: [kv_heads, length, head_dim]."""
-    block = cache[pages.long()]
-    if layout == "plain":  # [n, H, 16, D]
-        out = block.permute(1, 0, 2, 3)
-    elif kind == "k":  # [n, H, D/x, 16, x]
-        out = block.permute(1, 0, 3, 2, 4)
-    else:  # [n, H, 16/x, D, x]
-        out = block.permute(1, 0, 2, 4, 3)
-    return _flatten(out, out.shape[0])[:, :length]
-
-
-def _flatten(tokens: torch.Tensor, heads: int) -> torch.Tensor:
-    """[H, n, 16, D] or [H, n, 16, D/x, x] or [H, n, 16/x, x, D] -> [H, n*16, D]."""
-    if tokens.dim() == 4:
-        return tokens.reshape(heads, -1, tokens.shape[-1])
-    if tokens.shape[2] == PAGE_SIZE:  # K shuffle: [H, n, 16, D/x, x]
-        return tokens.reshape(heads, -1, tokens.shape[-2] * tokens.shape[-1])
-    return tokens.reshape(heads, -1, tokens.shape[-1])  # V shuffle: [H, n, 16/x, x, D]
-
-
-def gather_scales_ref(scale: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """Per-token, per-head scales of a sequence: [kv_heads, length]."""
-    s = scale[pages.long()]  # [n, H, 16]
-    return s.permute(1, 0, 2).reshape(s.shape[1], -1)[:, :length]
-
-
-def gather_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, length: int,
-                  layout: str = "plain", k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sequence's K and V, dequantized to float32: two [kv_heads, length, head_dim] tensors."""
-    k = gather_tokens_ref(k_cache, pages, length, "k", layout).float()
-    v = gather_tokens_ref(v_cache, pages, length, "v", layout).float()
-    if k_scale is not None:
-        k = k * gather_scales_ref(k_scale, pages, length)[..., None]
-    if v_scale is not None:
-        v = v * gather_scales_ref(v_scale, pages, length)[..., None]
-    return k, v
-
-
-def gather_index_keys_ref(index_cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """A sequence's index keys as float32 [length, index_dim] (fp8 index keys have unit scale)."""
-    return index_cache[pages.long()].reshape(-1, index_cache.shape[-1])[:length].float()
-
-
 @triton.jit
 def slot_offsets(off, d, HEAD_DIM: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr, IS_V: tl.constexpr):
     """Element offset of (token `off` in its page, dim `d`) inside one (page, kv head) chunk of 16 * HEAD_DIM

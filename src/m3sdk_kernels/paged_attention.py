@@ -7,56 +7,7 @@ import triton
 import triton.language as tl
 
 from .arch import Arch, pdl_launch, tiles
-from .layout import PAGE, gather_kv_ref, shuffle_width, slot_offsets
-
-
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                        cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                        layout: str = "plain", block_sel: torch.Tensor | None = None,
-                        block_size: int = 128) -> torch.Tensor:
-    """q [T, Hq, D] -> [T, Hq, D] in q's dtype.
-
-    Sequence i owns q rows cu_seqlens_q[i]:cu_seqlens_q[i+1]; its cache holds context_lens[i] tokens, the last of
-    which are these queries, so query j of n sits at position context_lens[i] - n + j and sees keys <= it.
-    block_sel [Hkv, T, topk] (int, -1 padded) restricts each query of KV group g to the keys of its selected
-    blocks of `block_size` tokens (MiniMax sparse attention).
-    """
-    t_total, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    group = hq // hkv
-    out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    for i, ctx in enumerate(context_lens.tolist()):
-        lo, hi = cu[i], cu[i + 1]
-        n = hi - lo
-        if n == 0:
-            continue
-        pages = page_table[i, : -(-ctx // 16)]
-        k, v = gather_kv_ref(k_cache, v_cache, pages, ctx, layout, k_scale, v_scale)  # [Hkv, L, D]
-        qi = q[lo:hi].float().view(n, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
-        scores = torch.einsum("hgnd,hld->hgnl", qi, k) * scale
-        q_pos = torch.arange(ctx - n, ctx, device=q.device)
-        allowed = (torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]).expand(hkv, n, ctx)
-        if block_sel is not None:
-            allowed = allowed & selected_keys_mask(block_sel[:, lo:hi], ctx, block_size)
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("hgnl,hld->nhgd", probs, v)
-        out[lo:hi] = o.reshape(n, hq, d).to(q.dtype)
-    return out
-
-
-def selected_keys_mask(block_sel: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """block_sel [H, n, topk] (-1 padded) -> bool [H, n, length]: key t is inside a selected block."""
-    num_blocks = -(-length // block_size)
-    h, n, _ = block_sel.shape
-    chosen = torch.zeros(h, n, num_blocks + 1, dtype=torch.bool, device=block_sel.device)
-    # -1 entries land in a spare column that is dropped.
-    chosen.scatter_(-1, block_sel.long().masked_fill(block_sel < 0, num_blocks), True)
-    key_block = torch.arange(length, device=block_sel.device) // block_size
-    return chosen[..., :num_blocks][..., key_block]
-
+from .layout import PAGE, shuffle_width, slot_offsets
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
 #
@@ -107,7 +58,7 @@ def q_tile(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr):
+def tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr):
     """Page ids of keys start .. start + BLOCK_N - 1: the sequence's pages (the last one's tail included), its last
     page again past them (its first with kv_end 0): a page of the sequence's own, whatever reads it unmasked."""
     n = start + tl.arange(0, BLOCK_N)
@@ -122,7 +73,7 @@ def _sel_tile(blks, jb, i, pages_ptr, kv_end, TILES_PER: tl.constexpr, SEL_BLOCK
     blk = tl.sum(tl.where(jb == i // TILES_PER, blks, 0)) - 1
     start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
     end = tl.where(blk >= 0, kv_end, 0)
-    return start, end, _tile_pages(pages_ptr, start, end, BLOCK_N)
+    return start, end, tile_pages(pages_ptr, start, end, BLOCK_N)
 
 
 @triton.jit
@@ -287,7 +238,7 @@ def _attn_kernel(
                     blk = tl.load(sel_row + lo + i // TILES_PER)
                     start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
                     end = tl.where(blk >= 0, kv_end, 0)
-                    page = _tile_pages(pages_ptr, start, end, BLOCK_N)
+                    page = tile_pages(pages_ptr, start, end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
                                              vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
                                              SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)
@@ -311,7 +262,7 @@ def _attn_kernel(
                     for sub in range(0, SEL_BLOCK, BLOCK_N):
                         start = cur * SEL_BLOCK + sub
                         if start < kv_end:
-                            page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
+                            page = tile_pages(pages_ptr, start, kv_end, BLOCK_N)
                             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
                                                          v_base, ks_base, vs_base, page, qk_scale, stride_cp,
                                                          stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
@@ -327,12 +278,12 @@ def _attn_kernel(
             # are issued after the previous tile's dots and waited for at once. Carried, num_stages - 1 tiles are in
             # flight, which FP8 pages need (half the bytes per tile); bf16 measured faster without (docs/perf.md).
             # (Ids carried two tiles ahead made the sm90 pipeliner give up: no cp.async at all.)
-            page = _tile_pages(pages_ptr, split * per * BLOCK_N, kv_end, BLOCK_N)
+            page = tile_pages(pages_ptr, split * per * BLOCK_N, kv_end, BLOCK_N)
             for t in range(split * per, tl.minimum(split * per + per, tiles)):
                 if PAGE_AHEAD:
-                    nxt = _tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
+                    nxt = tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
                 else:
-                    page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
+                    page = tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
                                              ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
                                              HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)

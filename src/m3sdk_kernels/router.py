@@ -21,21 +21,6 @@ import triton.language as tl
 from .arch import Arch, current_arch, tiles
 
 
-def route_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int, routed_scale: float = 1.0,
-              shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights float32 [T, k (+1)], expert ids int32 [T, k (+1)]), routed ids by descending
-    choice score, then the shared column (id E, weight 1) if `shared`."""
-    p = torch.sigmoid(logits.float())
-    _, ids = torch.topk(p + bias.float(), top_k, dim=-1, sorted=True)
-    w = p.gather(1, ids)
-    w = w / w.sum(dim=-1, keepdim=True) * routed_scale
-    ids = ids.to(torch.int32)
-    if shared:
-        w = torch.cat((w, torch.ones_like(w[:, :1])), dim=1)
-        ids = torch.cat((ids, torch.full_like(ids[:, :1], logits.shape[1])), dim=1)
-    return w, ids
-
-
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_l, routed_scale, TOP_K: tl.constexpr,
                   SHARED: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from m3sdk_kernels.cache_write import write_index_key_ref, write_kv_ref
 from m3sdk_kernels.layout import PAGE_SIZE, cache_shape
+from m3sdk_kernels.reference import write_index_key_ref, write_kv_ref
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn, "fp8nuz": torch.float8_e4m3fnuz}
 

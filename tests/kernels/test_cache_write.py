@@ -10,7 +10,9 @@ import torch  # noqa: E402
 from attn_cases import DTYPES, poisoned  # noqa: E402
 
 from m3sdk_kernels import cache_write as cw  # noqa: E402
-from m3sdk_kernels.layout import cache_shape, gather_kv_ref  # noqa: E402
+from m3sdk_kernels import reference  # noqa: E402
+from m3sdk_kernels.layout import cache_shape  # noqa: E402
+from m3sdk_kernels.reference import gather_kv_ref  # noqa: E402
 
 PAGES, HKV, D = 5, 2, 32
 # ragged token slots over scattered pages, page edges, and one padding token (slot -1) that must not be written
@@ -42,7 +44,7 @@ def test_write_kv_is_bit_exact(kv_dtype, layout):
     k[2, 1] = 0  # an all-zero row: finite scale, zero values
     got, ref = caches(kv_dtype, layout), caches(kv_dtype, layout)
     cw.write_kv(k, v, got["k_cache"], got["v_cache"], SLOTS, got["k_scale"], got["v_scale"], layout)
-    cw.write_kv_ref(k, v, ref["k_cache"], ref["v_cache"], SLOTS, ref["k_scale"], ref["v_scale"], layout)
+    reference.write_kv_ref(k, v, ref["k_cache"], ref["v_cache"], SLOTS, ref["k_scale"], ref["v_scale"], layout)
     for name in ("k_cache", "v_cache", "k_scale", "v_scale"):
         assert same_bits(got[name], ref[name]), name
 
@@ -54,7 +56,7 @@ def test_write_index_key_rounds_like_torch(index_dtype):
     ik = (torch.randn(len(SLOTS), D) * torch.logspace(-4, 2, D)).clamp(-230, 230)
     got, ref = (caches("bf16", "plain", index_dtype)["index_cache"] for _ in range(2))
     cw.write_index_key(ik, got, SLOTS)
-    cw.write_index_key_ref(ik, ref, SLOTS)
+    reference.write_index_key_ref(ik, ref, SLOTS)
     assert same_bits(got, ref)
 
 
@@ -73,7 +75,7 @@ def test_fused_norm_rope_write_matches_composition(sparse, kv_dtype, layout):
     freqs = pos.float()[:, None] / (5e6 ** (torch.arange(0, rot, 2).float() / rot))
     cos, sin = freqs.cos(), freqs.sin()
     out = {}
-    for name, fn in (("got", cw.norm_rope_write), ("ref", cw.norm_rope_write_ref)):
+    for name, fn in (("got", cw.norm_rope_write), ("ref", reference.norm_rope_write_ref)):
         c = caches(kv_dtype, layout, "fp8")
         qo, iqo = fn(q, k, v, w[0], w[1], cos, sin, 1e-6, c["k_cache"], c["v_cache"], SLOTS, c["k_scale"],
                      c["v_scale"], layout, iq, ik, w[2], w[3], c["index_cache"] if sparse else None)

@@ -8,8 +8,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from attn_cases import make_step  # noqa: E402
 
-from m3sdk_kernels.indexer import indexer_topk, indexer_topk_ref  # noqa: E402
-from m3sdk_kernels.layout import gather_index_keys_ref  # noqa: E402
+from m3sdk_kernels.indexer import indexer_topk  # noqa: E402
+from m3sdk_kernels.reference import (
+    gather_index_keys_ref,  # noqa: E402
+    indexer_topk_ref,  # noqa: E402
+)
 
 HIDX, DI = 2, 32
 

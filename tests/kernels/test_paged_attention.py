@@ -9,13 +9,10 @@ import torch  # noqa: E402
 from attn_cases import DTYPES, make_step, poisoned  # noqa: E402
 
 from m3sdk_kernels import arch  # noqa: E402
-from m3sdk_kernels.indexer import indexer_topk_ref  # noqa: E402
-from m3sdk_kernels.paged_attention import (  # noqa: E402
-    MERGE_LAST_MAX_SPLITS,
-    arrival_counters,
-    attention_plan,
-    paged_attention,
-    paged_attention_ref,
+from m3sdk_kernels.paged_attention import MERGE_LAST_MAX_SPLITS, arrival_counters, attention_plan, paged_attention  # noqa: E402
+from m3sdk_kernels.reference import (
+    indexer_topk_ref,  # noqa: E402
+    paged_attention_ref,  # noqa: E402
 )
 
 HKV, GROUP, D = 2, 16, 32  # M3's 16 query heads per KV head, small head dim

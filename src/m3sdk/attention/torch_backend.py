@@ -7,9 +7,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from m3sdk.attention.base import AttentionMetadata, register_backend
-from m3sdk_kernels.cache_write import norm_rope_write_ref, write_index_key_ref, write_kv_ref
-from m3sdk_kernels.indexer import indexer_topk_ref
-from m3sdk_kernels.paged_attention import paged_attention_ref
+from m3sdk_kernels.reference import (
+    indexer_topk_ref,
+    norm_rope_write_ref,
+    paged_attention_ref,
+    write_index_key_ref,
+    write_kv_ref,
+)
 
 if TYPE_CHECKING:
     from m3sdk.cache.kv_pool import KVPool

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from m3sdk.cache import CACHE_MANAGERS
 from m3sdk.cache.kv_pool import KVCacheSpec
@@ -25,8 +25,8 @@ from m3sdk.observability import get_logger
 from m3sdk.runner import ModelRunner
 from m3sdk.sampler import Sampler
 from m3sdk.scheduler import SCHEDULERS
-from m3sdk.spec.base import SpeculativeDecoder, TargetInfo, build_drafter
-from m3sdk.spec.decoding import Speculation
+from m3sdk.speculative.base import SpeculativeDecoder, TargetInfo, build_drafter
+from m3sdk.speculative.decoding import Speculation
 from m3sdk.tokenizer import Tokenizer
 from m3sdk_kernels.arch import fp8_dtype
 
@@ -73,7 +73,7 @@ def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParalle
     rc = dataclasses.replace(rc, max_model_len=max_model_len)
     factory = config.scheduler
     if isinstance(factory, str):
-        factory = _by_name(SCHEDULERS, factory, "scheduler")
+        factory = SCHEDULERS.get(factory)
     scheduler = factory(cache, config)
     log.info("engine built", model=str(rc.model_path), device=str(rc.device), dtype=str(rc.dtype),
              pages=cache.num_pages, max_model_len=max_model_len)
@@ -83,7 +83,7 @@ def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParalle
             config=model.config, embed_tokens=model.embed_tokens, lm_head=model.lm_head,
             checkpoint=str(rc.model_path), device=rc.device, dtype=rc.dtype, model=model, kv_spec=cache.kv.spec,
             num_cache_pages=cache.num_pages, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len))
-    runner = ModelRunner(model, cache, rc.device, _graphs(rc, model, cache, tp, drafter))
+    runner = ModelRunner(model, cache, rc.device, _graphs(rc, model, cache, tp, drafter), mirror=tp)
     sampler = Sampler()
     if drafter is not None:
         executor: Executor = SpeculativeExecutor(runner, scheduler, sampler, Speculation(drafter, cache, sampler))
@@ -116,7 +116,7 @@ def _cache(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM) -> tuple[CacheManage
                              "kv_cache_memory or lower max_model_len")
         max_model_len = num_pages * PAGE_SIZE
         log.warning("max_model_len lowered to fit the KV cache", max_model_len=max_model_len)
-    cache = _by_name(CACHE_MANAGERS, config.cache_manager, "cache_manager")(
+    cache = CACHE_MANAGERS.get(config.cache_manager)(
         dataclasses.replace(spec, num_pages=num_pages), config.enable_prefix_caching)
     return cache, max_model_len
 
@@ -141,8 +141,3 @@ def _graphs(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, cache: CacheManager
         drafter.capture_graphs(rc.engine.max_num_seqs)
     return graphs
 
-
-def _by_name(registry: dict[str, Any], name: str, what: str) -> Any:
-    if name not in registry:
-        raise ValueError(f"unknown {what} {name!r}; registered: {sorted(registry)}")
-    return registry[name]

@@ -23,7 +23,7 @@ from m3sdk.request import Request
 from m3sdk.runner import PLACEHOLDER, Carry, ModelRunner
 from m3sdk.sampler import PendingSample, Sampler
 from m3sdk.scheduler.base import Scheduler, StepPlan
-from m3sdk.spec.decoding import Launched, Speculation
+from m3sdk.speculative.decoding import Launched, Speculation
 
 
 class InFlight(Protocol):

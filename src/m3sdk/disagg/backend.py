@@ -26,8 +26,8 @@ from m3sdk.core.hooks import LayerHook
 from m3sdk.disagg import wire
 from m3sdk.disagg.compat import CompatInfo, model_fingerprint
 from m3sdk.disagg.messages import PrefillOrder
+from m3sdk.disagg.outbox import Outbox
 from m3sdk.disagg.server import FirstToken
-from m3sdk.disagg.transport import Outbox
 from m3sdk.observability import get_logger
 from m3sdk.request import Chunk, FinishReason, Request
 from m3sdk.scheduler.base import StepPlan

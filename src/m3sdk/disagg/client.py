@@ -30,7 +30,7 @@ from m3sdk.disagg._proto import m3sdk_disagg_pb2_grpc as pb_grpc
 from m3sdk.disagg.compat import PROTOCOL_VERSION, CompatInfo
 from m3sdk.disagg.messages import check_reply, pack_token_ids, sampling_to_proto
 from m3sdk.disagg.server import TOKEN_HEADER
-from m3sdk.disagg.transport import KVTransport, Receive, TransportError, UcxTransport
+from m3sdk.disagg.transport import KVTransport, Receive, TransportError, build_transport
 from m3sdk.disagg.wire import MAX_TRANSFER_ID, TransferPlan, WireError, long_runs
 from m3sdk.errors import PrefillNodeError
 from m3sdk.observability import get_logger
@@ -76,7 +76,7 @@ class PrefillClient:
         if not nodes:
             raise ValueError("prefill_nodes is empty")
         self.compat, self.rows, self.vocab_size = compat, rows, vocab_size
-        self.transport = transport or UcxTransport()
+        self.transport = transport or build_transport()
         # groups of 4 layers (as SGLang's layer pipeline), but at least two groups, so that the first group
         # always travels while the rest of the prompt computes
         default = max(1, min(4, compat.num_layers // 2))

@@ -14,17 +14,18 @@ sees those positions again).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from m3sdk.config import SpecConfig
-from m3sdk.errors import CheckpointError
+from m3sdk.speculative.registry import DRAFTERS
 
 if TYPE_CHECKING:
     from torch import nn
+
 
 @dataclass
 class TargetStates:
@@ -61,8 +62,8 @@ class DraftRequest:
 
 class DeviceDrafts:
     """Draft tokens [B, k] a drafter launched on the device and did not read: the verify forward takes them from
-    there (`Proposal.pending`), and the host reads them with the verify's own result (spec/decoding.py), so nothing
-    waits for the drafter. Valid until the drafter's next step of the same shape overwrites them."""
+    there (`Proposal.pending`), and the host reads them with the verify's own result (speculative/decoding.py), so
+    nothing waits for the drafter. Valid until the drafter's next step of the same shape overwrites them."""
 
     def __init__(self, drafts: torch.Tensor):
         self.drafts = drafts
@@ -153,24 +154,9 @@ class TargetInfo:
     max_model_len: int = 0  # 0: the draft checkpoint's max_position_embeddings bounds a request's draft cache
 
 
-Builder = Callable[[SpecConfig, TargetInfo], SpeculativeDecoder]
-_REGISTRY: dict[str, Builder] = {}
-
-
-def register(method: str) -> Callable[[Builder], Builder]:
-    def wrap(fn: Builder) -> Builder:
-        _REGISTRY[method] = fn
-        return fn
-
-    return wrap
+register = DRAFTERS.register
 
 
 def build_drafter(config: SpecConfig, target: TargetInfo) -> SpeculativeDecoder:
-    """The drafter named by `config.method` (imports the drafter modules so they register themselves)."""
-    from m3sdk.spec import eagle3, mtp, ngram  # noqa: F401
-
-    try:
-        builder = _REGISTRY[config.method]
-    except KeyError:
-        raise CheckpointError(f"no drafter registered for {config.method!r}") from None
-    return builder(config, target)
+    """The drafter named by `config.method`."""
+    return DRAFTERS.get(config.method)(config, target)
