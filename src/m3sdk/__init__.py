@@ -8,6 +8,7 @@ from m3sdk.config import EngineConfig
 from m3sdk.engine import Engine
 from m3sdk.errors import (
     CheckpointError,
+    ConfigError,
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
@@ -21,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "Chunk",
     "Completion",
+    "ConfigError",
     "Engine",
     "EngineConfig",
     "EngineDeadError",
