@@ -3,8 +3,10 @@ parsing without torch, chat over stdin (also past the context), bench's progress
 
 import argparse
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,9 +82,13 @@ def test_sampling_and_config_errors_come_before_the_model_loads(args, message):
     assert message in line and "weights" not in proc.stdout
 
 
+def _subcommand(name: str) -> argparse.ArgumentParser:
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[name]
+
+
 def test_every_option_says_what_it_does_and_its_default():
-    parser = build_parser()
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for name, sub in subparsers.choices.items():
         for action in sub._actions:
             if isinstance(action, argparse._HelpAction) or not action.option_strings:
@@ -161,3 +167,14 @@ def test_bench_stops_when_the_warmup_fails():
     proc = m3sdk("bench", "--num-prompts", "2", "--input-len", "2000", "--output-len", "4")
     line = one_line_error(proc, 1, "m3sdk: error:")
     assert "warm-up requests failed" in line and "max_model_len" in line
+
+
+def test_the_docs_and_the_command_offer_the_same_choices():
+    root = Path(__file__).parents[1]
+    options = {a.dest: a for a in _subcommand("generate")._actions}
+    bullet = next(line for line in (root / "docs" / "engine.md").read_text().splitlines()
+                  if line.startswith("- `kv_cache_dtype`"))
+    assert set(re.findall(r"`(\w+)`", bullet.split("`kv_cache_layout`")[0])) - {"kv_cache_dtype"} == set(
+        options["kv_cache_dtype"].choices)
+    row = next(line for line in (root / "README.md").read_text().splitlines() if line.startswith("| `quantization`"))
+    assert set(re.findall(r'"(\w+)"', row)) == set(options["quantization"].choices)

@@ -6,6 +6,7 @@
 
 from typing import TYPE_CHECKING, Any
 
+from m3sdk.config import EngineConfig
 from m3sdk.errors import (
     CheckpointError,
     ConfigError,
@@ -19,7 +20,6 @@ from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, Completion, Timings, Usage
 
 if TYPE_CHECKING:
-    from m3sdk.config import EngineConfig
     from m3sdk.engine import Engine
 
 __all__ = [
@@ -41,13 +41,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # torch and the kernels load on first use of the engine: `import m3sdk` (and `m3sdk --help`) stays light
+    # the engine (torch, the kernels) loads on first use: `from m3sdk import EngineConfig` stays light
     if name == "Engine":
         from m3sdk.engine import Engine
 
         return Engine
-    if name == "EngineConfig":
-        from m3sdk.config import EngineConfig
-
-        return EngineConfig
     raise AttributeError(f"module 'm3sdk' has no attribute {name!r}")

@@ -29,13 +29,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from m3sdk.argtypes import NON_NEGATIVE_INT, POSITIVE_INT, byte_size, comma_list, number
+from m3sdk.config import EngineConfig
 from m3sdk.errors import M3Error
-
-if TYPE_CHECKING:  # the command's parser is built without torch: the config loads when the run starts
-    from m3sdk.config import EngineConfig
 
 _LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -296,8 +294,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, base: dict[str, Any]) -> EngineConfig:
-    from m3sdk.config import EngineConfig
-
     overrides = dict(base)
     for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "tensor_parallel_size"):
         if getattr(args, name, None) is not None:

@@ -14,14 +14,12 @@ import asyncio
 import os
 import platform
 import sys
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from .argtypes import NON_NEGATIVE_INT, POSITIVE_INT, number
+from .config import CACHE_DTYPES, DTYPES, QUANTIZATIONS, EngineConfig
 from .errors import InvalidRequestError, M3Error
-
-if TYPE_CHECKING:
-    from .config import EngineConfig
-    from .params import SamplingParams
+from .params import SamplingParams
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,8 +40,6 @@ def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    from .params import SamplingParams
-
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed)
 
@@ -51,8 +47,6 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.command == "bench":
         return _bench_module().engine_config(args, _engine_overrides(args))
-    from .config import EngineConfig
-
     return EngineConfig(**_engine_overrides(args))
 
 
@@ -144,7 +138,7 @@ def _bench_module():
 def _serve_prefill_node(args: argparse.Namespace) -> None:
     from .node import run_prefill_node
 
-    run_prefill_node(args)
+    run_prefill_node(args, _engine_overrides(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,17 +148,17 @@ def build_parser() -> argparse.ArgumentParser:
     def engine_options(p: argparse.ArgumentParser) -> None:
         g = p.add_argument_group("model and engine")
         g.add_argument("--model", help="checkpoint folder, or a bundled model's name (default: m3-tiny, bundled)")
-        g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+        g.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
                        help="where the model runs (default: auto = cuda when there is a GPU, else cpu)")
-        g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+        g.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                        help="weights and activations (default: auto = bfloat16 on a GPU, float32 on a CPU)")
         g.add_argument("--max-model-len", type=POSITIVE_INT, metavar="N",
                        help="context limit, prompt + reply (default: the checkpoint's, shrunk to fit the KV cache)")
         g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                        help="attention kernels (default: auto = triton on a GPU, torch on a CPU)")
-        g.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8", "fp32"], default="auto",
+        g.add_argument("--kv-cache-dtype", choices=CACHE_DTYPES, default="auto",
                        help="KV cache element type (default: auto = the model dtype)")
-        g.add_argument("--quantization", choices=["none", "fp8", "mxfp4"], default="none",
+        g.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                        help="quantize weights at load: fp8 attention and MLPs, mxfp4 also the experts "
                             "(default: none)")
         g.add_argument("--speculative", metavar="METHOD",
