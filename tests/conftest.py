@@ -50,6 +50,23 @@ def device() -> torch.device:
     return torch.device("cuda" if _GPUS else "cpu")
 
 
+@pytest.fixture
+def ieee_fp32(monkeypatch):
+    """fp32 tl.dot is TF32 on a GPU by default (bf16-like rounding): full fp32 for comparisons against fp32 math."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+
+
+@pytest.fixture
+def few_prefill_splits(monkeypatch, device):
+    """Under the interpreter every program runs in Python: prefill splits that fill a GPU's SMs only multiply the
+    time (the kernel tests cover splits and the merge; decode steps still split). On a GPU the tables stay."""
+    if device.type == "cpu":
+        from m3sdk_kernels import arch
+
+        for family in ("attn_prefill", "sparse_prefill"):
+            monkeypatch.setitem(arch.TILES[family], "sm90", arch.TILES[family]["sm90"] | {"SPLIT_PROGRAMS": 1})
+
+
 @pytest.fixture(autouse=True)
 def seeded_torch():
     """Random inputs the same in every run whatever ran before (engine tests in threads and processes consume

@@ -182,6 +182,10 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" (bfloat16 on a GPU, float32 on a CPU) | "float32" | "bfloat16"
     max_model_len: int | None = None  # prompt + generated tokens; None: the model's, shrunk to fit the cache
+    # Per request: stop strings (and stop token ids) and the characters of one stop string. Every step matches each
+    # stream's new text against its stop strings, so 100,000 of them (or one of 10 MB) would slow every stream.
+    max_stop_strings: int = 64
+    max_stop_length: int = 1024
     attention_backend: str = "auto"  # "auto" (triton on a GPU, torch on a CPU) | "torch" | "triton"
     # Replay decode and verify steps from captured CUDA graphs; None: on for a CUDA device with the triton backend.
     cuda_graphs: bool | None = None
@@ -229,7 +233,7 @@ class EngineConfig:
         return getattr(self.__dict__[group], name)
 
     def _problems(self) -> list[str]:
-        problems = []
+        problems = _positive_int(self, "max_stop_strings", "max_stop_length")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             problems.append(f"max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):

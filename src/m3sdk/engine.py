@@ -25,7 +25,7 @@ from m3sdk.config import EngineConfig
 from m3sdk.core import EngineCore, build_core
 from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from m3sdk.metrics import EngineMetrics
-from m3sdk.params import SamplingParams
+from m3sdk.params import SamplingParams, check_text, short_repr
 from m3sdk.request import Chunk, Completion, Request
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
@@ -193,13 +193,13 @@ class Engine:
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         elif overrides:
             params = params.replace(**overrides)
-        params.check_against(core.vocab_size)
+        params.check_against(core.vocab_size, self.config.max_stop_strings, self.config.max_stop_length)
         if request_id is None:
             request_id = uuid.uuid4().hex
         elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
+            raise InvalidRequestError(f"request_id must be a non-empty str, got {short_repr(request_id)}")
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError(f"priority must be an int, got {priority!r}")
+            raise InvalidRequestError(f"priority must be an int, got {short_repr(priority)}")
         ids = self._prompt_ids(core, prompt)
         limit = core.max_model_len
         if len(ids) >= limit:
@@ -214,9 +214,12 @@ class Engine:
     def _prompt_ids(core: EngineCore, prompt: Prompt) -> list[int]:
         tokenizer = core.tokenizer
         if isinstance(prompt, str):
+            check_text("the prompt", prompt)
             ids = tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            ids = tokenizer.encode(tokenizer.apply_chat_template(prompt), add_special_tokens=False)
+            text = tokenizer.apply_chat_template(prompt)
+            check_text("the rendered chat", text)  # a template may add text of its own; the encoder needs it valid
+            ids = tokenizer.encode(text, add_special_tokens=False)
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
             # a list of plain ints (the common case) is checked by type and min/max only: the per-item checks
             # below took 14 ms for a 32K-token prompt, all of it added to its time to first token

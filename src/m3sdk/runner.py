@@ -7,12 +7,13 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from m3sdk.attention.base import AttentionMetadata, to_device
+from m3sdk.attention.base import AttentionMetadata
 from m3sdk.cache.kv_pool import KVPool
 from m3sdk.cache.manager import CacheManager
 from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 from m3sdk.scheduler.base import StepPlan
+from m3sdk.staging import to_device
 
 # Stands in `Request.token_ids` for a token sampled by the step still running on the device (overlapped steps).
 PLACEHOLDER = -1

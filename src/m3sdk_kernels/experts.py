@@ -96,6 +96,22 @@ def quantize_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, fmt: str,
     raise ValueError(f"expert format {fmt!r} is not one of {FORMATS}")
 
 
+def stack_shared(w_gate_up: torch.Tensor, w_down: torch.Tensor, shared_gate_up: torch.Tensor,
+                 shared_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Routed experts [E, 2I, H], [E, H, I] and a shared expert of any width Is ([2Is, H], [H, Is]) -> one stack
+    with the shared expert after the routed ones as n = cdiv(Is, I) experts of the routed width (zero-padded), and
+    n: the router's `shared=n` picks all n with weight 1. Exact: SwiGLU-OAI is elementwise over the intermediate,
+    so the pieces' outputs sum to the whole's, and a zero gate|up row gives h = 0."""
+    inter, s_inter = w_down.shape[2], shared_down.shape[1]
+    n = -(-s_inter // inter)
+    pad = n * inter - s_inter
+    gate, up = shared_gate_up.chunk(2, dim=0)
+    gate, up = (torch.nn.functional.pad(x, (0, 0, 0, pad)).view(n, inter, -1) for x in (gate, up))
+    down = torch.nn.functional.pad(shared_down, (0, pad)).view(-1, n, inter).transpose(0, 1)
+    return (torch.cat((w_gate_up, torch.cat((gate, up), dim=1).to(w_gate_up.dtype))),
+            torch.cat((w_down, down.to(w_down.dtype))), n)
+
+
 def empty_experts(fmt: str, num_experts: int, hidden: int, inter: int) -> Experts:
     """Uninitialized MX storage for `num_experts` experts (the `Experts` shapes) on the default device, for a
     loader to read a checkpoint's bytes into."""
@@ -111,7 +127,7 @@ def empty_experts(fmt: str, num_experts: int, hidden: int, inter: int) -> Expert
 
 
 def to_planes(experts: Experts) -> Experts:
-    """MXFP4 experts -> the same values in the planes layout (`quant.mxfp4_planes`: Hopper's decode layout, made
+    """MXFP4 experts -> the same values in the planes layout (`formats.mxfp4_planes`: Hopper's decode layout, made
     once at load; values more than 28 octaves below their row's largest scale flush to zero)."""
     if experts.fmt != "mxfp4" or experts.planes:
         raise ValueError("to_planes takes MXFP4 experts in the checkpoint layout")

@@ -17,6 +17,12 @@ PAGE: tl.constexpr = tl.constexpr(PAGE_SIZE)  # the same, for use inside kernels
 LAYOUTS = ("plain", "shuffle")
 
 
+def dim_tile(dim: int) -> int:
+    """The register extent of a head / index vector of `dim` elements: the next power of two (tl.arange's rule),
+    at least 16 (tl.dot's smallest K). Kernels mask the lanes past `dim`."""
+    return max(16, triton.next_power_of_2(dim))
+
+
 def shuffle_width(dtype: torch.dtype) -> int:
     """Elements per 16-byte vector: the `x` of the SHUFFLE layout."""
     return 16 // torch.empty((), dtype=dtype).element_size()
@@ -30,6 +36,9 @@ def cache_shape(kind: str, layout: str, num_pages: int, num_kv_heads: int, head_
     if layout != "shuffle":
         raise ValueError(f"unknown KV layout {layout!r}; expected one of {LAYOUTS}")
     x = shuffle_width(dtype)
+    if head_dim % x:
+        raise ValueError(f"the shuffle KV layout stores head_dim in {x}-element vectors; head_dim {head_dim} is not a "
+                         f"multiple of {x} (use the plain layout)")
     if kind == "k":
         return (num_pages, num_kv_heads, head_dim // x, PAGE_SIZE, x)
     return (num_pages, num_kv_heads, PAGE_SIZE // x, head_dim, x)
@@ -48,20 +57,21 @@ def slot_offsets(off, d, HEAD_DIM: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.co
 
 @triton.jit
 def _gather_kernel(cache_ptr, scale_ptr, pages_ptr, out_ptr, length, stride_cp, stride_ch, stride_sp, stride_sh,
-                   HEAD_DIM: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr, IS_V: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr,
+                   IS_V: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     h = tl.program_id(0)
     tok = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, D_PAD)
     ok = tok < length
+    tile_ok = ok[:, None] & (d < HEAD_DIM)[None, :]
     page = tl.load(pages_ptr + tok // PAGE, mask=ok, other=0).to(tl.int64)
     off = tok % PAGE
     ptr = cache_ptr + page[:, None] * stride_cp + h * stride_ch
-    x = tl.load(ptr + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE, IS_V), mask=ok[:, None])
+    x = tl.load(ptr + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE, IS_V), mask=tile_ok)
     x = x.to(tl.float32)
     if HAS_SCALE:
         x *= tl.load(scale_ptr + page * stride_sp + h * stride_sh + off, mask=ok)[:, None]
-    tl.store(out_ptr + (h * length + tok[:, None]) * HEAD_DIM + d[None, :], x, mask=ok[:, None])
+    tl.store(out_ptr + (h * length + tok[:, None]) * HEAD_DIM + d[None, :], x, mask=tile_ok)
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, length: int,
@@ -77,7 +87,8 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
         s = scale if scale is not None else o  # never read without HAS_SCALE
         _gather_kernel[(heads, triton.cdiv(length, block))](
             cache, s, pages, o, length, cache.stride(0), cache.stride(1), s.stride(0), s.stride(1),
-            HEAD_DIM=head_dim, X=shuffle_width(cache.dtype), SHUFFLE=layout == "shuffle", IS_V=is_v,
+            HEAD_DIM=head_dim, D_PAD=dim_tile(head_dim), X=shuffle_width(cache.dtype), SHUFFLE=layout == "shuffle",
+            IS_V=is_v,
             HAS_SCALE=scale is not None, BLOCK=block)
         out.append(o)
     return out[0], out[1]

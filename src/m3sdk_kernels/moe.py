@@ -331,6 +331,50 @@ def h_row(fmt: str, num_tokens: int, arch: Arch, planes: bool = False) -> bool:
     return (fmt == "fp8" or mx_fp8(fmt, num_tokens, arch, planes)) and bool(cfg.get("H_ROW", 0))
 
 
+def moe_plan(num_tokens: int, fmt: str, planes: bool, hidden: int, inter: int, arch: Arch) -> dict:
+    """How `fused_moe` runs `num_tokens` tokens of `fmt` experts (`planes`: MXFP4 in the planes layout) of widths
+    hidden / inter on `arch`: tiles, sorted or not, the fp8 paths, K tiles, and `unsupported` (why these widths
+    cannot be tiled, or None). A function of shapes only, so `moe_unsupported` can ask it at build time."""
+    cfg, sort = moe_tiles(num_tokens, arch, "planes" if planes else "bf16" if fmt == "bf16" else None)
+    use_mx_fp8 = mx_fp8(fmt, num_tokens, arch, planes)
+    if fmt == "fp8" or use_mx_fp8:  # fp8 activations: the tables' "family:fp8" entries
+        cfg, sort = moe_tiles(num_tokens, arch, "fp8")
+    convert = bool(use_mx_fp8 and cfg.get("MX_CONVERT", 0))
+    if convert:  # the stack converted to fp8 experts first
+        fmt, use_mx_fp8, planes = "fp8", False, False
+    act_fp8 = fmt == "fp8" or use_mx_fp8
+    row_q = act_fp8 and bool(cfg.get("H_ROW", 0))
+    # K tiles: the table's, or the largest power of two dividing K when K is smaller (small models); planes step
+    # through their 256-element tiles
+    gu_bk = PLANE_K if planes else min(cfg["GU_BLOCK_K"], hidden & -hidden)
+    dn_bk = PLANE_K if planes else min(cfg["DN_BLOCK_K"], inter & -inter,
+                                       FP8_ACT_GROUP if act_fp8 and not row_q else inter)
+    # MXFP4 as fp8: K tiles of 64 and up, the sizes compiled and measured on sm90 (the conversion is one dot)
+    min_bk = 64 if use_mx_fp8 else 32 if fmt != "bf16" else 16
+    unsupported = None
+    if act_fp8 and inter % FP8_ACT_GROUP:
+        unsupported = f"moe_intermediate_size {inter} is not a multiple of {FP8_ACT_GROUP} (fp8 activation groups)"
+    elif gu_bk < min_bk:
+        unsupported = f"hidden_size {hidden} is not a multiple of {min_bk} (the {fmt} expert GEMMs' K tile)"
+    elif dn_bk < min_bk:
+        unsupported = f"moe_intermediate_size {inter} is not a multiple of {min_bk} (the {fmt} expert GEMMs' K tile)"
+    return {"cfg": cfg, "sort": sort, "mx_fp8": use_mx_fp8, "convert": convert, "act_fp8": act_fp8, "row_q": row_q,
+            "gu_bk": gu_bk, "dn_bk": dn_bk, "unsupported": unsupported}
+
+
+def moe_unsupported(hidden: int, inter: int, fmt: str = "bf16", planes: bool = False,
+                    arch: Arch | None = None) -> str | None:
+    """Why `fused_moe` cannot serve experts of these widths in `fmt` at some batch size on `arch` (default: the
+    current device's), or None: asked once when a model is built, which then takes the torch path for its MoE."""
+    arch = arch or current_arch()
+    decode, small = tiles("moe_decode", arch), tiles("moe_small", arch)
+    for t in (1, decode["MAX_TOKENS"] + 1, small["MAX_TOKENS"] + 1):  # decode, small-batch and prefill tiles
+        why = moe_plan(t, fmt, planes, hidden, inter, arch)["unsupported"]
+        if why:
+            return why
+    return None
+
+
 def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Experts,
               alpha: float, limit: float) -> torch.Tensor:
     """Triton version of `fused_moe_ref` (hidden [T, H] bf16, contiguous experts), of its `mx_fp8` mode where
@@ -344,25 +388,15 @@ def fused_moe(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         return out
     arch = current_arch(dev)
     planes = experts.planes
-    cfg, sort = moe_tiles(t, arch, "planes" if planes else "bf16" if fmt == "bf16" else None)
-    use_mx_fp8 = mx_fp8(fmt, t, arch, planes)
-    if fmt == "fp8" or use_mx_fp8:  # fp8 activations: the tables' "family:fp8" entries
-        cfg, sort = moe_tiles(t, arch, "fp8")
+    plan = moe_plan(t, fmt, planes, hdim, inter, arch)
+    if plan["unsupported"]:
+        raise ValueError(plan["unsupported"])
+    cfg, sort, use_mx_fp8, act_fp8, row_q = (plan[key] for key in ("cfg", "sort", "mx_fp8", "act_fp8", "row_q"))
+    gu_bk, dn_bk = plan["gu_bk"], plan["dn_bk"]
     side = None  # MX_CONVERT 2: the down weights convert on a side stream while the gate_up GEMM runs
-    if use_mx_fp8 and cfg.get("MX_CONVERT", 0):  # the whole stack to fp8 once, then the fp8 experts' path
+    if plan["convert"]:  # the whole stack to fp8 once, then the fp8 experts' path
         side = side_stream(dev) if cfg["MX_CONVERT"] == 2 and dev.type == "cuda" else None
-        experts, fmt, use_mx_fp8, planes = mx_to_fp8(experts, side), "fp8", False, False
-    act_fp8 = fmt == "fp8" or use_mx_fp8
-    row_q = act_fp8 and bool(cfg.get("H_ROW", 0))
-    # K tiles: the table's, or the largest power of two dividing K when K is smaller (small models); planes step
-    # through their 256-element tiles
-    gu_bk = PLANE_K if planes else min(cfg["GU_BLOCK_K"], hdim & -hdim)
-    dn_bk = PLANE_K if planes else min(cfg["DN_BLOCK_K"], inter & -inter,
-                                       FP8_ACT_GROUP if act_fp8 and not row_q else inter)
-    # MXFP4 as fp8: K tiles of 64 and up, the sizes compiled and measured on sm90 (the conversion is one dot)
-    min_bk = 64 if use_mx_fp8 else 32 if fmt != "bf16" else 16
-    if min(gu_bk, dn_bk) < min_bk or (act_fp8 and inter % FP8_ACT_GROUP):
-        raise ValueError(f"hidden {hdim} / intermediate {inter} too small or odd for {fmt} experts")
+        experts, fmt, planes = mx_to_fp8(experts, side), "fp8", False
     ids = topk_ids.reshape(-1).to(torch.int32)
     weights = topk_weights.reshape(-1).to(torch.float32)
     if act_fp8:

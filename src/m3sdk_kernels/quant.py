@@ -56,7 +56,7 @@ def _bf16(x, INTERPRET: tl.constexpr):
 @triton.jit
 def _row_values(x_ptr, row, stride_x, cols, K, SWIGLU: tl.constexpr, alpha, limit, INTERPRET: tl.constexpr):
     # fp32 values of row `row` at `cols` (zero past K): x itself, or (SWIGLU) the SwiGLU-OAI of x = [gate | up]
-    # (width 2K) rounded after every op as `moe.swiglu_oai_ref` is on bf16 tensors
+    # (width 2K) rounded after every op as `reference.swiglu_oai_ref` is on bf16 tensors
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if SWIGLU:

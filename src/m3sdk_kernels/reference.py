@@ -236,17 +236,17 @@ def add_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual
 
 
 def route_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int, routed_scale: float = 1.0,
-              shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights float32 [T, k (+1)], expert ids int32 [T, k (+1)]), routed ids by descending
-    choice score, then the shared column (id E, weight 1) if `shared`."""
+              shared: bool | int = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (weights float32 [T, k + n], expert ids int32 [T, k + n]), routed ids by descending
+    choice score, then n = int(shared) shared columns (ids E .. E + n - 1, weight 1)."""
     p = torch.sigmoid(logits.float())
     _, ids = torch.topk(p + bias.float(), top_k, dim=-1, sorted=True)
     w = p.gather(1, ids)
     w = w / w.sum(dim=-1, keepdim=True) * routed_scale
     ids = ids.to(torch.int32)
-    if shared:
-        w = torch.cat((w, torch.ones_like(w[:, :1])), dim=1)
-        ids = torch.cat((ids, torch.full_like(ids[:, :1], logits.shape[1])), dim=1)
+    n, e = int(shared), logits.shape[1]
+    w = torch.cat((w, torch.ones_like(w[:, :1]).expand(-1, n)), dim=1)
+    ids = torch.cat((ids, torch.arange(e, e + n, dtype=ids.dtype, device=ids.device).expand(ids.shape[0], n)), 1)
     return w, ids
 
 

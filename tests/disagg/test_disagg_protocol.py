@@ -352,16 +352,19 @@ def test_a_draining_node_finishes_the_prefills_it_runs():
 
 
 def test_a_request_the_wire_cannot_carry_fails_without_leaving_its_receive_posted(node):
-    # a seed outside uint64 cannot go into the Prefill call: the job must fail as PrefillNodeError (the core
-    # then prefills locally) and must not leave receive buffers posted for a transfer that never comes
+    # a value the wire cannot carry (SamplingParams refuses a seed outside uint64; forced in here) must fail the
+    # job as PrefillNodeError (the core then prefills locally) and must not leave receive buffers posted for a
+    # transfer that never comes
     client, _ = make_client(node)
+    unwired = SamplingParams()
+    object.__setattr__(unwired, "seed", -1)
 
     async def receives() -> list[asyncio.Task]:
         return [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "UcxReceive._run"]
 
     try:
         with pytest.raises(PrefillNodeError, match="seed|out of range"):
-            client.submit("w1", list(range(40)), SamplingParams(seed=-1), [1, 2, 3], 0, 10).result(10)
+            client.submit("w1", list(range(40)), unwired, [1, 2, 3], 0, 10).result(10)
         assert not loop.run(receives())
     finally:
         client.close()

@@ -22,7 +22,6 @@ from oracle import ORACLE_CONFIG, PagedSequences, load_oracle, make_oracle_check
 
 from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
 from m3sdk.model import load_model
-from m3sdk_kernels import arch
 
 CPU_SEEDS = [0, 1, 2, 3]
 SEEDS = CPU_SEEDS + [pytest.param(s, marks=pytest.mark.gpu) for s in range(4, 16)]
@@ -84,21 +83,6 @@ def checkpoints(tmp_path_factory):
         return made[seed]
 
     return get
-
-
-@pytest.fixture
-def ieee_fp32(monkeypatch):
-    """fp32 tl.dot is TF32 on a GPU by default (bf16-like rounding): full fp32 for these comparisons."""
-    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
-
-
-@pytest.fixture
-def few_prefill_splits(monkeypatch, device):
-    """Under the interpreter every program runs in Python: prefill splits only multiply its time (the kernel
-    tests cover splits); on a GPU the tables stay as they are."""
-    if device.type == "cpu":
-        for family in ("attn_prefill", "sparse_prefill"):
-            monkeypatch.setitem(arch.TILES[family], "sm90", arch.TILES[family]["sm90"] | {"SPLIT_PROGRAMS": 1})
 
 
 def ids_for(n: int, seed: int) -> list[int]:

@@ -6,17 +6,21 @@ SwiGLU-OAI math are m3sdk_kernels' references (`gemma_rms_norm_ref`, `swiglu_oai
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from m3sdk.observability import get_logger
 from m3sdk_kernels.experts import Experts
-from m3sdk_kernels.moe import fused_moe
+from m3sdk_kernels.moe import fused_moe, moe_unsupported
 from m3sdk_kernels.norm import add_rms_norm
 from m3sdk_kernels.reference import add_rms_norm_ref, gemma_rms_norm_ref, swiglu_oai_ref
 from m3sdk_kernels.router import route as fused_route
+
+log = get_logger("m3sdk.model")
 
 
 class RMSNorm(nn.Module):
@@ -116,10 +120,15 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int)
     return weights / weights.sum(dim=-1, keepdim=True), ids
 
 
+@functools.cache
 def fused_moe_fits(hidden: int, inter: int) -> bool:
-    """Whether m3sdk_kernels' fused MoE tiles these widths for bf16 experts: its K steps are the table's or the
-    largest power of two dividing K, and tl.dot needs at least 16 (m3-tiny's 256 / 64 fit)."""
-    return hidden % 16 == 0 and inter % 16 == 0
+    """Whether m3sdk_kernels' fused MoE tiles bf16 experts of these widths (`moe_unsupported`; m3-tiny's 256 / 64
+    fit). Asked when a MoE layer is built on a GPU: where it does not, one log line says why and the torch path
+    serves the experts."""
+    why = moe_unsupported(hidden, inter, "bf16")
+    if why:
+        log.info("fused MoE kernels off: the torch path serves the experts", reason=why)
+    return why is None
 
 
 def moe_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
@@ -181,6 +190,8 @@ class SparseMoE(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype))
         self.shared_experts = DenseMLP(hidden, shared_inter, alpha, limit, dtype)
+        if torch.cuda.is_available():
+            fused_moe_fits(hidden, inter)  # decided (and logged) at build, not at the first request
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_experts(x)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from m3sdk.attention.base import AttentionBackend, AttentionMetadata, get_backend
+from m3sdk.attention.base import AttentionBackend, AttentionMetadata, AttentionShapes, get_backend
 from m3sdk.cache.kv_pool import KVPool
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.layers import (
@@ -125,6 +125,8 @@ class MiniMaxM3ForCausalLM(nn.Module):
         self.requires_grad_(False)
         self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta)
         self.attn_backend: AttentionBackend = get_backend(attn_backend)
+        self.attn_backend.bind(AttentionShapes(c.head_dim, c.rotary_dim, c.index_head_dim if c.sparse_layers else None,
+                                               c.index_block_size if c.sparse_layers else None))
         # `mtp.*` tensors of the checkpoint, read on demand by the speculative decoder (not part of this forward)
         self.mtp_weights: Mapping[str, torch.Tensor] = {}
 

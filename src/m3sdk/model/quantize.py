@@ -132,7 +132,7 @@ class QuantizedMoE(nn.Module):
 
     def serve_layout(self) -> None:
         """The stack rearranged once, after loading, into the layout the kernels serve fastest on its device
-        (`moe.serving_layout`: MXFP4 on an H200 becomes the planes layout; the values stay)."""
+        (`experts.serving_layout`: MXFP4 on an H200 becomes the planes layout; the values stay)."""
         experts = serving_layout(self.experts)
         for name in _EXPERT_TENSORS:
             setattr(self, name, getattr(experts, name))

@@ -73,32 +73,6 @@ class DeviceDrafts:
         return self.drafts.tolist()
 
 
-class HostRead:
-    """Device int64 values copied into reused pinned host memory without blocking the host; `get` waits for that
-    copy alone (a `.tolist()` waits for everything queued on the stream, e.g. a drafter's read launched after it).
-    One copy in flight at a time: the host `get`s one before the next `send`, which reuses the buffer."""
-
-    def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
-        self._event: torch.cuda.Event | None = None
-        self._n = 0
-
-    def send(self, values: torch.Tensor) -> None:
-        cuda = values.device.type == "cuda"
-        if self._buf is None or self._buf.numel() < values.numel():
-            self._buf = torch.empty(max(2 * values.numel(), 64), dtype=values.dtype, pin_memory=cuda)
-            self._event = torch.cuda.Event() if cuda else None
-        self._n = values.numel()
-        self._buf[:self._n].copy_(values, non_blocking=cuda)
-        if self._event is not None:
-            self._event.record()
-
-    def get(self) -> list[int]:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._buf[:self._n].tolist()
-
-
 @dataclass
 class Proposal:
     """Draft tokens and, when they were sampled rather than picked, the distribution each was drawn from

@@ -10,13 +10,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from m3sdk.attention.base import to_device
 from m3sdk.graphs import Replay, batch_buckets
 from m3sdk.speculative.base import DeviceDrafts
 from m3sdk.speculative.chain import ChainDrafter, DraftSeq
 from m3sdk.speculative.eagle3.draft_cache import DraftKV, DraftKVPool
 from m3sdk.speculative.eagle3.head import Eagle3Head
 from m3sdk.speculative.eagle3.read_inputs import ReadInts
+from m3sdk.staging import UploadRing, to_device
 
 # the drafter keeps the draft vocabulary's normed embeddings as a table up to this size (m3-tiny's head: 0.5 MiB)
 DRAFT_EMBED_TABLE_BYTES = 64 << 20
@@ -329,21 +329,15 @@ class Eagle3Drafter(ChainDrafter):
 
     def _stage(self, static: torch.Tensor) -> np.ndarray:
         """The host staging buffer of a graph's packed static ints, holding their defaults (padding), to fill and
-        `_send`; reused once its last copy has run."""
-        stage, done, defaults = self._staging[static.data_ptr()]
-        if done is not None:
-            done.synchronize()  # its copy of the step before (long done: the host has read a verify since)
-        host = stage.numpy()
+        `_send` (its upload of the step before is long done: the host has read a verify since)."""
+        ring, defaults = self._staging[static.data_ptr()]
+        host = ring.take().numpy()
         host[:] = defaults
         return host
 
     def _send(self, static: torch.Tensor) -> None:
-        """One non-blocking copy of the staging buffer into the static ints (pinned: a pageable upload would wait
-        for the whole stream)."""
-        stage, done, _ = self._staging[static.data_ptr()]
-        static.copy_(stage, non_blocking=True)
-        if done is not None:
-            done.record()
+        """One upload of the staging buffer into the static ints, queued without a host wait."""
+        self._staging[static.data_ptr()][0].upload(static)
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         """CUDA graphs per batch bucket, captured now (serving never stalls on a capture): `read` of up to k + 1
@@ -370,21 +364,18 @@ class Eagle3Drafter(ChainDrafter):
                 pad = ReadInts(defaults, b, k)
                 pad.slot[:] = pad.ctx_slot[:] = self.pool.scratch
                 ints = self._read_static[b] = torch.from_numpy(defaults).to(self.device)
-                self._staging[ints.data_ptr()] = self._stage_for(ints, cuda)
+                self._staging[ints.data_ptr()] = self._staging_for(ints)
                 self._verdicts[b] = ints[-b * (k + 1):]  # `ReadInts.verdict`, which a verify step's argmax fills
                 self._read_graphs[b] = Replay(lambda b=b, ints=ints: self._draft_ahead(ints, b), pool, self.device)
                 if k > 1:
                     ints = self._static[b] = torch.zeros(2 * b + 2 * (k - 1) * b, **i64)
                     ints[b:2 * b] = self.pool.scratch
-                    self._staging[ints.data_ptr()] = self._stage_for(ints, cuda)
+                    self._staging[ints.data_ptr()] = self._staging_for(ints)
                     self._graphs[b] = Replay(lambda b=b, ints=ints: self._chain_fixed(ints, b), pool, self.device)
 
-    @staticmethod
-    def _stage_for(static: torch.Tensor, cuda: bool) -> tuple[torch.Tensor, torch.cuda.Event | None, np.ndarray]:
-        """A host staging buffer for `static` (pinned on CUDA), the event of its last copy, and the static ints'
-        defaults (their values now)."""
-        stage = torch.empty(static.shape, dtype=static.dtype, pin_memory=cuda)
-        return stage, torch.cuda.Event() if cuda else None, static.cpu().numpy().copy()
+    def _staging_for(self, static: torch.Tensor) -> tuple[UploadRing, np.ndarray]:
+        """A host staging buffer for `static` and the static ints' defaults (their values now)."""
+        return UploadRing(static.shape, static.dtype, self.device), static.cpu().numpy().copy()
 
     def _chain_fixed(self, ints: torch.Tensor, bucket: int) -> torch.Tensor:
         """The chain graph's body: `ints` in `_chain_ints`' layout, the last entries' pre-norm outputs in
