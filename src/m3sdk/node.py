@@ -10,13 +10,14 @@ import signal
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from m3sdk.disagg import loop
 from m3sdk.disagg.messages import Limits
 from m3sdk.disagg.server import PrefillBackend, PrefillServicer, start_server, stop_server
-from m3sdk.disagg.transport import KVTransport, UcxTransport
+from m3sdk.disagg.transport import KVTransport, build_transport
 from m3sdk.observability import get_logger
 
 log = get_logger("m3sdk.node")
@@ -28,7 +29,7 @@ class PrefillNode:
                  tls: tuple[bytes, bytes] | None = None):
         self.backend = backend
         self.listen = listen
-        self.transport = transport or UcxTransport()
+        self.transport = transport or build_transport()
         self.limits = limits or Limits()
         self.token, self.tls = token, tls
         self.node_id = uuid.uuid4().hex[:12]
@@ -71,18 +72,18 @@ class PrefillNode:
         self.stop(grace)
 
 
-def run_prefill_node(args) -> None:
-    """`m3sdk prefill-node`: an engine core of its own behind the node service, until SIGTERM.
+def run_prefill_node(args: Any, engine_overrides: dict[str, Any]) -> None:
+    """`m3sdk prefill-node`: an engine core of its own (EngineConfig(**engine_overrides)) behind the node service,
+    until SIGTERM. `args`: listen, tls_cert, tls_key.
 
     The shared token comes from $M3SDK_PREFILL_TOKEN (not a flag: flags show in `ps`)."""
-    from m3sdk.cli import _engine_overrides
     from m3sdk.config import EngineConfig
     from m3sdk.disagg.backend import EngineBackend
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
-    backend = EngineBackend(EngineConfig(**_engine_overrides(args)))
+    backend = EngineBackend(EngineConfig(**engine_overrides))
     node = PrefillNode(backend, args.listen, token=os.environ.get("M3SDK_PREFILL_TOKEN") or None, tls=tls).start()
     print(f"m3sdk prefill node {node.node_id} serving on {node.address}", flush=True)
     try:

@@ -9,8 +9,8 @@ from torch import nn
 from m3sdk.model.layers import SparseMoE
 from m3sdk.model.quantize import Fp8Linear, QuantizedMoE
 from m3sdk_kernels.arch import fp8_dtype
-from m3sdk_kernels.moe import dequantize_experts
-from m3sdk_kernels.quant import fp8_linear_ref
+from m3sdk_kernels.experts import dequantize_experts
+from m3sdk_kernels.reference import fp8_linear_ref
 
 
 def model_dtype(device: torch.device) -> torch.dtype:
