@@ -280,6 +280,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--json", type=Path, metavar="PATH",
                    help="write the results here, one object or a list for a sweep (default: not written)")
     m.add_argument("--save-detailed", action="store_true", help="add per-request lengths, TTFTs, ITLs, errors")
+    add_engine_arguments(p)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Engine sizing options beyond the CLI's shared ones, read back by engine_config."""
     e = p.add_argument_group("engine sizing")
     e.add_argument("--max-num-seqs", type=POSITIVE_INT, metavar="N",
                    help="requests running at once (default: the engine's, 64)")
