@@ -399,8 +399,11 @@ def print_result(r: dict[str, Any], percentiles: Sequence[float]) -> None:
         rows += [(f"P{p:g} {label} (ms)", r[f"p{p:g}_{name}_ms"]) for p in percentiles]
     for label, value in rows:
         print(f"{label:<36}{value:>14.2f}" if isinstance(value, float) else f"{label:<36}{value:>14}")
-    for reason, n in r.get("failure_reasons", {}).items():
+    reasons = list(r.get("failure_reasons", {}).items())
+    for reason, n in reasons[:5]:
         print(f"Failed ({n}): {reason}")
+    if len(reasons) > 5:
+        print(f"Failed ({sum(n for _, n in reasons[5:])}): {len(reasons) - 5} other reasons (--json has them all)")
     sys.stdout.flush()
 
 
