@@ -58,8 +58,10 @@ class EngineCore:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._pending: list[Chunk] = []  # abort notices, sent with the next step's deltas
-        # The last step could run nothing until an admission hands requests over: the loop sleeps until its wake.
+        # The last step could run nothing until an admission hands requests over or a page hold ends: the loop
+        # sleeps until its inbox hears of it.
         self._stalled = False
+        self._num_holds = 0  # finished requests' pages retained for a listener's I/O
         self._counters = dict(steps=0, prompt_tokens=0)
         self._stats: dict[str, Any] = {}
         self._publish_stats()
@@ -169,8 +171,9 @@ class EngineCore:
     def _nothing_scheduled(self, plan: StepPlan) -> list[Chunk]:
         if plan.preempted or not (self.scheduler.num_running or self.scheduler.num_waiting):
             return []
-        if self._admission is not None and self._admission.live_requests():
-            # the waiting requests need pages held by requests an admission took: wait for its handovers
+        if self._num_holds or (self._admission is not None and self._admission.live_requests()):
+            # the waiting requests need pages held by requests an admission took, or by a listener's I/O: wait
+            # for its handovers or for the hold to end
             self._stalled = True
             return []
         raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
@@ -219,6 +222,7 @@ class EngineCore:
                 if request is not None:  # unknown or finished: a no-op
                     self._pending.append(self.output.finish(request, "abort"))
             elif kind == _UNHOLD:  # a finish listener's I/O let go of a finished request's pages
+                self._num_holds -= 1
                 self.cache.release_pages(item)
             elif kind == _WAKE:  # an admission has outcomes: the loop collects them
                 pass
@@ -243,6 +247,7 @@ class EngineCore:
             hold = listener(request, reason)
             if hold is not None:
                 pages = self.cache.retain(request)
+                self._num_holds += 1
                 hold.add_done_callback(lambda _, pages=pages: self._inbox.put((_UNHOLD, pages)))
         if self.scheduler.get(request.request_id) is request:
             self.scheduler.finish(request, reason)
