@@ -35,8 +35,8 @@ from m3sdk.request import Chunk, FinishReason, Request
 from m3sdk.runner import PLACEHOLDER, Carry, ModelRunner
 from m3sdk.sampler import PendingSample, SampledToken, Sampler, SamplingState
 from m3sdk.scheduler import SCHEDULERS, Scheduler, StepPlan
-from m3sdk.spec.base import SpeculativeDecoder, TargetInfo, build_drafter
-from m3sdk.spec.decoding import Launched, Speculation
+from m3sdk.speculative.base import SpeculativeDecoder, TargetInfo, build_drafter
+from m3sdk.speculative.decoding import Launched, Speculation
 from m3sdk.structured import GrammarCompiler
 from m3sdk.tokenizer import TextStream, Tokenizer
 from m3sdk_kernels.arch import fp8_dtype

@@ -34,14 +34,14 @@ from m3sdk.request import Request, RequestStatus
 from m3sdk.runner import Carry
 from m3sdk.sampler import SampledToken, Sampler
 from m3sdk.scheduler.base import Scheduled, StepPlan
-from m3sdk.spec.base import DraftRequest, Proposal, SpeculativeDecoder, TargetStates
-from m3sdk.spec.verify import VerifyRow, verify, verify_greedy
+from m3sdk.speculative.base import DraftRequest, Proposal, SpeculativeDecoder, TargetStates
+from m3sdk.speculative.verify import VerifyRow, verify, verify_greedy
 from m3sdk.structured import apply_bitmask, fill_draft_masks, new_bitmask
 
 if TYPE_CHECKING:
     from m3sdk.cache.manager import CacheManager
     from m3sdk.runner import ModelRunner
-    from m3sdk.spec.chain import Unverified
+    from m3sdk.speculative.chain import Unverified
 
 
 @dataclass
