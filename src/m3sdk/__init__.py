@@ -9,6 +9,7 @@ from m3sdk.config import EngineConfig
 from m3sdk.engine import Engine
 from m3sdk.errors import (
     CheckpointError,
+    ConfigError,
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
@@ -25,6 +26,7 @@ __all__ = [
     "CheckpointError",
     "Chunk",
     "Completion",
+    "ConfigError",
     "Engine",
     "EngineConfig",
     "EngineDeadError",
