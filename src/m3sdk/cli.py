@@ -100,7 +100,7 @@ def _bench_module():
 def _serve_prefill_node(args: argparse.Namespace) -> None:
     from .node import run_prefill_node
 
-    run_prefill_node(args)
+    run_prefill_node(args, _engine_overrides(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
