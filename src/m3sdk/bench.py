@@ -227,6 +227,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--slo-e2el-ms", type=float, help="goodput SLO on end-to-end latency")
     m.add_argument("--json", type=Path, help="write the results here (one object, or a list for a sweep)")
     m.add_argument("--save-detailed", action="store_true", help="add per-request lengths, TTFTs, ITLs, errors")
+    add_engine_arguments(p)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Engine sizing options beyond the CLI's shared ones, read back by engine_config (bench and serve)."""
     e = p.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=int)
     e.add_argument("--max-num-batched-tokens", type=int)

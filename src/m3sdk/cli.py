@@ -1,4 +1,4 @@
-"""The `m3sdk` command: generate, chat, info, prefill-node.
+"""The `m3sdk` command: generate, chat, info, bench, serve, prefill-node.
 
 Errors are one clear line on stderr and a non-zero exit, never a traceback (set M3SDK_DEBUG=1 for one)."""
 
@@ -97,6 +97,17 @@ def _bench_module():
     return bench
 
 
+def _serve(args: argparse.Namespace) -> None:
+    try:
+        from .server.serve import serve
+    except ImportError as e:
+        raise ValueError(f"m3sdk serve needs the server extra: pip install 'm3sdk[server]' ({e})") from e
+    config = _bench_module().engine_config(args, _engine_overrides(args))
+    api_key = args.api_key or os.environ.get("M3SDK_API_KEY") or None
+    asyncio.run(serve(config, host=args.host, port=args.port, api_key=api_key,
+                      model_names=args.served_model_name, log_level=args.log_level))
+
+
 def _serve_prefill_node(args: argparse.Namespace) -> None:
     from .node import run_prefill_node
 
@@ -144,6 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
     engine_options(bench)
     _bench_module().add_arguments(bench)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the server extra)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $M3SDK_API_KEY)")
+    serve.add_argument("--served-model-name", nargs="+", help="names clients give as 'model' (default: the "
+                       "checkpoint folder's name)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    engine_options(serve)
+    _bench_module().add_engine_arguments(serve)
+
     node = sub.add_parser("prefill-node", help="run a remote prefill node daemon")
     node.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT of the gRPC service")
     node.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
@@ -161,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_chat(args))
         elif args.command == "info":
             asyncio.run(_info(args))
+        elif args.command == "serve":
+            _serve(args)
         elif args.command == "bench":
             asyncio.run(_bench_module().main_async(args, _engine_overrides(args)))
         else:

@@ -24,6 +24,7 @@ from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestE
 from m3sdk.metrics import EngineMetrics
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, Completion, Request
+from m3sdk.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
@@ -75,6 +76,11 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return self._running_core().max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The checkpoint's tokenizer and chat template (read-only use: it is shared with the engine thread)."""
+        return self._running_core().tokenizer
 
     @property
     def metrics_registry(self) -> CollectorRegistry:
