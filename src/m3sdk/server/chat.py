@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from m3sdk.server.context import ServerContext, context, new_id
+from m3sdk.server.disconnect import cancelled_on_disconnect
 from m3sdk.server.errors import bad_request, not_supported
-from m3sdk.server.generation import Indexed, collect, start, usage_info
+from m3sdk.server.fanout import FanOut
+from m3sdk.server.generation import collect, start, usage_info
 from m3sdk.server.logprobs import chat_logprobs
 from m3sdk.server.protocol import (
     AssistantMessage,
@@ -46,7 +48,7 @@ def _prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion)
 async def create_chat_completion(req: ChatCompletionRequest,
-                                 ctx: Annotated[ServerContext, Depends(context)]) -> Response:
+                                 ctx: Annotated[ServerContext, Depends(context)], http: Request) -> Response:
     model = ctx.check_model(req.model)
     if req.tools and req.tool_choice != "none":
         raise not_supported("tools")
@@ -57,19 +59,21 @@ async def create_chat_completion(req: ChatCompletionRequest,
                              logprobs=_logprobs(req))
     prompt = _prompt_ids(ctx, req)
     rid = new_id("chatcmpl")
-    chunks = await start(ctx.engine, [(prompt, p) for p in params], rid)
+    fan = await start(ctx.engine, [(prompt, p) for p in params], rid)
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return EventStream(_events(ctx, chunks, rid, model, req.n, usage))
-    results = await collect(chunks, req.n)
-    tokenizer = ctx.engine.tokenizer
-    choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(r.text)), finish_reason=r.finish_reason,
-                          logprobs=chat_logprobs(tokenizer, r.logprobs) if req.logprobs else None)
-               for i, r in enumerate(results)]
-    return ChatCompletion(id=rid, model=model, choices=choices, usage=usage_info([r.usage for r in results], req.n))
+        return EventStream(_events(ctx, fan, rid, model, req.n, usage))
+    async with cancelled_on_disconnect(http.receive):
+        results = await collect(fan, req.n)
+        tokenizer = ctx.engine.tokenizer
+        choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(r.text)), finish_reason=r.finish_reason,
+                              logprobs=chat_logprobs(tokenizer, r.logprobs) if req.logprobs else None)
+                   for i, r in enumerate(results)]
+        return ChatCompletion(id=rid, model=model, choices=choices, usage=usage_info([r.usage for r in results], req.n))
+    return Response(status_code=499)  # the client left: its requests are aborted, nobody reads this
 
 
-async def _events(ctx: ServerContext, chunks: AsyncGenerator[Indexed, None], rid: str, model: str, n: int,
+async def _events(ctx: ServerContext, fan: FanOut, rid: str, model: str, n: int,
                   include_usage: bool) -> AsyncGenerator[bytes, None]:
     tokenizer = ctx.engine.tokenizer
     usages = [None] * n
@@ -77,7 +81,7 @@ async def _events(ctx: ServerContext, chunks: AsyncGenerator[Indexed, None], rid
         for i in range(n):
             role = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
             yield event(ChatCompletionChunk(id=rid, model=model, choices=[role]))
-        async for index, chunk in chunks:
+        async for index, chunk in fan:
             logprobs = chat_logprobs(tokenizer, chunk.logprobs) if chunk.logprobs is not None else None
             if chunk.finish_reason is not None:
                 usages[index] = chunk.usage
@@ -85,6 +89,6 @@ async def _events(ctx: ServerContext, chunks: AsyncGenerator[Indexed, None], rid
                                      finish_reason=chunk.finish_reason)
             yield event(ChatCompletionChunk(id=rid, model=model, choices=[choice]))
     finally:
-        await chunks.aclose()
+        fan.close()
     if include_usage:
         yield event(ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage_info(usages, n)))

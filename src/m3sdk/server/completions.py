@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from m3sdk.server.context import ServerContext, context, new_id
+from m3sdk.server.disconnect import cancelled_on_disconnect
 from m3sdk.server.errors import bad_request, not_supported
-from m3sdk.server.generation import Indexed, collect, start, usage_info
+from m3sdk.server.fanout import FanOut
+from m3sdk.server.generation import collect, start, usage_info
 from m3sdk.server.logprobs import completion_logprobs
 from m3sdk.server.protocol import Completion, CompletionChoice, CompletionRequest
 from m3sdk.server.sampling import choose_max_tokens, refuse_structured_fields, sampling_params
@@ -30,7 +32,8 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
 
 
 @router.post("/v1/completions", response_model=Completion)
-async def create_completion(req: CompletionRequest, ctx: Annotated[ServerContext, Depends(context)]) -> Response:
+async def create_completion(req: CompletionRequest, ctx: Annotated[ServerContext, Depends(context)],
+                            http: Request) -> Response:
     model = ctx.check_model(req.model)
     if req.echo:
         raise not_supported("echo")
@@ -42,24 +45,26 @@ async def create_completion(req: CompletionRequest, ctx: Annotated[ServerContext
     params = sampling_params(req, max_tokens=choose_max_tokens(req.max_tokens), logprobs=req.logprobs)
     prompts = _prompts(req.prompt)
     rid = new_id("cmpl")
-    chunks = await start(ctx.engine, [(p, sp) for p in prompts for sp in params], rid)
+    fan = await start(ctx.engine, [(p, sp) for p in prompts for sp in params], rid)
     tokenizer = ctx.engine.tokenizer
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return EventStream(_events(ctx, chunks, rid, model, req.n, len(prompts) * req.n, usage))
-    results = await collect(chunks, len(prompts) * req.n)
-    choices = [CompletionChoice(index=i, text="".join(r.text), finish_reason=r.finish_reason,
-                                logprobs=None if req.logprobs is None else completion_logprobs(tokenizer, r.logprobs))
-               for i, r in enumerate(results)]
-    return Completion(id=rid, model=model, choices=choices, usage=usage_info([r.usage for r in results], req.n))
+        return EventStream(_events(ctx, fan, rid, model, req.n, len(prompts) * req.n, usage))
+    async with cancelled_on_disconnect(http.receive):
+        results = await collect(fan, len(prompts) * req.n)
+        choices = [CompletionChoice(index=i, text="".join(r.text), finish_reason=r.finish_reason,
+                                    logprobs=None if req.logprobs is None
+                                    else completion_logprobs(tokenizer, r.logprobs)) for i, r in enumerate(results)]
+        return Completion(id=rid, model=model, choices=choices, usage=usage_info([r.usage for r in results], req.n))
+    return Response(status_code=499)  # the client left: its requests are aborted, nobody reads this
 
 
-async def _events(ctx: ServerContext, chunks: AsyncGenerator[Indexed, None], rid: str, model: str, n: int,
+async def _events(ctx: ServerContext, fan: FanOut, rid: str, model: str, n: int,
                   total: int, include_usage: bool) -> AsyncGenerator[bytes, None]:
     tokenizer = ctx.engine.tokenizer
     offsets, usages = [0] * total, [None] * total
     try:
-        async for index, chunk in chunks:
+        async for index, chunk in fan:
             logprobs = None
             if chunk.logprobs is not None:
                 logprobs = completion_logprobs(tokenizer, chunk.logprobs, offsets[index])
@@ -70,6 +75,6 @@ async def _events(ctx: ServerContext, chunks: AsyncGenerator[Indexed, None], rid
                                       finish_reason=chunk.finish_reason)
             yield event(Completion(id=rid, model=model, choices=[choice]))
     finally:
-        await chunks.aclose()
+        fan.close()
     if include_usage:
         yield event(Completion(id=rid, model=model, choices=[], usage=usage_info(usages, n)))

@@ -1,44 +1,29 @@
 """The engine requests behind one API request, and what each choice has produced so far.
 
-`start` validates and queues every (prompt, params) job and waits for the first chunk, so that an error of the
-engine's admission (overload, a dead engine) is still an HTTP status rather than an event in a started stream.
+`start` validates and queues every (prompt, params) job before the response starts, so that the engine's refusal
+(bad input, overload, a dead engine) is an HTTP status rather than an event in a started stream.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from m3sdk.engine import Engine, Prompt
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, Usage
 from m3sdk.sampler import SampledToken
-from m3sdk.server.fanout import merge
+from m3sdk.server.fanout import FanOut
 from m3sdk.server.protocol import PromptTokensDetails, UsageInfo
 
-Indexed = tuple[int, Chunk]
 
-
-async def start(engine: Engine, jobs: Sequence[tuple[Prompt, SamplingParams]],
-                request_id: str) -> AsyncGenerator[Indexed, None]:
-    """(choice index, chunk) of every job, merged; raises before returning if the first chunk is an error."""
+async def start(engine: Engine, jobs: Sequence[tuple[Prompt, SamplingParams]], request_id: str) -> FanOut:
+    """Queue every (prompt, params) job as engine request `{request_id}-{i}`; raises what the engine refuses
+    (bad input before anything is queued, overload or a dead engine at admission)."""
     streams = [engine.stream(prompt, params, request_id=f"{request_id}-{i}") for i, (prompt, params) in enumerate(jobs)]
-    merged = merge(streams)
-    try:
-        first = await anext(merged)
-    except BaseException:
-        await merged.aclose()
-        raise
-    return _prepend(first, merged)
-
-
-async def _prepend(first: Indexed, rest: AsyncGenerator[Indexed, None]) -> AsyncGenerator[Indexed, None]:
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
+    fan = FanOut(streams)
+    await fan.admitted()
+    return fan
 
 
 @dataclass
@@ -58,13 +43,13 @@ class ChoiceResult:
             self.finish_reason, self.usage = chunk.finish_reason, chunk.usage
 
 
-async def collect(chunks: AsyncGenerator[Indexed, None], n: int) -> list[ChoiceResult]:
+async def collect(fan: FanOut, n: int) -> list[ChoiceResult]:
     results = [ChoiceResult() for _ in range(n)]
     try:
-        async for index, chunk in chunks:
+        async for index, chunk in fan:
             results[index].add(chunk)
     finally:
-        await chunks.aclose()
+        fan.close()
     return results
 
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from m3sdk.server.disconnect import cancelled_on_disconnect
 from m3sdk.server.errors import to_api_error
 
 DONE = b"data: [DONE]\n\n"
@@ -40,18 +41,8 @@ class EventStream(StreamingResponse):
         self._events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as group:
-
-            async def watch() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                group.cancel_scope.cancel()
-
-            group.start_soon(watch)
-            try:
-                await self._send_all(send)
-            finally:
-                group.cancel_scope.cancel()
+        async with cancelled_on_disconnect(receive):
+            await self._send_all(send)
 
     async def _send_all(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
