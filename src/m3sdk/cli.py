@@ -99,13 +99,14 @@ def _bench_module():
 
 def _serve(args: argparse.Namespace) -> None:
     try:
-        from .server.serve import serve
+        from .server.serve import event_loop_factory, serve
     except ImportError as e:
         raise ValueError(f"m3sdk serve needs the server extra: pip install 'm3sdk[server]' ({e})") from e
     config = _bench_module().engine_config(args, _engine_overrides(args))
     api_key = args.api_key or os.environ.get("M3SDK_API_KEY") or None
-    asyncio.run(serve(config, host=args.host, port=args.port, api_key=api_key,
-                      model_names=args.served_model_name, log_level=args.log_level))
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(serve(config, host=args.host, port=args.port, api_key=api_key,
+                         model_names=args.served_model_name, log_level=args.log_level))
 
 
 def _serve_prefill_node(args: argparse.Namespace) -> None:
