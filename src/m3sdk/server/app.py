@@ -38,14 +38,15 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 500, 5
 ops = APIRouter()
 
 
-@ops.get("/health")
+@ops.get("/health", responses={503: {"model": ErrorResponse}})
 async def health(ctx: Annotated[ServerContext, Depends(context)]) -> JSONResponse:
     """200 while the engine runs; 503 once its thread has died."""
     ctx.engine.stats()  # raises EngineDeadError -> 503
     return JSONResponse({"status": "ok"})
 
 
-@ops.get("/metrics")
+@ops.get("/metrics", response_class=Response,
+         responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus text"}})
 async def metrics(ctx: Annotated[ServerContext, Depends(context)]) -> Response:
     return Response(ctx.engine.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 

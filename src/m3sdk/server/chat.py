@@ -28,7 +28,7 @@ from m3sdk.server.protocol import (
     ChatDelta,
 )
 from m3sdk.server.sampling import choose_max_tokens, refuse_structured_fields, sampling_params
-from m3sdk.server.sse import EventStream, event
+from m3sdk.server.sse import STREAMED, EventStream, event
 
 router = APIRouter()
 
@@ -46,7 +46,7 @@ def _prompt_ids(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion)
+@router.post("/v1/chat/completions", responses=STREAMED, response_model=ChatCompletion)
 async def create_chat_completion(req: ChatCompletionRequest,
                                  ctx: Annotated[ServerContext, Depends(context)], http: Request) -> Response:
     model = ctx.check_model(req.model)

@@ -16,7 +16,7 @@ from m3sdk.server.generation import collect, start, usage_info
 from m3sdk.server.logprobs import completion_logprobs
 from m3sdk.server.protocol import Completion, CompletionChoice, CompletionRequest
 from m3sdk.server.sampling import choose_max_tokens, refuse_structured_fields, sampling_params
-from m3sdk.server.sse import EventStream, event
+from m3sdk.server.sse import STREAMED, EventStream, event
 
 router = APIRouter()
 
@@ -31,7 +31,7 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     return list(prompt)
 
 
-@router.post("/v1/completions", response_model=Completion)
+@router.post("/v1/completions", responses=STREAMED, response_model=Completion)
 async def create_completion(req: CompletionRequest, ctx: Annotated[ServerContext, Depends(context)],
                             http: Request) -> Response:
     model = ctx.check_model(req.model)

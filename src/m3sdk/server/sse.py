@@ -21,6 +21,8 @@ from m3sdk.server.disconnect import cancelled_on_disconnect
 from m3sdk.server.errors import to_api_error
 
 DONE = b"data: [DONE]\n\n"
+# the OpenAPI note of a route that streams when asked: its 200 is JSON, or these events with `stream: true`
+STREAMED = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events when streaming"}}
 
 
 def event(payload: BaseModel | dict[str, Any]) -> bytes:
