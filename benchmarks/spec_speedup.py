@@ -26,7 +26,7 @@ import time
 import torch
 from spec import held_out_prompts
 
-import m3sdk.spec.decoding as spec_decoding
+import m3sdk.speculative.decoding as spec_decoding
 from m3sdk import Engine
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from m3sdk.model.quantize import QUANTIZATIONS
-from m3sdk.spec.base import SpecConfig
+from m3sdk.speculative.base import SpecConfig
 from m3sdk_kernels.arch import current_arch
 
 BUNDLED_MODELS = {"m3-tiny": Path(__file__).parent / "assets" / "m3-tiny"}
@@ -53,7 +53,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" (triton on a GPU, torch on a CPU) | "torch" | "triton"
     cache_manager: str = "paged"
     # Speculative decoding: None (off), "ngram" | "eagle3" | "eagle3:/path/to/head" | "mtp", or a dict
-    # {"method", "num_speculative_tokens", "model", ...}; normalized to a SpecConfig (m3sdk/spec/base.py).
+    # {"method", "num_speculative_tokens", "model", ...}; normalized to a SpecConfig (m3sdk/speculative/base.py).
     speculative: SpecConfig | str | dict | None = None
     # Tensor parallel over this many ranks (processes; one GPU each, or gloo on a CPU), docs/serving.md.
     # expert_parallel: whole experts per rank (needs num_experts % ranks == 0), else every expert's width is split

@@ -25,7 +25,7 @@ from m3sdk.cache.kv_pool import KVCacheSpec
 from m3sdk.cache.manager import CacheManager, cache_budget_bytes, num_pages_for_budget
 from m3sdk.cache.page_pool import PAGE_SIZE, pages_for
 from m3sdk.config import EngineConfig
-from m3sdk.errors import PrefillNodeError
+from m3sdk.errors import InvalidRequestError, PrefillNodeError
 from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.loader import load_model
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
@@ -35,8 +35,9 @@ from m3sdk.request import Chunk, FinishReason, Request
 from m3sdk.runner import PLACEHOLDER, Carry, ModelRunner
 from m3sdk.sampler import PendingSample, SampledToken, Sampler, SamplingState
 from m3sdk.scheduler import SCHEDULERS, Scheduler, StepPlan
-from m3sdk.spec.base import SpeculativeDecoder, TargetInfo, build_drafter
-from m3sdk.spec.decoding import Launched, Speculation
+from m3sdk.speculative.base import SpeculativeDecoder, TargetInfo, build_drafter
+from m3sdk.speculative.decoding import Launched, Speculation
+from m3sdk.structured import GrammarCompiler
 from m3sdk.tokenizer import TextStream, Tokenizer
 from m3sdk_kernels.arch import fp8_dtype
 
@@ -89,6 +90,8 @@ class EngineCore:
         self.vocab_size = runner.model.config.vocab_size
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(runner.model.config.eos_token_ids)
         self.sampler = Sampler()
+        self._grammars: GrammarCompiler | None = None  # structured outputs' compiler: `grammars()`
+        self._grammars_lock = threading.Lock()
         self.spec = Speculation(drafter, cache, self.sampler) if drafter is not None else None
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -202,11 +205,26 @@ class EngineCore:
             core.warm_up()
         return core
 
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of structured outputs for this engine's tokenizer (built on first use, in the caller's
+        thread; thread-safe)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammars
+
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_total_tokens: int,
                     priority: int = 0) -> Request:
-        """A request with its seeded sampling state and incremental detokenizer attached."""
+        """A request with its seeded sampling state, its structured output's matcher (compiled here, in the
+        caller's thread: InvalidRequestError if it does not compile) and incremental detokenizer attached."""
+        grammar = None
+        if params.structured_output is not None:
+            if self.config.prefill_nodes:
+                raise InvalidRequestError("structured_output is not supported with prefill_nodes (a prefill node "
+                                          "samples the first token unconstrained)")
+            grammar = self.grammars().grammar(params.structured_output)
         request = Request(request_id, prompt_ids, params, max_total_tokens, priority)
-        request.sampling = SamplingState(params, prompt_ids)
+        request.sampling = SamplingState(params, prompt_ids, grammar=grammar)
         request.text = TextStream(self.tokenizer, params, prompt_ids)
         return request
 
@@ -407,7 +425,8 @@ class EngineCore:
     def _text_only(self, request: Request, tokens: list[SampledToken]) -> bool:
         """Whether these tokens leave nothing but their text to work out: none can end the request (no stop string
         to match, no eos or stop token, short of max_tokens), so their chunk can be built after the next launch."""
-        return (not request.params.stop and request.num_tokens + len(tokens) < request.max_total_tokens
+        return (not request.params.stop and request.sampling.grammar is None
+                and request.num_tokens + len(tokens) < request.max_total_tokens
                 and not any(self._is_stop_token(request, t.token_id) for t in tokens))
 
     def _is_stop_token(self, request: Request, token_id: int) -> bool:
@@ -438,7 +457,9 @@ class EngineCore:
         tokens only (not for N+1), accepts them (detokenize, stop checks, finish), and only then runs
         `Scheduler.update` for N+1, so the pages it commits to the prefix cache hash real tokens. A request that
         finished at N was scheduled in N+1 too: that token is dropped (its pages are freed at once; N+1's late
-        writes into them come before any later step's on the same stream)."""
+        writes into them come before any later step's on the same stream). When N+1 samples a row with a
+        structured output, its bitmask needs N's token on the host: N is read after N+1's forward is queued and
+        before N+1's sampling (the mask is filled while that forward runs)."""
         prev, self._inflight = self._inflight, None
         chunks: list[Chunk] = []
         if prev is not None and not all(_lag_safe(r) for r in prev.rows):
@@ -446,7 +467,16 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan:
             self._counters["steps"] += 1
-            self._inflight = self._launch(plan, prev)
+            rows = [s.request for s in plan.scheduled if s.samples]
+            logits = self.runner.run(plan, prev.carry() if prev is not None else None)
+            slots = []
+            for request in rows:
+                request.token_ids.append(PLACEHOLDER)
+                slots.append(request.num_tokens - 1)
+            if prev is not None and any(r.sampling.grammar is not None for r in rows):
+                chunks, prev = chunks + self._resolve(prev), None
+            sample = self.sampler.launch(logits, [r.sampling for r in rows]) if rows else None
+            self._inflight = _InFlight(plan, rows, slots, sample)
         elif prev is None:
             return chunks + self._nothing_scheduled(plan)
         if prev is not None:
@@ -454,16 +484,6 @@ class EngineCore:
         if self._inflight is not None:
             self.scheduler.update(self._inflight.plan)
         return chunks
-
-    def _launch(self, plan: StepPlan, prev: _InFlight | None) -> _InFlight:
-        rows = [s.request for s in plan.scheduled if s.samples]
-        logits = self.runner.run(plan, prev.carry() if prev is not None else None)
-        sample = self.sampler.launch(logits, [r.sampling for r in rows]) if rows else None
-        slots = []
-        for request in rows:
-            request.token_ids.append(PLACEHOLDER)
-            slots.append(request.num_tokens - 1)
-        return _InFlight(plan, rows, slots, sample)
 
     def _resolve(self, step: _InFlight) -> list[Chunk]:
         """Read an overlapped step's tokens and accept them; requests finished since it launched drop theirs."""
@@ -499,6 +519,8 @@ class EngineCore:
             text, stopped = request.text.push(tid)
             if stopped is not None:
                 reason = "stop"
+        if reason is None and request.sampling.grammar is not None and request.sampling.grammar.terminated:
+            reason = "stop"  # the structured output is complete (it accepted a stop token that eos rules ignore)
         if reason is None and (request.num_tokens if at is None else at + 1) >= request.max_total_tokens:
             reason = "length"
         if reason is None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from m3sdk.errors import InvalidRequestError
+from m3sdk.structured import StructuredOutput
 
 MAX_LOGPROBS = 20
 
@@ -46,6 +49,9 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None  # top-n logprobs per sampled token; 0 = only the sampled token's
+    # the output must match this (a StructuredOutput, or {"json": schema} / {"regex": ...} / {"choice": [...]} /
+    # {"grammar": EBNF}); the engine compiles it before queueing
+    structured_output: StructuredOutput | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalize types (numpy scalars, ints for floats) in place once
@@ -83,6 +89,8 @@ class SamplingParams:
             set_(self, "logprobs", _int("logprobs", self.logprobs))
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.structured_output is not None:
+            set_(self, "structured_output", StructuredOutput.of(self.structured_output))
 
     def _check_stop(self) -> None:
         stop = self.stop

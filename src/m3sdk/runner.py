@@ -19,7 +19,7 @@ PLACEHOLDER = -1
 
 class Carry(NamedTuple):
     """Tokens still on the device that stand as PLACEHOLDERs at the end of a request's scheduled ids: the previous
-    overlapped step's sampled tokens (one per request), or a drafter's drafts (spec/decoding.py: several).
+    overlapped step's sampled tokens (one per request), or a drafter's drafts (speculative/decoding.py: several).
     `rows[id(request)]` is the row of the request's first such token; the others follow it."""
 
     tokens: torch.Tensor

@@ -14,6 +14,7 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from m3sdk.chat.messages import validate_messages, validate_tools
 from m3sdk.errors import CheckpointError, InvalidRequestError
 from m3sdk.params import SamplingParams
 
@@ -38,6 +39,17 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
             sort_keys: bool = False) -> str:
     # jinja2's own tojson HTML-escapes (<, >, &, '): chat templates expect plain JSON, as transformers renders it
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): printable Latin-1 bytes stand for
+    themselves, the others for chr(256 + n) in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = (b for b in range(256) if b not in printable)
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(extra)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 class _TemplateRaised(jinja2.TemplateError):
@@ -108,6 +120,24 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def vocabulary_bytes(self, size: int) -> list[bytes]:
+        """The bytes each token id below `size` stands for in generated text, b"" for special tokens and ids the
+        tokenizer does not have (what a grammar engine needs to know which tokens spell what)."""
+        added = self._tok.get_added_tokens_decoder()
+        byte_level = json.loads(self._tok.to_str()).get("decoder", {}) or {}
+        byte_level = byte_level.get("type") == "ByteLevel"
+        out = []
+        for i in range(size):
+            if i in added:
+                out.append(b"" if added[i].special else added[i].content.encode())
+            elif (piece := self._tok.id_to_token(i)) is None:
+                out.append(b"")
+            elif byte_level:
+                out.append(bytes(_BYTE_OF_CHAR[c] for c in piece))
+            else:
+                out.append(self._tok.decode([i], skip_special_tokens=False).encode())
+        return out
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
@@ -117,18 +147,24 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            **variables: Any) -> str:
-        """Render chat messages ([{"role": ..., "content": ...}, ...]) with the checkpoint's template; extra
-        variables (tools=..., documents=...) reach the template as they are."""
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            chat_template_kwargs: Mapping[str, Any] | None = None, **variables: Any) -> str:
+        """Render chat messages ([{"role": ..., "content": ...}, ...]) with the checkpoint's template. The
+        messages are checked and normalized first (m3sdk.chat.validate_messages: text parts joined, tool-call
+        arguments as dicts); `tools` (OpenAI function tools), the `chat_template_kwargs` (e.g. MiniMax-M3's
+        `thinking_mode`) and any extra variables reach the template as they are."""
         if self._template is None:
             raise InvalidRequestError("this tokenizer has no chat template: pass a text prompt or token ids")
-        if (isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages
-                or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages)):
-            raise InvalidRequestError("messages must be a non-empty list of {'role': str, 'content': ...}")
+        messages = validate_messages(messages)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise InvalidRequestError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        kwargs = dict(chat_template_kwargs or {})
+        if reserved := {"messages", "add_generation_prompt", "tools"} & kwargs.keys():
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {sorted(reserved)}: pass them as arguments")
         try:
-            return self._template.render({**self.special_tokens, **variables}, messages=messages,
-                                         add_generation_prompt=add_generation_prompt)
+            return self._template.render({**self.special_tokens, **variables, **kwargs}, messages=messages,
+                                         tools=validate_tools(tools), add_generation_prompt=add_generation_prompt)
         except jinja2.TemplateError as e:  # raise_exception(), or messages the template cannot walk
             raise InvalidRequestError(f"chat template refused the messages: {e}") from e
 

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from m3sdk.model import ModelConfig
 from m3sdk.model.loader import _expected_layer
 from m3sdk.model.minimax_m3 import DecoderLayer
-from m3sdk.spec.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+from m3sdk.speculative.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
 
 
 def add_mtp(path, model_config, seed=0):

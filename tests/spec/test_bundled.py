@@ -9,8 +9,8 @@ import pytest
 from m3sdk import Engine
 from m3sdk.config import EngineConfig
 from m3sdk.graphs import DecodeGraphs
-from m3sdk.spec.chain import ChainDrafter
-from m3sdk.spec.decoding import Speculation
+from m3sdk.speculative.chain import ChainDrafter
+from m3sdk.speculative.decoding import Speculation
 
 PROMPTS = ["It was a truth well known in the neighbourhood that", "Emma could not help feeling that her friend"]
 

@@ -12,9 +12,9 @@ from torch import nn
 
 from m3sdk.errors import CheckpointError
 from m3sdk.runner import PLACEHOLDER
-from m3sdk.spec import eagle3
-from m3sdk.spec.base import DraftRequest, TargetInfo, TargetStates
-from m3sdk.spec.eagle3 import Eagle3Drafter, load_eagle3
+from m3sdk.speculative import eagle3
+from m3sdk.speculative.base import DraftRequest, TargetInfo, TargetStates
+from m3sdk.speculative.eagle3 import Eagle3Drafter, load_eagle3
 
 H, HT, HEADS, KV, D, INTER, VOCAB, DVOCAB, EPS, THETA = 32, 24, 4, 2, 8, 48, 64, 40, 1e-5, 500.0
 TARGET = SimpleNamespace(vocab_size=VOCAB, hidden_size=HT, num_layers=6)

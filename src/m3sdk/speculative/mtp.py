@@ -27,8 +27,8 @@ from m3sdk.model.config import ModelConfig
 from m3sdk.model.layers import RMSNorm
 from m3sdk.model.loader import _expected_layer
 from m3sdk.model.minimax_m3 import DecoderLayer
-from m3sdk.spec.base import SpecConfig, TargetInfo, register
-from m3sdk.spec.chain import ChainDrafter
+from m3sdk.speculative.base import SpecConfig, TargetInfo, register
+from m3sdk.speculative.chain import ChainDrafter
 
 PREFIX = "mtp.layers.0."
 

@@ -103,8 +103,8 @@ class DraftRequest:
 
 class DeviceDrafts:
     """Draft tokens [B, k] a drafter launched on the device and did not read: the verify forward takes them from
-    there (`Proposal.pending`), and the host reads them with the verify's own result (spec/decoding.py), so nothing
-    waits for the drafter. Valid until the drafter's next step of the same shape overwrites them."""
+    there (`Proposal.pending`), and the host reads them with the verify's own result (speculative/decoding.py), so
+    nothing waits for the drafter. Valid until the drafter's next step of the same shape overwrites them."""
 
     def __init__(self, drafts: torch.Tensor):
         self.drafts = drafts
@@ -202,7 +202,7 @@ def register(method: str) -> Callable[[Builder], Builder]:
 
 def build_drafter(config: SpecConfig, target: TargetInfo) -> SpeculativeDecoder:
     """The drafter named by `config.method` (imports the drafter modules so they register themselves)."""
-    from m3sdk.spec import eagle3, mtp, ngram  # noqa: F401
+    from m3sdk.speculative import eagle3, mtp, ngram  # noqa: F401
 
     try:
         builder = _REGISTRY[config.method]

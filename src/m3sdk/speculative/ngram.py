@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from m3sdk.spec.base import DraftRequest, Proposal, SpecConfig, TargetInfo, TargetStates, register
+from m3sdk.speculative.base import DraftRequest, Proposal, SpecConfig, TargetInfo, TargetStates, register
 
 
 def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:

@@ -41,8 +41,8 @@ from m3sdk.attention.base import to_device
 from m3sdk.errors import CheckpointError
 from m3sdk.graphs import Replay, batch_buckets
 from m3sdk.model.config import read_config_json
-from m3sdk.spec.base import DeviceDrafts, SpecConfig, TargetInfo, register
-from m3sdk.spec.chain import ChainDrafter, DraftSeq
+from m3sdk.speculative.base import DeviceDrafts, SpecConfig, TargetInfo, register
+from m3sdk.speculative.chain import ChainDrafter, DraftSeq
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 BUNDLED_HEAD_DIR = "m3-tiny-eagle3"  # next to the bundled target in m3sdk/assets

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from m3sdk.runner import PLACEHOLDER
-from m3sdk.spec.base import DeviceDrafts, DraftRequest, HostRead, Proposal, TargetStates
+from m3sdk.speculative.base import DeviceDrafts, DraftRequest, HostRead, Proposal, TargetStates
 
 
 class DraftContext(Protocol):
