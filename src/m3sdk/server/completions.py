@@ -15,7 +15,7 @@ from m3sdk.server.fanout import FanOut
 from m3sdk.server.generation import collect, start, usage_info
 from m3sdk.server.logprobs import completion_logprobs
 from m3sdk.server.protocol import Completion, CompletionChoice, CompletionRequest
-from m3sdk.server.sampling import choose_max_tokens, refuse_structured_fields, sampling_params
+from m3sdk.server.sampling import choose_max_tokens, sampling_params, structured_output
 from m3sdk.server.sse import STREAMED, EventStream, event
 
 router = APIRouter()
@@ -41,8 +41,8 @@ async def create_completion(req: CompletionRequest, ctx: Annotated[ServerContext
         raise not_supported("suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise not_supported("best_of", " (other than n)")
-    refuse_structured_fields(req)
-    params = sampling_params(req, max_tokens=choose_max_tokens(req.max_tokens), logprobs=req.logprobs)
+    params = sampling_params(req, max_tokens=choose_max_tokens(req.max_tokens), logprobs=req.logprobs,
+                             constraint=structured_output(req))
     prompts = _prompts(req.prompt)
     rid = new_id("cmpl")
     fan = await start(ctx.engine, [(p, sp) for p in prompts for sp in params], rid)
