@@ -167,7 +167,7 @@ class Engine:
             async for chunk, deltas in steps:
                 called = called or any(d.tool_calls for d in deltas)
                 reason = None if chunk.finish_reason is None else chat_finish_reason(chunk.finish_reason, called)
-                yield ChatCompletionChunk(chunk.request_id, deltas, reason, chunk.usage, chunk.timings)
+                yield ChatCompletionChunk(chunk.request_id, deltas, reason, chunk.usage, chunk.timings, chunk.logprobs)
 
     def _chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
               tool_choice: str | Mapping[str, Any], response_format: Mapping[str, Any] | None,

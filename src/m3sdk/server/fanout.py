@@ -13,22 +13,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-
-from m3sdk.request import Chunk
+from typing import Generic, TypeVar
 
 _END = object()
 
-Indexed = tuple[int, Chunk]
+T = TypeVar("T")  # an engine stream's item: a Chunk, or a chat step
 
 
-class FanOut:
-    def __init__(self, streams: Sequence[AsyncIterator[Chunk]]):
+class FanOut(Generic[T]):
+    def __init__(self, streams: Sequence[AsyncIterator[T]]):
         self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._live = len(streams)
         self._refusals: list[Exception] = []
         self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
 
-    async def _pump(self, index: int, stream: AsyncIterator[Chunk]) -> None:
+    async def _pump(self, index: int, stream: AsyncIterator[T]) -> None:
         try:
             async with aclosing(stream) as chunks:
                 async for chunk in chunks:
@@ -45,7 +44,7 @@ class FanOut:
             self.close()
             raise self._refusals[0]
 
-    async def __aiter__(self) -> AsyncIterator[Indexed]:
+    async def __aiter__(self) -> AsyncIterator[tuple[int, T]]:
         try:
             while self._live:
                 index, item = await self._queue.get()
