@@ -117,7 +117,7 @@ class Phases:
     @classmethod
     def install_decode(cls) -> None:
         from m3sdk.core import EngineCore
-        from m3sdk.disagg import client, remote, transport
+        from m3sdk.disagg import client, remote, ucx_receive, ucx_transport
 
         cls._wrap(remote.RemotePrefill, "start", after="d.start")
         cls._wrap(client.PrefillClient, "_job", before="d.job")
@@ -129,7 +129,7 @@ class Phases:
             return call(self, *args, **kwargs)
 
         grpc.aio._channel.UnaryUnaryMultiCallable.__call__ = traced_call
-        cls._wrap(transport.UcxReceive, "_post", after="d.post")
+        cls._wrap(ucx_receive.UcxReceive, "_post", after="d.post")
         long_runs = client.long_runs
 
         def traced_long_runs(pages):  # whether the transfer is a plan of pieces (in place) or staged
@@ -138,8 +138,8 @@ class Phases:
             return runs
 
         client.long_runs = traced_long_runs
-        cls._wrap(transport.UcxTransport, "receive", after="d.receive")
-        cls._wrap(transport.UcxReceive, "wait", after="d.received")
+        cls._wrap(ucx_transport.UcxTransport, "receive", after="d.receive")
+        cls._wrap(ucx_receive.UcxReceive, "wait", after="d.received")
         cls._wrap(client, "check_reply", before="d.reply")
         poll = remote.RemotePrefill.poll
 
@@ -154,7 +154,7 @@ class Phases:
 
     @classmethod
     def install_node(cls) -> None:
-        from m3sdk.disagg import backend, server, transport
+        from m3sdk.disagg import backend, server, ucp, ucx_api, ucx_transport
 
         cls._wrap(server.PrefillServicer, "Prefill", before="n.rpc", after="n.reply")
         cls._wrap(server, "check_prefill", after="n.checked")
@@ -171,9 +171,9 @@ class Phases:
             emit(self, chunks)
 
         backend.EngineBackend._emit = traced_emit
-        cls._wrap(transport.UcxTransport, "push", after="n.pushed")
-        cls._wrap(transport.ucp, "send", before="n.send0")  # a plan of pieces' message
-        cls._wrap(transport, "_start_send", before="n.send0")  # a staged message
+        cls._wrap(ucx_transport.UcxTransport, "push", after="n.pushed")
+        cls._wrap(ucp, "send", before="n.send0")  # a plan of pieces' message
+        cls._wrap(ucx_api, "start_send", before="n.send0")  # a staged message
 
     @staticmethod
     def serve(conn) -> None:

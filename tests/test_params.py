@@ -17,7 +17,11 @@ BAD = [
     ("stop", 5), ("stop", ["ok", 3]), ("stop", [""]), ("stop", ""), ("stop", {"a"}), ("stop", b"x"),
     ("stop_token_ids", [1.0]), ("stop_token_ids", [-1]), ("stop_token_ids", 5), ("stop_token_ids", [True]),
     ("ignore_eos", 1), ("ignore_eos", "yes"),
-    ("seed", 1.0), ("seed", "42"), ("seed", True),
+    ("seed", 1.0), ("seed", "42"), ("seed", True), ("seed", -1), ("seed", 2**64),
+    # values float32 sampling cannot represent (they sampled BOS with NaN logprobs)
+    ("temperature", 1e-45), ("temperature", 1e-4), ("temperature", 1e300), ("top_p", 1e-46), ("top_p", 1e-7),
+    ("repetition_penalty", 1e-300), ("repetition_penalty", 1e300), ("top_k", 2**31),
+    ("stop", ["a\ud800"]),
     ("logprobs", -1), ("logprobs", 21), ("logprobs", 2.0), ("logprobs", True),
 ]
 
@@ -49,7 +53,7 @@ def test_defaults_and_edges_are_accepted():
     assert p.stop is None and p.stop_token_ids == [] and not p.ignore_eos and p.seed is None
     assert p.logprobs is None and not p.greedy and not p.has_penalties and p.stop_strings == ()
     edge = SamplingParams(max_tokens=1, temperature=0, top_p=1, top_k=1, min_p=1, repetition_penalty=0.01,
-                          presence_penalty=-2, frequency_penalty=2, stop=[], seed=-5, logprobs=20)
+                          presence_penalty=-2, frequency_penalty=2, stop=[], seed=2**64 - 1, logprobs=20)
     assert edge.greedy and edge.has_penalties and edge.stop_strings == ()
     assert SamplingParams(logprobs=0).logprobs == 0
 
@@ -70,6 +74,28 @@ def test_frozen_and_replace():
         p.temperature = 1.0
     q = p.replace(max_tokens=5)
     assert (q.max_tokens, q.temperature, q.seed) == (5, 0.3, 1) and p.max_tokens == 256
+
+
+def test_error_messages_do_not_echo_huge_values():
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(stop=["x"] * 100_000 + [3])
+    assert len(str(info.value)) < 300
+
+
+def test_float32_edges_are_accepted():
+    p = SamplingParams(temperature=1e-3, top_p=1e-6, repetition_penalty=100, top_k=2**31 - 1, seed=0)
+    assert (p.temperature, p.top_p, p.repetition_penalty) == (1e-3, 1e-6, 100.0)
+
+
+def test_stop_limits_are_the_engines():
+    p = SamplingParams(stop=["ab"] * 5, stop_token_ids=[1, 2, 3])
+    p.check_against(100, max_stop_strings=5, max_stop_length=2)
+    with pytest.raises(InvalidRequestError, match="max_stop_strings"):
+        p.check_against(100, max_stop_strings=4)
+    with pytest.raises(InvalidRequestError, match="max_stop_strings"):
+        SamplingParams(stop_token_ids=[1, 2, 3]).check_against(100, max_stop_strings=2)
+    with pytest.raises(InvalidRequestError, match="max_stop_length"):
+        p.check_against(100, max_stop_strings=5, max_stop_length=1)
 
 
 def test_check_against_vocab():

@@ -7,6 +7,7 @@ serves a CPU laptop and a GPU node alike.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from m3sdk.errors import ConfigError
 from m3sdk.model.quantize import QUANTIZATIONS
 from m3sdk.speculative.base import SpecConfig
 from m3sdk_kernels.arch import current_arch
@@ -33,6 +35,10 @@ class EngineConfig:
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
     max_waiting_requests: int = 1024  # admitted but not yet running; beyond it EngineOverloadedError
+    # Per request: stop strings (and stop token ids) and the characters of one stop string. Every step matches each
+    # stream's new text against its stop strings, so 100,000 of them (or one of 10 MB) would slow every stream.
+    max_stop_strings: int = 64
+    max_stop_length: int = 1024
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: gpu_memory_fraction (or a CPU default)
     gpu_memory_fraction: float = 0.9  # of the device memory free after loading the model
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bf16" | "fp8" | "fp32"
@@ -87,7 +93,8 @@ class EngineConfig:
         if isinstance(self.prefill_timeout, bool) or not isinstance(self.prefill_timeout, int | float) \
                 or not self.prefill_timeout > 0:
             problems.append(f"prefill_timeout must be a positive number of seconds, got {self.prefill_timeout!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "tensor_parallel_size",
+                     "max_stop_strings", "max_stop_length"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 problems.append(f"{name} must be an int >= 1, got {value!r}")
@@ -128,9 +135,17 @@ class EngineConfig:
         return BUNDLED_MODELS.get(self.model) or Path(self.model)
 
     def resolve_device(self) -> torch.device:
+        """The device the engine serves on, checked against this machine before anything loads: ConfigError when
+        the device is not there, the kernels have no tables for its GPU, attention_backend="triton" has no GPU
+        (outside the Triton interpreter) or FP8 is asked of a device without it."""
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(self.device)
+        problems = _machine_problems(self, device)
+        if problems:
+            raise ConfigError("this machine cannot serve the configuration: " + "; ".join(problems))
+        return device
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
@@ -165,6 +180,43 @@ class EngineConfig:
             "bf16" if model_dtype == torch.bfloat16 else "fp32")
         index = kv if self.index_cache_dtype == "auto" else self.index_cache_dtype
         return kv, index
+
+
+def _machine_problems(config: EngineConfig, device: torch.device) -> list[str]:
+    problems = []
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            built = "built without CUDA/HIP" if torch.version.cuda is None and torch.version.hip is None \
+                else "sees no GPU"
+            return [f"device={config.device!r} but torch {torch.__version__} {built}: use device='cpu' or 'auto'"]
+        if (device.index or 0) >= count:
+            return [f"device={config.device!r} but this machine has {count} GPU(s)"]
+        try:
+            current_arch(device)
+        except RuntimeError as e:  # the kernels (norms, router, attention) run on every GPU the engine uses
+            problems.append(f"{torch.cuda.get_device_name(device)}: {e}")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if config.attention_backend == "triton" and device.type != "cuda" and not interpreted:
+        problems.append("attention_backend='triton' runs compiled Triton kernels, which need a GPU; this engine is "
+                        "on the CPU: use 'auto' or 'torch' (or TRITON_INTERPRET=1 to run them in the interpreter)")
+    fp8 = [f"{name}='fp8'" for name in ("kv_cache_dtype", "index_cache_dtype") if getattr(config, name) == "fp8"]
+    fp8 += [f"quantization={config.quantization!r}"] if config.quantization != "none" else []
+    if fp8 and not _has_fp8(device):
+        problems.append(f"{', '.join(fp8)} needs FP8, which {torch.cuda.get_device_name(device)} lacks "
+                        "(NVIDIA sm_89 or newer, AMD gfx942 / gfx950)")
+    return problems
+
+
+def _has_fp8(device: torch.device) -> bool:
+    """FP8 storage and math: the CPU (torch's emulation, the kernels' references), NVIDIA Ada/Hopper and newer,
+    AMD MI300 (fnuz) and MI355."""
+    if device.type != "cuda":
+        return True
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip:
+        return props.gcnArchName.split(":")[0] in ("gfx942", "gfx950")
+    return (props.major, props.minor) >= (8, 9)
 
 
 def _is_int(value: object) -> bool:

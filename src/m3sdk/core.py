@@ -168,11 +168,11 @@ class EngineCore:
                                  f"{max_model_len}: raise kv_cache_memory or lower max_model_len")
             max_model_len = num_pages * PAGE_SIZE
             log.warning("max_model_len lowered to fit the KV cache", max_model_len=max_model_len)
-        cache = _by_name(CACHE_MANAGERS, config.cache_manager, "cache_manager")(
+        cache = CACHE_MANAGERS.get(config.cache_manager)(
             dataclasses.replace(spec, num_pages=num_pages), config.enable_prefix_caching)
         factory = config.scheduler
         if isinstance(factory, str):
-            factory = _by_name(SCHEDULERS, factory, "scheduler")
+            factory = SCHEDULERS.get(factory)
         scheduler = factory(cache, config)
         log.info("engine built", model=str(path), device=str(device), dtype=str(dtype), pages=num_pages,
                  max_model_len=max_model_len)
@@ -182,7 +182,7 @@ class EngineCore:
                 config=mc, embed_tokens=model.embed_tokens, lm_head=model.lm_head, checkpoint=str(path),
                 device=device, dtype=dtype, model=model, kv_spec=cache.kv.spec, num_cache_pages=num_pages,
                 max_num_seqs=config.max_num_seqs, max_model_len=max_model_len))
-        runner = ModelRunner(model, cache, device)
+        runner = ModelRunner(model, cache, device, mirror=tp)
         if config.resolve_cuda_graphs(device) and DecodeGraphs.supported(model):
             # With a drafter: decode (1 token) and verify (1 + k tokens) steps, returning the aux states the drafter
             # reads; the drafter's own steps too. Under tensor parallel the workers capture and replay the same
@@ -580,8 +580,3 @@ class EngineCore:
             **(self.spec.stats() if self.spec is not None else {}),
         }
 
-
-def _by_name(registry: dict[str, Any], name: str, what: str) -> Any:
-    if name not in registry:
-        raise ValueError(f"unknown {what} {name!r}; registered: {sorted(registry)}")
-    return registry[name]

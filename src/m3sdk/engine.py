@@ -25,7 +25,7 @@ from m3sdk.config import EngineConfig
 from m3sdk.core import EngineCore
 from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from m3sdk.metrics import EngineMetrics
-from m3sdk.params import SamplingParams
+from m3sdk.params import SamplingParams, check_text, short_repr
 from m3sdk.request import Chunk, Completion, Request
 from m3sdk.tokenizer import Tokenizer
 
@@ -225,13 +225,13 @@ class Engine:
                       priority: int, overrides: dict[str, Any]) -> Request:
         core = self._running_core()
         params = _params(params, overrides)
-        params.check_against(core.vocab_size)
+        params.check_against(core.vocab_size, self.config.max_stop_strings, self.config.max_stop_length)
         if request_id is None:
             request_id = uuid.uuid4().hex
         elif not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError(f"request_id must be a non-empty str, got {request_id!r}")
+            raise InvalidRequestError(f"request_id must be a non-empty str, got {short_repr(request_id)}")
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidRequestError(f"priority must be an int, got {priority!r}")
+            raise InvalidRequestError(f"priority must be an int, got {short_repr(priority)}")
         ids = self._prompt_ids(core, prompt)
         limit = core.max_model_len
         if len(ids) >= limit:
@@ -246,9 +246,13 @@ class Engine:
     def _prompt_ids(core: EngineCore, prompt: Prompt) -> list[int]:
         tokenizer = core.tokenizer
         if isinstance(prompt, str):
+            check_text("the prompt", prompt)
             ids = tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            ids = tokenizer.encode(tokenizer.apply_chat_template(prompt), add_special_tokens=False)
+            _check_messages(prompt)
+            text = tokenizer.apply_chat_template(prompt)
+            check_text("the rendered chat", text)  # a template may add text of its own; the encoder needs it valid
+            ids = tokenizer.encode(text, add_special_tokens=False)
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
             # a list of plain ints (the common case) is checked by type and min/max only: the per-item checks
             # below took 14 ms for a 32K-token prompt, all of it added to its time to first token
@@ -349,6 +353,21 @@ def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> Samplin
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
     return params.replace(**overrides) if overrides else params
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Chat messages the way the templates read them: a str role, and content that is a str (or None, as an
+    assistant turn with tool calls has), all valid Unicode. Anything else is refused here rather than as a
+    TypeError from inside a template."""
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str):
+            raise InvalidRequestError(f"message {i}: role must be a str, got {short_repr(role)}")
+        check_text(f"message {i}'s role", role)
+        if content is not None and not isinstance(content, str):
+            raise InvalidRequestError(f"message {i}: content must be a str, got {type(content).__name__}")
+        if content is not None:
+            check_text(f"message {i}'s content", content)
 
 
 def _holds_last(channel: asyncio.Queue[Chunk | object]) -> bool:

@@ -16,7 +16,7 @@ import grpc
 from m3sdk.disagg import loop
 from m3sdk.disagg.messages import Limits
 from m3sdk.disagg.server import PrefillBackend, PrefillServicer, start_server, stop_server
-from m3sdk.disagg.transport import KVTransport, UcxTransport
+from m3sdk.disagg.transport import KVTransport, build_transport
 from m3sdk.observability import get_logger
 
 log = get_logger("m3sdk.node")
@@ -28,7 +28,7 @@ class PrefillNode:
                  tls: tuple[bytes, bytes] | None = None):
         self.backend = backend
         self.listen = listen
-        self.transport = transport or UcxTransport()
+        self.transport = transport or build_transport()
         self.limits = limits or Limits()
         self.token, self.tls = token, tls
         self.node_id = uuid.uuid4().hex[:12]

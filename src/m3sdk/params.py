@@ -13,18 +13,33 @@ from m3sdk.errors import InvalidRequestError
 from m3sdk.structured import StructuredOutput
 
 MAX_LOGPROBS = 20
+# The sampler computes in float32. These bounds keep every step of it finite for any logits a model gives
+# (|logit| well under 1e4): logits / temperature, logits / or * repetition_penalty, and a nucleus mass that
+# float32 can tell apart from 0. A value outside them is refused rather than clamped, so that a request never
+# samples from a distribution other than the one it names.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3  # besides 0 (greedy)
+MIN_TOP_P = 1e-6
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 1e2
+MAX_SEED = 2**64 - 1  # what a remote prefill carries (proto uint64); the local sampler uses the same 64 bits
+MAX_TOP_K = 2**31 - 1  # proto int32; any top_k >= the vocabulary means "off"
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """repr() cut to `limit` characters: an error message must not echo a megabyte the caller sent."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def _int(name: str, value: object) -> int:
     # bool is an int subclass in Python, but `max_tokens=True` is a caller bug, not a request for 1 token.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InvalidRequestError(f"{name} must be an int, got {value!r}")
+        raise InvalidRequestError(f"{name} must be an int, got {short_repr(value)}")
     return int(value)
 
 
 def _float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a finite number, got {short_repr(value)}")
     return float(value)
 
 
@@ -33,7 +48,9 @@ class SamplingParams:
     """Sampling and stopping parameters of one request.
 
     Frozen so that a validated object stays valid: derive variants with `replace(**overrides)`.
-    `temperature == 0` means greedy (penalties still apply, the other filters are moot).
+    `temperature == 0` means greedy (penalties still apply, the other filters are moot). Values that float32
+    sampling cannot represent are refused: temperature 0 or in [1e-3, 1e3], top_p >= 1e-6, repetition_penalty in
+    [0.01, 100], seed in [0, 2**64).
     """
 
     max_tokens: int = 256
@@ -61,30 +78,34 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             set_(self, name, _float(name, getattr(self, name)))
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature != 0 and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequestError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                                      f"got {self.temperature}")
+        if not MIN_TOP_P <= self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in [{MIN_TOP_P}, 1], got {self.top_p}")
         set_(self, "top_k", _int("top_k", self.top_k))
-        if self.top_k < -1 or self.top_k == 0:
-            raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.top_k < -1 or self.top_k == 0 or self.top_k > MAX_TOP_K:
+            raise InvalidRequestError(f"top_k must be -1 (off) or in [1, {MAX_TOP_K}], got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                                      f"{MAX_REPETITION_PENALTY}], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         self._check_stop()
         if not isinstance(self.stop_token_ids, list | tuple):
-            raise InvalidRequestError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+            raise InvalidRequestError(f"stop_token_ids must be a list of ints, got {short_repr(self.stop_token_ids)}")
         set_(self, "stop_token_ids", [_int("stop_token_ids", t) for t in self.stop_token_ids])
         if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+            raise InvalidRequestError(f"stop_token_ids must be >= 0, got {short_repr(self.stop_token_ids)}")
         if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {short_repr(self.ignore_eos)}")
         if self.seed is not None:
             set_(self, "seed", _int("seed", self.seed))
+            if not 0 <= self.seed <= MAX_SEED:
+                raise InvalidRequestError(f"seed must be in [0, 2**64), got {short_repr(self.seed)}")
         if self.logprobs is not None:
             set_(self, "logprobs", _int("logprobs", self.logprobs))
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -99,9 +120,11 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
-            raise InvalidRequestError(f"stop must be a str or a list of str, got {self.stop!r}")
+            raise InvalidRequestError(f"stop must be a str or a list of str, got {short_repr(self.stop)}")
         if any(s == "" for s in stop):
             raise InvalidRequestError("stop must not contain an empty string (it would match at once)")
+        for s in stop:
+            check_text("stop", s)
         if isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", list(self.stop))
 
@@ -125,8 +148,30 @@ class SamplingParams:
         """A validated copy with some fields changed; an unknown field is a TypeError."""
         return dataclasses.replace(self, **overrides)
 
-    def check_against(self, vocab_size: int) -> None:
-        """Refuse stop_token_ids outside the model's vocabulary."""
+    def check_against(self, vocab_size: int, max_stop_strings: int | None = None,
+                      max_stop_length: int | None = None) -> None:
+        """Refuse stop_token_ids outside the model's vocabulary, and more than `max_stop` stop strings (or stop
+        token ids) or a stop string longer than `max_stop_length` characters (the engine's limits: every step's
+        text is matched against them)."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
-            raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
+            raise InvalidRequestError(f"stop_token_ids {short_repr(bad)} are outside the vocabulary "
+                                      f"(size {vocab_size})")
+        if max_stop_strings is not None:
+            for name, values in (("stop", self.stop_strings), ("stop_token_ids", self.stop_token_ids)):
+                if len(values) > max_stop_strings:
+                    raise InvalidRequestError(f"{name} holds {len(values)} entries; the engine takes at most "
+                                              f"{max_stop_strings} (EngineConfig.max_stop_strings)")
+        if max_stop_length is not None:
+            longest = max(map(len, self.stop_strings), default=0)
+            if longest > max_stop_length:
+                raise InvalidRequestError(f"stop holds a string of {longest} characters; the engine takes at most "
+                                          f"{max_stop_length} (EngineConfig.max_stop_length)")
+
+
+def check_text(name: str, text: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate cannot be encoded, tokenized or matched)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{name} is not valid Unicode: {e.reason} at index {e.start}") from None

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
-from m3sdk.attention.base import AttentionMetadata, to_device
+from m3sdk.attention.base import AttentionMetadata
+from m3sdk.cache.kv_pool import KVPool
 from m3sdk.cache.manager import CacheManager
 from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 from m3sdk.scheduler.base import StepPlan
+from m3sdk.staging import to_device
 
 # Stands in `Request.token_ids` for a token sampled by the step still running on the device (overlapped steps).
 PLACEHOLDER = -1
@@ -26,11 +28,21 @@ class Carry(NamedTuple):
     rows: dict[int, int]
 
 
+class StepMirror(Protocol):
+    """Told of every eager model call before the runner makes it (tensor parallel: the worker ranks make the same
+    call, parallel/group.py TensorParallel)."""
+
+    def mirror(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
+               logits_indices: torch.Tensor | None, aux_layers: Sequence[int]) -> None: ...
+
+
 class ModelRunner:
-    def __init__(self, model: MiniMaxM3ForCausalLM, cache: CacheManager, device: torch.device):
+    def __init__(self, model: MiniMaxM3ForCausalLM, cache: CacheManager, device: torch.device,
+                 mirror: StepMirror | None = None):
         self.model = model
         self.cache = cache
         self.device = device
+        self.mirror = mirror
         self.graphs: DecodeGraphs | None = None  # captured decode/verify steps (m3sdk/graphs.py): the core sets it
 
     def run(self, plan: StepPlan, carry: Carry | None = None) -> torch.Tensor | None:
@@ -75,6 +87,8 @@ class ModelRunner:
         if dst:
             input_ids[packed[len(ids):len(ids) + len(dst)]] = carry.tokens[packed[len(ids) + len(dst):]]
         indices = to_device(logits_rows, torch.int64, self.device) if logits_rows else None
+        if self.mirror is not None:
+            self.mirror.mirror(input_ids, meta, self.cache.kv, indices, aux_layers)
         hidden, logits, *aux = self.model(input_ids, meta, self.cache.kv, indices, aux_layers)
         return logits, hidden, aux[0] if aux else None
 

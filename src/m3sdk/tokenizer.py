@@ -165,8 +165,9 @@ class Tokenizer:
         try:
             return self._template.render({**self.special_tokens, **variables, **kwargs}, messages=messages,
                                          tools=validate_tools(tools), add_generation_prompt=add_generation_prompt)
-        except jinja2.TemplateError as e:  # raise_exception(), or messages the template cannot walk
-            raise InvalidRequestError(f"chat template refused the messages: {e}") from e
+        # raise_exception(), or messages the template cannot walk (a TypeError: a None content it concatenates)
+        except (jinja2.TemplateError, TypeError) as e:
+            raise InvalidRequestError(f"chat template refused the messages: {str(e)[:200]}") from e
 
 
 # Prompt tokens decoded ahead of the output, so that a decoder that treats the start of a sequence specially

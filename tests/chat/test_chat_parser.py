@@ -10,7 +10,7 @@ import pytest
 from chat_corpus import CORPUS
 
 import m3sdk
-from m3sdk.chat import AssistantMessage, AssistantStreamParser, join_deltas, parse_assistant
+from m3sdk.chat import AssistantMessage, AssistantStreamParser, join_deltas, parse_assistant, render_tool_call
 from m3sdk.params import SamplingParams
 from m3sdk.tokenizer import TextStream, Tokenizer
 
@@ -98,3 +98,14 @@ def test_thinking_mode_and_deltas_shape():
         parser.feed("more")
     message = parse_assistant("<mm:think>r</mm:think>a", CORPUS[0]["tools"]).to_dict()
     assert message == {"role": "assistant", "content": "a", "reasoning_content": "r"}
+
+
+def test_odd_tools_and_schemas_never_raise():
+    text = render_tool_call("f", {"a": {"b": [1, "x"]}, "c": "2"})
+    odd_tools = [None, "f", {"function": "f"}, {"name": 3}, {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": ["array", "integer"], "items": 5}, "c": {"anyOf": "x"}},
+        "additionalProperties": 7}}, {"name": "g", "parameters": {"properties": {"a": 5, "c": {"type": 1}}}}]
+    for name in ("f", "g"):
+        message = parse_assistant(text.replace('"f"', f'"{name}"'), odd_tools)
+        assert message.tool_calls[0].function.name == name and message.content is None
+        assert json.loads(message.tool_calls[0].function.arguments) == {"a": {"b": [1, "x"]}, "c": 2}

@@ -73,7 +73,7 @@ def assert_pages(pool: KVPool, tokens: list[int], pages: list[int], num_cached: 
 def test_pages_arrive_intact_in_their_pages(node, pieces):
     # 300 tokens = 19 pages over 4 layers; 64 KiB messages force several messages per layer group. `pieces`: the
     # decode side receives in place (the default), asking for plans of pieces where its pages form runs
-    from m3sdk.disagg.transport import UcxTransport
+    from m3sdk.disagg.ucx_transport import UcxTransport
 
     transport = UcxTransport(in_place=pieces)
     client, pool = make_client(node, layers_per_group=2, max_message_bytes=64 << 10, transport=transport)
@@ -243,7 +243,7 @@ def test_a_message_that_does_not_match_the_plan_never_reaches_the_pages(num_page
     """A message cut short (half the layers the receiver expects) or too long (twice: UCX truncates it) is refused,
     and no page keeps anything of it, whether the pages are placed by index (4: staged) or received in place as a
     run (16: a plan of pieces, one UCX message per piece)."""
-    from m3sdk.disagg.transport import UcxTransport
+    from m3sdk.disagg.ucx_transport import UcxTransport
 
     pool = KVPool(spec())
     rows = wire.page_rows(pool)
@@ -352,16 +352,19 @@ def test_a_draining_node_finishes_the_prefills_it_runs():
 
 
 def test_a_request_the_wire_cannot_carry_fails_without_leaving_its_receive_posted(node):
-    # a seed outside uint64 cannot go into the Prefill call: the job must fail as PrefillNodeError (the core
-    # then prefills locally) and must not leave receive buffers posted for a transfer that never comes
+    # a value the wire cannot carry (SamplingParams refuses a seed outside uint64; forced in here) must fail the
+    # job as PrefillNodeError (the core then prefills locally) and must not leave receive buffers posted for a
+    # transfer that never comes
     client, _ = make_client(node)
+    unwired = SamplingParams()
+    object.__setattr__(unwired, "seed", -1)
 
     async def receives() -> list[asyncio.Task]:
         return [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "UcxReceive._run"]
 
     try:
         with pytest.raises(PrefillNodeError, match="seed|out of range"):
-            client.submit("w1", list(range(40)), SamplingParams(seed=-1), [1, 2, 3], 0, 10).result(10)
+            client.submit("w1", list(range(40)), unwired, [1, 2, 3], 0, 10).result(10)
         assert not loop.run(receives())
     finally:
         client.close()
@@ -372,7 +375,7 @@ def test_pages_sent_in_place_are_released_once_sent_or_when_the_push_is_dropped(
     `wait_released` says no send reads them. Sent: released, and the decode side got
     every byte. Not received within the bound (the decode side posted nothing for the transfer): the push's
     endpoint is dropped, the push fails, and the pages are released all the same."""
-    from m3sdk.disagg.transport import UcxTransport
+    from m3sdk.disagg.ucx_transport import UcxTransport
 
     pool = KVPool(spec())
     rows = wire.page_rows(pool)
@@ -415,7 +418,7 @@ def test_pages_sent_in_place_are_released_once_sent_or_when_the_push_is_dropped(
 def test_pieces_arrive_intact_whatever_the_two_sides_runs(src, dst, in_place):
     """A plan of pieces (what an in-place decode side asks for) is cut where the decode side's runs are; the node sends
     exactly those pieces: from its pool where its own pages line up, else from a staging buffer cut the same way."""
-    from m3sdk.disagg.transport import UcxTransport
+    from m3sdk.disagg.ucx_transport import UcxTransport
 
     pool = KVPool(spec())
     rows = wire.page_rows(pool)

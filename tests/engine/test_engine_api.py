@@ -154,6 +154,19 @@ BAD = [
     ("x", {"request_id": ""}, InvalidRequestError),
     ("x", {"priority": "high"}, InvalidRequestError),
     ([{"content": "no role"}], {}, InvalidRequestError),
+    # text that is not valid Unicode, content of another type, values float32 cannot sample, unbounded stops
+    ("a\ud800b", {}, InvalidRequestError),
+    ([{"role": "user", "content": 5}], {}, InvalidRequestError),
+    ([{"role": "user", "content": None}], {}, InvalidRequestError),  # this template concatenates it
+    ([{"role": "user", "content": "\udfff"}], {}, InvalidRequestError),
+    ([{"role": ["user"], "content": "x"}], {}, InvalidRequestError),
+    ("x", {"temperature": 1e-45}, InvalidRequestError),
+    ("x", {"top_p": 1e-46}, InvalidRequestError),
+    ("x", {"repetition_penalty": 1e-300}, InvalidRequestError),
+    ("x", {"seed": -1}, InvalidRequestError),
+    ("x", {"seed": 2**64}, InvalidRequestError),
+    ("x", {"stop": ["s"] * 65}, InvalidRequestError),  # max_stop_strings 64
+    ("x", {"stop": "s" * 1025}, InvalidRequestError),  # max_stop_length 1024
     ("x", {"no_such_param": 1}, TypeError),
 ]
 

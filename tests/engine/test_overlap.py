@@ -7,7 +7,6 @@ import asyncio
 import random
 
 import pytest
-import torch
 
 from m3sdk import Engine
 from m3sdk.core import EngineCore
@@ -189,7 +188,7 @@ def test_warm_up_leaves_the_engine_clean(engine_checkpoint):
     assert _drive(core, prompt, 8) == ref
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the overlapped path's pinned copies and events need CUDA")
+@pytest.mark.gpu  # the overlapped path's pinned copies and events need CUDA
 async def test_overlap_on_the_gpu_gives_the_synchronous_tokens(monkeypatch):
     """On a GPU the host really runs ahead of the stream (pinned uploads, the sampled tokens' copy and event, graph
     buffers written for N+1 while N replays): m3-tiny in float32 (near-ties are rare) gives the same greedy tokens

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from m3sdk_kernels import norm
+from m3sdk_kernels import norm, reference
 from m3sdk_kernels.arch import ARCHS
 
 FP8 = ARCHS["sm90"].fp8_dtype
@@ -24,7 +24,7 @@ def test_add_rms_norm(residual, fp8):
     r = torch.randn(t, h).bfloat16() if residual else None
     w = (torch.randn(h) * 0.2).bfloat16()
     y, s, new_r = norm.add_rms_norm(x, w, eps, r, FP8 if fp8 else None)
-    yr, sr, new_rr = norm.add_rms_norm_ref(x, w, eps, r, FP8 if fp8 else None)
+    yr, sr, new_rr = reference.add_rms_norm_ref(x, w, eps, r, FP8 if fp8 else None)
     summed = x if r is None else (x.float() + r.float()).to(x.dtype)
     # the interpreter rounds bf16 by truncation: one bf16 ulp apart at most
     torch.testing.assert_close(new_r, summed, rtol=2**-7, atol=0)

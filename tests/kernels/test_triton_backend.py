@@ -1,15 +1,11 @@
 """The "triton" attention backend equals the "torch" one through Contract 2: a prefill chunk then a decode step
 of a ragged batch over a KVPool, dense and MSA layers, bf16 and FP8 caches, both layouts."""
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first m3sdk_kernels import (tests/conftest too)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from m3sdk.attention.base import AttentionMetadata, get_backend  # noqa: E402
-from m3sdk.cache.kv_pool import KVCacheSpec, KVPool  # noqa: E402
+from m3sdk.attention.base import AttentionMetadata, get_backend
+from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
 
 HQ, HKV, D, DI, BLOCK, TOPK = 32, 2, 32, 32, 16, 2
 

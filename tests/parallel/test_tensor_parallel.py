@@ -49,7 +49,8 @@ def load_model_config(path):
 
 async def _greedy(path, attach=None, **config) -> tuple[list[list[int]], list, int]:
     """`attach(core)`: called once the engine runs, before any request."""
-    async with Engine(model=str(path), kv_cache_memory=8 << 20, max_model_len=256, max_num_seqs=4, **config) as e:
+    async with Engine(model=str(path), device="cpu", kv_cache_memory=8 << 20, max_model_len=256, max_num_seqs=4,
+                      **config) as e:
         if attach is not None:
             attach(e._core)
         outs = await asyncio.gather(*[e.generate(p, max_tokens=10, temperature=0) for p in PROMPTS])
@@ -127,8 +128,8 @@ def test_a_build_that_fails_after_the_launch_stops_the_workers(engine_checkpoint
 
     monkeypatch.setattr(TensorParallel, "launch", record)
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
-        EngineCore.build(EngineConfig(model=str(engine_checkpoint), tensor_parallel_size=2, max_model_len=1 << 30,
-                                      kv_cache_memory=8 << 20))
+        EngineCore.build(EngineConfig(model=str(engine_checkpoint), device="cpu", tensor_parallel_size=2,
+                                      max_model_len=1 << 30, kv_cache_memory=8 << 20))
     assert [p.returncode for p in launched[0].procs] == [0]
     assert not dist.is_initialized()
 
@@ -143,8 +144,8 @@ def test_graphs_that_fail_before_any_capture_still_let_the_engine_shut_down(engi
     from m3sdk.core import EngineCore
 
     torch.set_num_threads(1)
-    core = EngineCore.build(EngineConfig(model=str(engine_checkpoint), tensor_parallel_size=2, max_model_len=256,
-                                         kv_cache_memory=8 << 20))
+    core = EngineCore.build(EngineConfig(model=str(engine_checkpoint), device="cpu", tensor_parallel_size=2,
+                                         max_model_len=256, kv_cache_memory=8 << 20))
     tp = core.stop_hooks[0].__self__
     with pytest.raises(IndexError):
         MirroredGraphs(tp, core.runner.model, core.cache.kv, 4, core.max_model_len, core.runner.device, query_lens=())

@@ -141,4 +141,4 @@ async def test_streams_left_while_a_verify_step_runs_leave_nothing_behind(monkey
     for got, want, c in zip(spec, plain, cut, strict=True):
         assert got == want if c == 99 else got[:c] == want[:c]
     assert stats["pages_free"] == stats["pages_total"] and stats["running"] == stats["waiting"] == 0
-    assert not drafter._seqs and len(drafter._free) == drafter.kv_cache.shape[0] - 1
+    assert not drafter._seqs and len(drafter.pool.free) == drafter.pool.slots

@@ -188,9 +188,12 @@ def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
 
 
 def tool_schemas(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Mapping[str, Any]]:
-    """name -> parameters schema of each tool (an empty schema where none is given)."""
+    """name -> parameters schema of each tool (an empty schema where none is given; entries that are not tools
+    are skipped: parsing never fails on them)."""
     out: dict[str, Mapping[str, Any]] = {}
     for tool in tools or ():
-        function = tool.get("function", tool)
-        out[function["name"]] = function.get("parameters") or {}
+        function = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if isinstance(function, Mapping) and isinstance(function.get("name"), str):
+            parameters = function.get("parameters")
+            out[function["name"]] = parameters if isinstance(parameters, Mapping) else {}
     return out

@@ -7,9 +7,9 @@ into exactly what `parse_assistant` returns for the joined text, whatever the cu
 
 The rules:
 - Reasoning is the text inside `<mm:think>...</mm:think>` (M2: `<think>...</think>`), anywhere in the reply; a
-  reply that starts inside reasoning (thinking mode "enabled") has reasoning up to the first closer. A closer at
-  the very start of a reply that does not start inside reasoning is dropped. An unclosed block is reasoning to
-  the end.
+  reply that starts inside reasoning (thinking mode "enabled") has reasoning up to the first closer (an opener
+  written again at its start is dropped). A closer at the very start of a reply that does not start inside
+  reasoning is dropped. An unclosed block is reasoning to the end.
 - Tool calls are the invokes of `NS<tool_call>...NS</tool_call>` blocks (M2: `<minimax:tool_call>`), emitted one
   whole call at a time once its `</invoke>` arrives. An invoke that does not parse, or is cut off by the end of
   the reply, is kept as content; so is anything but invokes inside a block (which ends the block there).
@@ -19,6 +19,7 @@ The rules:
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,10 +47,14 @@ _INVOKE_OPEN = "<invoke"
 _WAIT = object()  # the text so far does not decide: wait for more
 
 
-def _held_prefix(buf: str, start: int, markers: Sequence[str]) -> int:
+@functools.cache
+def _longest(markers: tuple[str, ...]) -> int:
+    return max(len(m) for m in markers)
+
+
+def _held_prefix(buf: str, start: int, markers: tuple[str, ...]) -> int:
     """Length of the longest tail of buf[start:] that is a proper prefix of a marker (it may grow into one)."""
-    longest = min(max(len(m) for m in markers) - 1, len(buf) - start)
-    for k in range(longest, 0, -1):
+    for k in range(min(_longest(markers) - 1, len(buf) - start), 0, -1):
         tail = buf[len(buf) - k:]
         if any(m.startswith(tail) for m in markers):
             return k
@@ -72,7 +77,7 @@ class _Scanner:
         self.scan = 0  # where to look for the next marker (>= pos: held whitespace lies between)
         self.mode = _REASONING if starts_in_reasoning else _CONTENT
         self.closers: tuple[str, ...] = (THINK_CLOSE, M2_THINK_CLOSE) if starts_in_reasoning else ()
-        self.started = starts_in_reasoning  # past the point where a stray closer is dropped
+        self.started = False  # past the start, where a stray closer (or a repeated opener) is dropped
         self.lstrip = True  # at the start of a stretch: leading whitespace is dropped
         self.calls = 0
         self.has_content = False
@@ -105,16 +110,25 @@ class _Scanner:
         self.mode, self.pos, self.scan, self.lstrip = mode, at, at, True
 
     # ---- modes: each returns False when it must wait for more text ----------------------------------------
+    def _drop_at_start(self, tags: tuple[str, ...], final: bool) -> bool:
+        """At the very start of the reply, drop one of `tags` (whitespace before it too); False while the text
+        could still grow into one."""
+        if self.started:
+            return True
+        at = _skip_ws(self.buf, self.pos)
+        for tag in tags:
+            if self.buf.startswith(tag, at):
+                self.pos = self.scan = at + len(tag)
+                break
+            if not final and tag.startswith(self.buf[at:]):
+                return False
+        self.started = True
+        return True
+
     def _content(self, final: bool) -> bool:
         buf = self.buf
-        if not self.started:
-            for closer in (THINK_CLOSE, M2_THINK_CLOSE):
-                if buf.startswith(closer, self.pos):
-                    self.pos = self.scan = self.pos + len(closer)
-                    break
-                if not final and closer.startswith(buf[self.pos:]):
-                    return False
-            self.started = True
+        if not self._drop_at_start((THINK_CLOSE, M2_THINK_CLOSE), final):  # a stray closer
+            return False
         while True:
             hits = [(at, m) for m in _CONTENT_TRIGGERS if (at := buf.find(m, self.scan)) >= 0]
             if not hits:
@@ -149,6 +163,8 @@ class _Scanner:
 
     def _reasoning(self, final: bool) -> bool:
         buf = self.buf
+        if not self._drop_at_start((THINK_OPEN, M2_THINK_OPEN), final):  # the prefilled opener, written again
+            return False
         hits = [(at, c) for c in self.closers if (at := buf.find(c, self.scan)) >= 0]
         if hits:
             at, closer = min(hits)

@@ -18,7 +18,8 @@ from m3sdk.chat.markup import NS
 
 _NS = re.escape(NS)
 _INVOKE = re.compile(r"""<invoke\s+name\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+))\s*>""")
-_OPEN = re.compile(rf"\s*(?:{_NS}\s*)?<([A-Za-z_][\w.:\-]*)>")
+# an argument element: its name is the property's, whatever characters it holds but markup and line breaks
+_OPEN = re.compile(rf"\s*(?:{_NS}\s*)?<([^\s<>/][^<>/\n]*)>")
 _M2_PARAM = re.compile(r"""<parameter\s+name\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'>]+))\s*>(.*?)</parameter>""",
                        re.S)
 _TRUE, _FALSE, _NULL = ("true", "1", "yes", "on"), ("false", "0", "no", "off"), ("null", "none", "nil", "")
@@ -144,7 +145,7 @@ def _value(node: _Node, schema: Mapping[str, Any]) -> Any:
     for kind, sub in sorted(kinds, key=lambda ks: ks[0] != "null"):
         if (value := _as(node, kind, sub)) is not _FAIL:
             return value
-    return node.raw
+    return _guess(node) if node.children else node.raw  # fits no type: as if untyped, elements kept apart
 
 
 def _object(children: list[_Node], schema: Mapping[str, Any]) -> dict[str, Any]:
@@ -155,7 +156,8 @@ def _object(children: list[_Node], schema: Mapping[str, Any]) -> dict[str, Any]:
         by_name.setdefault(child.name, []).append(child)
     out: dict[str, Any] = {}
     for name, nodes in by_name.items():
-        sub = properties.get(name) or (extra if isinstance(extra, Mapping) else {})
+        sub = properties.get(name, extra)
+        sub = sub if isinstance(sub, Mapping) else {}
         if len(nodes) == 1:
             out[name] = _value(nodes[0], sub)
         else:  # a repeated element is a list, each element one item

@@ -25,8 +25,8 @@ from m3sdk.core import EngineCore
 from m3sdk.disagg import wire
 from m3sdk.disagg.compat import CompatInfo, model_fingerprint
 from m3sdk.disagg.messages import PrefillOrder
+from m3sdk.disagg.outbox import Outbox
 from m3sdk.disagg.server import FirstToken
-from m3sdk.disagg.transport import Outbox
 from m3sdk.observability import get_logger
 from m3sdk.request import Chunk
 from m3sdk.scheduler.base import StepPlan

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from m3sdk.attention.base import AttentionBackend, AttentionMetadata, get_backend
+from m3sdk.attention.base import AttentionBackend, AttentionMetadata, AttentionShapes, get_backend
 from m3sdk.cache.kv_pool import KVPool
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.layers import (
@@ -21,6 +21,7 @@ from m3sdk.model.layers import (
     Fp8Activation,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     SparseMoE,
     residual_rms_norm,
 )
@@ -30,9 +31,10 @@ class Attention(nn.Module):
     """GQA with per-head QK norm and partial RoPE; sparse layers add the lightning indexer (selection only).
 
     One packed projection [q | k | v | index_q | index_k] so a single GEMM serves the whole layer input.
+    `tensor_parallel`: the config holds this rank's heads, and o_proj all-reduces the ranks' partial outputs.
     """
 
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, tensor_parallel: bool = False):
         super().__init__()
         c = config
         self.layer = layer
@@ -49,7 +51,7 @@ class Attention(nn.Module):
             self.index_k_norm = RMSNorm(c.index_head_dim, c.rms_norm_eps, dtype)
         self.split_sizes = sizes
         self.qkv_proj = nn.Linear(c.hidden_size, sum(sizes), bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype)
+        self.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size, dtype, reduce=tensor_parallel)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
 
@@ -76,18 +78,19 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype, tensor_parallel: bool = False):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.self_attn = Attention(c, layer, dtype)
+        self.self_attn = Attention(c, layer, dtype, tensor_parallel)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         if c.is_moe(layer):
             self.mlp = SparseMoE(c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_intermediate_size,
                                  c.num_experts_per_tok, c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit,
-                                 dtype)
+                                 dtype, reduce=tensor_parallel)
         else:
-            self.mlp = DenseMLP(c.hidden_size, c.dense_intermediate_size, c.swiglu_alpha, c.swiglu_limit, dtype)
+            self.mlp = DenseMLP(c.hidden_size, c.dense_intermediate_size, c.swiglu_alpha, c.swiglu_limit, dtype,
+                                reduce=tensor_parallel)
         # set by quantize_model where an FP8 projection reads the norm: it then hands over fp8 rows + scales
         self.attn_input_fp8: torch.dtype | None = None
         self.mlp_input_fp8: torch.dtype | None = None
@@ -103,20 +106,25 @@ class DecoderLayer(nn.Module):
 
 
 class MiniMaxM3ForCausalLM(nn.Module):
-    """Build with `m3sdk.model.load_model(path)`; constructing directly leaves the weights uninitialized."""
+    """Build with `m3sdk.model.load_model(path)` (one rank) or `m3sdk.parallel.load_shard` (a tensor-parallel
+    rank: `tensor_parallel`, and `config` is the rank's local one); constructing directly leaves the weights
+    uninitialized."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, attn_backend: str = "torch"):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, attn_backend: str = "torch",
+                 tensor_parallel: bool = False):
         super().__init__()
         c = config
         self.config = config
         self.dtype = dtype
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, tensor_parallel) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
         self.requires_grad_(False)
         self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta)
         self.attn_backend: AttentionBackend = get_backend(attn_backend)
+        self.attn_backend.bind(AttentionShapes(c.head_dim, c.rotary_dim, c.index_head_dim if c.sparse_layers else None,
+                                               c.index_block_size if c.sparse_layers else None))
         # `mtp.*` tensors of the checkpoint, read on demand by the speculative decoder (not part of this forward)
         self.mtp_weights: Mapping[str, torch.Tensor] = {}
 

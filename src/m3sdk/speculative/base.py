@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from m3sdk.errors import CheckpointError
+from m3sdk.registry import Registry
 
 if TYPE_CHECKING:
     from torch import nn
 
-METHODS = ("ngram", "eagle3", "mtp")
 
 
 @dataclass(frozen=True)
@@ -40,8 +39,8 @@ class SpecConfig:
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
+        if self.method not in DRAFTERS:
+            raise ValueError(f"speculative method must be one of {DRAFTERS.names()}, got {self.method!r}")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(f"num_speculative_tokens must be an int in [1, 16], got {k!r}")
@@ -114,32 +113,6 @@ class DeviceDrafts:
         return self.drafts.tolist()
 
 
-class HostRead:
-    """Device int64 values copied into reused pinned host memory without blocking the host; `get` waits for that
-    copy alone (a `.tolist()` waits for everything queued on the stream, e.g. a drafter's read launched after it).
-    One copy in flight at a time: the host `get`s one before the next `send`, which reuses the buffer."""
-
-    def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
-        self._event: torch.cuda.Event | None = None
-        self._n = 0
-
-    def send(self, values: torch.Tensor) -> None:
-        cuda = values.device.type == "cuda"
-        if self._buf is None or self._buf.numel() < values.numel():
-            self._buf = torch.empty(max(2 * values.numel(), 64), dtype=values.dtype, pin_memory=cuda)
-            self._event = torch.cuda.Event() if cuda else None
-        self._n = values.numel()
-        self._buf[:self._n].copy_(values, non_blocking=cuda)
-        if self._event is not None:
-            self._event.record()
-
-    def get(self) -> list[int]:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._buf[:self._n].tolist()
-
-
 @dataclass
 class Proposal:
     """Draft tokens and, when they were sampled rather than picked, the distribution each was drawn from
@@ -189,23 +162,12 @@ class TargetInfo:
 
 
 Builder = Callable[[SpecConfig, TargetInfo], SpeculativeDecoder]
-_REGISTRY: dict[str, Builder] = {}
-
-
-def register(method: str) -> Callable[[Builder], Builder]:
-    def wrap(fn: Builder) -> Builder:
-        _REGISTRY[method] = fn
-        return fn
-
-    return wrap
+# the built-in drafters register themselves when their module is imported
+DRAFTERS: Registry[Builder] = Registry("speculative method", builtin={
+    m: f"m3sdk.speculative.{m}" for m in ("ngram", "eagle3", "mtp")})
+register = DRAFTERS.register
 
 
 def build_drafter(config: SpecConfig, target: TargetInfo) -> SpeculativeDecoder:
-    """The drafter named by `config.method` (imports the drafter modules so they register themselves)."""
-    from m3sdk.speculative import eagle3, mtp, ngram  # noqa: F401
-
-    try:
-        builder = _REGISTRY[config.method]
-    except KeyError:
-        raise CheckpointError(f"no drafter registered for {config.method!r}") from None
-    return builder(config, target)
+    """The drafter named by `config.method`."""
+    return DRAFTERS.get(config.method)(config, target)

@@ -19,7 +19,8 @@ from typing import Protocol
 import torch
 
 from m3sdk.runner import PLACEHOLDER
-from m3sdk.speculative.base import DeviceDrafts, DraftRequest, HostRead, Proposal, TargetStates
+from m3sdk.speculative.base import DeviceDrafts, DraftRequest, Proposal, TargetStates
+from m3sdk.staging import HostCopy
 
 
 class DraftContext(Protocol):
@@ -49,7 +50,7 @@ class Unverified:
 
     drafts: DeviceDrafts
     request_ids: list[str]
-    verdict: HostRead
+    verdict: HostCopy
 
 
 class ChainDrafter(ABC):
@@ -62,7 +63,7 @@ class ChainDrafter(ABC):
         # the last observe's drafts: the only ones still where its replay left them (the next replay of the same
         # graph overwrites them)
         self._latest: DeviceDrafts | None = None
-        self._verdict = HostRead()  # `read_unverified`'s copy of a step's argmax and drafts for the host
+        self._verdict = HostCopy()  # `read_unverified`'s copy of a step's argmax and drafts for the host
 
     # -- the network (subclass) --
 

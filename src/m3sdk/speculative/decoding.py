@@ -156,7 +156,7 @@ class Speculation:
             greedy = _greedy(r for r, _ in verify_reqs)
             argmax, drafts = [], []
             if step.read is not None:  # (read without waiting for the drafter's read launched behind it)
-                read = step.read.verdict.get()
+                read = step.read.verdict.get()[0].tolist()
                 argmax, drafts = [read[i] for i in verify_at], read[logits.shape[0]:]
             elif greedy:
                 argmax_t = rows.argmax(dim=1)

@@ -25,7 +25,7 @@ from m3sdk.cache.page_pool import PagePool, pages_for
 from m3sdk.errors import CheckpointError
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.layers import RMSNorm
-from m3sdk.model.loader import _expected_layer
+from m3sdk.model.loader import expected_layer
 from m3sdk.model.minimax_m3 import DecoderLayer
 from m3sdk.speculative.base import SpecConfig, TargetInfo, register
 from m3sdk.speculative.chain import ChainDrafter
@@ -56,7 +56,7 @@ def load_mtp(target: TargetInfo) -> MtpModule:
     layout = "hf" if any(n.endswith("gate_up_proj.weight") or ".indexer." in n for n in weights) else "minimax"
     expected: dict[str, tuple[str, tuple]] = {
         f"{PREFIX}{n}.weight": (f"{n}.weight", ()) for n in ("enorm", "hnorm", "eh_proj", "final_layernorm")}
-    for name, t in _expected_layer(c, last, layout, prefix="").items():
+    for name, t in expected_layer(c, last, layout, prefix="").items():
         inner = name.removeprefix(f"layers.{last}.")
         expected[f"{PREFIX}transformer_layer.{inner}"] = (
             "transformer_layer." + t.param.removeprefix(f"layers.{last}."), t.index)
