@@ -119,7 +119,7 @@ class Phases:
         from m3sdk.core import EngineCore
         from m3sdk.disagg import client, remote, ucx_receive, ucx_transport
 
-        cls._wrap(remote.RemotePrefill, "start", after="d.start")
+        cls._wrap(remote.RemotePrefill, "admit", after="d.start")
         cls._wrap(client.PrefillClient, "_job", before="d.job")
         call = grpc.aio._channel.UnaryUnaryMultiCallable.__call__
 
@@ -141,15 +141,15 @@ class Phases:
         cls._wrap(ucx_transport.UcxTransport, "receive", after="d.receive")
         cls._wrap(ucx_receive.UcxReceive, "wait", after="d.received")
         cls._wrap(client, "check_reply", before="d.reply")
-        poll = remote.RemotePrefill.poll
+        handovers = remote.RemotePrefill.handovers
 
-        def traced_poll(self):
-            out = poll(self)
+        def traced_handovers(self):
+            out = handovers(self)
             if out:
                 cls.note("d.poll")
             return out
 
-        remote.RemotePrefill.poll = traced_poll
+        remote.RemotePrefill.handovers = traced_handovers
         cls._wrap(EngineCore, "step", after="d.step")
 
     @classmethod
@@ -267,7 +267,7 @@ async def run(args, address: str, node: mp.Process, conn) -> list[dict]:
     async with Engine(**engine_settings(args), prefill_nodes=(address,), remote_prefill_min_tokens=1024,
                       prefill_timeout=args.prefill_timeout, prefill_fallback="error") as engine:
         core = engine._core
-        remote = core.remote
+        remote = engine._admission
         while not remote.client.has_healthy_node:  # the node may still be loading: the heartbeat retries it
             if not node.is_alive():
                 raise SystemExit(f"the prefill node died while starting (exit code {node.exitcode})")

@@ -63,7 +63,7 @@ async def main() -> None:
                       **overrides) as engine:
         vocab = engine._core.vocab_size
         desc = engine.describe()
-        print(f"{desc['model']}; {desc['kv cache']}; overlap {engine._core.overlap}")
+        print(f"{desc['model']}; {desc['kv cache']}; overlap {engine._core.config.overlap}")
         await run(engine, [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(2)], 1, 8)  # warm-up
         print("| batch | constrained | TPOT ms plain | TPOT ms mixed | TPOT cost | step ms plain | step ms mixed "
               "| ended early |\n|---|---|---|---|---|---|---|---|")

@@ -233,7 +233,7 @@ def test_engine_takes_the_graphs_for_every_decode_and_verify_step(monkeypatch, c
     import asyncio
 
     from m3sdk import Engine
-    from m3sdk.config import EngineConfig
+    from m3sdk.core import resolved
 
     prompts = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(2 * concurrency)]
 
@@ -246,11 +246,11 @@ def test_engine_takes_the_graphs_for_every_decode_and_verify_step(monkeypatch, c
                     return (await engine.generate(p, max_tokens=12, temperature=0, ignore_eos=True)).token_ids
 
             out = await asyncio.gather(*[one(p) for p in prompts])
-            return out, engine.stats(), engine._core.spec.drafter if kw.get("speculative") else None
+            return out, engine.stats(), engine._core.executor.spec.drafter if kw.get("speculative") else None
 
     plain, _, _ = asyncio.run(go())
     spec_eager, _, _ = asyncio.run(go(speculative="eagle3"))
-    monkeypatch.setattr(EngineConfig, "resolve_cuda_graphs", lambda self, device: True)
+    monkeypatch.setattr(resolved, "cuda_graphs_wanted", lambda config, device, backend: True)
     monkeypatch.setattr(DecodeGraphs, "supported", staticmethod(lambda model: True))
     for kw, eager in (({}, plain), ({"speculative": "eagle3"}, spec_eager)):
         out, stats, drafter = asyncio.run(go(**kw))

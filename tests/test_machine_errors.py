@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from m3sdk import ConfigError, EngineConfig
-from m3sdk.core import EngineCore
+from m3sdk.core import EngineCore, build_core
+from m3sdk.core.resolved import resolve
 
 
 def build(**overrides) -> EngineCore:
     # a checkpoint folder that does not exist: the machine check must come first, before any read
-    return EngineCore.build(EngineConfig(model="/nonexistent/checkpoint", **overrides))
+    return build_core(EngineConfig(model="/nonexistent/checkpoint", **overrides))
 
 
 @pytest.mark.cpu_only
@@ -33,7 +34,7 @@ def test_triton_backend_on_the_cpu_outside_the_interpreter(monkeypatch):
 
 def test_triton_backend_on_the_cpu_in_the_interpreter_loads(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert EngineConfig(device="cpu", attention_backend="triton").resolve_device() == torch.device("cpu")
+    assert resolve(EngineConfig(device="cpu", attention_backend="triton")).device == torch.device("cpu")
 
 
 def test_fp8_and_kernels_on_a_gpu_without_them(monkeypatch):

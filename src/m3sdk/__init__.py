@@ -4,9 +4,10 @@
         done = await engine.generate("The capital of France is", SamplingParams(max_tokens=32))
 """
 
+from typing import TYPE_CHECKING, Any
+
 from m3sdk.chat.completion import ChatCompletion, ChatCompletionChunk
 from m3sdk.config import EngineConfig
-from m3sdk.engine import Engine
 from m3sdk.errors import (
     CheckpointError,
     ConfigError,
@@ -19,6 +20,9 @@ from m3sdk.errors import (
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, Completion, Timings, Usage
 from m3sdk.structured import StructuredOutput
+
+if TYPE_CHECKING:
+    from m3sdk.engine import Engine
 
 __all__ = [
     "ChatCompletion",
@@ -39,3 +43,12 @@ __all__ = [
     "Timings",
     "Usage",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # the engine (torch, the kernels) loads on first use: `from m3sdk import EngineConfig` stays light
+    if name == "Engine":
+        from m3sdk.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'm3sdk' has no attribute {name!r}")

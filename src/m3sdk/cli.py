@@ -112,7 +112,7 @@ def _serve(args: argparse.Namespace) -> None:
 def _serve_prefill_node(args: argparse.Namespace) -> None:
     from .node import run_prefill_node
 
-    run_prefill_node(args)
+    run_prefill_node(args, _engine_overrides(args))
 
 
 def build_parser() -> argparse.ArgumentParser:

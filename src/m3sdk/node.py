@@ -10,6 +10,7 @@ import signal
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -71,18 +72,18 @@ class PrefillNode:
         self.stop(grace)
 
 
-def run_prefill_node(args) -> None:
-    """`m3sdk prefill-node`: an engine core of its own behind the node service, until SIGTERM.
+def run_prefill_node(args: Any, engine_overrides: dict[str, Any]) -> None:
+    """`m3sdk prefill-node`: an engine core of its own (EngineConfig(**engine_overrides)) behind the node service,
+    until SIGTERM. `args`: listen, tls_cert, tls_key.
 
     The shared token comes from $M3SDK_PREFILL_TOKEN (not a flag: flags show in `ps`)."""
-    from m3sdk.cli import _engine_overrides
     from m3sdk.config import EngineConfig
     from m3sdk.disagg.backend import EngineBackend
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
-    backend = EngineBackend(EngineConfig(**_engine_overrides(args)))
+    backend = EngineBackend(EngineConfig(**engine_overrides))
     node = PrefillNode(backend, args.listen, token=os.environ.get("M3SDK_PREFILL_TOKEN") or None, tls=tls).start()
     print(f"m3sdk prefill node {node.node_id} serving on {node.address}", flush=True)
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -38,24 +38,27 @@ class StepMirror(Protocol):
 
 class ModelRunner:
     def __init__(self, model: MiniMaxM3ForCausalLM, cache: CacheManager, device: torch.device,
-                 mirror: StepMirror | None = None):
+                 graphs: DecodeGraphs | None = None, mirror: StepMirror | None = None):
         self.model = model
         self.cache = cache
         self.device = device
+        self.graphs = graphs  # captured decode/verify steps (m3sdk/graphs.py), or None: every step eager
         self.mirror = mirror
-        self.graphs: DecodeGraphs | None = None  # captured decode/verify steps (m3sdk/graphs.py): the core sets it
 
-    def run(self, plan: StepPlan, carry: Carry | None = None) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, carry: Carry | None = None, layer_hook: Callable[[int], None] | None = None
+            ) -> torch.Tensor | None:
         """Write every scheduled token's K/V (and index keys) and return float32 logits [N, vocab], one row per
         request that samples, in plan order (None when none samples, e.g. all are mid-prefill chunks).
         `carry`: the overlapped step's tokens still on the device (see `Carry`)."""
-        return self.forward(plan, carry=carry)[0]
+        return self.forward(plan, carry=carry, layer_hook=layer_hook)[0]
 
     def forward(self, plan: StepPlan, num_logits: Sequence[int] | None = None, aux_layers: Sequence[int] = (),
-                carry: Carry | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+                carry: Carry | None = None, layer_hook: Callable[[int], None] | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """`run` with what speculative decoding needs: logits at the last `num_logits[i]` positions of entry i
         (default: 1 if it samples, else 0), and (hidden [T, H], aux [T, len(aux_layers) * H] or None) of every
-        scheduled token."""
+        scheduled token. `layer_hook(i)` runs after layer i's attention; such a step runs eagerly (a replayed graph
+        calls no Python)."""
         dst: list[int] = []
         src: list[int] = []
         ids: list[int] = []
@@ -76,7 +79,7 @@ class ModelRunner:
             m = int(samples) if num_logits is None else num_logits[i]
             logits_rows.extend(range(len(ids) - m, len(ids)))
         key = None
-        if self.graphs is not None and logits_rows:
+        if self.graphs is not None and logits_rows and layer_hook is None:
             key = self.graphs.key(len(counts), max(counts), max(context_lens), max(map(len, tables)), aux_layers)
         if key is not None:
             return self._replay(key, ids, counts, context_lens, tables, logits_rows, dst, src, carry)
@@ -89,7 +92,7 @@ class ModelRunner:
         indices = to_device(logits_rows, torch.int64, self.device) if logits_rows else None
         if self.mirror is not None:
             self.mirror.mirror(input_ids, meta, self.cache.kv, indices, aux_layers)
-        hidden, logits, *aux = self.model(input_ids, meta, self.cache.kv, indices, aux_layers)
+        hidden, logits, *aux = self.model(input_ids, meta, self.cache.kv, indices, aux_layers, layer_hook)
         return logits, hidden, aux[0] if aux else None
 
     def _replay(self, key: tuple[int, int, int], ids: list[int], counts: list[int], context_lens: list[int],

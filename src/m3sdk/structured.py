@@ -22,11 +22,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from m3sdk.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    import torch
     import xgrammar
 
     from m3sdk.tokenizer import Tokenizer
@@ -189,6 +188,8 @@ class GrammarCompiler:
 
 def new_bitmask(rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
     """An all-allowed host bitmask [rows, ceil(V / 32)] int32, pinned when it will be copied to a GPU."""
+    import torch  # (SamplingParams imports this module; `import m3sdk` stays without torch)
+
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
 
 

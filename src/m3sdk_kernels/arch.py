@@ -196,7 +196,7 @@ TILES.update({
     "rms_norm": {"sm90": {"num_warps": 8, "PDL": 1}, "gfx942": {"num_warps": 8}, "gfx950": {"num_warps": 8}},
     "router": {a: {"BLOCK_T": 16, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "moe_align": {a: {"CHUNK": 256, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
-    # MXFP4 -> fp8 experts once per prefill step (moe.mx_to_fp8, where a moe_* table sets MX_CONVERT)
+    # MXFP4 -> fp8 experts once per prefill step (mx_convert.mx_to_fp8, where a moe_* table sets MX_CONVERT)
     # H200 session 12 window 2: 3.2 / 3.1 ms for M3's 129-expert stack (checkpoint / planes layout), 3.5 / 3.6 TB/s
     "mx_to_fp8": {"sm90": {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}},
     # decode: split K until SPLIT_PROGRAMS programs stream the weight (about the resident CTAs: split_k in quant.py),

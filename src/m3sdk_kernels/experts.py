@@ -127,7 +127,7 @@ def empty_experts(fmt: str, num_experts: int, hidden: int, inter: int) -> Expert
 
 
 def to_planes(experts: Experts) -> Experts:
-    """MXFP4 experts -> the same values in the planes layout (`quant.mxfp4_planes`: Hopper's decode layout, made
+    """MXFP4 experts -> the same values in the planes layout (`formats.mxfp4_planes`: Hopper's decode layout, made
     once at load; values more than 28 octaves below their row's largest scale flush to zero)."""
     if experts.fmt != "mxfp4" or experts.planes:
         raise ValueError("to_planes takes MXFP4 experts in the checkpoint layout")

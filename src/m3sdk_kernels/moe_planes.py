@@ -68,7 +68,7 @@ def _mul_f16x2(x, m, INTERPRET: tl.constexpr):
 @triton.jit
 def planes_step(acc, a_rows, valid, w_base, s_base, rows, k0, stride_wn, stride_sn, SWAP: tl.constexpr,
                  XPERM: tl.constexpr, DOT_F32: tl.constexpr):
-    # acc += A[:, k0:k0+256] @ W^T for MXFP4 in the planes layout (quant.mxfp4_planes): the tile's 32 words of
+    # acc += A[:, k0:k0+256] @ W^T for MXFP4 in the planes layout (formats.mxfp4_planes): the tile's 32 words of
     # each row in one load, then per q the fp16 weights of scale groups 2q, 2q + 1 (column 2w + h is element
     # 64q + 32h + w) times their per-row multipliers, and a K = 64 dot with the activation in that column order:
     # gathered and converted here, or (XPERM) stored so by the previous step (fp16, `planes_order`), a plain

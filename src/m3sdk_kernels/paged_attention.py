@@ -429,9 +429,9 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     def shape(tile_n: int) -> tuple[int, int]:
         """(BLOCK_N, split count) at key tiles of tile_n: enough programs to fill the chip, never splits so thin
         that the merge costs more than it spreads."""
-        # MSA: tiles no wider than a block (rounded up to a power of two, at least tl.dot's 16 keys); a block that is
-        # not a multiple of the tile has its tiles' tails masked (_block_end)
-        block_n = min(tile_n, max(16, triton.next_power_of_2(block_size))) if sparse else tile_n
+        # MSA: tiles no wider than a block rounded up to a power of two; a block that is not a multiple of the tile
+        # has its tiles' tails masked (_block_end). At least 16 keys: tl.dot's smallest K on a GPU (the P @ V dot)
+        block_n = max(16, min(tile_n, triton.next_power_of_2(block_size)) if sparse else tile_n)
         max_splits = block_q * topk if sparse else max(1, triton.cdiv(max_context_len, 4 * block_n))
         return block_n, min(1 << (want.bit_length() - 1), triton.next_power_of_2(max_splits))
 

@@ -56,7 +56,7 @@ def _bf16(x, INTERPRET: tl.constexpr):
 @triton.jit
 def _row_values(x_ptr, row, stride_x, cols, K, SWIGLU: tl.constexpr, alpha, limit, INTERPRET: tl.constexpr):
     # fp32 values of row `row` at `cols` (zero past K): x itself, or (SWIGLU) the SwiGLU-OAI of x = [gate | up]
-    # (width 2K) rounded after every op as `moe.swiglu_oai_ref` is on bf16 tensors
+    # (width 2K) rounded after every op as `reference.swiglu_oai_ref` is on bf16 tensors
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if SWIGLU:
@@ -308,7 +308,8 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
     launch = pdl_launch(t.get("PDL", 0), x_q)
     pdl = bool(launch)
     w_desc = None
-    if t.get("TMA", 0) and t.get("SWAP_AB", 0) and x_q.is_cuda and not INTERPRET:
+    # TMA needs 16-byte aligned row strides (K % 16 for fp8 rows); other widths take the cp.async loads
+    if t.get("TMA", 0) and t.get("SWAP_AB", 0) and x_q.is_cuda and not INTERPRET and w_q.stride(0) % 16 == 0:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         w_desc = TensorDescriptor.from_tensor(w_q, [t["BLOCK_N"], t["BLOCK_K"]])

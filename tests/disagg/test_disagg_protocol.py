@@ -280,7 +280,7 @@ def test_abort_reaches_the_node_and_the_receive_is_retired(slow_node):
         fut = client.submit("a1", list(range(40)), GREEDY, [4, 5, 6], 0, 30)
         time.sleep(0.5)
         assert _health(address).running == 1
-        client.cancel("a1")
+        client.cancel_async("a1").result(10)
         assert fut.cancelled()
         deadline = time.monotonic() + 5
         while _health(address).running and time.monotonic() < deadline:

@@ -12,6 +12,8 @@ _HIP = bool(torch.version.hip)
 
 # float8_e4m3fnuz (Triton's fp8e4b8) is gfx942's fp8: NVIDIA GPUs have no such type
 amd_only = pytest.mark.skipif(_GPU and not _HIP, reason="AMD-only case (e4m3fnuz / gfx9 variants) on an NVIDIA GPU")
+# with @pytest.mark.gpu: tests of what only runs compiled (CUDA graphs, PDL, large shapes)
+needs_gpu = pytest.mark.skipif(not _GPU, reason="needs a GPU")
 # PDL, TMA, wgmma variants and inline PTX
 nvidia_only = pytest.mark.skipif(_GPU and _HIP, reason="NVIDIA-only case on an AMD GPU")
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from kernel_marks import needs_gpu
 
 from m3sdk_kernels import formats, quant, reference
 from m3sdk_kernels.arch import ARCHS, TILES
@@ -56,11 +57,11 @@ def test_mxfp8_reads_e8m0_scales_like_the_published_checkpoint():
 
 
 @pytest.mark.parametrize("block_k", [None, 512])  # the row in one tile (the table's), and in steps of 512
-def test_quantize_fp8_per_token_matches_reference(block_k, monkeypatch):
+def test_quantize_fp8_per_token_matches_reference(block_k, monkeypatch, device):
     if block_k:
         monkeypatch.setitem(TILES["fp8_quant"], "sm90", TILES["fp8_quant"]["sm90"] | {"BLOCK_K": block_k})
     torch.manual_seed(1)
-    x = torch.randn(7, 1300).bfloat16() * torch.logspace(-2, 2, 7)[:, None].bfloat16()
+    x = (torch.randn(7, 1300).bfloat16() * torch.logspace(-2, 2, 7)[:, None].bfloat16()).to(device)
     x[3] = 0
     q, s = quant.quantize_fp8_per_token(x, FP8)
     qr, sr = reference.quantize_fp8_per_token_ref(x, FP8)
@@ -69,13 +70,13 @@ def test_quantize_fp8_per_token_matches_reference(block_k, monkeypatch):
 
 
 @pytest.mark.parametrize("block_k", [None, 512])  # the row in one tile, and in steps of 512
-def test_swiglu_quantize_fp8_matches_reference(block_k, monkeypatch):
+def test_swiglu_quantize_fp8_matches_reference(block_k, monkeypatch, device):
     """The dense MLP's down input in one launch: SwiGLU-OAI of [gate | up], each op rounded to bf16 as the bf16
     reference rounds it, then quantized per token: the reference's bits (rows past the clamp limits too)."""
     if block_k:
         monkeypatch.setitem(TILES["fp8_quant"], "sm90", TILES["fp8_quant"]["sm90"] | {"BLOCK_K": block_k})
     torch.manual_seed(2)
-    gu = (torch.randn(6, 2 * 1300) * torch.tensor([0.01, 0.3, 1.0, 4.0, 20.0, 1.0])[:, None]).bfloat16()
+    gu = (torch.randn(6, 2 * 1300) * torch.tensor([0.01, 0.3, 1.0, 4.0, 20.0, 1.0])[:, None]).bfloat16().to(device)
     gu[5] = 0
     q, s = quant.swiglu_quantize_fp8(gu, 1.702, 7.0, FP8)
     qr, sr = reference.swiglu_quantize_fp8_ref(gu, 1.702, 7.0, FP8)
@@ -84,13 +85,13 @@ def test_swiglu_quantize_fp8_matches_reference(block_k, monkeypatch):
 
 
 @pytest.mark.parametrize("m", [1, 37, 300])  # the decode, mid and prefill tile tables
-def test_fp8_linear_matches_reference(m):
+def test_fp8_linear_matches_reference(m, device):
     torch.manual_seed(m)
     n, k = 200, 320  # neither a multiple of the N tile; K not a multiple of 256 (the unmasked-K path off)
-    w = torch.randn(n, k) * 0.05
+    w = torch.randn(n, k, device=device) * 0.05
     wq, ws = formats.quantize_fp8_weight(w, FP8)
-    x = torch.randn(m, k).bfloat16()
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    x = torch.randn(m, k).bfloat16().to(device)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
     out[:] = quant.fp8_linear(x, wq, ws)
     ref = reference.fp8_linear_ref(x, wq, ws)
     assert not out.isnan().any()
@@ -104,7 +105,7 @@ def test_fp8_linear_matches_reference(m):
 
 @pytest.mark.parametrize("swap_ab", [0, 1])
 @pytest.mark.parametrize("m,k", [(1, 1536), (16, 1536), (5, 1400)])  # K 1400: the masked-K path split too
-def test_fp8_gemm_decode_split_k(m, k, swap_ab, monkeypatch):
+def test_fp8_gemm_decode_split_k(m, k, swap_ab, monkeypatch, device):
     """Decode tiles with K split over programs (the last split of a tile sums the partials) and the staggered K
     order: same result as the reference, bit-identical on a second launch (fixed summation order), and the
     arrival counters are back to zero for the next launch."""
@@ -113,15 +114,16 @@ def test_fp8_gemm_decode_split_k(m, k, swap_ab, monkeypatch):
     n = 3 * t["BLOCK_N"] - 5  # a partial column block
     assert quant.split_k(3, k, t) == 3
     torch.manual_seed(m + k)
-    wq, ws = formats.quantize_fp8_weight(torch.randn(n, k) * 0.05, FP8)
-    xq, xs = quant.quantize_fp8_per_token(torch.randn(m, k).bfloat16(), FP8)
+    wq, ws = formats.quantize_fp8_weight(torch.randn(n, k, device=device) * 0.05, FP8)
+    xq, xs = quant.quantize_fp8_per_token(torch.randn(m, k).bfloat16().to(device), FP8)
     out = quant.fp8_gemm(xq, xs, wq, ws)
     assert rel(out, reference.fp8_gemm_ref(xq, xs, wq, ws)) < 1e-2
     assert not quant._counters(out.device).any()
     assert torch.equal(quant.fp8_gemm(xq, xs, wq, ws), out)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (griddepcontrol runs on hardware only)")
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("decode", [{}, {"TMA": 0}])  # the table's tiles (TMA weight tiles), cp.async
 def test_gpu_fp8_linear_pdl_same_bits(decode, monkeypatch):
     """On the GPU, at M3's shapes: the fp8 norm, the quantization and the GEMMs launched as programmatic dependents
@@ -206,7 +208,7 @@ def test_quantized_model_logits_and_greedy_agreement(oracle_checkpoint):
     assert fp8[0] < mxfp4[0] < 0.55 and mxfp4[1] > 0.35
 
 
-def test_fp8_norms_hand_quantized_rows_to_the_projections(oracle_checkpoint):
+def test_fp8_norms_hand_quantized_rows_to_the_projections(oracle_checkpoint, device):
     """quantization="fp8": the input norm and the fused residual-add + post-attention norm quantize their output
     per token for qkv_proj and the dense MLP's gate_up (the same rows the Triton kernel produces); MoE layers
     keep bf16 (the router and the experts read it)."""
@@ -239,6 +241,8 @@ def test_fp8_norms_hand_quantized_rows_to_the_projections(oracle_checkpoint):
         assert isinstance(got, Fp8Activation) and got.data.dtype == fp8
         assert torch.equal(got.data.float(), want[0].float()) and torch.equal(got.scale, want[1])
     assert isinstance(seen["moe_in"], torch.Tensor) and seen["moe_in"].dtype == torch.bfloat16
-    # the kernel (interpreted here) hands over the same rows, up to the interpreter's bf16 rounding of h
-    y, s, _ = add_rms_norm(seen["attn"], dense.post_attention_layernorm.weight, eps, seen["x"], fp8)
+    # the kernel (interpreted on a CPU) hands over the same rows, up to the interpreter's bf16 rounding of h
+    y, s, _ = add_rms_norm(seen["attn"].to(device), dense.post_attention_layernorm.weight.to(device), eps,
+                           seen["x"].to(device), fp8)
+    y, s = y.cpu(), s.cpu()
     assert rel(y.float() * s[:, None], want_mlp[0].float() * want_mlp[1][:, None]) < 2e-2

@@ -16,7 +16,7 @@ PROMPTS = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(4)]
 
 async def _idle(engine: Engine) -> None:
     core = engine._core
-    while core.scheduler.num_running or core.scheduler.num_waiting or core._inflight is not None:
+    while core.scheduler.num_running or core.scheduler.num_waiting or core.executor.busy:
         await asyncio.sleep(0.01)
 
 

@@ -85,7 +85,7 @@ async def test_batched_with_unconstrained_requests_which_the_masks_leave_alone()
         sync = [c.token_ids for c in await run(e, kinds)]
     for overlap in (False, True):
         async with Engine(device="cpu", overlap_scheduling=overlap) as e:
-            assert e._core.overlap is overlap
+            assert e._core.config.overlap is overlap
             mixed, *others = await asyncio.gather(run(e, kinds), *[e.generate("She said", p) for p in plain])
             assert [c.token_ids for c in others] == alone
             assert [c.token_ids for c in mixed] == sync

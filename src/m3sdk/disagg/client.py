@@ -122,9 +122,9 @@ class PrefillClient:
         return loop.submit(self._submit(request_id, list(token_ids), params, list(pages), num_cached_pages,
                                         timeout_s))
 
-    def cancel(self, request_id: str, timeout: float = 10.0) -> None:
-        """Abort a job; when this returns, its pages are no longer written. Unknown ids are a no-op."""
-        loop.run(self._cancel(request_id), timeout)
+    def cancel_async(self, request_id: str) -> Future[None]:
+        """Abort a job; once the future is done, its pages are no longer written. Unknown ids are a no-op."""
+        return loop.submit(self._cancel(request_id))
 
     # -- the disagg loop ----------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ norms, ropes and writes the new tokens' heads, then selects blocks and attends.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -96,9 +96,11 @@ class DecoderLayer(nn.Module):
         self.mlp_input_fp8: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
-                backend: AttentionBackend) -> torch.Tensor:
+                backend: AttentionBackend, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         y, _ = residual_rms_norm(x, self.input_layernorm, fp8_dtype=self.attn_input_fp8)
         attn = self.self_attn(y, cos, sin, meta, kv, backend)
+        if layer_hook is not None:  # the layer's cache writes are queued: a prefill node sends its pages from here
+            layer_hook(self.self_attn.layer)
         # the residual add fused into the post-attention norm; the MLP's add stays here because the layer's output
         # is the residual stream (EAGLE3's aux states and the MTP layer read it)
         y, x = residual_rms_norm(attn, self.post_attention_layernorm, residual=x, fp8_dtype=self.mlp_input_fp8)
@@ -130,19 +132,20 @@ class MiniMaxM3ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
-                logits_indices: torch.Tensor | None = None, aux_layers: Sequence[int] = ()) -> tuple:
+                logits_indices: torch.Tensor | None = None, aux_layers: Sequence[int] = (),
+                layer_hook: Callable[[int], None] | None = None) -> tuple:
         """input_ids int64 [T] -> (final-normed hidden [T, hidden], float32 logits [N, vocab] at logits_indices).
 
         With `aux_layers` (EAGLE3 drafts read them), a third item: the hidden states entering those layers (id
         num_layers: the last layer's output, before the final norm), concatenated in the order given:
-        [T, len(aux_layers) * hidden]."""
+        [T, len(aux_layers) * hidden]. `layer_hook(i)` runs after layer i's attention (the engine's step observers)."""
         cos, sin = self.rotary(meta.positions)
         x = self.embed_tokens(input_ids)
         aux = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux[i] = x
-            x = layer(x, cos, sin, meta, kv, self.attn_backend)
+            x = layer(x, cos, sin, meta, kv, self.attn_backend, layer_hook)
         aux[len(self.layers)] = x
         hidden, _ = residual_rms_norm(x, self.norm)  # one Triton launch on a GPU (the plain norm is eight)
         logits = None if logits_indices is None else self.lm_head(hidden[logits_indices]).float()

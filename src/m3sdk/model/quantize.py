@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from m3sdk.config import QUANTIZATIONS
 from m3sdk.model.layers import DenseMLP, Fp8Activation, SparseMoE
 from m3sdk_kernels.arch import current_arch
 from m3sdk_kernels.experts import Experts, quantize_experts, serving_layout
@@ -32,7 +33,6 @@ from m3sdk_kernels.quant import fp8_gemm, fp8_linear, swiglu_quantize_fp8
 from m3sdk_kernels.reference import fp8_gemm_ref, fp8_linear_ref, fused_moe_ref, route_ref, swiglu_quantize_fp8_ref
 from m3sdk_kernels.router import route
 
-QUANTIZATIONS = ("none", "fp8", "mxfp4")
 _EXPERT_TENSORS = ("gate_up", "down", "gate_up_scale", "down_scale", "gate_up_row", "down_row")
 _ROW_ALIGN_BYTES = 16  # TMA: every stride of a described tensor is a multiple of 16 bytes
 
@@ -132,7 +132,7 @@ class QuantizedMoE(nn.Module):
 
     def serve_layout(self) -> None:
         """The stack rearranged once, after loading, into the layout the kernels serve fastest on its device
-        (`moe.serving_layout`: MXFP4 on an H200 becomes the planes layout; the values stay)."""
+        (`experts.serving_layout`: MXFP4 on an H200 becomes the planes layout; the values stay)."""
         experts = serving_layout(self.experts)
         for name in _EXPERT_TENSORS:
             setattr(self, name, getattr(experts, name))

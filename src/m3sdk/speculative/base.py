@@ -14,57 +14,17 @@ sees those positions again).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from m3sdk.registry import Registry
+from m3sdk.config import SpecConfig
+from m3sdk.speculative.registry import DRAFTERS
 
 if TYPE_CHECKING:
     from torch import nn
-
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """`Engine(speculative=...)`: a dict `{"method", "num_speculative_tokens", "model", ...}`, a string
-    `"ngram"`, `"eagle3"`, `"eagle3:/path/to/head"`, `"mtp"`, or None (off)."""
-
-    method: str
-    num_speculative_tokens: int = 3
-    model: str | None = None  # draft checkpoint (eagle3); None: the head bundled with the target, if any
-    prompt_lookup_max: int = 4  # ngram: longest suffix to match
-    prompt_lookup_min: int = 1  # ngram: shortest suffix to match
-
-    def __post_init__(self) -> None:
-        if self.method not in DRAFTERS:
-            raise ValueError(f"speculative method must be one of {DRAFTERS.names()}, got {self.method!r}")
-        k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
-            raise ValueError(f"num_speculative_tokens must be an int in [1, 16], got {k!r}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
-                             f"({self.prompt_lookup_max})")
-        if self.model is not None and self.method == "ngram":
-            raise ValueError("the ngram drafter takes no model")
-
-    @classmethod
-    def parse(cls, value: str | dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
-        if value is None or isinstance(value, SpecConfig):
-            return value
-        if isinstance(value, str):
-            method, _, path = value.partition(":")
-            return cls(method=method.strip(), model=path.strip() or None)
-        if isinstance(value, dict):
-            unknown = set(value) - {f for f in cls.__dataclass_fields__}
-            if unknown:
-                raise ValueError(f"unknown speculative option(s) {sorted(unknown)}")
-            if "method" not in value:
-                raise ValueError("speculative needs a 'method'")
-            return cls(**value)
-        raise ValueError(f"speculative must be a str, a dict or None, got {type(value).__name__}")
 
 
 @dataclass
@@ -133,6 +93,9 @@ class SpeculativeDecoder(Protocol):
     method: str
     num_speculative_tokens: int
     aux_layers: tuple[int, ...]  # target layers whose *input* hidden states `observe` needs (empty: none)
+    # whether it reads a greedy verify step launched behind it, before the host has (`read_unverified` and `settle`
+    # of spec/chain.py)
+    reads_unverified: bool
 
     def observe(self, items: Sequence[tuple[str, TargetStates]]) -> None:
         """Take the target states of newly committed positions, for the requests of one step."""
@@ -142,6 +105,10 @@ class SpeculativeDecoder(Protocol):
 
     def release(self, request_id: str) -> None:
         """Forget a request (finished, aborted, preempted)."""
+
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        """Record its fixed-shape steps as CUDA graphs (the engine calls it when it captures its own); a drafter
+        without any does nothing."""
 
 
 @dataclass
@@ -161,10 +128,6 @@ class TargetInfo:
     max_model_len: int = 0  # 0: the draft checkpoint's max_position_embeddings bounds a request's draft cache
 
 
-Builder = Callable[[SpecConfig, TargetInfo], SpeculativeDecoder]
-# the built-in drafters register themselves when their module is imported
-DRAFTERS: Registry[Builder] = Registry("speculative method", builtin={
-    m: f"m3sdk.speculative.{m}" for m in ("ngram", "eagle3", "mtp")})
 register = DRAFTERS.register
 
 

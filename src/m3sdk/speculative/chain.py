@@ -56,6 +56,7 @@ class Unverified:
 class ChainDrafter(ABC):
     method: str
     aux_layers: tuple[int, ...] = ()
+    reads_unverified = True
 
     def __init__(self, num_speculative_tokens: int):
         self.num_speculative_tokens = num_speculative_tokens
@@ -73,6 +74,9 @@ class ChainDrafter(ABC):
 
     def drop_context(self, ctx: DraftContext) -> None:  # noqa: B027 (optional hook: most contexts hold nothing)
         """Give back what the context holds."""
+
+    def capture_graphs(self, max_num_seqs: int) -> None:  # noqa: B027 (optional: a network with fixed-shape steps)
+        """Record its fixed-shape steps as CUDA graphs (none by default)."""
 
     def run(self, ctxs: list[DraftContext], counts: list[int], token_ids: torch.Tensor, hidden: torch.Tensor,
             positions: torch.Tensor, from_target: bool) -> torch.Tensor:

@@ -24,7 +24,7 @@ One engine step with speculation:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,7 +68,7 @@ class Speculation:
         self.k = drafter.num_speculative_tokens
         # launch the drafter's read of a greedy verify step behind its forward, the verdict counted on the device
         # (`_read_unverified`), rather than after the host has read the step
-        self.read_behind_verify = hasattr(drafter, "read_unverified")
+        self.read_behind_verify = drafter.reads_unverified
         # request id -> (request, its proposal, its real length): the drafts sit at token_ids[real:]
         self._drafts: dict[str, tuple[Request, Proposal, int]] = {}
         # metrics
@@ -104,7 +104,8 @@ class Speculation:
 
     # -- 3: one forward (launched), then sample / verify, observe --
 
-    def launch(self, plan: StepPlan, runner: ModelRunner) -> Launched:
+    def launch(self, plan: StepPlan, runner: ModelRunner, layer_hook: Callable[[int], None] | None = None
+               ) -> Launched:
         """Queue the step's forward on the device (logits at every scheduled position of a speculating entry; drafts
         still on the device are read there); `finish` reads its results."""
         num_logits, spec, pending = [], [], []
@@ -115,7 +116,8 @@ class Speculation:
             if is_spec and self._drafts[request.request_id][1].pending is not None:
                 pending.append(request)
         carry = self._carry(pending)
-        logits, hidden, aux = runner.forward(plan, num_logits, self.drafter.aux_layers, carry=carry)
+        logits, hidden, aux = runner.forward(plan, num_logits, self.drafter.aux_layers, carry=carry,
+                                             layer_hook=layer_hook)
         step = Launched(plan, num_logits, spec, logits, hidden, aux, carry)
         if self.read_behind_verify and carry is not None and len(pending) == len(plan.scheduled) and _greedy(pending):
             self._read_unverified(step)

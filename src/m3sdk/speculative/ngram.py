@@ -31,6 +31,7 @@ def lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
 class NgramDrafter:
     method = "ngram"
     aux_layers: tuple[int, ...] = ()
+    reads_unverified = False
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
         self.num_speculative_tokens = num_speculative_tokens
@@ -50,6 +51,9 @@ class NgramDrafter:
 
     def release(self, request_id: str) -> None:
         pass
+
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        pass  # no device steps of its own
 
 
 @register("ngram")
