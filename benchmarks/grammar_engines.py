@@ -1,6 +1,7 @@
 """xgrammar against llguidance on a checkpoint's tokenizer: what each compiles (coverage) and what a step's token
 mask costs on the host (the part of structured outputs that sits on the engine's critical path).
 
+    pip install llguidance   # (xgrammar is the `structured` extra)
     PYTHONPATH=src python benchmarks/grammar_engines.py [--model DIR] [--steps 200]
 
 For each constraint: compile time (first compile, no cache), then a seeded random walk of up to --steps tokens

@@ -137,7 +137,7 @@ class Engine:
         """This engine's Prometheus registry (serve it with prometheus_client's start_http_server)."""
         return self._running_metrics().registry
 
-    def metrics_text(self) -> bytes:
+    def metrics_text(self) -> str:
         """This engine's metrics in the Prometheus exposition format."""
         return self._running_metrics().text()
 
@@ -145,9 +145,11 @@ class Engine:
         """Model, kernel backend and cache budget, as `m3sdk info` prints them."""
         return self._running_core().describe()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """running, waiting, pages_total, pages_free, pages_cached, prefix_cache_queries/hits (tokens),
-        preemptions, steps, prompt/generation tokens, requests finished/aborted."""
+        preemptions, steps, prompt/generation tokens, requests finished/aborted; with prefill_nodes also
+        remote_prefills, remote_prefill_fallbacks, remote_prefill_failures, remote_prefill_bytes and
+        remote_prefill_seconds."""
         return self._running_core().stats()
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, /, *,

@@ -25,11 +25,12 @@ def test_bench_drives_an_openai_endpoint(server, tmp_path):
         assert r["mean_ttft_ms"] < r["mean_e2el_ms"]
 
 
-def test_bench_reports_a_refused_endpoint_as_failures(server, tmp_path):
+def test_a_refused_endpoint_fails_the_bench_with_the_reason(server, tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["bench", "--base-url", server.base + "/v1", "--api-key", "wrong", "--served-model", "m3-tiny",
             "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--num-warmups", "0", "--json", str(out),
             "--save-detailed"]
-    assert main(argv) == 0
+    assert main(argv) == 1
+    assert "HTTP 401" in capsys.readouterr().err
     run = json.loads(out.read_text())
     assert run["completed"] == 0 and run["failed"] == 2 and all("HTTP 401" in e for e in run["errors"])

@@ -299,4 +299,5 @@ class EngineCore:
             # steps replayed from CUDA graphs (0: every step ran eagerly, e.g. no GPU or graphs off)
             "graph_steps": self.runner.graphs.replays if self.runner.graphs is not None else 0,
             **self.executor.stats(),
+            **(self._admission.stats() if self._admission is not None else {}),
         }
