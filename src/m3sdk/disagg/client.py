@@ -62,6 +62,7 @@ class _Node:
     healthy: bool = False
     error: str = "not contacted yet"
     remote_running: int = 0
+    max_prompt_tokens: int = 0  # from its handshake: a longer prompt goes elsewhere (or falls back) at once
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set when it stops answering; then replaced
     jobs: set[asyncio.Task] = field(default_factory=set)
 
@@ -153,6 +154,7 @@ class PrefillClient:
         if reply.protocol_version != PROTOCOL_VERSION or diff:
             raise PrefillNodeError(f"prefill node {node.target} is incompatible (decode != node): "
                                    + "; ".join(diff or [f"protocol {PROTOCOL_VERSION} != {reply.protocol_version}"]))
+        node.max_prompt_tokens = reply.max_prompt_tokens
         node.healthy, node.error = True, ""
 
     async def _heartbeat(self, node: _Node) -> None:
@@ -183,16 +185,20 @@ class PrefillClient:
         node.down.set()  # fails its jobs at once
         node.down = asyncio.Event()
 
-    def _pick(self) -> _Node:
+    def _pick(self, num_tokens: int) -> _Node:
         healthy = [n for n in self._nodes if n.healthy]
         if not healthy:
             raise PrefillNodeError("no healthy prefill node: " + "; ".join(
                 f"{n.target}: {n.error}" for n in self._nodes))
-        return min(healthy, key=lambda n: (len(n.jobs) + n.remote_running, len(n.jobs)))
+        fits = [n for n in healthy if num_tokens <= n.max_prompt_tokens]
+        if not fits:
+            raise PrefillNodeError(f"no prefill node takes a {num_tokens}-token prompt: " + "; ".join(
+                f"{n.target}: max_prompt_tokens {n.max_prompt_tokens}" for n in healthy))
+        return min(fits, key=lambda n: (len(n.jobs) + n.remote_running, len(n.jobs)))
 
     async def _submit(self, request_id: str, token_ids: list[int], params: SamplingParams, pages: list[int],
                       num_cached_pages: int, timeout_s: float) -> RemotePrefillResult:
-        node = self._pick()
+        node = self._pick(len(token_ids))
         task = asyncio.current_task()
         self._jobs[request_id] = task
         node.jobs.add(task)
