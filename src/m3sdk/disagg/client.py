@@ -42,6 +42,9 @@ log = get_logger("m3sdk.disagg.client")
 _transfer_ids = itertools.count(random.randrange(1, 1 << 32))
 
 
+SLOW_BEATS = 3  # heartbeats in a row that time out before a node is taken for down
+
+
 def _next_transfer_id() -> int:
     return next(_transfer_ids) % MAX_TRANSFER_ID + 1
 
@@ -63,6 +66,7 @@ class _Node:
     error: str = "not contacted yet"
     remote_running: int = 0
     max_prompt_tokens: int = 0  # from its handshake: a longer prompt goes elsewhere (or falls back) at once
+    slow_beats: int = 0  # heartbeats in a row that timed out
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set when it stops answering; then replaced
     jobs: set[asyncio.Task] = field(default_factory=set)
 
@@ -169,12 +173,16 @@ class PrefillClient:
                 await self._handshake(node)
                 return
             reply = await node.stub.Health(pb.HealthRequest(), timeout=self.heartbeat_s, metadata=self._metadata)
-            node.remote_running = reply.running
+            node.remote_running, node.slow_beats = reply.running, 0
             if not reply.serving:  # draining: no new work, but what it runs still finishes (server.drain)
                 log.warning("prefill node draining", node=node.target)
                 node.healthy, node.error = False, "draining"
         except grpc.aio.AioRpcError as e:
-            self._mark_down(node, f"heartbeat failed: {e.code().name}")
+            # a node that is gone refuses the connection (UNAVAILABLE) at once; one that answers late is busy (a
+            # loaded host) and is given SLOW_BEATS beats before its jobs fail
+            node.slow_beats += 1
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or node.slow_beats >= SLOW_BEATS:
+                self._mark_down(node, f"heartbeat failed: {e.code().name}")
         except PrefillNodeError as e:  # it came back incompatible (another model): keep it out
             node.error = str(e)
 
