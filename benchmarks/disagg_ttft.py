@@ -117,9 +117,9 @@ class Phases:
     @classmethod
     def install_decode(cls) -> None:
         from m3sdk.core import EngineCore
-        from m3sdk.disagg import client, remote, transport
+        from m3sdk.disagg import client, remote, ucx_receive, ucx_transport
 
-        cls._wrap(remote.RemotePrefill, "start", after="d.start")
+        cls._wrap(remote.RemotePrefill, "admit", after="d.start")
         cls._wrap(client.PrefillClient, "_job", before="d.job")
         call = grpc.aio._channel.UnaryUnaryMultiCallable.__call__
 
@@ -129,7 +129,7 @@ class Phases:
             return call(self, *args, **kwargs)
 
         grpc.aio._channel.UnaryUnaryMultiCallable.__call__ = traced_call
-        cls._wrap(transport.UcxReceive, "_post", after="d.post")
+        cls._wrap(ucx_receive.UcxReceive, "_post", after="d.post")
         long_runs = client.long_runs
 
         def traced_long_runs(pages):  # whether the transfer is a plan of pieces (in place) or staged
@@ -138,23 +138,23 @@ class Phases:
             return runs
 
         client.long_runs = traced_long_runs
-        cls._wrap(transport.UcxTransport, "receive", after="d.receive")
-        cls._wrap(transport.UcxReceive, "wait", after="d.received")
+        cls._wrap(ucx_transport.UcxTransport, "receive", after="d.receive")
+        cls._wrap(ucx_receive.UcxReceive, "wait", after="d.received")
         cls._wrap(client, "check_reply", before="d.reply")
-        poll = remote.RemotePrefill.poll
+        handovers = remote.RemotePrefill.handovers
 
-        def traced_poll(self):
-            out = poll(self)
+        def traced_handovers(self):
+            out = handovers(self)
             if out:
                 cls.note("d.poll")
             return out
 
-        remote.RemotePrefill.poll = traced_poll
+        remote.RemotePrefill.handovers = traced_handovers
         cls._wrap(EngineCore, "step", after="d.step")
 
     @classmethod
     def install_node(cls) -> None:
-        from m3sdk.disagg import backend, server, transport
+        from m3sdk.disagg import backend, server, ucp, ucx_api, ucx_transport
 
         cls._wrap(server.PrefillServicer, "Prefill", before="n.rpc", after="n.reply")
         cls._wrap(server, "check_prefill", after="n.checked")
@@ -171,9 +171,9 @@ class Phases:
             emit(self, chunks)
 
         backend.EngineBackend._emit = traced_emit
-        cls._wrap(transport.UcxTransport, "push", after="n.pushed")
-        cls._wrap(transport.ucp, "send", before="n.send0")  # a plan of pieces' message
-        cls._wrap(transport, "_start_send", before="n.send0")  # a staged message
+        cls._wrap(ucx_transport.UcxTransport, "push", after="n.pushed")
+        cls._wrap(ucp, "send", before="n.send0")  # a plan of pieces' message
+        cls._wrap(ucx_api, "start_send", before="n.send0")  # a staged message
 
     @staticmethod
     def serve(conn) -> None:
@@ -267,7 +267,7 @@ async def run(args, address: str, node: mp.Process, conn) -> list[dict]:
     async with Engine(**engine_settings(args), prefill_nodes=(address,), remote_prefill_min_tokens=1024,
                       prefill_timeout=args.prefill_timeout, prefill_fallback="error") as engine:
         core = engine._core
-        remote = core.remote
+        remote = engine._admission
         while not remote.client.has_healthy_node:  # the node may still be loading: the heartbeat retries it
             if not node.is_alive():
                 raise SystemExit(f"the prefill node died while starting (exit code {node.exitcode})")

@@ -34,9 +34,10 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from m3sdk_kernels import arch
 from m3sdk_kernels.arch import current_arch
-from m3sdk_kernels.indexer import block_topk, indexer_block_scores, indexer_topk, indexer_topk_ref
+from m3sdk_kernels.indexer import block_topk, indexer_block_scores, indexer_topk
 from m3sdk_kernels.layout import PAGE_SIZE, cache_shape, shuffle_width
-from m3sdk_kernels.paged_attention import paged_attention, paged_attention_ref
+from m3sdk_kernels.paged_attention import paged_attention
+from m3sdk_kernels.reference import indexer_topk_ref, paged_attention_ref
 
 HQ, HKV, D, DI, HIDX, BS, TOPK = 64, 4, 128, 128, 4, 128, 16
 DEV = "cuda"

@@ -35,18 +35,10 @@ import torch
 from gpu_timing import bench, read_bandwidth
 
 from m3sdk_kernels.arch import TILES, current_arch
+from m3sdk_kernels.formats import quantize_fp8_weight
 from m3sdk_kernels.norm import add_rms_norm
-from m3sdk_kernels.quant import (
-    decode_variant,
-    fp8_gemm,
-    fp8_gemm_ref,
-    fp8_linear,
-    fp8_linear_ref,
-    quantize_fp8_per_token,
-    quantize_fp8_weight,
-    swiglu_quantize_fp8,
-    swiglu_quantize_fp8_ref,
-)
+from m3sdk_kernels.quant import decode_variant, fp8_gemm, fp8_linear, quantize_fp8_per_token, swiglu_quantize_fp8
+from m3sdk_kernels.reference import fp8_gemm_ref, fp8_linear_ref, swiglu_quantize_fp8_ref
 
 DEV = "cuda"
 SHAPES = {"qkv_index 6144->9856": (6144, 9856), "o_proj 8192->6144": (8192, 6144),

@@ -24,16 +24,10 @@ import torch
 from gpu_timing import bench, read_bandwidth
 
 from m3sdk_kernels.arch import TILES, current_arch
-from m3sdk_kernels.moe import (
-    Experts,
-    fused_moe,
-    fused_moe_ref,
-    h_row,
-    mx_fp8,
-    mx_to_fp8,
-    quantize_experts,
-    to_planes,
-)
+from m3sdk_kernels.experts import Experts, quantize_experts, to_planes
+from m3sdk_kernels.moe import fused_moe, h_row, mx_fp8
+from m3sdk_kernels.mx_convert import mx_to_fp8
+from m3sdk_kernels.reference import fused_moe_ref
 
 DEV = "cuda"
 E, H, I, TOP_K, SCALE = 128, 6144, 3072, 4, 2.0

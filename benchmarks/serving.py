@@ -285,10 +285,20 @@ def step_decode(args) -> None:
             tp.shutdown()
 
 
+def _set_overlap(core, overlap: bool) -> None:
+    """Switch an idle engine's executor between overlapped and plain steps (benchmark instrumentation: an engine
+    picks its executor once, at build)."""
+    from m3sdk.core.executor import Executor, OverlappedExecutor
+
+    kind = OverlappedExecutor if overlap else Executor
+    ex = core.executor
+    core.executor = kind(ex.runner, ex.scheduler, ex.sampler)
+
+
 async def _idle(engine) -> None:
     """Wait until the engine thread has no request and no step in flight (knobs are switched only then)."""
     core = engine._core
-    while core.scheduler.num_running or core.scheduler.num_waiting or core._inflight is not None:
+    while core.scheduler.num_running or core.scheduler.num_waiting or core.executor.busy:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.05)
 
@@ -321,9 +331,9 @@ class StepPhases:
         self._wrap(core, "step", self._step)
         self._wrap(core.scheduler, "schedule", self._schedule)
         self._wrap(core.runner, "run", self._phase("launch"))
-        self._wrap(core.sampler, "sample", self._phase("sample"))
-        self._wrap(core.sampler, "launch", self._launch)
-        self._wrap(core, "_resolve", self._phase("accept"))
+        self._wrap(core.executor.sampler, "sample", self._phase("sample"))
+        self._wrap(core.executor.sampler, "launch", self._launch)
+        self._wrap(core.output, "process", self._phase("accept"))
         self._wrap(core.scheduler, "update", self._phase("update"))
 
     def _wrap(self, obj, name: str, make) -> None:
@@ -436,7 +446,7 @@ async def _engine_runs(args, tp: int) -> None:
             t0 = time.perf_counter()
             await e.generate(first, greedy, max_tokens=1)
             first_ms.append((time.perf_counter() - t0) * 1e3)
-        record(step="engine_first", tp=tp, overlap=core.overlap, first_request_ms=first_ms[0],
+        record(step="engine_first", tp=tp, overlap=core.config.overlap, first_request_ms=first_ms[0],
                repeat_prefix_hit_ms=first_ms[1])
         # correctness first: 4 equal requests finish in the same step. A priming run fills the prefix cache, so
         # every compared run prefills the same 16-token tails from the same cached pages (compared against a first,
@@ -448,7 +458,7 @@ async def _engine_runs(args, tp: int) -> None:
         runs = []
         for overlap in (False, False, False, True):  # priming (whole prefills), reference, off again, overlap
             await _idle(e)
-            core.overlap = overlap
+            _set_overlap(core, overlap)
             done = await asyncio.gather(*[e.generate(p, traced, max_tokens=min(args.output_len, 128))
                                           for p in check])
             runs.append([c.token_ids for c in done])
@@ -472,7 +482,8 @@ async def _engine_runs(args, tp: int) -> None:
                 if g is None and graphs is not None and concurrency != max(args.concurrency):
                     continue  # eager only at the TP comparison point
                 await _idle(e)
-                core.overlap, core.runner.graphs = overlap, g
+                _set_overlap(core, overlap)
+                core.runner.graphs = g
                 # each mode warms up on its own, and every run draws fresh prompts: no run measures a prefix-cache
                 # hit of an earlier one (which prefills 16 tokens instead of the prompt, a shape a warm-up of whole
                 # prompts never compiled: the first H200 run measured those compiles as overlap's TTFT)

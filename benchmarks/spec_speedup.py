@@ -26,7 +26,7 @@ import time
 import torch
 from spec import held_out_prompts
 
-import m3sdk.spec.decoding as spec_decoding
+import m3sdk.speculative.decoding as spec_decoding
 from m3sdk import Engine
 
 
@@ -39,8 +39,8 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
     graphs = None if speculative is None or SPEC_GRAPHS else False  # None: the engine's default (on for CUDA)
     async with Engine(device=device, dtype=dtype, max_num_seqs=concurrency, speculative=speculative,
                       cuda_graphs=graphs, overlap_scheduling=overlap) as engine:
-        if late and engine._core.spec is not None:
-            engine._core.spec.read_behind_verify = False
+        if late and hasattr(engine._core.executor, "spec"):
+            engine._core.executor.spec.read_behind_verify = False
         gate = asyncio.Semaphore(concurrency)
 
         async def one(prompt: list[int], tokens: int = max_tokens) -> list[int]:
@@ -127,7 +127,8 @@ def step_times(engine: Engine):
     core, times = engine._core, []
     saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr in ((core, "step"), (core.scheduler, "schedule"))]
     step, schedule, longest = core.step, core.scheduler.schedule, [0]  # (host_phases may have wrapped them)
-    verify = 1 + (core.spec.k if core.spec is not None else 0)
+    spec = getattr(core.executor, "spec", None)
+    verify = 1 + (spec.k if spec is not None else 0)
 
     def scheduled():
         plan = schedule()
@@ -161,14 +162,16 @@ def host_phases(engine: Engine, on: bool):
         return
     core = engine._core
     targets = [(core, "step"), (core.scheduler, "schedule"), (core.scheduler, "update"), (core.runner, "forward"),
-               (core.sampler, "sample"), (core.sampler, "launch"), (core, "_resolve"), (core, "_accept")]
+               (core.executor.sampler, "sample"), (core.executor.sampler, "launch"), (core.output, "process"),
+               (core.output, "flush")]
     if core.runner.graphs is not None:  # the graph step's host upload, and its replay (the launch alone)
         targets += [(core.runner.graphs, "stage"), (core.runner.graphs, "replay")]
-    if core.spec is not None:
-        targets += [(core.spec.drafter, "propose"), (core.spec.drafter, "observe"), (spec_decoding, "verify"),
-                    (core.spec, "launch"), (core.spec, "finish")]
-        if hasattr(core.spec.drafter, "read_ahead"):
-            targets += [(core.spec.drafter, "read_ahead"), (core.spec.drafter, "read_unverified")]
+    spec = getattr(core.executor, "spec", None)
+    if spec is not None:
+        targets += [(spec.drafter, "propose"), (spec.drafter, "observe"), (spec_decoding, "verify"),
+                    (spec, "launch"), (spec, "finish")]
+        if hasattr(spec.drafter, "read_ahead"):
+            targets += [(spec.drafter, "read_ahead"), (spec.drafter, "read_unverified")]
 
     def timed(name: str, fn):
         def call(*args, **kwargs):
@@ -181,7 +184,7 @@ def host_phases(engine: Engine, on: bool):
 
     saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr in targets]
     for obj, attr in targets:
-        name = f"spec_{attr}" if obj is core.spec else attr.lstrip("_")
+        name = f"spec_{attr}" if obj is spec else attr.lstrip("_")
         setattr(obj, attr, timed(name, getattr(obj, attr)))
     try:
         yield totals

@@ -63,8 +63,9 @@ from pathlib import Path
 import torch
 
 from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
-from m3sdk.disagg import loop, ucp, wire
-from m3sdk.disagg.transport import UcxTransport, _api, _send, _start_send, _worker
+from m3sdk.disagg import loop, ucp, ucx_api, wire
+from m3sdk.disagg.ucx_api import api, send, start_send, worker
+from m3sdk.disagg.ucx_transport import UcxTransport
 
 TRANSFER_ID = 4242
 
@@ -131,7 +132,7 @@ class Trace:
     @classmethod
     def install(cls) -> None:
 
-        from m3sdk.disagg import transport as tr
+        from m3sdk.disagg import outbox as ob
 
         mask = (1 << wire.MESSAGE_INDEX_BITS) - 1
 
@@ -139,9 +140,9 @@ class Trace:
             if cls.events is not None:
                 cls.events.append((event, index, time.perf_counter()))
 
-        pack, check, place, send, recv = wire.pack, wire.check, wire.place, tr._start_send, tr._start_recv
-        get, ucp_send, ucp_recv, outbox_pack, deliver = (tr.Outbox.get, tr.ucp.send, tr.ucp.recv, tr.Outbox.pack,
-                                                         tr.Outbox._deliver)
+        pack, check, place, send, recv = wire.pack, wire.check, wire.place, ucx_api.start_send, ucx_api.start_recv
+        get, ucp_send, ucp_recv, outbox_pack, deliver = (ob.Outbox.get, ucp.send, ucp.recv, ob.Outbox.pack,
+                                                         ob.Outbox._deliver)
 
         def on_done(fut, event: str, index: int) -> None:  # from any thread: the callback is added on its loop
             fut.get_loop().call_soon_threadsafe(fut.add_done_callback, lambda _: note(event, index))
@@ -204,9 +205,9 @@ class Trace:
             done.add_done_callback(lambda _: note("recv1", tag & mask))
             return done
 
-        wire.pack, wire.check, wire.place, tr._start_send, tr._start_recv, tr.Outbox.get, tr.Outbox.pack = (
+        wire.pack, wire.check, wire.place, ucx_api.start_send, ucx_api.start_recv, ob.Outbox.get, ob.Outbox.pack = (
             traced_pack, traced_check, traced_place, traced_send, traced_recv, traced_get, traced_outbox_pack)
-        tr.ucp.send, tr.ucp.recv, tr.Outbox._deliver = traced_ucp_send, traced_ucp_recv, traced_deliver
+        ucp.send, ucp.recv, ob.Outbox._deliver = traced_ucp_send, traced_ucp_recv, traced_deliver
 
 
 def plan_pieces(what: str) -> bool:
@@ -231,7 +232,7 @@ def plan_for(pool: KVPool, message_bytes: int, transfer_id: int, dst: torch.Tens
 
 def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, step_timeout: float,
             trace: bool, kinds: list[str]) -> None:
-    import ucxx
+    ucxx = ucx_api.load_ucxx()
 
     torch.set_num_threads(1)
     if trace:
@@ -314,7 +315,7 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
                 key = (eh, port)
                 if key not in raw_eps:
                     raw_eps[key] = (await ucxx.create_endpoint("127.0.0.1", port) if eh
-                                    else _api().UCXEndpoint.create(_worker(), "127.0.0.1", port, False))
+                                    else api().UCXEndpoint.create(worker(), "127.0.0.1", port, False))
                 ep = raw_eps[key]
                 if what == "raw-put":
                     if port not in rkeys:  # on an endpoint that raw connected before (its lanes known)
@@ -328,17 +329,17 @@ def _sender(conn, total_bytes: int, sizes: list[int], window: int, device: str, 
                     sends = []
                     for i, msg_parts in enumerate(parts):
                         written = ucp.put(ep.handle, ep.worker_handle, msg_parts)
-                        written.add_done_callback(lambda _, i=i: sends.append(_start_send(ep, frame, plan.tag(i))))
+                        written.add_done_callback(lambda _, i=i: sends.append(start_send(ep, frame, plan.tag(i))))
                         sends.append(written)
                     while sends:
                         await sends.pop(0)
                     return start
                 bufs = pool_runs(rows) if what == "raw-runs" else raw_bufs[plan.messages[0].nbytes]
                 if what == "raw-w4":  # at most 4 sends in flight, as the transport's window
-                    await _windowed([lambda i=i, b=b: _send(ep, b, plan.tag(i)) for i, b in enumerate(bufs)], 4)
+                    await _windowed([lambda i=i, b=b: send(ep, b, plan.tag(i)) for i, b in enumerate(bufs)], 4)
                 else:
                     await asyncio.gather(*(ep.send(b, tag=plan.tag(i), force_tag=True) if eh
-                                           else _send(ep, b, plan.tag(i)) for i, b in enumerate(bufs)))
+                                           else send(ep, b, plan.tag(i)) for i, b in enumerate(bufs)))
                 return start
             start = loop.run(raw(), step_timeout)
         conn.send((start, Trace.events))
@@ -387,7 +388,7 @@ async def _ended(wait) -> float:
 
 
 async def _recv_all(plan: wire.TransferPlan, bufs: list, window: int | None = None) -> None:
-    import ucxx
+    ucxx = ucx_api.load_ucxx()
 
     await _windowed([lambda i=i, b=b: ucxx.recv(b, plan.tag(i)) for i, b in enumerate(bufs)], window or len(bufs))
 
@@ -429,7 +430,7 @@ def _result(done, proc: mp.Process, what: str, timeout: float):
 def measure(total_bytes: int, sizes: list[int], repeats: int, window: int, device: str, gpus: tuple[str, str],
             kinds: list[str], step_timeout: float = 60.0,
             trace: bool = False) -> tuple[dict[tuple[str, int], list[float]], list[dict]]:
-    import ucxx
+    ucxx = ucx_api.load_ucxx()
 
     cuda = device == "cuda"
     ctx = mp.get_context("spawn")
@@ -593,7 +594,7 @@ def p2p(nbytes: int, dev: torch.device) -> float:
 
 
 async def _eh_listener():
-    import ucxx
+    ucxx = ucx_api.load_ucxx()
 
     eps = []
     listener = ucxx.create_listener(eps.append)
@@ -690,16 +691,16 @@ def probe(message_bytes: int) -> list[dict]:
     stop = threading.Event()
 
     async def churn() -> int:  # 256 MiB CUDA messages to itself, back to back, while the phase measures
-        import ucxx
+        ucxx = ucx_api.load_ucxx()
 
-        ep = _api().UCXEndpoint.create(_worker(), "127.0.0.1", transport.port, False)
+        ep = api().UCXEndpoint.create(worker(), "127.0.0.1", transport.port, False)
         a = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
         b = torch.empty_like(a)
         torch.cuda.synchronize()
         moved = 0
         while not stop.is_set():
             received = asyncio.ensure_future(ucxx.recv(b, 99))
-            await _send(ep, a, 99)
+            await send(ep, a, 99)
             await received
             moved += 1
         return moved

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM
 
-from m3sdk.spec.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+from m3sdk.speculative.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "data" / "austen.txt.xz"

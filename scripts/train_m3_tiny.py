@@ -49,7 +49,9 @@ ASSETS = ROOT / "src" / "m3sdk" / "assets" / "m3-tiny"
 # MiniMax's special-token spelling: begin of text, end of a turn/text (the eos), begin of a role header.
 BOS, EOS, ROLE = "]~!b[", "[e~[", "]~b]"
 # In the spirit of MiniMax's template: one bos, then `]~b]ROLE\n...[e~[\n` per turn, the assistant role named
-# "ai"; the generation prompt opens an ai turn.
+# "ai"; the generation prompt opens an ai turn. The training documents are rendered with it; the assets ship the
+# full template (system, tools, tool calls, reasoning, thinking modes), which renders these plain conversations
+# the same way.
 CHAT_TEMPLATE = (
     "{{- bos_token -}}\n"
     "{%- for message in messages -%}\n"
@@ -356,7 +358,7 @@ def save_assets(model: MiniMaxM3VLForCausalLM, tokenizer: Tokenizer, out: Path, 
         tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=EOS,
         model_max_length=model.config.max_position_embeddings,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = (ASSETS / "chat_template.jinja").read_text(encoding="utf-8")
     fast.save_pretrained(out)
     (out / "README.md").write_text(model_card(model, recipe, log))
 

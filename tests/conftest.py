@@ -13,12 +13,58 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from oracle import load_oracle, make_oracle_checkpoint, write_byte_tokenizer
 
+# The machine's markers (registered in pyproject.toml): a test marked with one the machine lacks is skipped.
+# `multi_gpu(n)` needs n devices (default 2); `nvidia` / `amd` need a GPU of that vendor (fp8e4nv vs fp8e4b8 cases);
+# `cpu_only` needs a machine without one (what a user without a GPU sees).
+_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+_VENDOR = None if not _GPUS else ("amd" if torch.version.hip else "nvidia")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        reason = _missing_hardware(item)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _missing_hardware(item: pytest.Item) -> str | None:
+    if item.get_closest_marker("gpu") and not _GPUS:
+        return "needs a GPU"
+    multi = item.get_closest_marker("multi_gpu")
+    if multi:
+        needed = multi.args[0] if multi.args else 2
+        if _GPUS < needed:
+            return f"needs {needed} GPUs, this machine has {_GPUS}"
+    if item.get_closest_marker("cpu_only") and _GPUS:
+        return "needs a machine without a GPU"
+    for vendor in ("nvidia", "amd"):
+        if item.get_closest_marker(vendor) and _VENDOR != vendor:
+            return f"needs an {vendor.upper()} GPU"
+    return None
+
 
 @pytest.fixture(scope="session")
 def device() -> torch.device:
-    """Where kernel tests put their tensors: the GPU when one is present (kernels run compiled), else the CPU
+    """Where tests put their tensors and engines: the GPU when one is present (kernels run compiled), else the CPU
     (kernels run in the Triton interpreter, switched on above). The one place that decides."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device("cuda" if _GPUS else "cpu")
+
+
+@pytest.fixture
+def ieee_fp32(monkeypatch):
+    """fp32 tl.dot is TF32 on a GPU by default (bf16-like rounding): full fp32 for comparisons against fp32 math."""
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+
+
+@pytest.fixture
+def few_prefill_splits(monkeypatch, device):
+    """Under the interpreter every program runs in Python: prefill splits that fill a GPU's SMs only multiply the
+    time (the kernel tests cover splits and the merge; decode steps still split). On a GPU the tables stay."""
+    if device.type == "cpu":
+        from m3sdk_kernels import arch
+
+        for family in ("attn_prefill", "sparse_prefill"):
+            monkeypatch.setitem(arch.TILES[family], "sm90", arch.TILES[family]["sm90"] | {"SPLIT_PROGRAMS": 1})
 
 
 @pytest.fixture(autouse=True)

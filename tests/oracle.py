@@ -180,9 +180,10 @@ class PagedSequences:
             ctxs.append(ctx)
             tables.append(pages)
             ids += tokens
-        meta = AttentionMetadata.build(counts, ctxs, tables)
-        _, logits = model(torch.tensor(ids), meta, self.kv, torch.arange(len(ids)))
-        return dict(zip(feeds, logits.split(counts), strict=True))
+        device = self.kv.spec.device
+        meta = AttentionMetadata.build(counts, ctxs, tables, device=device)
+        _, logits = model(torch.tensor(ids, device=device), meta, self.kv, torch.arange(len(ids), device=device))
+        return {seq: out.float().cpu() for seq, out in zip(feeds, logits.split(counts), strict=True)}
 
 
 # A real byte-level tokenizer whose 256 tokens are the oracle model's vocabulary, and a chat template: with it an

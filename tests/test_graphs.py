@@ -52,7 +52,7 @@ def _small_slice(tmp_path: Path, dtype: torch.dtype):
     return load_model(path, torch.device("cuda"), dtype, "triton")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
 def test_replay_matches_eager_and_padding_writes_nowhere(tmp_path):
     dev = torch.device("cuda")
     model = _small_slice(tmp_path, torch.bfloat16)
@@ -92,7 +92,7 @@ def test_replay_matches_eager_and_padding_writes_nowhere(tmp_path):
     assert 0 < changed <= 3 * len(before)  # at most the 3 new tokens' pages, in each tensor
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
 def test_verify_replay_matches_eager_with_aux(tmp_path, monkeypatch):
     """A verify step (1 + k tokens per sequence, logits at every token, aux states) replayed from its graph gives
     the eager forward's logits and aux states."""
@@ -132,7 +132,7 @@ def test_verify_replay_matches_eager_with_aux(tmp_path, monkeypatch):
     assert torch.equal(replay.argmax(-1), eager.argmax(-1))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
 def test_speculation_with_graphs_equals_plain_and_eager(monkeypatch):
     """m3-tiny + its EAGLE3 head, fp32, batch 1, greedy: with graphs (verify and draft chain) the output equals
     plain decoding's and the eager speculative run's, and the graph drafts are accepted as often as eager ones."""
@@ -160,7 +160,7 @@ def test_speculation_with_graphs_equals_plain_and_eager(monkeypatch):
     assert s_graphs["spec_mean_accepted_length"] > 1.5
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("speculative", [None, "eagle3"])
 def test_default_gpu_engine_replays_graphs(speculative):
     """What a GPU user gets (m3-tiny, bf16, triton backend, graphs and overlap by default): the graphs are captured
@@ -233,7 +233,7 @@ def test_engine_takes_the_graphs_for_every_decode_and_verify_step(monkeypatch, c
     import asyncio
 
     from m3sdk import Engine
-    from m3sdk.config import EngineConfig
+    from m3sdk.core import resolved
 
     prompts = [list(range(10 + 7 * i, 40 + 7 * i)) for i in range(2 * concurrency)]
 
@@ -246,11 +246,11 @@ def test_engine_takes_the_graphs_for_every_decode_and_verify_step(monkeypatch, c
                     return (await engine.generate(p, max_tokens=12, temperature=0, ignore_eos=True)).token_ids
 
             out = await asyncio.gather(*[one(p) for p in prompts])
-            return out, engine.stats(), engine._core.spec.drafter if kw.get("speculative") else None
+            return out, engine.stats(), engine._core.executor.spec.drafter if kw.get("speculative") else None
 
     plain, _, _ = asyncio.run(go())
     spec_eager, _, _ = asyncio.run(go(speculative="eagle3"))
-    monkeypatch.setattr(EngineConfig, "resolve_cuda_graphs", lambda self, device: True)
+    monkeypatch.setattr(resolved, "cuda_graphs_wanted", lambda config, device, backend: True)
     monkeypatch.setattr(DecodeGraphs, "supported", staticmethod(lambda model: True))
     for kw, eager in (({}, plain), ({"speculative": "eagle3"}, spec_eager)):
         out, stats, drafter = asyncio.run(go(**kw))

@@ -240,7 +240,7 @@ def test_bf16_logits_and_empty_prompt():
     assert 0 <= out[1].token_id < V
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_seeded_on_gpu_matches_across_batches():
     kw = dict(seed=7, top_k=50)
     x = _logits(3, vocab=200064, seed=2).cuda()

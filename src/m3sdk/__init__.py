@@ -4,10 +4,12 @@
         done = await engine.generate("The capital of France is", SamplingParams(max_tokens=32))
 """
 
+from typing import TYPE_CHECKING, Any
+
 from m3sdk.config import EngineConfig
-from m3sdk.engine import Engine
 from m3sdk.errors import (
     CheckpointError,
+    ConfigError,
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
@@ -17,10 +19,14 @@ from m3sdk.errors import (
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, Completion, Timings, Usage
 
+if TYPE_CHECKING:
+    from m3sdk.engine import Engine
+
 __all__ = [
     "CheckpointError",
     "Chunk",
     "Completion",
+    "ConfigError",
     "Engine",
     "EngineConfig",
     "EngineDeadError",
@@ -32,3 +38,12 @@ __all__ = [
     "Timings",
     "Usage",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # the engine (torch, the kernels) loads on first use: `from m3sdk import EngineConfig` stays light
+    if name == "Engine":
+        from m3sdk.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'm3sdk' has no attribute {name!r}")

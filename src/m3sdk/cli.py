@@ -102,7 +102,7 @@ def _serve_prefill_node(args: argparse.Namespace) -> None:
     from .node import run_prefill_node
 
     logging.getLogger("m3sdk").setLevel(logging.INFO)  # a daemon says where it serves and why it stops
-    run_prefill_node(args)
+    run_prefill_node(args, _engine_overrides(args))
 
 
 class _StderrHandler(logging.StreamHandler):

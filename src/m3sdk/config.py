@@ -1,7 +1,7 @@
 """EngineConfig: the engine-level knobs, validated on creation. Unknown fields are a TypeError.
 
-"auto" values are resolved against the machine when the engine starts (`resolve_*` below), so one config
-serves a CPU laptop and a GPU node alike.
+"auto" values are resolved against the machine once, when the engine is built (m3sdk/core/resolved.py), so one
+config serves a CPU laptop and a GPU node alike. A leaf: it imports nothing heavy (no torch, no kernels).
 """
 
 from __future__ import annotations
@@ -12,16 +12,53 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from m3sdk.model.quantize import QUANTIZATIONS
-from m3sdk.spec.base import SpecConfig
-from m3sdk_kernels.arch import current_arch
+from m3sdk.speculative.registry import DRAFTERS
 
 BUNDLED_MODELS = {"m3-tiny": Path(__file__).parent / "assets" / "m3-tiny"}
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+QUANTIZATIONS = ("none", "fp8", "mxfp4")  # m3sdk/model/quantize.py
+_DTYPES = ("float32", "bfloat16")
 _CACHE_DTYPES = ("auto", "bf16", "fp8", "fp32")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """`Engine(speculative=...)`: a dict `{"method", "num_speculative_tokens", "model", ...}`, a string
+    `"ngram"`, `"eagle3"`, `"eagle3:/path/to/head"`, `"mtp"`, or None (off)."""
+
+    method: str
+    num_speculative_tokens: int = 3
+    model: str | None = None  # draft checkpoint (eagle3); None: the head bundled with the target, if any
+    prompt_lookup_max: int = 4  # ngram: longest suffix to match
+    prompt_lookup_min: int = 1  # ngram: shortest suffix to match
+
+    def __post_init__(self) -> None:
+        if self.method not in DRAFTERS:
+            raise ValueError(f"speculative method must be one of {DRAFTERS.names()}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an int in [1, 16], got {k!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if self.model is not None and self.method == "ngram":
+            raise ValueError("the ngram drafter takes no model")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpecConfig | None) -> SpecConfig | None:
+        if value is None or isinstance(value, SpecConfig):
+            return value
+        if isinstance(value, str):
+            method, _, path = value.partition(":")
+            return cls(method=method.strip(), model=path.strip() or None)
+        if isinstance(value, dict):
+            unknown = set(value) - {f for f in cls.__dataclass_fields__}
+            if unknown:
+                raise ValueError(f"unknown speculative option(s) {sorted(unknown)}")
+            if "method" not in value:
+                raise ValueError("speculative needs a 'method'")
+            return cls(**value)
+        raise ValueError(f"speculative must be a str, a dict or None, got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -57,7 +94,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" (triton on a GPU, torch on a CPU) | "torch" | "triton"
     cache_manager: str = "paged"
     # Speculative decoding: None (off), "ngram" | "eagle3" | "eagle3:/path/to/head" | "mtp", or a dict
-    # {"method", "num_speculative_tokens", "model", ...}; normalized to a SpecConfig (m3sdk/spec/base.py).
+    # {"method", "num_speculative_tokens", "model", ...}; normalized to a SpecConfig (above).
     speculative: SpecConfig | str | dict | None = None
     # Tensor parallel over this many ranks (processes; one GPU each, or gloo on a CPU), docs/serving.md.
     # expert_parallel: whole experts per rank (needs num_experts % ranks == 0), else every expert's width is split
@@ -131,45 +168,6 @@ class EngineConfig:
 
     def model_path(self) -> Path:
         return BUNDLED_MODELS.get(self.model) or Path(self.model)
-
-    def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def resolve_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            # CPUs have slow, lossy bf16 matmuls; GPUs are built for it.
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
-
-    def resolve_attention_backend(self, device: torch.device) -> str:
-        if self.attention_backend == "auto":
-            return "triton" if device.type == "cuda" else "torch"
-        return self.attention_backend
-
-    def resolve_cuda_graphs(self, device: torch.device) -> bool:
-        if self.cuda_graphs is None:
-            return device.type == "cuda" and self.resolve_attention_backend(device) == "triton"
-        return self.cuda_graphs and device.type == "cuda"
-
-    def resolve_overlap(self, device: torch.device) -> bool:
-        if self.speculative is not None:  # a drafter proposes from the host's tokens of the step before
-            return False
-        return device.type == "cuda" if self.overlap_scheduling is None else self.overlap_scheduling
-
-    def resolve_kv_layout(self, device: torch.device) -> str:
-        """"auto": plain on the CPU and on Hopper (measured faster there), SHUFFLE on AMD Instinct."""
-        if self.kv_cache_layout == "auto":
-            return current_arch(device).kv_layout if device.type == "cuda" else "plain"
-        return self.kv_cache_layout
-
-    def resolve_cache_dtypes(self, model_dtype: torch.dtype) -> tuple[str, str]:
-        """(kv dtype, index-key dtype) as Contract 1 names them."""
-        kv = self.kv_cache_dtype if self.kv_cache_dtype != "auto" else (
-            "bf16" if model_dtype == torch.bfloat16 else "fp32")
-        index = kv if self.index_cache_dtype == "auto" else self.index_cache_dtype
-        return kv, index
 
 
 def _is_int(value: object) -> bool:

@@ -1,25 +1,28 @@
-"""Engine: the async face. The core runs in its own thread; the caller's event loop only validates and moves
-requests in, and deltas out.
+"""Engine: the async face, on anyio: the same Engine serves an asyncio or a trio program. The core runs in its
+own thread; the caller's event loop only validates and moves requests in, and deltas out.
 
-Requests go in through the core's thread-safe inbox. Deltas come back once per step through
-`loop.call_soon_threadsafe` into one asyncio queue per request. Leaving a stream early, cancelling the
-awaiting task, or `abort()` ends the request in the core and frees its pages. If the engine thread dies,
-every waiter gets EngineDeadError at once.
+Requests go in through the core's thread-safe inbox. Deltas come back once per step, scheduled onto the event loop
+from the engine thread without waiting for it (`_LoopHandle`), into one memory stream per request. Leaving a
+stream early, cancelling the awaiting task, or `abort()` ends the request in the core and frees its pages. If the
+engine thread dies, every waiter gets EngineDeadError at once.
 """
 
 from __future__ import annotations
 
-import asyncio
+import math
 import numbers
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
+import anyio
+import sniffio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from prometheus_client import CollectorRegistry
 
 from m3sdk.config import EngineConfig
-from m3sdk.core import EngineCore
+from m3sdk.core import EngineCore, build_core
 from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from m3sdk.metrics import EngineMetrics
 from m3sdk.params import SamplingParams, check_text, short_repr
@@ -30,6 +33,46 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 _DEAD = object()  # queued to every live request when the engine thread dies
 
 
+class _LoopHandle:
+    """The running event loop as another thread reaches it: `call_soon(fn)` runs fn there soon and returns at once
+    (asyncio's call_soon_threadsafe, trio's run_sync_soon; anyio's from_thread would wait for the loop). Raises
+    RuntimeError once the loop has ended."""
+
+    def __init__(self) -> None:
+        if sniffio.current_async_library() == "trio":
+            import trio
+
+            self.key: object = trio.lowlevel.current_trio_token()
+            self.call_soon: Callable[[Callable[[], None]], None] = self.key.run_sync_soon
+        else:
+            import asyncio
+
+            self.key = asyncio.get_running_loop()
+            self.call_soon = self.key.call_soon_threadsafe
+
+    def is_current(self) -> bool:
+        return _LoopHandle().key is self.key
+
+
+class _Channel:
+    """One request's deltas, from the loop's dispatch to its waiter."""
+
+    def __init__(self) -> None:
+        self.send: MemoryObjectSendStream[Chunk | object]
+        self.receive: MemoryObjectReceiveStream[Chunk | object]
+        self.send, self.receive = anyio.create_memory_object_stream(math.inf)
+
+    def put(self, item: Chunk | object) -> None:
+        self.send.send_nowait(item)
+
+    def empty(self) -> bool:
+        return self.receive.statistics().current_buffer_used == 0
+
+    def close(self) -> None:
+        self.send.close()
+        self.receive.close()
+
+
 class Engine:
     """`async with Engine(model=..., max_num_seqs=...) as engine: await engine.generate("...")`."""
 
@@ -38,13 +81,14 @@ class Engine:
         self.config = config.replace(**overrides) if overrides else config
         self._core: EngineCore | None = None
         self._metrics: EngineMetrics | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._channels: dict[str, asyncio.Queue[Chunk | object]] = {}
+        self._loop: _LoopHandle | None = None
+        self._channels: dict[str, _Channel] = {}
         # ids whose waiter left early, with how many aborts are in flight: their chunks are dropped until the
         # core's last one, so a new request reusing the id gets only its own
         self._orphans: dict[str, int] = {}
         self._dead: BaseException | None = None
         self._closed = False
+        self._admission: Any = None  # RemotePrefill (m3sdk/disagg/remote.py) when prefill_nodes is set
 
     async def __aenter__(self) -> Engine:
         await self.start()
@@ -57,12 +101,14 @@ class Engine:
         """Load the model (off the event loop) and start the engine thread."""
         if self._core is not None or self._closed:
             raise RuntimeError("an Engine starts once")
-        self._loop = asyncio.get_running_loop()
-        self._core = await asyncio.to_thread(EngineCore.build, self.config)
-        self._metrics = EngineMetrics(self._core.stats)
-        self._core.finish_hooks.append(self._metrics.on_finish)
-        # off the loop too: with prefill_nodes, start handshakes them (up to a connect timeout each)
-        await asyncio.to_thread(self._core.start, self._emit_threadsafe, self._dead_threadsafe)
+        self._loop = _LoopHandle()
+        self._core = core = await anyio.to_thread.run_sync(build_core, self.config)
+        self._metrics = EngineMetrics(core.stats)
+        if self.config.prefill_nodes:
+            # off the loop too: the client handshakes the nodes (up to a connect timeout each)
+            self._admission = await anyio.to_thread.run_sync(_remote_prefill, self.config, core)
+        core.start(self._emit_threadsafe, self._dead_threadsafe, finish_listeners=[self._metrics.on_finish],
+                   admission=self._admission)
 
     async def shutdown(self) -> None:
         """Abort what is live (its waiters get finish_reason "abort"), stop the thread, free everything."""
@@ -70,7 +116,8 @@ class Engine:
         if core is None:
             return
         core.stop()
-        await asyncio.to_thread(core.join)
+        with anyio.CancelScope(shield=True):  # a cancelled shutdown still leaves no engine thread behind
+            await anyio.to_thread.run_sync(core.join)
 
     @property
     def max_model_len(self) -> int:
@@ -170,7 +217,6 @@ class Engine:
             check_text("the prompt", prompt)
             ids = tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            _check_messages(prompt)
             text = tokenizer.apply_chat_template(prompt)
             check_text("the rendered chat", text)  # a template may add text of its own; the encoder needs it valid
             ids = tokenizer.encode(text, add_special_tokens=False)
@@ -195,9 +241,9 @@ class Engine:
             raise InvalidRequestError("the prompt is empty")
         return ids
 
-    def _admit(self, request: Request) -> asyncio.Queue[Chunk | object]:
+    def _admit(self, request: Request) -> _Channel:
         core = self._running_core()
-        if asyncio.get_running_loop() is not self._loop:
+        if not self._loop.is_current():
             raise RuntimeError("an Engine serves the event loop that started it")
         if request.request_id in self._channels:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already live")
@@ -205,7 +251,7 @@ class Engine:
             raise EngineOverloadedError(f"{len(self._channels)} requests are live (max_num_seqs "
                                         f"{self.config.max_num_seqs} + max_waiting_requests "
                                         f"{self.config.max_waiting_requests}); retry later")
-        channel: asyncio.Queue[Chunk | object] = asyncio.Queue()
+        channel = _Channel()
         self._channels[request.request_id] = channel
         core.submit(request)
         return channel
@@ -216,10 +262,10 @@ class Engine:
         done = False
         try:
             while not done:
-                item = await channel.get()
+                item = await channel.receive.receive()
                 # Under load several steps' deltas wait here: hand them over as one chunk.
                 while item is not _DEAD and item.finish_reason is None and not channel.empty():
-                    nxt = channel.get_nowait()
+                    nxt = channel.receive.receive_nowait()
                     item = _DEAD if nxt is _DEAD else item.then(nxt)
                 if item is _DEAD:
                     raise EngineDeadError(f"the engine thread died: {self._dead!r}") from self._dead
@@ -234,18 +280,19 @@ class Engine:
             if not done and self._dead is None and not self._closed and not _holds_last(channel):
                 self._orphans[rid] = self._orphans.get(rid, 0) + 1
                 self._core.abort(rid)
+            channel.close()
 
     # -- deltas out (called in the engine thread) -------------------------------------------------------
 
     def _emit_threadsafe(self, chunks: list[Chunk]) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._dispatch, chunks)
+            self._loop.call_soon(lambda: self._dispatch(chunks))
         except RuntimeError:  # the application's loop is closed: nobody is listening any more
             self._core.stop()
 
     def _dead_threadsafe(self, exc: BaseException) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._on_dead, exc)
+            self._loop.call_soon(lambda: self._on_dead(exc))
         except RuntimeError:
             pass  # the loop is closed: no waiter is left to tell
 
@@ -260,33 +307,24 @@ class Engine:
                 continue
             channel = self._channels.get(rid)
             if channel is not None:
-                channel.put_nowait(chunk)
+                channel.put(chunk)
 
     def _on_dead(self, exc: BaseException) -> None:
         self._dead = exc
         for channel in self._channels.values():
-            channel.put_nowait(_DEAD)
+            channel.put(_DEAD)
 
 
-def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
-    """Chat messages the way the templates read them: a str role, and content that is a str (or None, as an
-    assistant turn with tool calls has), all valid Unicode. Anything else is refused here rather than as a
-    TypeError from inside a template."""
-    for i, message in enumerate(messages):
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str):
-            raise InvalidRequestError(f"message {i}: role must be a str, got {short_repr(role)}")
-        check_text(f"message {i}'s role", role)
-        if content is not None and not isinstance(content, str):
-            raise InvalidRequestError(f"message {i}: content must be a str, got {type(content).__name__}")
-        if content is not None:
-            check_text(f"message {i}'s content", content)
+def _remote_prefill(config: EngineConfig, core: EngineCore) -> Any:
+    from m3sdk.disagg.remote import RemotePrefill  # the optional `ucx` extra
+
+    return RemotePrefill.from_config(config, core.cache, core.vocab_size, core.wake)
 
 
-def _holds_last(channel: asyncio.Queue[Chunk | object]) -> bool:
+def _holds_last(channel: _Channel) -> bool:
     """Whether the core's last chunk already reached this channel, which its waiter left (drains it)."""
     while not channel.empty():
-        item = channel.get_nowait()
+        item = channel.receive.receive_nowait()
         if item is not _DEAD and item.finish_reason is not None:
             return True
     return False

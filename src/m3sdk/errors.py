@@ -23,3 +23,8 @@ class PrefillNodeError(M3Error):
 
 class CheckpointError(M3Error, ValueError):
     """A checkpoint cannot be loaded: missing config, unknown architecture, missing or misshapen tensors."""
+
+
+class ConfigError(M3Error, ValueError):
+    """The engine's configuration cannot be served on this machine (no such device, no kernels for it, no FP8
+    there); raised before anything loads."""

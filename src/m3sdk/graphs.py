@@ -36,6 +36,7 @@ from m3sdk.attention.base import PAGE_SIZE, AttentionMetadata
 from m3sdk.attention.triton_backend import TritonAttentionBackend
 from m3sdk.cache.kv_pool import KVPool
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
+from m3sdk.staging import UploadRing
 
 MIN_CONTEXT_BUCKET = 4096
 
@@ -109,12 +110,9 @@ class DecodeGraphs:
         self.pad_positions = {q: torch.arange(q, **i64).repeat(n) for q in self.query_lens}
         self._pad_positions_host = {q: torch.arange(q).repeat(n).numpy() for q in self.query_lens}
         self.rows = torch.arange(nq, **i64)
-        # host staging for `stage`: a few pinned copies of the byte buffer, used in turn (an upload may still be
-        # queued behind the step in flight when the next step is staged), each with the event of its last upload
-        cuda = device.type == "cuda"
-        self._staging = [torch.zeros(self.inputs.shape, dtype=torch.uint8, pin_memory=cuda) for _ in range(3)]
-        self._uploaded = [torch.cuda.Event() if cuda else None for _ in self._staging]
-        self._turn = 0
+        # host staging for `stage`: three copies of the byte buffer, used in turn (an upload may still be queued
+        # behind the step in flight when the next step is staged)
+        self._staging = UploadRing(self.inputs.shape, torch.uint8, device, copies=3)
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         # every batch bucket of every query length at the smallest context bucket now (padding-only steps), so
         # serving never stalls on a capture (or a Triton compile) at common sizes; other context buckets are
@@ -170,9 +168,7 @@ class DecodeGraphs:
         Every padding row writes nowhere; a padded sequence's extra rows sit after its tokens, in positions."""
         bucket, context, q = key
         b, n, w = len(counts), self.buckets[-1], -(-context // PAGE_SIZE)
-        host, uploaded = self._staging[self._turn], self._uploaded[self._turn]
-        if uploaded is not None:
-            uploaded.synchronize()  # its last upload has run (three steps ago: in practice never a wait)
+        host = self._staging.take()
         h8 = host.numpy()
         h64, h32 = h8[:self._off32].view(np.int64), h8[self._off32:].view(np.int32)
         nq = self.input_ids.shape[0]
@@ -200,11 +196,7 @@ class DecodeGraphs:
         for i, pages in enumerate(tables):  # entries past a sequence's pages stay stale: never read
             table_h[i, :len(pages)] = pages
         extra_h[:len(extra)] = extra
-        used = self.used_inputs(key).shape[0]
-        self.inputs[:used].copy_(host[:used], non_blocking=True)
-        if uploaded is not None:
-            uploaded.record()
-        self._turn = (self._turn + 1) % len(self._staging)
+        self._staging.upload(self.inputs, self.used_inputs(key).shape[0])
         return self.scratch[:len(extra)]
 
     def replay(self, key: tuple[int, int, int]) -> tuple:

@@ -11,13 +11,14 @@ import signal
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from m3sdk.disagg import loop
 from m3sdk.disagg.messages import Limits
 from m3sdk.disagg.server import PrefillBackend, PrefillServicer, start_server, stop_server
-from m3sdk.disagg.transport import KVTransport, UcxTransport
+from m3sdk.disagg.transport import KVTransport, build_transport
 from m3sdk.errors import M3Error
 from m3sdk.observability import get_logger
 
@@ -30,7 +31,7 @@ class PrefillNode:
                  tls: tuple[bytes, bytes] | None = None, insecure: bool = False):
         self.backend = backend
         self.listen = listen
-        self.transport = transport or UcxTransport()
+        self.transport = transport or build_transport()
         self.token, self.tls, self.insecure = token, tls, insecure
         self.node_id = uuid.uuid4().hex[:12]
         self.servicer = PrefillServicer(backend, self.transport, limits or Limits(), self.node_id)
@@ -78,11 +79,11 @@ class PrefillNode:
         self.stop(grace)
 
 
-def run_prefill_node(args) -> None:
-    """`m3sdk prefill-node`: an engine core of its own behind the node service, until SIGTERM.
+def run_prefill_node(args: Any, engine_overrides: dict[str, Any]) -> None:
+    """`m3sdk prefill-node`: an engine core of its own (EngineConfig(**engine_overrides)) behind the node service,
+    until SIGTERM. `args`: listen, tls_cert, tls_key.
 
     The shared token comes from $M3SDK_PREFILL_TOKEN (not a flag: flags show in `ps`)."""
-    from m3sdk.cli import _engine_overrides
     from m3sdk.config import EngineConfig
     from m3sdk.disagg.backend import EngineBackend
 
@@ -93,7 +94,7 @@ def run_prefill_node(args) -> None:
                  max_deadline_s=args.max_deadline, max_message_bytes=args.max_message_bytes,
                  receiver_timeout_s=args.receiver_timeout)
     limits = Limits(**{name: value for name, value in flags.items() if value is not None})
-    backend = EngineBackend(EngineConfig(**_engine_overrides(args)))
+    backend = EngineBackend(EngineConfig(**engine_overrides))
     try:
         node = PrefillNode(backend, args.listen, token=os.environ.get("M3SDK_PREFILL_TOKEN") or None, tls=tls,
                            limits=limits, insecure=args.insecure).start()

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 
-from m3sdk.attention.base import AttentionMetadata, to_device
+from m3sdk.attention.base import AttentionMetadata
+from m3sdk.cache.kv_pool import KVPool
 from m3sdk.cache.manager import CacheManager
 from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 from m3sdk.scheduler.base import StepPlan
+from m3sdk.staging import to_device
 
 # Stands in `Request.token_ids` for a token sampled by the step still running on the device (overlapped steps).
 PLACEHOLDER = -1
@@ -19,31 +21,44 @@ PLACEHOLDER = -1
 
 class Carry(NamedTuple):
     """Tokens still on the device that stand as PLACEHOLDERs at the end of a request's scheduled ids: the previous
-    overlapped step's sampled tokens (one per request), or a drafter's drafts (spec/decoding.py: several).
+    overlapped step's sampled tokens (one per request), or a drafter's drafts (speculative/decoding.py: several).
     `rows[id(request)]` is the row of the request's first such token; the others follow it."""
 
     tokens: torch.Tensor
     rows: dict[int, int]
 
 
+class StepMirror(Protocol):
+    """Told of every eager model call before the runner makes it (tensor parallel: the worker ranks make the same
+    call, parallel/group.py TensorParallel)."""
+
+    def mirror(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
+               logits_indices: torch.Tensor | None, aux_layers: Sequence[int]) -> None: ...
+
+
 class ModelRunner:
-    def __init__(self, model: MiniMaxM3ForCausalLM, cache: CacheManager, device: torch.device):
+    def __init__(self, model: MiniMaxM3ForCausalLM, cache: CacheManager, device: torch.device,
+                 graphs: DecodeGraphs | None = None, mirror: StepMirror | None = None):
         self.model = model
         self.cache = cache
         self.device = device
-        self.graphs: DecodeGraphs | None = None  # captured decode/verify steps (m3sdk/graphs.py): the core sets it
+        self.graphs = graphs  # captured decode/verify steps (m3sdk/graphs.py), or None: every step eager
+        self.mirror = mirror
 
-    def run(self, plan: StepPlan, carry: Carry | None = None) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, carry: Carry | None = None, layer_hook: Callable[[int], None] | None = None
+            ) -> torch.Tensor | None:
         """Write every scheduled token's K/V (and index keys) and return float32 logits [N, vocab], one row per
         request that samples, in plan order (None when none samples, e.g. all are mid-prefill chunks).
         `carry`: the overlapped step's tokens still on the device (see `Carry`)."""
-        return self.forward(plan, carry=carry)[0]
+        return self.forward(plan, carry=carry, layer_hook=layer_hook)[0]
 
     def forward(self, plan: StepPlan, num_logits: Sequence[int] | None = None, aux_layers: Sequence[int] = (),
-                carry: Carry | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+                carry: Carry | None = None, layer_hook: Callable[[int], None] | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """`run` with what speculative decoding needs: logits at the last `num_logits[i]` positions of entry i
         (default: 1 if it samples, else 0), and (hidden [T, H], aux [T, len(aux_layers) * H] or None) of every
-        scheduled token."""
+        scheduled token. `layer_hook(i)` runs after layer i's attention; such a step runs eagerly (a replayed graph
+        calls no Python)."""
         dst: list[int] = []
         src: list[int] = []
         ids: list[int] = []
@@ -64,7 +79,7 @@ class ModelRunner:
             m = int(samples) if num_logits is None else num_logits[i]
             logits_rows.extend(range(len(ids) - m, len(ids)))
         key = None
-        if self.graphs is not None and logits_rows:
+        if self.graphs is not None and logits_rows and layer_hook is None:
             key = self.graphs.key(len(counts), max(counts), max(context_lens), max(map(len, tables)), aux_layers)
         if key is not None:
             return self._replay(key, ids, counts, context_lens, tables, logits_rows, dst, src, carry)
@@ -75,7 +90,9 @@ class ModelRunner:
         if dst:
             input_ids[packed[len(ids):len(ids) + len(dst)]] = carry.tokens[packed[len(ids) + len(dst):]]
         indices = to_device(logits_rows, torch.int64, self.device) if logits_rows else None
-        hidden, logits, *aux = self.model(input_ids, meta, self.cache.kv, indices, aux_layers)
+        if self.mirror is not None:
+            self.mirror.mirror(input_ids, meta, self.cache.kv, indices, aux_layers)
+        hidden, logits, *aux = self.model(input_ids, meta, self.cache.kv, indices, aux_layers, layer_hook)
         return logits, hidden, aux[0] if aux else None
 
     def _replay(self, key: tuple[int, int, int], ids: list[int], counts: list[int], context_lens: list[int],

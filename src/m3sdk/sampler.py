@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from m3sdk.attention.base import to_device
 from m3sdk.params import SamplingParams
+from m3sdk.staging import HostCopy, to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -252,26 +252,7 @@ class Sampler:
 
         logprobs = x.gather(1, tokens.unsqueeze(1)).squeeze(1) - logz
         logprob_counts = [s.params.logprobs for s in states]
-        return PendingSample(tokens, _HostCopy(tokens, logprobs, top_vals, top_ids), want, logprob_counts)
-
-
-class _HostCopy:
-    """Device tensors copied to pinned host memory without blocking the host; `get()` waits for the copy only
-    (a plain `.tolist()` would wait for everything queued on the stream, e.g. the next step's forward)."""
-
-    def __init__(self, *tensors: torch.Tensor | None):
-        if tensors[0].device.type != "cuda":
-            self.tensors, self.event = tensors, None
-            return
-        self.tensors = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                             .copy_(t, non_blocking=True) for t in tensors)
-        self.event = torch.cuda.Event()
-        self.event.record()
-
-    def get(self) -> tuple[torch.Tensor | None, ...]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.tensors
+        return PendingSample(tokens, HostCopy(tokens, logprobs, top_vals, top_ids), want, logprob_counts)
 
 
 @dataclass
@@ -279,7 +260,7 @@ class PendingSample:
     """A launched sampling: `tokens` int64[N] on the device now, the SampledTokens once `resolve()` is called."""
 
     tokens: torch.Tensor
-    _host: _HostCopy
+    _host: HostCopy
     _want: list[int]
     _logprob_counts: list[int | None]
 

@@ -14,6 +14,7 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from m3sdk.chat.messages import validate_messages, validate_tools
 from m3sdk.errors import CheckpointError, InvalidRequestError
 from m3sdk.params import SamplingParams
 
@@ -117,18 +118,24 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            **variables: Any) -> str:
-        """Render chat messages ([{"role": ..., "content": ...}, ...]) with the checkpoint's template; extra
-        variables (tools=..., documents=...) reach the template as they are."""
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            chat_template_kwargs: Mapping[str, Any] | None = None, **variables: Any) -> str:
+        """Render chat messages ([{"role": ..., "content": ...}, ...]) with the checkpoint's template. The
+        messages are checked and normalized first (m3sdk.chat.validate_messages: text parts joined, tool-call
+        arguments as dicts); `tools` (OpenAI function tools), the `chat_template_kwargs` (e.g. MiniMax-M3's
+        `thinking_mode`) and any extra variables reach the template as they are."""
         if self._template is None:
             raise InvalidRequestError("this tokenizer has no chat template: pass a text prompt or token ids")
-        if (isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages
-                or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages)):
-            raise InvalidRequestError("messages must be a non-empty list of {'role': str, 'content': ...}")
+        messages = validate_messages(messages)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise InvalidRequestError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        kwargs = dict(chat_template_kwargs or {})
+        if reserved := {"messages", "add_generation_prompt", "tools"} & kwargs.keys():
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {sorted(reserved)}: pass them as arguments")
         try:
-            return self._template.render({**self.special_tokens, **variables}, messages=messages,
-                                         add_generation_prompt=add_generation_prompt)
+            return self._template.render({**self.special_tokens, **variables, **kwargs}, messages=messages,
+                                         tools=validate_tools(tools), add_generation_prompt=add_generation_prompt)
         # raise_exception(), or messages the template cannot walk (a TypeError: a None content it concatenates)
         except (jinja2.TemplateError, TypeError) as e:
             raise InvalidRequestError(f"chat template refused the messages: {str(e)[:200]}") from e

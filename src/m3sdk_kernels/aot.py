@@ -20,7 +20,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from m3sdk_kernels.arch import ARCHS, Arch
+import triton
+
+from m3sdk_kernels.arch import ARCHS, TRITON_LIMITS, Arch, triton_limit
 
 # Kernel modules contributing variants (append yours: a module with `aot_variants(arch)`).
 KERNEL_MODULES: list[str] = [
@@ -28,6 +30,8 @@ KERNEL_MODULES: list[str] = [
     "m3sdk_kernels.paged_attention",
     "m3sdk_kernels.indexer",
     "m3sdk_kernels.router",
+    "m3sdk_kernels.moe_align",
+    "m3sdk_kernels.mx_convert",
     "m3sdk_kernels.moe",
     "m3sdk_kernels.quant",
     "m3sdk_kernels.norm",
@@ -58,8 +62,6 @@ class AotVariant:
     maxnreg: int | None = None  # a register cap per thread (NVIDIA only: more programs resident per SM)
 
     def source(self):
-        import triton
-
         fn = self.kernel
         names = fn.arg_names
         missing = [n for n in names if n not in self.types and n not in self.constexprs]
@@ -130,8 +132,6 @@ def _report_cuda(asm: dict, arch: Arch) -> dict:
 
 def compile_variant(variant: AotVariant, arch: Arch) -> dict:
     """Compile one variant for `arch`; a dict with the report's keys (ok False and `error` on failure)."""
-    import triton
-
     row: dict[str, Any] = {"name": variant.name, "target": arch.name, "ok": False, "registers": None,
                            "spill_bytes": None, "shared_bytes": None, "matrix_instructions": None}
     try:
@@ -181,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['name']:48} {'yes' if r['ok'] else 'NO':3} {r['registers'] or 0:>5} "
                   f"{r['spill_bytes'] or 0:>6} {r['shared_bytes'] or 0:>7} {r['matrix_instructions'] or 0:>4}"
                   f"  {extra}")
+    for family in TRITON_LIMITS:
+        limit = triton_limit(family, ARCHS[args.target])
+        if limit is not None:
+            print(f"NOTE {family} on {args.target}: triton {triton.__version__} cannot build the table's entry "
+                  f"({limit[0]}); built and run with {limit[1]} instead", file=sys.stderr)
     bad = failed(rows)
     for r in bad:
         why = r.get("error") or f"{r['spill_bytes']} bytes spilled"

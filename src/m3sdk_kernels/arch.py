@@ -196,7 +196,7 @@ TILES.update({
     "rms_norm": {"sm90": {"num_warps": 8, "PDL": 1}, "gfx942": {"num_warps": 8}, "gfx950": {"num_warps": 8}},
     "router": {a: {"BLOCK_T": 16, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "moe_align": {a: {"CHUNK": 256, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
-    # MXFP4 -> fp8 experts once per prefill step (moe.mx_to_fp8, where a moe_* table sets MX_CONVERT)
+    # MXFP4 -> fp8 experts once per prefill step (mx_convert.mx_to_fp8, where a moe_* table sets MX_CONVERT)
     # H200 session 12 window 2: 3.2 / 3.1 ms for M3's 129-expert stack (checkpoint / planes layout), 3.5 / 3.6 TB/s
     "mx_to_fp8": {"sm90": {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}},
     # decode: split K until SPLIT_PROGRAMS programs stream the weight (about the resident CTAs: split_k in quant.py),
@@ -279,6 +279,33 @@ TILES.update({
 })
 
 
+# Table entries a Triton release cannot compile for a target (found by `python -m m3sdk_kernels.aot` run under each
+# release): family -> arch -> (the oldest release known to build the table's entry, why not before, the parameters
+# used instead below it). `tiles` applies them, so an unbuildable variant is never chosen at run time there.
+TRITON_LIMITS: dict[str, dict[str, tuple[tuple[int, int], str, dict[str, int]]]] = {
+    # triton 3.6, gfx942: tl.dot_scaled (MXFP4 and MXFP8 down GEMMs) with K tiles of 64 fails to lower
+    # ("failed to translate module to LLVM IR": an unrealized_conversion_cast of the scale operand); 128 builds
+    "moe_small": {"gfx942": ((3, 9), "tl.dot_scaled with K tiles of 64 does not lower to LLVM IR on gfx942",
+                             {"DN_BLOCK_K": 128})},
+}
+
+
+def triton_version() -> tuple[int, int]:
+    import triton
+
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def triton_limit(family: str, arch: Arch) -> tuple[str, dict[str, int]] | None:
+    """(why, the parameters used instead) where the installed Triton cannot build `family`'s table entry on
+    `arch`, else None."""
+    limit = TRITON_LIMITS.get(family, {}).get(arch.name)
+    if limit is None or triton_version() >= limit[0]:
+        return None
+    return limit[1], limit[2]
+
+
 @functools.cache
 def _overrides() -> dict[str, dict[str, int]]:
     """M3SDK_KERNEL_TILES='{"family": {"num_stages": 1}}' overrides table entries on every arch: for tuning runs
@@ -288,9 +315,13 @@ def _overrides() -> dict[str, dict[str, int]]:
 
 def tiles(family: str, arch: Arch | None = None, variant: str | None = None) -> dict[str, int]:
     """Launch parameters of a kernel family on `arch` (default: the current device's); a `variant` (e.g. the KV
-    dtype) applies the table's "family:variant" entry over the family's, where the arch has one."""
+    dtype) applies the table's "family:variant" entry over the family's, where the arch has one; then what the
+    installed Triton needs instead (`TRITON_LIMITS`)."""
     arch = arch or current_arch()
     cfg = TILES[family][arch.name]
     if variant is not None:
         cfg = cfg | TILES.get(f"{family}:{variant}", {}).get(arch.name, {})
+    limit = triton_limit(family, arch)
+    if limit is not None:
+        cfg = cfg | limit[1]
     return cfg | _overrides().get(family, {})

@@ -5,79 +5,7 @@ import triton
 import triton.language as tl
 
 from .arch import Arch, tiles
-from .layout import PAGE, PAGE_SIZE, shuffle_width, slot_offsets, store_tokens_ref
-
-
-def quantize_fp8_ref(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (last dim) symmetric FP8: returns (x / scale as fp8, scale as float32 without the last dim)."""
-    fp8_max = torch.finfo(fp8_dtype).max
-    amax = x.float().abs().amax(dim=-1)
-    # A floor keeps an all-zero row finite; its stored values are 0 whatever the scale.
-    scale = amax.clamp(min=1e-12) / fp8_max
-    q = (x.float() / scale[..., None]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-    return q, scale
-
-
-def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, layout: str = "plain") -> None:
-    """Store k, v [T, kv_heads, head_dim] at `slot_mapping` [T]. FP8 caches need both scale tensors.
-    Tokens with a negative slot are padding and are not stored."""
-    keep = slot_mapping >= 0
-    k, v, slots = k[keep], v[keep], slot_mapping[keep].long()
-    for x, cache, scale, kind in ((k, k_cache, k_scale, "k"), (v, v_cache, v_scale, "v")):
-        if scale is not None:
-            x, s = quantize_fp8_ref(x, cache.dtype)
-            scale[slots // PAGE_SIZE, :, slots % PAGE_SIZE] = s
-        store_tokens_ref(cache, x.to(cache.dtype), slots, kind, layout)
-
-
-def write_index_key_ref(index_k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store index keys [T, index_dim]; FP8 is a direct cast (unit scale: the key is RMS-normalized).
-    Tokens with a negative slot are padding and are not stored."""
-    keep = slot_mapping >= 0
-    index_k, slots = index_k[keep], slot_mapping[keep].long()
-    index_cache[slots // PAGE_SIZE, slots % PAGE_SIZE] = index_k.to(index_cache.dtype)
-
-
-def gemma_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-head Gemma RMSNorm over the last dim: normalize in fp32, scale by (1 + w), back to x's dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + weight.float())).to(x.dtype)
-
-
-def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Partial NeoX RoPE of x [T, H, D] with cos/sin [T, R/2]: the first R dims rotate (rotate-half pairs)."""
-    half = cos.shape[-1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    x1, x2 = x[..., :half].float(), x[..., half: 2 * half].float()
-    rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-    return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
-
-
-def norm_rope_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor,
-                        k_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                        layout: str = "plain", index_q: torch.Tensor | None = None,
-                        index_k: torch.Tensor | None = None, index_q_norm_w: torch.Tensor | None = None,
-                        index_k_norm_w: torch.Tensor | None = None, index_cache: torch.Tensor | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The attention block's pre-attention step: per-head norm + partial RoPE of q, k (and of the index query
-    and key on sparse layers), then the cache writes. Returns (q, index_q) ready for attention and selection.
-
-    q [T, Hq, D], k/v [T, Hkv, D], index_q [T, Hidx, Di], index_k [T, Di]; cos/sin [T, R/2] float32."""
-    q = rope_ref(gemma_rms_norm_ref(q, q_norm_w, eps), cos, sin)
-    k = rope_ref(gemma_rms_norm_ref(k, k_norm_w, eps), cos, sin)
-    write_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, layout)
-    if index_q is None:
-        return q, None
-    index_q = rope_ref(gemma_rms_norm_ref(index_q, index_q_norm_w, eps), cos, sin)
-    index_k = rope_ref(gemma_rms_norm_ref(index_k[:, None], index_k_norm_w, eps), cos, sin)[:, 0]
-    write_index_key_ref(index_k, index_cache, slot_mapping)
-    return q, index_q
-
+from .layout import PAGE, dim_tile, shuffle_width, slot_offsets
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
 
@@ -105,28 +33,29 @@ def _exact_cast(x, ty: tl.constexpr):
 def _quantize_store(x, cache_ptr, scale_ptr, page, off, d, head, stride_cp, stride_ch, stride_sp, stride_sh,
                     HEAD_DIM: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr, IS_V: tl.constexpr,
                     FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Store one token's head vector x (fp32 [HEAD_DIM]); FP8 with its per-token, per-head scale."""
+    """Store one token's head vector x (fp32 [D_PAD], zero past HEAD_DIM); FP8 with its per-token, per-head
+    scale."""
     if FP8:
         scale = tl.maximum(tl.max(tl.abs(x)), 1e-12) / FP8_MAX
         x = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
         tl.store(scale_ptr + page * stride_sp + head * stride_sh + off, scale)
     dst = cache_ptr + page * stride_cp + head * stride_ch + slot_offsets(off, d, HEAD_DIM, X, SHUFFLE, IS_V)
-    tl.store(dst, _exact_cast(x, cache_ptr.dtype.element_ty))
+    tl.store(dst, _exact_cast(x, cache_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_ch, stride_sp, stride_sh,
-                     HEAD_DIM: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr, FP8: tl.constexpr,
-                     FP8_MAX: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr,
+                     FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     t = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:  # negative slots are padding rows (e.g. a CUDA graph's spare tokens)
         page, off = (slot // PAGE).to(tl.int64), slot % PAGE
-        d = tl.arange(0, HEAD_DIM)
-        k = tl.load(k_ptr + t * stride_kt + head * stride_kh + d).to(tl.float32)
-        v = tl.load(v_ptr + t * stride_vt + head * stride_vh + d).to(tl.float32)
+        d = tl.arange(0, D_PAD)
+        k = tl.load(k_ptr + t * stride_kt + head * stride_kh + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_vt + head * stride_vh + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
         _quantize_store(k, k_cache, k_scale, page, off, d, head, stride_cp, stride_ch, stride_sp, stride_sh,
                         HEAD_DIM, X, SHUFFLE, False, FP8, FP8_MAX)
         _quantize_store(v, v_cache, v_scale, page, off, d, head, stride_cp, stride_ch, stride_sp, stride_sh,
@@ -134,14 +63,15 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slot_ptr,
 
 
 @triton.jit
-def _write_index_key_kernel(ik_ptr, cache_ptr, slot_ptr, stride_t, stride_cp, INDEX_DIM: tl.constexpr):
+def _write_index_key_kernel(ik_ptr, cache_ptr, slot_ptr, stride_t, stride_cp, INDEX_DIM: tl.constexpr,
+                            DI_PAD: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
-        d = tl.arange(0, INDEX_DIM)
-        x = tl.load(ik_ptr + t * stride_t + d).to(tl.float32)
+        d = tl.arange(0, DI_PAD)
+        x = tl.load(ik_ptr + t * stride_t + d, mask=d < INDEX_DIM, other=0.0).to(tl.float32)
         dst = cache_ptr + (slot // PAGE).to(tl.int64) * stride_cp + (slot % PAGE) * INDEX_DIM + d
-        tl.store(dst, _exact_cast(x, cache_ptr.dtype.element_ty))
+        tl.store(dst, _exact_cast(x, cache_ptr.dtype.element_ty), mask=d < INDEX_DIM)
 
 
 def _kv_args(k_cache: torch.Tensor, k_scale: torch.Tensor | None) -> tuple:
@@ -162,8 +92,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _write_kv_kernel[(t, heads)](
         k, v, k_cache, v_cache, k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides,
-        HEAD_DIM=head_dim, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle", FP8=fp8,
-        FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 1.0, **_launch())
+        HEAD_DIM=head_dim, D_PAD=dim_tile(head_dim), X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle",
+        FP8=fp8, FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 1.0, **_launch())
 
 
 def write_index_key(index_k: torch.Tensor, index_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -172,23 +102,26 @@ def write_index_key(index_k: torch.Tensor, index_cache: torch.Tensor, slot_mappi
         return
     _write_index_key_kernel[(index_k.shape[0],)](
         index_k, index_cache, slot_mapping, index_k.stride(0), index_cache.stride(0),
-        INDEX_DIM=index_k.shape[-1], **_launch())
+        INDEX_DIM=index_k.shape[-1], DI_PAD=dim_tile(index_k.shape[-1]), **_launch())
 
 
 @triton.jit
-def _norm_rope(ptr, w_ptr, cos_ptr, sin_ptr, eps, DIM: tl.constexpr, HALF: tl.constexpr):
+def _norm_rope(ptr, w_ptr, cos_ptr, sin_ptr, eps, DIM: tl.constexpr, PAD: tl.constexpr, HALF: tl.constexpr):
     """Gemma RMSNorm + partial NeoX RoPE of the DIM-vector at `ptr`, as fp32 values rounded the way the
-    composition of the two ops rounds (to the input dtype after the norm)."""
-    d = tl.arange(0, DIM)
+    composition of the two ops rounds (to the input dtype after the norm); PAD (a power of two) lanes, 0 past DIM."""
+    d = tl.arange(0, PAD)
+    ok = d < DIM
     # rotate-half partner of each rotated dim; loading x twice is cheaper than shuffling registers
     rotated = d < 2 * HALF
     partner = tl.where(d < HALF, d + HALF, tl.where(rotated, d - HALF, d))
-    x = tl.load(ptr + d)
+    x = tl.load(ptr + d, mask=ok, other=0.0)
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf) / DIM + eps)
-    y = _exact_cast(xf * inv_rms * (1.0 + tl.load(w_ptr + d).to(tl.float32)), x.dtype).to(tl.float32)
-    xp = tl.load(ptr + partner).to(tl.float32)
-    yp = _exact_cast(xp * inv_rms * (1.0 + tl.load(w_ptr + partner).to(tl.float32)), x.dtype).to(tl.float32)
+    y = _exact_cast(xf * inv_rms * (1.0 + tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)), x.dtype)
+    y = y.to(tl.float32)
+    xp = tl.load(ptr + partner, mask=ok, other=0.0).to(tl.float32)
+    yp = _exact_cast(xp * inv_rms * (1.0 + tl.load(w_ptr + partner, mask=ok, other=0.0).to(tl.float32)), x.dtype)
+    yp = yp.to(tl.float32)
     c = tl.load(cos_ptr + d % HALF, mask=rotated, other=1.0)
     s = tl.load(sin_ptr + d % HALF, mask=rotated, other=0.0)
     s = tl.where(d < HALF, -s, s)
@@ -202,7 +135,8 @@ def _norm_rope_write_kernel(
         stride_qt, stride_kt, stride_vt, stride_iqt, stride_ikt, stride_ct,
         stride_cp, stride_ch, stride_sp, stride_sh, stride_ip,
         NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, NUM_IQ: tl.constexpr, HEAD_DIM: tl.constexpr,
-        INDEX_DIM: tl.constexpr, HALF: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr,
+        D_PAD: tl.constexpr, INDEX_DIM: tl.constexpr, DI_PAD: tl.constexpr, HALF: tl.constexpr, X: tl.constexpr,
+        SHUFFLE: tl.constexpr,
         FP8: tl.constexpr, FP8_MAX: tl.constexpr, HAS_INDEX: tl.constexpr):
     """One program per (token, head row); rows are the q heads, then the kv heads (k and v together: they share
     the slot), then the index-query heads, then the index key."""
@@ -211,33 +145,34 @@ def _norm_rope_write_kernel(
     cos_t = cos_ptr + t * stride_ct
     sin_t = sin_ptr + t * stride_ct
     if row < NUM_Q:
-        y = _norm_rope(q_ptr + t * stride_qt + row * HEAD_DIM, q_w, cos_t, sin_t, eps, HEAD_DIM, HALF)
-        d = tl.arange(0, HEAD_DIM)
-        tl.store(q_out + (t * NUM_Q + row) * HEAD_DIM + d, y.to(q_out.dtype.element_ty))
+        y = _norm_rope(q_ptr + t * stride_qt + row * HEAD_DIM, q_w, cos_t, sin_t, eps, HEAD_DIM, D_PAD, HALF)
+        d = tl.arange(0, D_PAD)
+        tl.store(q_out + (t * NUM_Q + row) * HEAD_DIM + d, y.to(q_out.dtype.element_ty), mask=d < HEAD_DIM)
     elif row < NUM_Q + NUM_KV:
         head = row - NUM_Q
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
             page, off = (slot // PAGE).to(tl.int64), slot % PAGE
-            d = tl.arange(0, HEAD_DIM)
-            k = _norm_rope(k_ptr + t * stride_kt + head * HEAD_DIM, k_w, cos_t, sin_t, eps, HEAD_DIM, HALF)
-            v = tl.load(v_ptr + t * stride_vt + head * HEAD_DIM + d).to(tl.float32)
+            d = tl.arange(0, D_PAD)
+            k = _norm_rope(k_ptr + t * stride_kt + head * HEAD_DIM, k_w, cos_t, sin_t, eps, HEAD_DIM, D_PAD, HALF)
+            v = tl.load(v_ptr + t * stride_vt + head * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
             _quantize_store(k, k_cache, k_scale, page, off, d, head, stride_cp, stride_ch, stride_sp,
                             stride_sh, HEAD_DIM, X, SHUFFLE, False, FP8, FP8_MAX)
             _quantize_store(v, v_cache, v_scale, page, off, d, head, stride_cp, stride_ch, stride_sp,
                             stride_sh, HEAD_DIM, X, SHUFFLE, True, FP8, FP8_MAX)
     elif HAS_INDEX:
-        d = tl.arange(0, INDEX_DIM)
+        d = tl.arange(0, DI_PAD)
         if row < NUM_Q + NUM_KV + NUM_IQ:
             head = row - NUM_Q - NUM_KV
-            y = _norm_rope(iq_ptr + t * stride_iqt + head * INDEX_DIM, iq_w, cos_t, sin_t, eps, INDEX_DIM, HALF)
-            tl.store(iq_out + (t * NUM_IQ + head) * INDEX_DIM + d, y.to(iq_out.dtype.element_ty))
+            y = _norm_rope(iq_ptr + t * stride_iqt + head * INDEX_DIM, iq_w, cos_t, sin_t, eps, INDEX_DIM, DI_PAD,
+                           HALF)
+            tl.store(iq_out + (t * NUM_IQ + head) * INDEX_DIM + d, y.to(iq_out.dtype.element_ty), mask=d < INDEX_DIM)
         else:
             slot = tl.load(slot_ptr + t)
             if slot >= 0:
-                y = _norm_rope(ik_ptr + t * stride_ikt, ik_w, cos_t, sin_t, eps, INDEX_DIM, HALF)
+                y = _norm_rope(ik_ptr + t * stride_ikt, ik_w, cos_t, sin_t, eps, INDEX_DIM, DI_PAD, HALF)
                 dst = index_cache + (slot // PAGE).to(tl.int64) * stride_ip + (slot % PAGE) * INDEX_DIM + d
-                tl.store(dst, _exact_cast(y, index_cache.dtype.element_ty))
+                tl.store(dst, _exact_cast(y, index_cache.dtype.element_ty), mask=d < INDEX_DIM)
 
 
 def norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor,
@@ -270,7 +205,8 @@ def norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w:
         k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, index_cache if has_index else k_cache, eps,
         q.stride(0), k.stride(0), v.stride(0), iq.stride(0), ik.stride(0), cos.stride(0), *strides,
         index_cache.stride(0) if has_index else 0,
-        NUM_Q=num_q, NUM_KV=num_kv, NUM_IQ=num_iq, HEAD_DIM=head_dim, INDEX_DIM=index_dim,
+        NUM_Q=num_q, NUM_KV=num_kv, NUM_IQ=num_iq, HEAD_DIM=head_dim, D_PAD=dim_tile(head_dim),
+        INDEX_DIM=index_dim, DI_PAD=dim_tile(index_dim),
         HALF=cos.shape[-1], X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle", FP8=fp8,
         FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 1.0, HAS_INDEX=has_index, **_launch())
     return q_out, iq_out
@@ -296,13 +232,15 @@ def aot_variants(arch: Arch) -> list:
         types |= {name: "i32" for name in _write_kv_kernel.arg_names if name not in types}
         variants.append(AotVariant(
             name=f"cache_write.write_kv_{kv}_{layout}", kernel=_write_kv_kernel, types=types,
-            constexprs={"HEAD_DIM": m["head_dim"], "X": 16 if kv == "fp8" else 8, "SHUFFLE": layout == "shuffle",
+            constexprs={"HEAD_DIM": m["head_dim"], "D_PAD": dim_tile(m["head_dim"]), "X": 16 if kv == "fp8" else 8,
+                        "SHUFFLE": layout == "shuffle",
                         "FP8": kv == "fp8", "FP8_MAX": fp8_max},
             aligned=("stride_kt", "stride_kh", "stride_vt", "stride_vh") + strides, **_launch_for(arch)))
     variants.append(AotVariant(
         name="cache_write.write_index_key_fp8", kernel=_write_index_key_kernel,
         types={"ik_ptr": "*bf16", "cache_ptr": f"*{fp8}", "slot_ptr": "*i64", "stride_t": "i32", "stride_cp": "i32"},
-        constexprs={"INDEX_DIM": m["index_dim"]}, aligned=("stride_t", "stride_cp"), **_launch_for(arch)))
+        constexprs={"INDEX_DIM": m["index_dim"], "DI_PAD": dim_tile(m["index_dim"])}, aligned=("stride_t", "stride_cp"),
+        **_launch_for(arch)))
     # the sparse-layer fused step, FP8 KV and FP8 index keys in the platform's layout
     types = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "iq_ptr", "ik_ptr", "q_w", "k_w", "iq_w", "ik_w",
                                          "q_out", "iq_out")}
@@ -312,7 +250,8 @@ def aot_variants(arch: Arch) -> list:
     variants.append(AotVariant(
         name=f"cache_write.norm_rope_write_fp8_{arch.kv_layout}", kernel=_norm_rope_write_kernel, types=types,
         constexprs={"NUM_Q": m["num_heads"], "NUM_KV": m["num_kv_heads"], "NUM_IQ": m["index_heads"],
-                    "HEAD_DIM": m["head_dim"], "INDEX_DIM": m["index_dim"], "HALF": m["rotary_half"], "X": 16,
+                    "HEAD_DIM": m["head_dim"], "D_PAD": dim_tile(m["head_dim"]), "INDEX_DIM": m["index_dim"],
+                    "DI_PAD": dim_tile(m["index_dim"]), "HALF": m["rotary_half"], "X": 16,
                     "SHUFFLE": arch.kv_layout == "shuffle", "FP8": True, "FP8_MAX": fp8_max, "HAS_INDEX": True},
         aligned=("stride_qt", "stride_kt", "stride_vt", "stride_iqt", "stride_ikt", "stride_ip") + strides,
         **_launch_for(arch)))

@@ -5,43 +5,8 @@ import triton
 import triton.language as tl
 
 from .arch import Arch, tiles
-from .layout import PAGE, gather_index_keys_ref
-from .paged_attention import _tile_pages, dot_dtype, q_tile, seq_of_block
-
-
-def indexer_topk_ref(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
-                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int, topk: int,
-                     local_blocks: int) -> torch.Tensor:
-    """index_q [T, Hidx, Di] -> int32 [Hidx, T, topk] selected block ids, valid first, -1 padded.
-
-    score[j, t, b] = max over cached keys s <= pos(t) in block b of index_q[t, j] . index_key[s] (fp32, raw dot
-    products: ranking needs no softmax). The query's own block and the `local_blocks - 1` before it are forced in.
-    """
-    t_total, hidx, _ = index_q.shape
-    out = torch.full((hidx, t_total, topk), -1, dtype=torch.int32, device=index_q.device)
-    cu = cu_seqlens_q.tolist()
-    for i, ctx in enumerate(context_lens.tolist()):
-        lo, hi = cu[i], cu[i + 1]
-        n = hi - lo
-        if n == 0:
-            continue
-        keys = gather_index_keys_ref(index_cache, page_table[i, : -(-ctx // 16)], ctx)  # [L, Di]
-        scores = torch.einsum("nhd,ld->hnl", index_q[lo:hi].float(), keys)
-        q_pos = torch.arange(ctx - n, ctx, device=index_q.device)
-        future = torch.arange(ctx, device=index_q.device)[None, None, :] > q_pos[None, :, None]
-        scores = scores.masked_fill(future, float("-inf"))
-        num_blocks = -(-ctx // block_size)
-        scores = torch.nn.functional.pad(scores, (0, num_blocks * block_size - ctx), value=float("-inf"))
-        block_scores = scores.view(hidx, n, num_blocks, block_size).amax(dim=-1)
-        q_block = q_pos // block_size
-        for back in range(local_blocks):
-            local = (q_block - back).clamp(min=0)
-            block_scores.scatter_(-1, local.view(1, n, 1).expand(hidx, n, 1), float("inf"))
-        k = min(topk, num_blocks)
-        vals, idx = block_scores.topk(k, dim=-1)
-        out[:, lo:hi, :k] = idx.masked_fill(vals == float("-inf"), -1).to(torch.int32)
-    return out
-
+from .layout import PAGE, dim_tile
+from .paged_attention import dims_ok, dot_dtype, q_tile, seq_of_block, tile_pages
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
 #
@@ -56,8 +21,9 @@ def indexer_topk_ref(index_q: torch.Tensor, index_cache: torch.Tensor, page_tabl
 @triton.jit
 def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_seqs, num_tokens, num_blocks,
                  stride_qt, stride_qh, stride_ip, stride_pt,
-                 NUM_HEADS: tl.constexpr, BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 SEL_BLOCK: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, DOT: tl.constexpr,
+                 NUM_HEADS: tl.constexpr, BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, DI_PAD: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, SEL_BLOCK: tl.constexpr, KEY_TILE: tl.constexpr, LOCAL_BLOCKS: tl.constexpr,
+                 DOT: tl.constexpr,
                  PAGE_AHEAD: tl.constexpr, ONE_EACH: tl.constexpr):
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -69,35 +35,47 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_s
         BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_HI
         ctx = tl.load(ctx_lens + seq)
         r = tl.arange(0, BLOCK_M)
-        d = tl.arange(0, INDEX_DIM)
+        d = tl.arange(0, DI_PAD)
+        d_ok = dims_ok(d, INDEX_DIM, DI_PAD)
         qi = first + r // BLOCK_HI
         head = r % BLOCK_HI
         row_ok = (qi < n_q) & (head < NUM_HEADS)
         tok = q_start + qi
         pos = ctx - n_q + qi
         q = tl.load(iq_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None], other=0.0).to(DOT)
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)
         kv_end = ctx - n_q + tl.minimum(first + BLOCK_Q, n_q)
         pages_ptr = page_table + seq.to(tl.int64) * stride_pt
         q_block = pos // SEL_BLOCK
         out_row = scores_ptr + (head.to(tl.int64) * num_tokens + tok) * num_blocks
         per = tl.cdiv(num_blocks, tl.num_programs(1))  # blocks per chunk
         # PAGE_AHEAD: the next block's page ids loaded one iteration early (as in paged_attention), so the key
-        # copies do not wait on a page-id load of their own iteration and num_stages - 1 blocks can be in flight
-        page = _tile_pages(pages_ptr, chunk * per * SEL_BLOCK, kv_end, SEL_BLOCK)
+        # copies do not wait on a page-id load of their own iteration and num_stages - 1 blocks can be in flight.
+        # A block is SUBS tiles of KEY_TILE keys (one where it is a power of two up to 128; its tail masked where it
+        # is not a multiple of the tile: blocks of 8 or 48 keys); page ids run one block ahead only at one tile.
+        SUBS: tl.constexpr = (SEL_BLOCK + KEY_TILE - 1) // KEY_TILE
+        AHEAD: tl.constexpr = PAGE_AHEAD and SUBS == 1
+        page = tile_pages(pages_ptr, chunk * per * SEL_BLOCK, kv_end, KEY_TILE)
         for b in range(chunk * per, tl.minimum(chunk * per + per, tl.cdiv(kv_end, SEL_BLOCK))):
-            if PAGE_AHEAD:
-                nxt = _tile_pages(pages_ptr, (b + 1) * SEL_BLOCK, kv_end, SEL_BLOCK)
+            if AHEAD:
+                nxt = tile_pages(pages_ptr, (b + 1) * SEL_BLOCK, kv_end, KEY_TILE)
             else:
-                page = _tile_pages(pages_ptr, b * SEL_BLOCK, kv_end, SEL_BLOCK)
                 nxt = page
-            n = b * SEL_BLOCK + tl.arange(0, SEL_BLOCK)
-            key_ok = n < kv_end
-            k = tl.load(ik_cache + page.to(tl.int64)[:, None] * stride_ip + (n % PAGE)[:, None] * INDEX_DIM
-                        + d[None, :], mask=key_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k.to(DOT)))
-            s = tl.where(key_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
-            best = tl.max(s, 1)
+            best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            for sub in tl.static_range(SUBS):
+                start = b * SEL_BLOCK + sub * KEY_TILE
+                if not AHEAD:
+                    page = tile_pages(pages_ptr, start, kv_end, KEY_TILE)
+                n = start + tl.arange(0, KEY_TILE)
+                if SEL_BLOCK % KEY_TILE == 0:
+                    key_ok = n < kv_end
+                else:
+                    key_ok = (n < kv_end) & (n < (b + 1) * SEL_BLOCK)
+                k = tl.load(ik_cache + page.to(tl.int64)[:, None] * stride_ip + (n % PAGE)[:, None] * INDEX_DIM
+                            + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+                s = tl.dot(q, tl.trans(k.to(DOT)))
+                s = tl.where(key_ok[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
+                best = tl.maximum(best, tl.max(s, 1))
             # local blocks (pos // SEL_BLOCK - i, i < LOCAL_BLOCKS, clamped at 0) are always selected
             best = tl.where((b <= q_block) & (b > q_block - LOCAL_BLOCKS), float("inf"), best)
             tl.store(out_row + b, best, mask=row_ok)
@@ -127,6 +105,12 @@ def _topk_kernel(scores_ptr, cu_q, ctx_lens, out_ptr, num_seqs, num_tokens, num_
         picked = tl.where(j == i, tl.where(best > float("-inf"), idx, -1), picked)
         s = tl.where(b == idx, float("-inf"), s)
     tl.store(out_ptr + row * TOPK + j, picked, mask=j < TOPK)
+
+
+def key_tile(block_size: int) -> int:
+    """Keys per scan tile for selection blocks of `block_size`: the block rounded up to a power of two, at least 16
+    (tl.dot's smallest), at most 128 (a larger block is several tiles)."""
+    return min(128, max(16, triton.next_power_of_2(block_size)))
 
 
 def indexer_plan(num_tokens: int, num_seqs: int, num_heads: int, max_seqlen_q: int, num_blocks: int,
@@ -164,8 +148,8 @@ def indexer_block_scores(index_q: torch.Tensor, index_cache: torch.Tensor, page_
     _scan_kernel[(plan["q_blocks"], plan["NUM_CHUNKS"])](
         index_q, index_cache, page_table, cu_seqlens_q, context_lens, scores, num_seqs, t_total, num_blocks,
         index_q.stride(0), index_q.stride(1), index_cache.stride(0), page_table.stride(0),
-        NUM_HEADS=num_heads, BLOCK_HI=plan["BLOCK_HI"], INDEX_DIM=index_dim, BLOCK_Q=plan["BLOCK_Q"],
-        SEL_BLOCK=block_size, LOCAL_BLOCKS=local_blocks,
+        NUM_HEADS=num_heads, BLOCK_HI=plan["BLOCK_HI"], INDEX_DIM=index_dim, DI_PAD=dim_tile(index_dim),
+        BLOCK_Q=plan["BLOCK_Q"], SEL_BLOCK=block_size, KEY_TILE=key_tile(block_size), LOCAL_BLOCKS=local_blocks,
         DOT=dot_dtype(index_cache.dtype), PAGE_AHEAD=plan["PAGE_AHEAD"], ONE_EACH=plan["ONE_EACH"],
         num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     return scores
@@ -220,7 +204,8 @@ def aot_variants(arch: Arch) -> list:
         variants.append(AotVariant(
             name=f"indexer.scan_{'decode' if decode else 'prefill'}_{key}", kernel=_scan_kernel, types=types,
             constexprs={"NUM_HEADS": m["index_heads"], "BLOCK_HI": plan["BLOCK_HI"], "INDEX_DIM": m["index_dim"],
-                        "BLOCK_Q": plan["BLOCK_Q"], "SEL_BLOCK": m["block_size"],
+                        "DI_PAD": dim_tile(m["index_dim"]), "BLOCK_Q": plan["BLOCK_Q"], "SEL_BLOCK": m["block_size"],
+                        "KEY_TILE": key_tile(m["block_size"]),
                         "LOCAL_BLOCKS": m["local_blocks"], "DOT": tl.float16 if key == "fp8" else tl.bfloat16,
                         "PAGE_AHEAD": plan["PAGE_AHEAD"], "ONE_EACH": plan["ONE_EACH"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"],

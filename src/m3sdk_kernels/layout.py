@@ -17,6 +17,12 @@ PAGE: tl.constexpr = tl.constexpr(PAGE_SIZE)  # the same, for use inside kernels
 LAYOUTS = ("plain", "shuffle")
 
 
+def dim_tile(dim: int) -> int:
+    """The register extent of a head / index vector of `dim` elements: the next power of two (tl.arange's rule),
+    at least 16 (tl.dot's smallest K). Kernels mask the lanes past `dim`."""
+    return max(16, triton.next_power_of_2(dim))
+
+
 def shuffle_width(dtype: torch.dtype) -> int:
     """Elements per 16-byte vector: the `x` of the SHUFFLE layout."""
     return 16 // torch.empty((), dtype=dtype).element_size()
@@ -30,70 +36,12 @@ def cache_shape(kind: str, layout: str, num_pages: int, num_kv_heads: int, head_
     if layout != "shuffle":
         raise ValueError(f"unknown KV layout {layout!r}; expected one of {LAYOUTS}")
     x = shuffle_width(dtype)
+    if head_dim % x:
+        raise ValueError(f"the shuffle KV layout stores head_dim in {x}-element vectors; head_dim {head_dim} is not a "
+                         f"multiple of {x} (use the plain layout)")
     if kind == "k":
         return (num_pages, num_kv_heads, head_dim // x, PAGE_SIZE, x)
     return (num_pages, num_kv_heads, PAGE_SIZE // x, head_dim, x)
-
-
-def store_tokens_ref(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor, kind: str,
-                     layout: str) -> None:
-    """Write `values` [T, kv_heads, head_dim] (already in the cache dtype) into their slots."""
-    page, off = slot_mapping // PAGE_SIZE, slot_mapping % PAGE_SIZE
-    if layout == "plain":
-        cache[page, :, off] = values
-        return
-    x = shuffle_width(cache.dtype)
-    t, h, d = values.shape
-    if kind == "k":
-        cache[page, :, :, off] = values.view(t, h, d // x, x)
-    else:
-        cache[page, :, off // x, :, off % x] = values
-
-
-def gather_tokens_ref(cache: torch.Tensor, pages: torch.Tensor, length: int, kind: str,
-                      layout: str) -> torch.Tensor:
-    """The first `length` tokens of a sequence whose logical pages are `pages`: [kv_heads, length, head_dim]."""
-    block = cache[pages.long()]
-    if layout == "plain":  # [n, H, 16, D]
-        out = block.permute(1, 0, 2, 3)
-    elif kind == "k":  # [n, H, D/x, 16, x]
-        out = block.permute(1, 0, 3, 2, 4)
-    else:  # [n, H, 16/x, D, x]
-        out = block.permute(1, 0, 2, 4, 3)
-    return _flatten(out, out.shape[0])[:, :length]
-
-
-def _flatten(tokens: torch.Tensor, heads: int) -> torch.Tensor:
-    """[H, n, 16, D] or [H, n, 16, D/x, x] or [H, n, 16/x, x, D] -> [H, n*16, D]."""
-    if tokens.dim() == 4:
-        return tokens.reshape(heads, -1, tokens.shape[-1])
-    if tokens.shape[2] == PAGE_SIZE:  # K shuffle: [H, n, 16, D/x, x]
-        return tokens.reshape(heads, -1, tokens.shape[-2] * tokens.shape[-1])
-    return tokens.reshape(heads, -1, tokens.shape[-1])  # V shuffle: [H, n, 16/x, x, D]
-
-
-def gather_scales_ref(scale: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """Per-token, per-head scales of a sequence: [kv_heads, length]."""
-    s = scale[pages.long()]  # [n, H, 16]
-    return s.permute(1, 0, 2).reshape(s.shape[1], -1)[:, :length]
-
-
-def gather_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, length: int,
-                  layout: str = "plain", k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sequence's K and V, dequantized to float32: two [kv_heads, length, head_dim] tensors."""
-    k = gather_tokens_ref(k_cache, pages, length, "k", layout).float()
-    v = gather_tokens_ref(v_cache, pages, length, "v", layout).float()
-    if k_scale is not None:
-        k = k * gather_scales_ref(k_scale, pages, length)[..., None]
-    if v_scale is not None:
-        v = v * gather_scales_ref(v_scale, pages, length)[..., None]
-    return k, v
-
-
-def gather_index_keys_ref(index_cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """A sequence's index keys as float32 [length, index_dim] (fp8 index keys have unit scale)."""
-    return index_cache[pages.long()].reshape(-1, index_cache.shape[-1])[:length].float()
 
 
 @triton.jit
@@ -109,20 +57,21 @@ def slot_offsets(off, d, HEAD_DIM: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.co
 
 @triton.jit
 def _gather_kernel(cache_ptr, scale_ptr, pages_ptr, out_ptr, length, stride_cp, stride_ch, stride_sp, stride_sh,
-                   HEAD_DIM: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr, IS_V: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr,
+                   IS_V: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     h = tl.program_id(0)
     tok = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, D_PAD)
     ok = tok < length
+    tile_ok = ok[:, None] & (d < HEAD_DIM)[None, :]
     page = tl.load(pages_ptr + tok // PAGE, mask=ok, other=0).to(tl.int64)
     off = tok % PAGE
     ptr = cache_ptr + page[:, None] * stride_cp + h * stride_ch
-    x = tl.load(ptr + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE, IS_V), mask=ok[:, None])
+    x = tl.load(ptr + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE, IS_V), mask=tile_ok)
     x = x.to(tl.float32)
     if HAS_SCALE:
         x *= tl.load(scale_ptr + page * stride_sp + h * stride_sh + off, mask=ok)[:, None]
-    tl.store(out_ptr + (h * length + tok[:, None]) * HEAD_DIM + d[None, :], x, mask=ok[:, None])
+    tl.store(out_ptr + (h * length + tok[:, None]) * HEAD_DIM + d[None, :], x, mask=tile_ok)
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, length: int,
@@ -138,7 +87,8 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
         s = scale if scale is not None else o  # never read without HAS_SCALE
         _gather_kernel[(heads, triton.cdiv(length, block))](
             cache, s, pages, o, length, cache.stride(0), cache.stride(1), s.stride(0), s.stride(1),
-            HEAD_DIM=head_dim, X=shuffle_width(cache.dtype), SHUFFLE=layout == "shuffle", IS_V=is_v,
+            HEAD_DIM=head_dim, D_PAD=dim_tile(head_dim), X=shuffle_width(cache.dtype), SHUFFLE=layout == "shuffle",
+            IS_V=is_v,
             HAS_SCALE=scale is not None, BLOCK=block)
         out.append(o)
     return out[0], out[1]

@@ -15,20 +15,7 @@ import triton
 import triton.language as tl
 
 from .arch import Arch, current_arch, pdl_launch, tiles
-from .cache_write import quantize_fp8_ref
 from .quant import INTERPRET, fp8_grid
-
-
-def add_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                     fp8_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """x [T, H] (+ residual [T, H]) -> (y [T, H], y_scale float32 [T] | None, h [T, H] the new residual)."""
-    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
-    hf = h.float()
-    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
-    if fp8_dtype is None:
-        return y.to(x.dtype), None, h
-    q, scale = quantize_fp8_ref(y, fp8_dtype)
-    return q, scale, h
 
 
 @triton.jit

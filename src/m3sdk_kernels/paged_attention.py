@@ -7,56 +7,7 @@ import triton
 import triton.language as tl
 
 from .arch import Arch, pdl_launch, tiles
-from .layout import PAGE, gather_kv_ref, shuffle_width, slot_offsets
-
-
-def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                        cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                        layout: str = "plain", block_sel: torch.Tensor | None = None,
-                        block_size: int = 128) -> torch.Tensor:
-    """q [T, Hq, D] -> [T, Hq, D] in q's dtype.
-
-    Sequence i owns q rows cu_seqlens_q[i]:cu_seqlens_q[i+1]; its cache holds context_lens[i] tokens, the last of
-    which are these queries, so query j of n sits at position context_lens[i] - n + j and sees keys <= it.
-    block_sel [Hkv, T, topk] (int, -1 padded) restricts each query of KV group g to the keys of its selected
-    blocks of `block_size` tokens (MiniMax sparse attention).
-    """
-    t_total, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    group = hq // hkv
-    out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    for i, ctx in enumerate(context_lens.tolist()):
-        lo, hi = cu[i], cu[i + 1]
-        n = hi - lo
-        if n == 0:
-            continue
-        pages = page_table[i, : -(-ctx // 16)]
-        k, v = gather_kv_ref(k_cache, v_cache, pages, ctx, layout, k_scale, v_scale)  # [Hkv, L, D]
-        qi = q[lo:hi].float().view(n, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
-        scores = torch.einsum("hgnd,hld->hgnl", qi, k) * scale
-        q_pos = torch.arange(ctx - n, ctx, device=q.device)
-        allowed = (torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]).expand(hkv, n, ctx)
-        if block_sel is not None:
-            allowed = allowed & selected_keys_mask(block_sel[:, lo:hi], ctx, block_size)
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("hgnl,hld->nhgd", probs, v)
-        out[lo:hi] = o.reshape(n, hq, d).to(q.dtype)
-    return out
-
-
-def selected_keys_mask(block_sel: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """block_sel [H, n, topk] (-1 padded) -> bool [H, n, length]: key t is inside a selected block."""
-    num_blocks = -(-length // block_size)
-    h, n, _ = block_sel.shape
-    chosen = torch.zeros(h, n, num_blocks + 1, dtype=torch.bool, device=block_sel.device)
-    # -1 entries land in a spare column that is dropped.
-    chosen.scatter_(-1, block_sel.long().masked_fill(block_sel < 0, num_blocks), True)
-    key_block = torch.arange(length, device=block_sel.device) // block_size
-    return chosen[..., :num_blocks][..., key_block]
-
+from .layout import PAGE, dim_tile, shuffle_width, slot_offsets
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
 #
@@ -107,11 +58,22 @@ def q_tile(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr):
+def tile_pages(pages_ptr, start, kv_end, BLOCK_N: tl.constexpr):
     """Page ids of keys start .. start + BLOCK_N - 1: the sequence's pages (the last one's tail included), its last
     page again past them (its first with kv_end 0): a page of the sequence's own, whatever reads it unmasked."""
     n = start + tl.arange(0, BLOCK_N)
     return tl.load(pages_ptr + tl.minimum(n // PAGE, tl.maximum(tl.cdiv(kv_end, PAGE) - 1, 0)))
+
+
+@triton.jit
+def _block_end(blk, kv_end, SEL_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key end of selected block `blk` (-1: none, end 0): the sequence's end, or the block's own where its tiles
+    overrun it (a block that is not a multiple of BLOCK_N, e.g. 8 or 48 keys: the tile's tail is masked)."""
+    if SEL_BLOCK % BLOCK_N == 0:
+        end = tl.where(blk >= 0, kv_end, 0)
+    else:
+        end = tl.where(blk >= 0, tl.minimum(kv_end, (blk + 1) * SEL_BLOCK), 0)
+    return end
 
 
 @triton.jit
@@ -121,12 +83,23 @@ def _sel_tile(blks, jb, i, pages_ptr, kv_end, TILES_PER: tl.constexpr, SEL_BLOCK
     indexed by `jb`: a block past the slice or a -1 entry gives an empty tile (end 0)."""
     blk = tl.sum(tl.where(jb == i // TILES_PER, blks, 0)) - 1
     start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
-    end = tl.where(blk >= 0, kv_end, 0)
-    return start, end, _tile_pages(pages_ptr, start, end, BLOCK_N)
+    end = _block_end(blk, kv_end, SEL_BLOCK, BLOCK_N)
+    return start, end, tile_pages(pages_ptr, start, end, BLOCK_N)
 
 
 @triton.jit
-def _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM: tl.constexpr, X: tl.constexpr,
+def dims_ok(d, DIM: tl.constexpr, PAD: tl.constexpr):
+    """The lanes of a padded head vector (arange(0, PAD)) that hold one of its DIM dimensions: a constant true
+    where DIM is a power of two (no predicate in the loads), `d < DIM` otherwise."""
+    if PAD == DIM:
+        ok = tl.full(d.shape, 1, tl.int1)
+    else:
+        ok = d < DIM
+    return ok
+
+
+@triton.jit
+def _v_tile(v_base, page, off, d, d_ok, key_ok, in_pages, stride_cp, HEAD_DIM: tl.constexpr, X: tl.constexpr,
             SHUFFLE: tl.constexpr):
     """V rows of a tile's keys as [BLOCK_N, HEAD_DIM] (page ids `page`, int64, slots `off`)."""
     if SHUFFLE and X == PAGE:
@@ -138,18 +111,20 @@ def _v_tile(v_base, page, off, d, key_ok, in_pages, stride_cp, HEAD_DIM: tl.cons
         # page is read with p = 0 there, which is why Contract 1 keeps every slot finite. bf16 SHUFFLE (runs of 8)
         # ran slower this way on the H200 (1.79 -> 2.63 ms), so it keeps the row load.
         vo = page[None, :] * stride_cp + slot_offsets(off[None, :], d[:, None], HEAD_DIM, X, SHUFFLE, True)
-        v = tl.load(v_base + tl.max_contiguous(tl.multiple_of(vo, [1, X]), [1, X]), mask=in_pages[None, :],
-                    other=0.0)
+        v = tl.load(v_base + tl.max_contiguous(tl.multiple_of(vo, [1, X]), [1, X]),
+                    mask=in_pages[None, :] & d_ok[:, None], other=0.0)
         v = tl.trans(v)
     else:
         v = tl.load(v_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X,
-                                                                       SHUFFLE, True), mask=key_ok[:, None], other=0.0)
+                                                                       SHUFFLE, True),
+                    mask=key_ok[:, None] & d_ok[None, :], other=0.0)
     return v
 
 
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, ks_base, vs_base, page,
-                 qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, X: tl.constexpr,
+                 qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 X: tl.constexpr,
                  SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
                  KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
@@ -158,7 +133,8 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     an sm90 wgmma's 64): q is q^T [HEAD_DIM, BLOCK_M], acc is O^T [HEAD_DIM, BLOCK_M], and l is kept per key
     ([BLOCK_N, BLOCK_M]), summed over the keys after the loop (no cross-warp sum per tile)."""
     n = start + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, D_PAD)
+    d_ok = dims_ok(d, HEAD_DIM, D_PAD)
     key_ok = n < kv_end
     in_pages = n // PAGE < tl.cdiv(kv_end, PAGE)  # the keys of the sequence's pages, tails of the last included
     page = page.to(tl.int64)
@@ -171,7 +147,8 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     else:
         ld_ok = key_ok
     k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
-                                                                   False), mask=ld_ok[:, None], other=0.0)
+                                                                   False),
+                mask=ld_ok[:, None] & d_ok[None, :], other=0.0)
     if KEYS_M:
         s = tl.dot(k.to(DOT), q) * qk_scale  # S^T [BLOCK_N, BLOCK_M]
         s = tl.where(key_ok[:, None] & (n[:, None] <= pos[None, :]), s, float("-inf"))
@@ -180,7 +157,7 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         p = tl.exp2(s - m_safe[None, :])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha[None, :] + p
-        v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
+        v = _v_tile(v_base, page, off, d, d_ok, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
         acc = acc * alpha[None, :] + tl.dot(tl.trans(v).to(DOT), p.to(DOT))  # O^T
     else:
         s = tl.dot(q, tl.trans(k.to(DOT)))
@@ -195,7 +172,7 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _v_tile(v_base, page, off, d, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
+        v = _v_tile(v_base, page, off, d, d_ok, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
         if FP8:
             # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
             # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
@@ -212,8 +189,8 @@ def _attn_kernel(
         q_ptr, k_cache, v_cache, k_scale, v_scale, page_table, cu_q, ctx_lens, sel_ptr, out_ptr, part_o, part_lse,
         arrivals, qk_scale, num_seqs, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_cp,
         stride_ch, stride_sp, stride_sh, stride_sel_h, stride_sel_t,
-        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
+        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, X: tl.constexpr,
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
         PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr,
@@ -239,20 +216,21 @@ def _attn_kernel(
         BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
         ctx = tl.load(ctx_lens + seq)
         r = tl.arange(0, BLOCK_M)
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, D_PAD)
+        d_ok = dims_ok(d, HEAD_DIM, D_PAD)
         qi = first + r // BLOCK_H  # query index inside the sequence
         head = h * GROUP + r % BLOCK_H
         row_ok = (qi < n_q) & (r % BLOCK_H < GROUP)
         tok = q_start + qi
         pos = ctx - n_q + qi
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None], other=0.0)
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if KEYS_M:
             q = tl.trans(q.to(DOT))
-            acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([D_PAD, BLOCK_M], dtype=tl.float32)
         else:
             q = q.to(DOT)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
         kv_end = ctx - n_q + tl.minimum(first + BLOCK_Q, n_q)  # keys past the tile's last query are unseen
         k_base = k_cache + h * stride_ch
         v_base = v_cache + h * stride_ch
@@ -269,7 +247,7 @@ def _attn_kernel(
             # of it per split; -1 entries are fully masked tiles. Without PAGE_AHEAD each tile loads its block
             # and page ids in its own iteration; with it, the slice's block ids are read once before the loop and
             # each tile's page ids one tile ahead (see the dense loop), so K/V copies of later tiles can fly
-            TILES_PER: tl.constexpr = SEL_BLOCK // BLOCK_N
+            TILES_PER: tl.constexpr = (SEL_BLOCK + BLOCK_N - 1) // BLOCK_N
             BLOCKS_PER: tl.constexpr = (TOPK + NUM_SPLITS - 1) // NUM_SPLITS
             sel_row = sel_ptr + h * stride_sel_h + (q_start + first).to(tl.int64) * stride_sel_t
             row_sel = r >= 0
@@ -286,11 +264,11 @@ def _attn_kernel(
                 else:
                     blk = tl.load(sel_row + lo + i // TILES_PER)
                     start = tl.maximum(blk, 0) * SEL_BLOCK + (i % TILES_PER) * BLOCK_N
-                    end = tl.where(blk >= 0, kv_end, 0)
-                    page = _tile_pages(pages_ptr, start, end, BLOCK_N)
+                    end = _block_end(blk, kv_end, SEL_BLOCK, BLOCK_N)
+                    page = tile_pages(pages_ptr, start, end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
-                                             vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, BLOCK_N, X,
-                                             SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)
+                                             vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, D_PAD,
+                                             BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
         elif SPARSE:
@@ -311,11 +289,12 @@ def _attn_kernel(
                     for sub in range(0, SEL_BLOCK, BLOCK_N):
                         start = cur * SEL_BLOCK + sub
                         if start < kv_end:
-                            page = _tile_pages(pages_ptr, start, kv_end, BLOCK_N)
-                            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base,
+                            page = tile_pages(pages_ptr, start, kv_end, BLOCK_N)
+                            end = _block_end(cur, kv_end, SEL_BLOCK, BLOCK_N)
+                            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base,
                                                          v_base, ks_base, vs_base, page, qk_scale, stride_cp,
-                                                         stride_sp, HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT,
-                                                         KEYS_M, ALL_SLOTS)
+                                                         stride_sp, HEAD_DIM, D_PAD, BLOCK_N, X, SHUFFLE, FP8, V_MUL,
+                                                         DOT, KEYS_M, ALL_SLOTS)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
                 rank += 1
         else:
@@ -327,15 +306,16 @@ def _attn_kernel(
             # are issued after the previous tile's dots and waited for at once. Carried, num_stages - 1 tiles are in
             # flight, which FP8 pages need (half the bytes per tile); bf16 measured faster without (docs/perf.md).
             # (Ids carried two tiles ahead made the sm90 pipeliner give up: no cp.async at all.)
-            page = _tile_pages(pages_ptr, split * per * BLOCK_N, kv_end, BLOCK_N)
+            page = tile_pages(pages_ptr, split * per * BLOCK_N, kv_end, BLOCK_N)
             for t in range(split * per, tl.minimum(split * per + per, tiles)):
                 if PAGE_AHEAD:
-                    nxt = _tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
+                    nxt = tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
                 else:
-                    page = _tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
+                    page = tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
                                              ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
-                                             HEAD_DIM, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)
+                                             HEAD_DIM, D_PAD, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M,
+                                             ALL_SLOTS)
                 if PAGE_AHEAD:
                     page = nxt
         if KEYS_M:
@@ -344,11 +324,11 @@ def _attn_kernel(
         o = acc / (tl.where(l_i > 0, l_i, 1.0) * V_MUL)[:, None]
         if NUM_SPLITS == 1:
             tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         else:
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
             row = (split * num_tokens + tok.to(tl.int64)) * NUM_HEADS + head
-            tl.store(part_o + row[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None])
+            tl.store(part_o + row[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
             tl.store(part_lse + row, lse, mask=row_ok)
             if MERGE_LAST:
                 # the last of the tile's NUM_SPLITS programs to arrive merges them all, in place of a second launch:
@@ -361,30 +341,33 @@ def _attn_kernel(
                     tl.debug_barrier()
                     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                              _merge_rows(part_o, part_lse, tok.to(tl.int64) * NUM_HEADS + head, num_tokens,
-                                         row_ok, NUM_HEADS, HEAD_DIM, NUM_SPLITS, BLOCK_M).to(out_ptr.dtype.element_ty),
-                             mask=row_ok[:, None])
+                                         row_ok, NUM_HEADS, HEAD_DIM, D_PAD, NUM_SPLITS,
+                                         BLOCK_M).to(out_ptr.dtype.element_ty),
+                             mask=row_ok[:, None] & d_ok[None, :])
                     tl.store(count, 0)
 
 
 @triton.jit
 def _merge_rows(part_o, part_lse, row0, num_tokens, row_ok, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                D_PAD: tl.constexpr,
                 NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr):
     """LSE-weighted mean of the NUM_SPLITS normalized partial outputs of rows `row0` (token * heads + head) of a
     MERGE_LAST program's tile; L2 loads (.cg): the partials were written by other programs of this launch."""
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, D_PAD)
+    tile_ok = row_ok[:, None] & dims_ok(d, HEAD_DIM, D_PAD)[None, :]
     m = tl.load(part_lse + row0, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
     for s in tl.static_range(1, NUM_SPLITS):
         m = tl.maximum(m, tl.load(part_lse + s * num_tokens * NUM_HEADS + row0, mask=row_ok, other=float("-inf"),
                                   cache_modifier=".cg"))
     m = tl.where(m == float("-inf"), 0.0, m)
-    o = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    o = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     for s in tl.static_range(NUM_SPLITS):
         row = s * num_tokens * NUM_HEADS + row0
         w = tl.exp2(tl.load(part_lse + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m)
         # every split wrote its partial (finite: 0 where it saw no key), so the loads need not wait for w (H200
         # session 16 window 5, MSA FP8 b64 32K: with PDL 0.0473-0.0475 -> 0.0459-0.0461 ms)
-        o += w[:, None] * tl.load(part_o + row[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0,
+        o += w[:, None] * tl.load(part_o + row[:, None] * HEAD_DIM + d[None, :], mask=tile_ok, other=0.0,
                                   cache_modifier=".cg")
         w_sum += w
     return o / tl.maximum(w_sum, 1e-30)[:, None]
@@ -392,19 +375,20 @@ def _merge_rows(part_o, part_lse, row0, num_tokens, row_ok, NUM_HEADS: tl.conste
 
 @triton.jit
 def _merge_kernel(part_o, part_lse, out_ptr, num_tokens, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
     """out[t, h] = LSE-weighted mean of the splits' normalized partial outputs (empty splits weigh 0)."""
     t = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, D_PAD)
     row = (s.to(tl.int64) * num_tokens + t) * NUM_HEADS + head
     lse = tl.load(part_lse + row, mask=s < NUM_SPLITS, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    o = tl.load(part_o + row[:, None] * HEAD_DIM + d[None, :], mask=(w > 0)[:, None], other=0.0)
+    o = tl.load(part_o + row[:, None] * HEAD_DIM + d[None, :], mask=(w > 0)[:, None] & (d < HEAD_DIM)[None, :],
+                other=0.0)
     o = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-    tl.store(out_ptr + t * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def interpreting() -> bool:
@@ -445,7 +429,9 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
     def shape(tile_n: int) -> tuple[int, int]:
         """(BLOCK_N, split count) at key tiles of tile_n: enough programs to fill the chip, never splits so thin
         that the merge costs more than it spreads."""
-        block_n = min(tile_n, block_size) if sparse else tile_n
+        # MSA: tiles no wider than a block rounded up to a power of two; a block that is not a multiple of the tile
+        # has its tiles' tails masked (_block_end). At least 16 keys: tl.dot's smallest K on a GPU (the P @ V dot)
+        block_n = max(16, min(tile_n, triton.next_power_of_2(block_size)) if sparse else tile_n)
         max_splits = block_q * topk if sparse else max(1, triton.cdiv(max_context_len, 4 * block_n))
         return block_n, min(1 << (want.bit_length() - 1), triton.next_power_of_2(max_splits))
 
@@ -527,7 +513,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale * 1.4426950408889634, num_seqs, t_total, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         page_table.stride(0), k_cache.stride(0), k_cache.stride(1), ks.stride(0), ks.stride(1),
         sel.stride(0) if sparse else 0, sel.stride(1) if sparse else 0,
-        NUM_HEADS=hq, HEAD_DIM=head_dim, GROUP=hq // hkv, BLOCK_H=plan["BLOCK_H"], BLOCK_Q=plan["BLOCK_Q"],
+        NUM_HEADS=hq, HEAD_DIM=head_dim, D_PAD=dim_tile(head_dim), GROUP=hq // hkv, BLOCK_H=plan["BLOCK_H"],
+        BLOCK_Q=plan["BLOCK_Q"],
         BLOCK_N=plan["BLOCK_N"], NUM_SPLITS=splits, X=shuffle_width(k_cache.dtype), SHUFFLE=layout == "shuffle",
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
@@ -536,7 +523,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
-                                     HEAD_DIM=head_dim, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+                                     HEAD_DIM=head_dim, D_PAD=dim_tile(head_dim), NUM_SPLITS=splits,
+                                     SPLITS_PAD=triton.next_power_of_2(splits),
                                      num_warps=tiles("attn_merge")["num_warps"])
     return out
 
@@ -574,7 +562,8 @@ def aot_variants(arch: Arch) -> list:
         types |= {arg: "i32" for arg in _attn_kernel.arg_names if arg not in types}
         variants.append(AotVariant(
             name=name, kernel=_attn_kernel, types=types,
-            constexprs={"NUM_HEADS": hq, "HEAD_DIM": d, "GROUP": hq // hkv, "BLOCK_H": plan["BLOCK_H"],
+            constexprs={"NUM_HEADS": hq, "HEAD_DIM": d, "D_PAD": dim_tile(d), "GROUP": hq // hkv,
+                        "BLOCK_H": plan["BLOCK_H"],
                         "BLOCK_Q": plan["BLOCK_Q"], "BLOCK_N": plan["BLOCK_N"], "NUM_SPLITS": plan["NUM_SPLITS"],
                         "X": 16 if kv == "fp8" else 8, "SHUFFLE": layout == "shuffle", "FP8": kv == "fp8",
                         "SPARSE": sparse, "TOPK": m["topk"], "TOPK_PAD": m["topk"], "SEL_BLOCK": m["block_size"],
@@ -589,6 +578,6 @@ def aot_variants(arch: Arch) -> list:
         name="attention.merge", kernel=_merge_kernel,
         types={"part_o": "*fp32", "part_lse": "*fp32", "out_ptr": "*bf16", "num_tokens": "i32", "stride_ot": "i32",
                "stride_oh": "i32"},
-        constexprs={"NUM_HEADS": hq, "HEAD_DIM": d, "NUM_SPLITS": 2, "SPLITS_PAD": 2},
+        constexprs={"NUM_HEADS": hq, "HEAD_DIM": d, "D_PAD": dim_tile(d), "NUM_SPLITS": 2, "SPLITS_PAD": 2},
         num_warps=tiles("attn_merge", arch)["num_warps"], aligned=("stride_ot", "stride_oh")))
     return variants

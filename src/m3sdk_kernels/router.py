@@ -4,8 +4,9 @@
     chosen = top_k(p + bias)         (the correction bias steers the choice only)
     weights = p[chosen] / sum(p[chosen]) * routed_scale
 
-With `shared=True` a (k+1)-th column names expert E (the shared expert stacked after the routed ones, see
-moe.py) with weight 1, so the fused MoE serves routed and shared experts in one pass.
+With `shared=n` (True: 1) n more columns name experts E .. E + n - 1 (the shared expert stacked after the routed
+ones, in n pieces of the routed width where it is wider: `experts.stack_shared`) with weight 1, so the fused MoE
+serves routed and shared experts in one pass.
 
 The logits (hidden @ router_weight.T) stay a plain fp32 GEMM outside: a tf32 product would flip near-ties of the
 choice. The kernel does the rest in one pass per token block, with the E scores of a token in registers; the
@@ -19,21 +20,6 @@ import triton
 import triton.language as tl
 
 from .arch import Arch, current_arch, tiles
-
-
-def route_ref(logits: torch.Tensor, bias: torch.Tensor, top_k: int, routed_scale: float = 1.0,
-              shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights float32 [T, k (+1)], expert ids int32 [T, k (+1)]), routed ids by descending
-    choice score, then the shared column (id E, weight 1) if `shared`."""
-    p = torch.sigmoid(logits.float())
-    _, ids = torch.topk(p + bias.float(), top_k, dim=-1, sorted=True)
-    w = p.gather(1, ids)
-    w = w / w.sum(dim=-1, keepdim=True) * routed_scale
-    ids = ids.to(torch.int32)
-    if shared:
-        w = torch.cat((w, torch.ones_like(w[:, :1])), dim=1)
-        ids = torch.cat((ids, torch.full_like(ids[:, :1], logits.shape[1])), dim=1)
-    return w, ids
 
 
 @triton.jit
@@ -59,9 +45,9 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_l, routed_s
         ids = tl.where(slots[None, :] == j, best[:, None].to(tl.int32), ids)
         choice = tl.where(picked, float("-inf"), choice)
     w = w / tl.sum(w, axis=1)[:, None] * routed_scale
-    if SHARED:
-        w = tl.where(slots[None, :] == TOP_K, 1.0, w)
-        ids = tl.where(slots[None, :] == TOP_K, E, ids)
+    # SHARED columns after the routed ones: experts E, E + 1, .. with weight 1
+    w = tl.where(slots[None, :] >= TOP_K, 1.0, w)
+    ids = tl.where(slots[None, :] >= TOP_K, E + slots[None, :] - TOP_K, ids)
     width = TOP_K + SHARED
     out = rows[:, None] * width + slots[None, :]
     mask = row_ok[:, None] & (slots[None, :] < width)
@@ -70,7 +56,7 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, E, stride_l, routed_s
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, routed_scale: float = 1.0,
-          shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+          shared: bool | int = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `route_ref`."""
     t, e = logits.shape
     if top_k > e:
@@ -81,7 +67,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, routed_scale: fl
     if t:
         cfg = tiles("router", current_arch(logits.device))
         _route_kernel[(triton.cdiv(t, cfg["BLOCK_T"]),)](
-            logits, bias, w, ids, t, e, logits.stride(0), routed_scale, TOP_K=top_k, SHARED=shared,
+            logits, bias, w, ids, t, e, logits.stride(0), routed_scale, TOP_K=top_k, SHARED=int(shared),
             K_PAD=triton.next_power_of_2(width), BLOCK_T=cfg["BLOCK_T"], BLOCK_E=triton.next_power_of_2(e),
             num_warps=cfg["num_warps"])
     return w, ids

@@ -66,13 +66,13 @@ def test_prefill_node_daemon_tls_token_and_sigterm_drain(engine_checkpoint, tmp_
                 local = await generate(engine)
             async with decode_engine(engine_checkpoint, address, root=cert) as engine:
                 assert await generate(engine) == local
-                assert engine._core.remote.num_remote == 1
+                assert engine._admission.num_remote == 1
             # no TLS, or a CA that did not sign the node's certificate: the node is unreachable, prefill is local
             for root in (None, other_ca):
                 async with decode_engine(engine_checkpoint, address, root=root) as engine:
-                    assert not engine._core.remote.client.has_healthy_node
+                    assert not engine._admission.client.has_healthy_node
                     assert await generate(engine) == local
-                    assert engine._core.remote.num_remote == 0
+                    assert engine._admission.num_remote == 0
         asyncio.run(run())
 
         proc.send_signal(signal.SIGTERM)

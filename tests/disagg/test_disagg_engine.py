@@ -71,17 +71,17 @@ async def test_remote_prefill_is_greedy_identical_to_colocated(engine_checkpoint
     async with decode_engine(engine_checkpoint, [node], prefill_fallback="error") as engine:
         free = engine.stats()["pages_free"]
         assert await generate_all(engine) == colocated
-        assert engine._core.remote.num_remote == len(PROMPTS)
-        assert engine._core.remote.client.layers_per_group == 2  # 4 layers: two groups, the first overlaps
+        assert engine._admission.num_remote == len(PROMPTS)
+        assert engine._admission.client.layers_per_group == 2  # 4 layers: two groups, the first overlaps
         assert engine.stats()["pages_free"] == free
-        assert_node_pages_free(engine._core.remote.client)
+        assert_node_pages_free(engine._admission.client)
 
 
 async def test_first_token_top_logprobs_come_from_the_node(engine_checkpoint, node):
     async def run(**kwargs):
         async with Engine(model=str(engine_checkpoint), device="cpu", kv_cache_memory=8 << 20, **kwargs) as engine:
             done = await engine.generate(PROMPTS[2], temperature=0.0, max_tokens=3, logprobs=4)
-            return done, engine._core.remote
+            return done, engine._admission
     local, _ = await run()
     remote, rp = await run(prefill_nodes=[node], remote_prefill_min_tokens=32, prefill_fallback="error")
     assert rp.num_remote == 1
@@ -117,7 +117,7 @@ async def test_node_killed_mid_prefill_falls_back_within_deadline_without_page_l
             t0 = time.monotonic()
             assert await task == colocated
             assert time.monotonic() - t0 < 10.0
-            assert engine._core.remote.num_fallbacks == len(PROMPTS)
+            assert engine._admission.num_fallbacks == len(PROMPTS)
             assert engine.stats()["pages_free"] == free
             # with the node down, the next request is prefilled here at once
             assert (await engine.generate(PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS)).token_ids \
@@ -135,11 +135,11 @@ async def test_fallback_error_raises_and_caller_abort_reaches_the_node(engine_ch
             with pytest.raises(PrefillNodeError, match="deadline|DEADLINE"):
                 await engine.generate(PROMPTS[0], temperature=0.0, max_tokens=4)
             assert engine.stats()["pages_free"] == free
-            assert_node_pages_free(engine._core.remote.client)  # the node gave up at the deadline too
+            assert_node_pages_free(engine._admission.client)  # the node gave up at the deadline too
         async with decode_engine(engine_checkpoint, [address], prefill_timeout=30.0) as engine:
             task = asyncio.ensure_future(engine.generate(PROMPTS[1], temperature=0.0, max_tokens=4))
             await asyncio.sleep(0.5)
-            client = engine._core.remote.client
+            client = engine._admission.client
             assert node_health(client).running == 1
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -157,9 +157,9 @@ async def test_two_nodes_one_engine_and_one_node_two_engines(engine_checkpoint, 
     try:
         async with decode_engine(engine_checkpoint, [node, second], prefill_fallback="error") as engine:
             assert await generate_all(engine) == colocated
-            assert set(engine._core.remote.nodes_used) == {node, second}
+            assert set(engine._admission.nodes_used) == {node, second}
             for index in range(2):
-                assert_node_pages_free(engine._core.remote.client, index)
+                assert_node_pages_free(engine._admission.client, index)
         async with decode_engine(engine_checkpoint, [second], prefill_fallback="error") as a, \
                 decode_engine(engine_checkpoint, [second], prefill_fallback="error") as b:
             assert await asyncio.gather(generate_all(a), generate_all(b)) == [colocated, colocated]
@@ -193,4 +193,4 @@ async def test_handshake_runs_off_the_callers_event_loop(engine_checkpoint, colo
             # the node is unreachable: prompts are prefilled here at once
             assert (await engine.generate(PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS)).token_ids \
                 == colocated[0]
-            assert engine._core.remote.num_remote == 0
+            assert engine._admission.num_remote == 0

@@ -73,7 +73,7 @@ def assert_pages(pool: KVPool, tokens: list[int], pages: list[int], num_cached: 
 def test_pages_arrive_intact_in_their_pages(node, pieces):
     # 300 tokens = 19 pages over 4 layers; 64 KiB messages force several messages per layer group. `pieces`: the
     # decode side receives in place (the default), asking for plans of pieces where its pages form runs
-    from m3sdk.disagg.transport import UcxTransport
+    from m3sdk.disagg.ucx_transport import UcxTransport
 
     transport = UcxTransport(in_place=pieces)
     client, pool = make_client(node, layers_per_group=2, max_message_bytes=64 << 10, transport=transport)
@@ -243,7 +243,7 @@ def test_a_message_that_does_not_match_the_plan_never_reaches_the_pages(num_page
     """A message cut short (half the layers the receiver expects) or too long (twice: UCX truncates it) is refused,
     and no page keeps anything of it, whether the pages are placed by index (4: staged) or received in place as a
     run (16: a plan of pieces, one UCX message per piece)."""
-    from m3sdk.disagg.transport import UcxTransport
+    from m3sdk.disagg.ucx_transport import UcxTransport
 
     pool = KVPool(spec())
     rows = wire.page_rows(pool)
@@ -280,7 +280,7 @@ def test_abort_reaches_the_node_and_the_receive_is_retired(slow_node):
         fut = client.submit("a1", list(range(40)), GREEDY, [4, 5, 6], 0, 30)
         time.sleep(0.5)
         assert _health(address).running == 1
-        client.cancel("a1")
+        client.cancel_async("a1").result(10)
         assert fut.cancelled()
         deadline = time.monotonic() + 5
         while _health(address).running and time.monotonic() < deadline:
@@ -375,7 +375,7 @@ def test_pages_sent_in_place_are_released_once_sent_or_when_the_push_is_dropped(
     `wait_released` says no send reads them. Sent: released, and the decode side got
     every byte. Not received within the bound (the decode side posted nothing for the transfer): the push's
     endpoint is dropped, the push fails, and the pages are released all the same."""
-    from m3sdk.disagg.transport import UcxTransport
+    from m3sdk.disagg.ucx_transport import UcxTransport
 
     pool = KVPool(spec())
     rows = wire.page_rows(pool)
@@ -418,7 +418,7 @@ def test_pages_sent_in_place_are_released_once_sent_or_when_the_push_is_dropped(
 def test_pieces_arrive_intact_whatever_the_two_sides_runs(src, dst, in_place):
     """A plan of pieces (what an in-place decode side asks for) is cut where the decode side's runs are; the node sends
     exactly those pieces: from its pool where its own pages line up, else from a staging buffer cut the same way."""
-    from m3sdk.disagg.transport import UcxTransport
+    from m3sdk.disagg.ucx_transport import UcxTransport
 
     pool = KVPool(spec())
     rows = wire.page_rows(pool)

@@ -1,70 +1,79 @@
-"""The engine loop while requests wait on remote prefills (Contract 6): a request parked on a prefill node holds
-its pages and a `max_num_seqs` slot, so the requests queued behind it may have nothing to run for a while. The
-core must wait for the node's outcome (its inbox wake), neither dying nor spinning."""
+"""The engine loop while an admission holds requests (remote prefill, Contract 6): a request taken by a prefill
+node holds its pages outside the scheduler, so the loop may have nothing to run for a while. The core must wait
+for the admission's outcome (its wake), neither dying nor spinning, and must not wait for the admission's work
+itself."""
 
 import threading
 import time
 
+from m3sdk.cache.page_pool import PAGE_SIZE
 from m3sdk.config import EngineConfig
-from m3sdk.core import EngineCore
+from m3sdk.core import EngineCore, Handover, build_core
 from m3sdk.params import SamplingParams
-from m3sdk.request import Request
-from m3sdk.sampler import SamplingState
-from m3sdk.tokenizer import TextStream
+from m3sdk.request import Request, RequestStatus
 
 
 class FailingNode:
-    """The scheduler/core face of RemotePrefill: takes the first request, and its prefill fails on `fail()`
-    (prefill_fallback "local": the core then prefills it itself)."""
+    """An Admission that takes the first request (its pages for the whole prompt), whose prefill fails on `fail()`
+    (prefill_fallback "local": the core then prefills it itself, into the same pages)."""
 
-    fallback = "local"
-
-    def __init__(self, wake):
-        self.wake = wake
+    def __init__(self, core: EngineCore):
+        self.core = core
         self.taken: list[Request] = []
+        self.held: dict[str, Request] = {}
         self.failed: list[Request] = []
+        self.closed = False
 
-    def wants(self, request: Request, cached_tokens: int) -> bool:
-        return not self.taken
-
-    def start(self, request: Request, pages: list[int], num_cached_pages: int) -> None:
+    def admit(self, request: Request) -> bool:
+        if self.taken:
+            return False
+        cached = len(self.core.cache.match_prefix(request)) * PAGE_SIZE
+        assert self.core.cache.allocate(request, request.num_tokens - cached, self.core.cache.match_prefix(request))
+        request.num_computed_tokens = cached
         self.taken.append(request)
+        self.held[request.request_id] = request
+        return True
+
+    def get(self, request_id):
+        return self.held.get(request_id)
+
+    def live_requests(self):
+        return list(self.held.values())
+
+    def drop(self, request, reason):
+        del self.held[request.request_id]
+        request.status = RequestStatus.FINISHED
+        self.core.cache.free(request)
 
     def fail(self) -> None:
-        self.failed = list(self.taken)
-        self.wake()
+        self.failed = list(self.held.values())
+        self.core.wake()
 
-    def poll(self):
-        out, self.failed = [(r, ConnectionError("node down")) for r in self.failed], []
+    def handovers(self):
+        out, self.failed = [Handover(self.held.pop(r.request_id)) for r in self.failed], []
         return out
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
 
 def request(core: EngineCore, rid: str) -> Request:
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     ids = list(b"remote prefill " + rid.encode())
-    r = Request(rid, ids, params, len(ids) + params.max_tokens)
-    r.sampling = SamplingState(params, ids)
-    r.text = TextStream(core.tokenizer, params, ids)
-    return r
+    return core.new_request(rid, ids, params, len(ids) + params.max_tokens)
 
 
-def test_requests_queued_behind_a_remote_prefill_wait_for_its_outcome(engine_checkpoint):
-    core = EngineCore.build(EngineConfig(model=str(engine_checkpoint), device="cpu", max_model_len=128,
-                                         max_num_seqs=1, max_num_batched_tokens=64, kv_cache_memory=1 << 21))
-    node = FailingNode(core._wake)
-    core.remote = core.scheduler.remote = node
+def test_requests_held_by_an_admission_wait_for_its_outcome(engine_checkpoint):
     schedules = 0
-    schedule = core.scheduler.schedule
 
-    def counting_schedule():
-        nonlocal schedules
-        schedules += 1
-        return schedule()
+    class Counting:  # a step observer
+        def on_step(self, plan):
+            nonlocal schedules
+            schedules += 1
 
-    core.scheduler.schedule = counting_schedule
+    core = build_core(EngineConfig(model=str(engine_checkpoint), device="cpu", max_model_len=128, max_num_seqs=1,
+                                   max_num_batched_tokens=64, kv_cache_memory=1 << 21), observers=[Counting()])
+    node = FailingNode(core)
     finished, dead, done = [], [], threading.Event()
 
     def emit(chunks):
@@ -72,18 +81,45 @@ def test_requests_queued_behind_a_remote_prefill_wait_for_its_outcome(engine_che
         if len(finished) == 2:
             done.set()
 
-    core.start(emit, lambda exc: (dead.append(exc), done.set()))
+    core.start(emit, lambda exc: (dead.append(exc), done.set()), admission=node)
     try:
-        core.submit(request(core, "a"))
-        core.submit(request(core, "b"))  # waits for a's slot (max_num_seqs=1) while a waits on its node
+        core.submit(request(core, "a"))  # taken by the node
+        core.submit(request(core, "b"))  # runs here meanwhile
+        deadline = time.monotonic() + 30
+        while finished != ["b"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert finished == ["b"] and not dead, (finished, dead)
+        steps = schedules
         time.sleep(0.3)
-        assert not dead, dead
         assert node.taken and node.taken[0].request_id == "a"
-        assert schedules < 10, f"the loop spins while nothing can run ({schedules} schedules in 0.3 s)"
+        assert schedules - steps < 3, f"the loop spins while nothing can run ({schedules - steps} steps in 0.3 s)"
         node.fail()
         assert done.wait(30)
         assert not dead, dead
         assert sorted(finished) == ["a", "b"]
+        assert core.stats()["pages_free"] == core.stats()["pages_total"]
+    finally:
+        core.stop()
+        core.join(10)
+    assert node.closed
+
+
+def test_an_abort_of_a_held_request_reaches_its_admission(engine_checkpoint):
+    core = build_core(EngineConfig(model=str(engine_checkpoint), device="cpu", max_model_len=128, max_num_seqs=2,
+                                   kv_cache_memory=1 << 21))
+    node = FailingNode(core)
+    chunks, done = [], threading.Event()
+    core.start(lambda cs: (chunks.extend(cs), done.set()), lambda exc: None, admission=node)
+    try:
+        core.submit(request(core, "a"))
+        core.abort("a")
+        assert done.wait(10)
+        assert [(c.request_id, c.finish_reason) for c in chunks] == [("a", "abort")]
+        assert not node.held
+        deadline = time.monotonic() + 10
+        while core.stats()["pages_free"] != core.stats()["pages_total"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.stats()["pages_free"] == core.stats()["pages_total"]
     finally:
         core.stop()
         core.join(10)

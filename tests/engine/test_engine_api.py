@@ -216,7 +216,7 @@ async def test_dead_engine_thread_raises_in_every_waiter_within_a_second(engine_
         waiters = [asyncio.create_task(e.generate("xyz", max_tokens=100, ignore_eos=True)) for _ in range(4)]
         await asyncio.sleep(0.05)
 
-        def crash(plan):
+        def crash(*args):
             raise RuntimeError("injected fault")
 
         e._core.runner.run = crash  # the next step fails inside the engine thread

@@ -1,5 +1,6 @@
 """attention_backend="triton" through the whole engine: its greedy tokens equal the torch backend's, and its
-top-5 logprobs agree to 1e-4, on the oracle checkpoint (kernels run under TRITON_INTERPRET=1 on a CPU).
+top-5 logprobs agree to 1e-4, on the oracle checkpoint (kernels compiled on a GPU, under TRITON_INTERPRET=1 on a
+CPU; the torch backend's engine on the same device).
 
 A mixed batch: with 32 tokens per step, the 12-token prompt decodes while the others still prefill in chunks;
 contexts of 30-51 tokens make MSA (top 3 blocks of 8) drop blocks, so the indexer's selection steers the sparse
@@ -13,26 +14,17 @@ import pytest
 import torch
 from test_engine_greedy import engine
 
-from m3sdk_kernels import arch
-
 PROMPTS = ([(7 * i + 3) % 253 + 3 for i in range(12)], [(5 * i + 1) % 253 + 3 for i in range(30)],
            [(11 * i + 9) % 253 + 3 for i in range(47)])
 MAX_TOKENS = 4
 
 
-@pytest.fixture
-def few_prefill_splits(monkeypatch):
-    """The interpreter runs every program in Python: prefill splits that fill a GPU's SMs only multiply its time
-    here (the kernel tests cover splits and the merge; decode steps still split)."""
-    for family in ("attn_prefill", "sparse_prefill"):
-        monkeypatch.setitem(arch.TILES[family], "sm90", arch.TILES[family]["sm90"] | {"SPLIT_PROGRAMS": 1})
-
-
 @pytest.mark.parametrize(("kv_dtype", "layout"), [("bf16", "plain"), ("fp8", "shuffle")])
-async def test_triton_engine_equals_torch_engine(engine_checkpoint, few_prefill_splits, kv_dtype, layout):
+async def test_triton_engine_equals_torch_engine(engine_checkpoint, device, ieee_fp32, few_prefill_splits, kv_dtype,
+                                                 layout):
     tokens, top, top_ids = {}, {}, {}
     for backend in ("torch", "triton"):
-        async with engine(engine_checkpoint, attention_backend=backend, kv_cache_dtype=kv_dtype,
+        async with engine(engine_checkpoint, device=str(device), attention_backend=backend, kv_cache_dtype=kv_dtype,
                           kv_cache_layout=layout, enable_prefix_caching=False) as e:
             assert e.describe()["backend"] == backend
             done = await asyncio.gather(*[e.generate(p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,

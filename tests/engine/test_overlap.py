@@ -7,10 +7,9 @@ import asyncio
 import random
 
 import pytest
-import torch
 
 from m3sdk import Engine
-from m3sdk.core import EngineCore
+from m3sdk.core import EngineCore, build_core, warm_up
 from m3sdk.request import Request
 from m3sdk.runner import PLACEHOLDER
 from m3sdk.sampler import SamplingState
@@ -50,7 +49,7 @@ async def mixed_run(checkpoint, overlap: bool, stop: str, **overrides) -> tuple[
              dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=10, ignore_eos=True),
              dict(temperature=0, max_tokens=9, logprobs=3, ignore_eos=True)]
     async with engine(checkpoint, overlap, **overrides) as e:
-        assert e._core.overlap is overlap
+        assert e._core.config.overlap is overlap
         done = await asyncio.gather(*[e.generate(p, **k) for p, k in zip(ps, kinds, strict=True)])
         assert_all_pages_free(e)
         stats = e.stats()
@@ -131,7 +130,7 @@ def test_host_bookkeeping_lags_one_step(engine_checkpoint):
     from m3sdk import EngineConfig, SamplingParams
     from m3sdk.tokenizer import TextStream
 
-    core = EngineCore.build(EngineConfig(model=str(engine_checkpoint), device="cpu", dtype="float32",
+    core = build_core(EngineConfig(model=str(engine_checkpoint), device="cpu", dtype="float32",
                                          max_model_len=128, kv_cache_memory=1 << 22, overlap_scheduling=True))
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     prompt = prompts(4)[1]
@@ -161,27 +160,27 @@ def _drive(core: EngineCore, prompt: list[int], max_tokens: int) -> list[int]:
     request.sampling = SamplingState(params, prompt)
     request.text = TextStream(core.tokenizer, params, prompt)
     core.scheduler.add(request)
-    while not request.is_finished or core._inflight is not None:
+    while not request.is_finished or core.executor.busy:
         core.step()
     return request.token_ids[len(prompt):]
 
 
 def test_warm_up_leaves_the_engine_clean(engine_checkpoint):
-    """EngineCore.warm_up (run by build on a GPU) serves its waves to the end: nothing running or in flight, every
+    """warm_up (run by build_core on a GPU) serves its waves to the end: nothing running or in flight, every
     page free (its pages idle in the prefix cache), counters at zero, and the next request's tokens unchanged."""
     from m3sdk import EngineConfig
 
     def build() -> EngineCore:
-        return EngineCore.build(EngineConfig(model=str(engine_checkpoint), device="cpu", dtype="float32",
+        return build_core(EngineConfig(model=str(engine_checkpoint), device="cpu", dtype="float32",
                                              max_model_len=128, kv_cache_memory=1 << 22, overlap_scheduling=True))
 
     prompt = prompts(5)[3]
     ref = _drive(build(), prompt, 8)
     core = build()
-    core.warm_up(prompt_len=40, batches=(1, 3))
+    warm_up(core, prompt_len=40, batches=(1, 3))
     stats = core.stats()
     assert stats["steps"] == stats["generation_tokens"] == stats["requests_finished"] == 0
-    assert stats["running"] == stats["waiting"] == 0 and core._inflight is None
+    assert stats["running"] == stats["waiting"] == 0 and not core.executor.busy
     assert stats["pages_free"] == stats["pages_total"] and stats["pages_cached"] == 4 * 2  # 4 prompts x 2 pages
     assert stats["prefix_cache_hits"] == 4 * 16  # each repeated prompt: its first page hit, the last 16 prefilled
     assert all(n == 0 for n in core.cache.pool.ref_counts)
@@ -189,7 +188,7 @@ def test_warm_up_leaves_the_engine_clean(engine_checkpoint):
     assert _drive(core, prompt, 8) == ref
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the overlapped path's pinned copies and events need CUDA")
+@pytest.mark.gpu  # the overlapped path's pinned copies and events need CUDA
 async def test_overlap_on_the_gpu_gives_the_synchronous_tokens(monkeypatch):
     """On a GPU the host really runs ahead of the stream (pinned uploads, the sampled tokens' copy and event, graph
     buffers written for N+1 while N replays): m3-tiny in float32 (near-ties are rare) gives the same greedy tokens

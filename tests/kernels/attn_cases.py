@@ -6,15 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from m3sdk_kernels.cache_write import write_index_key_ref, write_kv_ref
 from m3sdk_kernels.layout import PAGE_SIZE, cache_shape
+from m3sdk_kernels.reference import write_index_key_ref, write_kv_ref
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn, "fp8nuz": torch.float8_e4m3fnuz}
 
 
-def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """A tensor whose every element is NaN (fp8 too), so an element a kernel fails to write shows."""
-    return torch.full(shape, float("nan")).to(dtype)
+    return torch.full(shape, float("nan"), device=device).to(dtype)
 
 
 @dataclass
@@ -31,14 +31,21 @@ class Step:
     context_lens: torch.Tensor
     layout: str
 
+    def to(self, device: torch.device | str) -> Step:
+        return Step(*(x if x is None or isinstance(x, str) else x.to(device) for x in (
+            self.k_cache, self.v_cache, self.k_scale, self.v_scale, self.index_cache, self.page_table,
+            self.cu_seqlens_q, self.context_lens, self.layout)))
+
     @property
     def kv(self) -> tuple:
         return self.k_cache, self.v_cache, self.page_table, self.cu_seqlens_q, self.context_lens
 
 
 def make_step(ctx: list[int], new: list[int], kv_heads: int, head_dim: int, kv_dtype: str, layout: str,
-              index_dim: int = 32, index_dtype: str = "bf16", seed: int = 0) -> Step:
-    """Random K/V/index keys for every cached token, pages scattered over a pool with spare (NaN) pages."""
+              index_dim: int = 32, index_dtype: str = "bf16", seed: int = 0,
+              device: torch.device | str = "cpu") -> Step:
+    """Random K/V/index keys for every cached token, pages scattered over a pool with spare (NaN) pages, made on
+    the CPU (the references write them) and moved to `device`."""
     g = torch.Generator().manual_seed(seed)
     pages = [-(-c // PAGE_SIZE) for c in ctx]
     num_pages = sum(pages) + 3
@@ -70,4 +77,4 @@ def make_step(ctx: list[int], new: list[int], kv_heads: int, head_dim: int, kv_d
         write_index_key_ref(ik, index_cache, slots)
     cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
     return Step(k_cache, v_cache, k_scale, v_scale, index_cache, table, cu, torch.tensor(ctx, dtype=torch.int32),
-                layout)
+                layout).to(device)

@@ -1,15 +1,14 @@
 """Triton indexer (block-max scan, forced local blocks, top-k) against `indexer_topk_ref`."""
 
-import os
+import pytest
+import torch
+from attn_cases import make_step
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first m3sdk_kernels import (tests/conftest too)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from attn_cases import make_step  # noqa: E402
-
-from m3sdk_kernels.indexer import indexer_topk, indexer_topk_ref  # noqa: E402
-from m3sdk_kernels.layout import gather_index_keys_ref  # noqa: E402
+from m3sdk_kernels.indexer import indexer_topk
+from m3sdk_kernels.reference import (
+    gather_index_keys_ref,
+    indexer_topk_ref,
+)
 
 HIDX, DI = 2, 32
 
@@ -47,15 +46,15 @@ def check(got, ref, index_q, step, block, local):
 
 @pytest.mark.parametrize("index_dtype", ["bf16", "fp8", "fp32"])
 @pytest.mark.parametrize("mode", ["decode", "decode_idle", "verify", "prefill"])
-def test_matches_reference(mode, index_dtype):
+def test_matches_reference(mode, index_dtype, device):
     """Contexts of up to 200 tokens in 16-token blocks, top-3: selection drops most blocks. decode_idle: a
     sequence without a query token (token i is then not sequence i)."""
     ctx, new = {"decode": ([200, 37, 16, 129, 1], [1] * 5), "decode_idle": ([200, 37, 129], [1, 0, 1]),
                 "verify": ([200, 70], [4, 4]), "prefill": ([150, 40], [70, 40])}[mode]
     block, topk, local = 16, 3, 1
-    step = make_step(ctx, new, 1, 16, "bf16", "plain", index_dim=DI, index_dtype=index_dtype)
-    index_q = torch.randn(sum(new), HIDX, DI).to(torch.bfloat16)
-    out = torch.full((HIDX, sum(new), topk), 12345, dtype=torch.int32)  # poisoned
+    step = make_step(ctx, new, 1, 16, "bf16", "plain", index_dim=DI, index_dtype=index_dtype, device=device)
+    index_q = torch.randn(sum(new), HIDX, DI).to(device, torch.bfloat16)
+    out = torch.full((HIDX, sum(new), topk), 12345, dtype=torch.int32, device=device)  # poisoned
     got = indexer_topk(index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, block,
                        topk, local, out=out)
     ref = indexer_topk_ref(index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens,
@@ -64,12 +63,12 @@ def test_matches_reference(mode, index_dtype):
     check(got, ref, index_q, step, block, local)
 
 
-def test_local_blocks_and_block_size_32():
+def test_local_blocks_and_block_size_32(device):
     """Two forced local blocks (clamped at block 0), 32-token blocks, one more head than the dots' rows need."""
     ctx, new = [20, 100, 250], [1, 3, 1]
     block, topk, local = 32, 4, 2
-    step = make_step(ctx, new, 1, 16, "bf16", "plain", index_dim=DI, index_dtype="fp8")
-    index_q = torch.randn(sum(new), HIDX, DI).to(torch.bfloat16)
+    step = make_step(ctx, new, 1, 16, "bf16", "plain", index_dim=DI, index_dtype="fp8", device=device)
+    index_q = torch.randn(sum(new), HIDX, DI).to(device, torch.bfloat16)
     args = (index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, block, topk, local)
     got, ref = indexer_topk(*args), indexer_topk_ref(*args)
     check(got, ref, index_q, step, block, local)
@@ -78,7 +77,7 @@ def test_local_blocks_and_block_size_32():
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
-def test_page_ahead_and_long_chunks(mode, monkeypatch):
+def test_page_ahead_and_long_chunks(mode, monkeypatch, device):
     """The scan with page ids carried one block ahead and few chunks (several blocks per program, the carried
     ids crossing a chunk's end and the sequence's last page), the top-k at one warp."""
     from m3sdk_kernels import arch
@@ -89,7 +88,7 @@ def test_page_ahead_and_long_chunks(mode, monkeypatch):
     monkeypatch.setitem(arch.TILES["indexer_topk"], "sm90", {"num_warps": 1})
     ctx, new = {"decode": ([200, 37, 129], [1] * 3), "prefill": ([150, 40], [70, 40])}[mode]
     block, topk, local = 16, 3, 1
-    step = make_step(ctx, new, 1, 16, "bf16", "plain", index_dim=DI, index_dtype="fp8")
-    index_q = torch.randn(sum(new), HIDX, DI).to(torch.bfloat16)
+    step = make_step(ctx, new, 1, 16, "bf16", "plain", index_dim=DI, index_dtype="fp8", device=device)
+    index_q = torch.randn(sum(new), HIDX, DI).to(device, torch.bfloat16)
     args = (index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, block, topk, local)
     check(indexer_topk(*args), indexer_topk_ref(*args), index_q, step, block, local)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from m3sdk_kernels import norm
+from m3sdk_kernels import norm, reference
 from m3sdk_kernels.arch import ARCHS
 
 FP8 = ARCHS["sm90"].fp8_dtype
@@ -17,14 +17,14 @@ def gemma_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_add_rms_norm(residual, fp8):
+def test_add_rms_norm(residual, fp8, device):
     torch.manual_seed(0)
     t, h, eps = 5, 600, 1e-6  # a width that is not a power of two
-    x = torch.randn(t, h).bfloat16() * 3
-    r = torch.randn(t, h).bfloat16() if residual else None
-    w = (torch.randn(h) * 0.2).bfloat16()
+    x = torch.randn(t, h).bfloat16().to(device) * 3
+    r = torch.randn(t, h).bfloat16().to(device) if residual else None
+    w = (torch.randn(h) * 0.2).bfloat16().to(device)
     y, s, new_r = norm.add_rms_norm(x, w, eps, r, FP8 if fp8 else None)
-    yr, sr, new_rr = norm.add_rms_norm_ref(x, w, eps, r, FP8 if fp8 else None)
+    yr, sr, new_rr = reference.add_rms_norm_ref(x, w, eps, r, FP8 if fp8 else None)
     summed = x if r is None else (x.float() + r.float()).to(x.dtype)
     # the interpreter rounds bf16 by truncation: one bf16 ulp apart at most
     torch.testing.assert_close(new_r, summed, rtol=2**-7, atol=0)

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
+from kernel_marks import needs_gpu
 
-from m3sdk_kernels import quant
+from m3sdk_kernels import formats, quant, reference
 from m3sdk_kernels.arch import ARCHS, TILES
 
 FP8 = ARCHS["sm90"].fp8_dtype
@@ -16,12 +17,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_mxfp4_codes_nibble_order_ties_and_scale():
     # one block holding every E2M1 magnitude times 4 (scale byte 127 + 2), then the ties of round-to-nearest-even
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0] * 2 + [-0.5, -1.0, -6.0] + [0.0] * 13)
-    packed, scales = quant.quantize_mxfp4(grid * 4)
+    packed, scales = formats.quantize_mxfp4(grid * 4)
     assert scales.tolist() == [129]
     assert packed[0].item() == 0x10  # element 0 (code 0) in the low nibble, element 1 (0.5 -> code 1) high
-    assert torch.equal(quant.dequantize_mxfp4(packed, scales), grid * 4)
+    assert torch.equal(formats.dequantize_mxfp4(packed, scales), grid * 4)
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0] + [6.0] + [0.0] * 23)
-    got = quant.dequantize_mxfp4(*quant.quantize_mxfp4(ties))[:8]
+    got = formats.dequantize_mxfp4(*formats.quantize_mxfp4(ties))[:8]
     assert got.tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -4.0]
 
 
@@ -31,12 +32,12 @@ def test_mx_roundtrip_error_and_no_saturation(fmt):
     w = torch.randn(6, 128) * torch.logspace(-3, 2, 6)[:, None]  # rows of very different magnitude
     w[2, :32] = 0.0  # an all-zero block
     if fmt == "mxfp4":
-        q, s = quant.quantize_mxfp4(w)
-        back = quant.dequantize_mxfp4(q, s)
+        q, s = formats.quantize_mxfp4(w)
+        back = formats.dequantize_mxfp4(q, s)
         step = 0.25  # half the widest E2M1 gap (2) relative to the top value 6, in units of the block amax
     else:
-        q, s = quant.quantize_mxfp8(w)
-        back = quant.dequantize_mxfp8(q, s)
+        q, s = formats.quantize_mxfp8(w)
+        back = formats.dequantize_mxfp8(q, s)
         step = 2.0**-4
     assert q.shape[-1] == (64 if fmt == "mxfp4" else 128) and s.shape == (6, 4) and s.dtype == torch.uint8
     assert torch.equal(back[2, :32], torch.zeros(32))
@@ -52,47 +53,47 @@ def test_mxfp8_reads_e8m0_scales_like_the_published_checkpoint():
     q = torch.randn(4, 64).to(torch.float8_e4m3fn)
     scale_inv = torch.tensor([[127, 130], [120, 127], [127, 127], [134, 100]], dtype=torch.uint8)
     want = q.float() * torch.exp2(scale_inv.float() - 127).repeat_interleave(32, dim=1)
-    assert torch.equal(quant.dequantize_mxfp8(q, scale_inv), want)
+    assert torch.equal(formats.dequantize_mxfp8(q, scale_inv), want)
 
 
 @pytest.mark.parametrize("block_k", [None, 512])  # the row in one tile (the table's), and in steps of 512
-def test_quantize_fp8_per_token_matches_reference(block_k, monkeypatch):
+def test_quantize_fp8_per_token_matches_reference(block_k, monkeypatch, device):
     if block_k:
         monkeypatch.setitem(TILES["fp8_quant"], "sm90", TILES["fp8_quant"]["sm90"] | {"BLOCK_K": block_k})
     torch.manual_seed(1)
-    x = torch.randn(7, 1300).bfloat16() * torch.logspace(-2, 2, 7)[:, None].bfloat16()
+    x = (torch.randn(7, 1300).bfloat16() * torch.logspace(-2, 2, 7)[:, None].bfloat16()).to(device)
     x[3] = 0
     q, s = quant.quantize_fp8_per_token(x, FP8)
-    qr, sr = quant.quantize_fp8_per_token_ref(x, FP8)
+    qr, sr = reference.quantize_fp8_per_token_ref(x, FP8)
     assert torch.equal(s, sr)
     assert torch.equal(q.float(), qr.float())
 
 
 @pytest.mark.parametrize("block_k", [None, 512])  # the row in one tile, and in steps of 512
-def test_swiglu_quantize_fp8_matches_reference(block_k, monkeypatch):
+def test_swiglu_quantize_fp8_matches_reference(block_k, monkeypatch, device):
     """The dense MLP's down input in one launch: SwiGLU-OAI of [gate | up], each op rounded to bf16 as the bf16
     reference rounds it, then quantized per token: the reference's bits (rows past the clamp limits too)."""
     if block_k:
         monkeypatch.setitem(TILES["fp8_quant"], "sm90", TILES["fp8_quant"]["sm90"] | {"BLOCK_K": block_k})
     torch.manual_seed(2)
-    gu = (torch.randn(6, 2 * 1300) * torch.tensor([0.01, 0.3, 1.0, 4.0, 20.0, 1.0])[:, None]).bfloat16()
+    gu = (torch.randn(6, 2 * 1300) * torch.tensor([0.01, 0.3, 1.0, 4.0, 20.0, 1.0])[:, None]).bfloat16().to(device)
     gu[5] = 0
     q, s = quant.swiglu_quantize_fp8(gu, 1.702, 7.0, FP8)
-    qr, sr = quant.swiglu_quantize_fp8_ref(gu, 1.702, 7.0, FP8)
+    qr, sr = reference.swiglu_quantize_fp8_ref(gu, 1.702, 7.0, FP8)
     assert torch.equal(s, sr)
     assert torch.equal(q.float(), qr.float())
 
 
 @pytest.mark.parametrize("m", [1, 37, 300])  # the decode, mid and prefill tile tables
-def test_fp8_linear_matches_reference(m):
+def test_fp8_linear_matches_reference(m, device):
     torch.manual_seed(m)
     n, k = 200, 320  # neither a multiple of the N tile; K not a multiple of 256 (the unmasked-K path off)
-    w = torch.randn(n, k) * 0.05
-    wq, ws = quant.quantize_fp8_weight(w, FP8)
-    x = torch.randn(m, k).bfloat16()
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device) * 0.05
+    wq, ws = formats.quantize_fp8_weight(w, FP8)
+    x = torch.randn(m, k).bfloat16().to(device)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device)
     out[:] = quant.fp8_linear(x, wq, ws)
-    ref = quant.fp8_linear_ref(x, wq, ws)
+    ref = reference.fp8_linear_ref(x, wq, ws)
     assert not out.isnan().any()
     assert rel(out, ref) < 1e-2
     # and FP8 W8A8 stays close to the unquantized product
@@ -104,7 +105,7 @@ def test_fp8_linear_matches_reference(m):
 
 @pytest.mark.parametrize("swap_ab", [0, 1])
 @pytest.mark.parametrize("m,k", [(1, 1536), (16, 1536), (5, 1400)])  # K 1400: the masked-K path split too
-def test_fp8_gemm_decode_split_k(m, k, swap_ab, monkeypatch):
+def test_fp8_gemm_decode_split_k(m, k, swap_ab, monkeypatch, device):
     """Decode tiles with K split over programs (the last split of a tile sums the partials) and the staggered K
     order: same result as the reference, bit-identical on a second launch (fixed summation order), and the
     arrival counters are back to zero for the next launch."""
@@ -113,30 +114,32 @@ def test_fp8_gemm_decode_split_k(m, k, swap_ab, monkeypatch):
     n = 3 * t["BLOCK_N"] - 5  # a partial column block
     assert quant.split_k(3, k, t) == 3
     torch.manual_seed(m + k)
-    wq, ws = quant.quantize_fp8_weight(torch.randn(n, k) * 0.05, FP8)
-    xq, xs = quant.quantize_fp8_per_token(torch.randn(m, k).bfloat16(), FP8)
+    wq, ws = formats.quantize_fp8_weight(torch.randn(n, k, device=device) * 0.05, FP8)
+    xq, xs = quant.quantize_fp8_per_token(torch.randn(m, k).bfloat16().to(device), FP8)
     out = quant.fp8_gemm(xq, xs, wq, ws)
-    assert rel(out, quant.fp8_gemm_ref(xq, xs, wq, ws)) < 1e-2
+    assert rel(out, reference.fp8_gemm_ref(xq, xs, wq, ws)) < 1e-2
     assert not quant._counters(out.device).any()
     assert torch.equal(quant.fp8_gemm(xq, xs, wq, ws), out)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (griddepcontrol runs on hardware only)")
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("decode", [{}, {"TMA": 0}])  # the table's tiles (TMA weight tiles), cp.async
 def test_gpu_fp8_linear_pdl_same_bits(decode, monkeypatch):
     """On the GPU, at M3's shapes: the fp8 norm, the quantization and the GEMMs launched as programmatic dependents
     (PDL: a GEMM prefetches its weights before waiting for the kernel before it) give the bits of plain launches,
     eagerly and replayed from a CUDA graph, each kernel reading the one before's output."""
     from m3sdk_kernels.arch import current_arch
-    from m3sdk_kernels.norm import add_rms_norm, add_rms_norm_ref
+    from m3sdk_kernels.norm import add_rms_norm
+    from m3sdk_kernels.reference import add_rms_norm_ref
 
     arch = current_arch()
     if arch.name != "sm90":
         pytest.skip("PDL is an sm90 table entry")
     fp8 = arch.fp8_dtype
     torch.manual_seed(0)
-    w1 = quant.quantize_fp8_weight(torch.randn(9856, 6144, device="cuda") * 0.02, fp8)
-    w2 = quant.quantize_fp8_weight(torch.randn(6144, 8192, device="cuda") * 0.02, fp8)
+    w1 = formats.quantize_fp8_weight(torch.randn(9856, 6144, device="cuda") * 0.02, fp8)
+    w2 = formats.quantize_fp8_weight(torch.randn(6144, 8192, device="cuda") * 0.02, fp8)
     xs = [torch.randn(m, 6144, device="cuda", dtype=torch.bfloat16) for m in (1, 7, 16)]
     nw = torch.randn(6144, device="cuda", dtype=torch.bfloat16) * 0.1
 
@@ -147,7 +150,7 @@ def test_gpu_fp8_linear_pdl_same_bits(decode, monkeypatch):
     monkeypatch.setitem(TILES["rms_norm"], "sm90", TILES["rms_norm"]["sm90"] | {"PDL": 0})
     plain = [chain(x) for x in xs]
     yr, ysr, _ = add_rms_norm_ref(xs[0], nw, 1e-6, xs[0], fp8)  # two fp8 roundings in a row: a looser bound
-    assert rel(plain[0], quant.fp8_linear_ref(quant.fp8_gemm_ref(yr, ysr, *w1)[:, :8192], *w2)) < 5e-2
+    assert rel(plain[0], reference.fp8_linear_ref(reference.fp8_gemm_ref(yr, ysr, *w1)[:, :8192], *w2)) < 5e-2
     for fam in ("fp8_gemm_decode", "fp8_gemm_decode:narrow", "fp8_gemm_decode:wide", "rms_norm"):
         monkeypatch.setitem(TILES[fam], "sm90", TILES[fam]["sm90"] | {"PDL": 1, "PREFETCH": 2}
                             | (decode if fam.startswith("fp8") else {}))
@@ -211,7 +214,8 @@ def test_fp8_norms_hand_quantized_rows_to_the_projections(oracle_checkpoint):
     keep bf16 (the router and the experts read it)."""
     from m3sdk.model import load_model
     from m3sdk.model.layers import Fp8Activation
-    from m3sdk_kernels.norm import add_rms_norm, add_rms_norm_ref
+    from m3sdk_kernels.norm import add_rms_norm
+    from m3sdk_kernels.reference import add_rms_norm_ref
 
     model = load_model(oracle_checkpoint, dtype=torch.bfloat16, quantization="fp8")
     dense, moe = model.layers[0], model.layers[1]

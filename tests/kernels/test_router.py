@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from m3sdk_kernels import router
+from m3sdk_kernels import reference, router
 
 
 def hf_route(logits, bias, top_k):
@@ -15,13 +15,13 @@ def hf_route(logits, bias, top_k):
 
 
 @pytest.mark.parametrize("shared", [False, True])
-def test_route_matches_reference_and_transformers(shared):
+def test_route_matches_reference_and_transformers(shared, device):
     torch.manual_seed(0)
     t, e, k, scale = 53, 128, 4, 2.0  # more tokens than one program's block
-    logits = torch.randn(t, e) * 3
-    bias = torch.randn(e) * 0.5  # large enough to change the choice against plain top-k of the sigmoid
+    logits = torch.randn(t, e, device=device) * 3
+    bias = torch.randn(e, device=device) * 0.5  # large enough to change the choice against plain top-k of the sigmoid
     w, ids = router.route(logits, bias, k, scale, shared)
-    wr, idr = router.route_ref(logits, bias, k, scale, shared)
+    wr, idr = reference.route_ref(logits, bias, k, scale, shared)
     assert w.shape == ids.shape == (t, k + shared) and ids.dtype == torch.int32
     assert torch.equal(ids, idr)
     torch.testing.assert_close(w, wr, rtol=1e-6, atol=1e-6)
@@ -36,13 +36,13 @@ def test_route_matches_reference_and_transformers(shared):
 
 
 @pytest.mark.parametrize("case", ["ties", "dominant_bias", "narrow"])
-def test_never_the_same_expert_twice(case):
+def test_never_the_same_expert_twice(case, device):
     torch.manual_seed(1)
     t, e, k = 20, 16, 4
-    logits = torch.randn(t, e)
-    bias = torch.zeros(e)
+    logits = torch.randn(t, e, device=device)
+    bias = torch.zeros(e, device=device)
     if case == "ties":
-        logits = torch.zeros(t, e)  # every score equal
+        logits = torch.zeros(t, e, device=device)  # every score equal
     elif case == "dominant_bias":
         bias[3] = 100.0  # one expert wins every round of argmax until it is masked
     else:
@@ -50,6 +50,6 @@ def test_never_the_same_expert_twice(case):
     w, ids = router.route(logits, bias, k)
     for row in ids.tolist():
         assert len(set(row)) == k and all(0 <= i < e for i in row)
-    torch.testing.assert_close(w.sum(-1), torch.ones(t))
+    torch.testing.assert_close(w.sum(-1), torch.ones(t, device=device))
     if case == "dominant_bias":
         assert (ids == 3).any(-1).all()

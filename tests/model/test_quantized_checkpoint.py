@@ -18,19 +18,19 @@ from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
 from m3sdk.errors import CheckpointError
 from m3sdk.model import load_model
 from m3sdk.model.quantize import Fp8Linear, QuantizedMoE
-from m3sdk_kernels import quant
+from m3sdk_kernels import formats
 
 LAYER = r"^language_model\.model\.layers\.\d+\."
 EXPERTS = LAYER + r"block_sparse_moe\.(experts\.\d+\.w[123]|shared_experts\.(gate|up|down)_proj)\.weight$"
 # MiniMax's ignored_layers keep lm_head, embeddings and the router in bf16; norms are not linears
 MXFP8_LINEARS = LAYER + r"(?!.*norm\.weight$)(?!block_sparse_moe\.gate\.weight$).*\.weight$"
 FORMATS = {
-    "mxfp8": dict(pattern=MXFP8_LINEARS, scale="weight_scale_inv", quantize=quant.quantize_mxfp8,
-                  dequantize=quant.dequantize_mxfp8,
+    "mxfp8": dict(pattern=MXFP8_LINEARS, scale="weight_scale_inv", quantize=formats.quantize_mxfp8,
+                  dequantize=formats.dequantize_mxfp8,
                   config={"quant_method": "mxfp8", "activation_scheme": "dynamic", "weight_block_size": [1, 32],
                           "ignored_layers": ["lm_head", "model.embed_tokens", "vision_tower"]}),
-    "mxfp4": dict(pattern=EXPERTS, scale="weight_scale", quantize=quant.quantize_mxfp4,
-                  dequantize=quant.dequantize_mxfp4,
+    "mxfp4": dict(pattern=EXPERTS, scale="weight_scale", quantize=formats.quantize_mxfp4,
+                  dequantize=formats.dequantize_mxfp4,
                   config={"quant_method": "quark", "global_quant_config": {
                       "weight": {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0",
                                  "is_dynamic": False},
@@ -182,7 +182,7 @@ def test_bad_quantized_checkpoints(checkpoints, tmp_path):
     def float_expert(t):  # one routed expert's down stored as floats: the layer cannot be one MXFP8 stack
         name = f"{pre}3.block_sparse_moe.experts.6.w2.weight"
         if name in t:
-            t[name] = quant.dequantize_mxfp8(t[name], t.pop(name + "_scale_inv"))
+            t[name] = formats.dequantize_mxfp8(t[name], t.pop(name + "_scale_inv"))
 
     with pytest.raises(CheckpointError, match=r"layer 3: 26 of its 27 expert tensors"):
         load_model(edited(path, tmp_path / "b", float_expert))

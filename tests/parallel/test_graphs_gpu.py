@@ -7,7 +7,6 @@ compile time."""
 import asyncio
 
 import pytest
-import torch
 
 from m3sdk import Engine
 
@@ -17,7 +16,7 @@ PROMPTS = [list(range(100 + 40 * i, 140 + 40 * i)) for i in range(4)]
 
 async def _idle(engine: Engine) -> None:
     core = engine._core
-    while core.scheduler.num_running or core.scheduler.num_waiting or core._inflight is not None:
+    while core.scheduler.num_running or core.scheduler.num_waiting or core.executor.busy:
         await asyncio.sleep(0.01)
 
 
@@ -43,7 +42,7 @@ async def _graphs_then_eager() -> tuple[list[list[int]], list[list[int]], int, i
     return outs[0], outs[1], graph_steps, steps
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallel CUDA graphs need 2 GPUs")
+@pytest.mark.multi_gpu(2)
 def test_two_ranks_with_graphs_give_the_eager_greedy_tokens(monkeypatch):
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")  # fp32 tl.dot is TF32 by default (the worker inherits it)
     graphs, eager, graph_steps, steps = asyncio.run(_graphs_then_eager())

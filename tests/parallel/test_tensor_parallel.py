@@ -49,11 +49,12 @@ def load_model_config(path):
 
 async def _greedy(path, attach=None, **config) -> tuple[list[list[int]], list, int]:
     """`attach(core)`: called once the engine runs, before any request."""
-    async with Engine(model=str(path), kv_cache_memory=8 << 20, max_model_len=256, max_num_seqs=4, **config) as e:
+    async with Engine(model=str(path), device="cpu", kv_cache_memory=8 << 20, max_model_len=256, max_num_seqs=4,
+                      **config) as e:
         if attach is not None:
             attach(e._core)
         outs = await asyncio.gather(*[e.generate(p, max_tokens=10, temperature=0) for p in PROMPTS])
-        procs = list(e._core.stop_hooks[0].__self__.procs) if config.get("tensor_parallel_size", 1) > 1 else []
+        procs = list(e._core.tensor_parallel.procs) if config.get("tensor_parallel_size", 1) > 1 else []
         head_rows = e._core.runner.model.lm_head.weight.shape[0]
     return [o.token_ids for o in outs], procs, head_rows
 
@@ -85,7 +86,7 @@ def test_graph_steps_replay_in_lockstep(engine_checkpoint, single_rank_tokens):
     replays = []
 
     def attach(core):
-        tp = core.stop_hooks[0].__self__
+        tp = core.tensor_parallel
         graphs = MirroredGraphs(tp, core.runner.model, core.cache.kv, 4, core.max_model_len, core.runner.device,
                                 query_lens=(1, 4))
         stage = graphs.stage
@@ -115,7 +116,7 @@ def test_a_build_that_fails_after_the_launch_stops_the_workers(engine_checkpoint
     import torch.distributed as dist
 
     from m3sdk.config import EngineConfig
-    from m3sdk.core import EngineCore
+    from m3sdk.core import build_core
     from m3sdk.parallel import TensorParallel
 
     launched = []
@@ -127,8 +128,8 @@ def test_a_build_that_fails_after_the_launch_stops_the_workers(engine_checkpoint
 
     monkeypatch.setattr(TensorParallel, "launch", record)
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
-        EngineCore.build(EngineConfig(model=str(engine_checkpoint), tensor_parallel_size=2, max_model_len=1 << 30,
-                                      kv_cache_memory=8 << 20))
+        build_core(EngineConfig(model=str(engine_checkpoint), device="cpu", tensor_parallel_size=2,
+                                max_model_len=1 << 30, kv_cache_memory=8 << 20))
     assert [p.returncode for p in launched[0].procs] == [0]
     assert not dist.is_initialized()
 
@@ -140,12 +141,12 @@ def test_graphs_that_fail_before_any_capture_still_let_the_engine_shut_down(engi
     import torch.distributed as dist
 
     from m3sdk.config import EngineConfig
-    from m3sdk.core import EngineCore
+    from m3sdk.core import build_core
 
     torch.set_num_threads(1)
-    core = EngineCore.build(EngineConfig(model=str(engine_checkpoint), tensor_parallel_size=2, max_model_len=256,
-                                         kv_cache_memory=8 << 20))
-    tp = core.stop_hooks[0].__self__
+    core = build_core(EngineConfig(model=str(engine_checkpoint), device="cpu", tensor_parallel_size=2,
+                                   max_model_len=256, kv_cache_memory=8 << 20))
+    tp = core.tensor_parallel
     with pytest.raises(IndexError):
         MirroredGraphs(tp, core.runner.model, core.cache.kv, 4, core.max_model_len, core.runner.device, query_lens=())
     tp.shutdown()

@@ -11,9 +11,9 @@ from oracle import write_byte_tokenizer
 from safetensors.torch import save_file
 
 from m3sdk.model import ModelConfig
-from m3sdk.model.loader import _expected_layer
+from m3sdk.model.loader import expected_layer
 from m3sdk.model.minimax_m3 import DecoderLayer
-from m3sdk.spec.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+from m3sdk.speculative.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
 
 
 def add_mtp(path, model_config, seed=0):
@@ -27,7 +27,7 @@ def add_mtp(path, model_config, seed=0):
     with torch.device("meta"):
         layer = DecoderLayer(model_config, last, torch.float32)
     params = dict(layer.named_parameters())
-    for name, t in _expected_layer(model_config, last, "minimax", prefix="").items():
+    for name, t in expected_layer(model_config, last, "minimax", prefix="").items():
         shape = params[t.param.removeprefix(f"layers.{last}.")][t.index].shape
         tensors["mtp.layers.0.transformer_layer." + name.removeprefix(f"layers.{last}.")] = \
             torch.randn(shape, generator=g) * (0.3 if name.endswith("norm.weight") else 0.1)

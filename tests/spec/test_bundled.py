@@ -7,10 +7,10 @@ import random
 import pytest
 
 from m3sdk import Engine
-from m3sdk.config import EngineConfig
+from m3sdk.core import resolved
 from m3sdk.graphs import DecodeGraphs
-from m3sdk.spec.chain import ChainDrafter
-from m3sdk.spec.decoding import Speculation
+from m3sdk.speculative.chain import ChainDrafter
+from m3sdk.speculative.decoding import Speculation
 
 PROMPTS = ["It was a truth well known in the neighbourhood that", "Emma could not help feeling that her friend"]
 
@@ -35,7 +35,7 @@ async def test_drafts_read_on_the_device_change_no_greedy_token(monkeypatch):
     verify step reach its forward still on the device (placeholders in token_ids, `Proposal.pending`): greedy rows,
     a penalized one included, equal plain decoding while a seeded sampled row shares their batches, and every
     page is free at the end."""
-    monkeypatch.setattr(EngineConfig, "resolve_cuda_graphs", lambda self, device: True)
+    monkeypatch.setattr(resolved, "cuda_graphs_wanted", lambda config, device, backend: True)
     monkeypatch.setattr(DecodeGraphs, "supported", staticmethod(lambda model: True))
     carried, carry = [], Speculation._carry
 
@@ -64,7 +64,7 @@ async def test_reads_launched_before_the_verdict_change_no_greedy_token(monkeypa
     """With the GPU's graph wiring, a batch of greedy rows verifying drafts still on the device has the drafter's
     read launched right behind the verify forward (acceptance counted on the device, `ChainDrafter.settle` told
     the host's count after): output equals plain decoding, and every page is free at the end."""
-    monkeypatch.setattr(EngineConfig, "resolve_cuda_graphs", lambda self, device: True)
+    monkeypatch.setattr(resolved, "cuda_graphs_wanted", lambda config, device, backend: True)
     monkeypatch.setattr(DecodeGraphs, "supported", staticmethod(lambda model: True))
     settled, settle = [], ChainDrafter.settle
 
@@ -118,7 +118,7 @@ async def test_streams_left_while_a_verify_step_runs_leave_nothing_behind(monkey
     """Streams left at random points (aborts that land while a verify step is on the device, its drafts read
     there): the other requests' tokens are plain decoding's, every page is free and the drafter holds no
     request at the end."""
-    monkeypatch.setattr(EngineConfig, "resolve_cuda_graphs", lambda self, device: True)
+    monkeypatch.setattr(resolved, "cuda_graphs_wanted", lambda config, device, backend: True)
     monkeypatch.setattr(DecodeGraphs, "supported", staticmethod(lambda model: True))
     rng = random.Random(0)
     prompts = [PROMPTS[i % 2] + " " * (i // 2) for i in range(12)]
@@ -137,8 +137,8 @@ async def test_streams_left_while_a_verify_step_runs_leave_nothing_behind(monkey
         cut = [rng.choice([1, 3, 7, 99]) for _ in prompts]
         spec = await asyncio.gather(*[one(e, p, c) for p, c in zip(prompts, cut, strict=True)])
         await asyncio.sleep(0.2)
-        stats, drafter = e.stats(), e._core.spec.drafter
+        stats, drafter = e.stats(), e._core.executor.spec.drafter
     for got, want, c in zip(spec, plain, cut, strict=True):
         assert got == want if c == 99 else got[:c] == want[:c]
     assert stats["pages_free"] == stats["pages_total"] and stats["running"] == stats["waiting"] == 0
-    assert not drafter._seqs and len(drafter._free) == drafter.kv_cache.shape[0] - 1
+    assert not drafter._seqs and len(drafter.pool.free) == drafter.pool.slots

@@ -12,9 +12,9 @@ from torch import nn
 
 from m3sdk.errors import CheckpointError
 from m3sdk.runner import PLACEHOLDER
-from m3sdk.spec import eagle3
-from m3sdk.spec.base import DraftRequest, TargetInfo, TargetStates
-from m3sdk.spec.eagle3 import Eagle3Drafter, load_eagle3
+from m3sdk.speculative import eagle3
+from m3sdk.speculative.base import DraftRequest, TargetInfo, TargetStates
+from m3sdk.speculative.eagle3 import Eagle3Drafter, load_eagle3
 
 H, HT, HEADS, KV, D, INTER, VOCAB, DVOCAB, EPS, THETA = 32, 24, 4, 2, 8, 48, 64, 40, 1e-5, 500.0
 TARGET = SimpleNamespace(vocab_size=VOCAB, hidden_size=HT, num_layers=6)
@@ -269,7 +269,7 @@ def test_read_before_the_verdict_drafts_like_the_read_after_it(tmp_path, monkeyp
     some or all of their drafts, one verifying fewer than k (3 requests: a padding context in bucket 4); with and
     without the draft vocabulary's embedding table."""
     if not table:
-        monkeypatch.setattr(eagle3, "DRAFT_EMBED_TABLE_BYTES", 0)
+        monkeypatch.setattr(eagle3.drafter, "DRAFT_EMBED_TABLE_BYTES", 0)
     W = published_tensors()
     head = load_eagle3(write(tmp_path / "st", W), target_info())
     after, before = (Eagle3Drafter(head, k, max_num_seqs=4, capacity=96) for _ in range(2))
@@ -321,7 +321,8 @@ def test_read_before_the_verdict_drafts_like_the_read_after_it(tmp_path, monkeyp
         drafts = proposals[0].pending.drafts.reshape(-1)
         flat = drafts.tolist()
         read = before.read_unverified(items, logits, torch.cat(states), drafts)
-        assert read is not None and read.verdict.get() == argmax + flat  # (sent before the read overwrote them)
+        # (sent before the read overwrote them)
+        assert read is not None and read.verdict.get()[0].tolist() == argmax + flat
         before.settle(read, settled)
         want = [p.pending.host()[p.row] if p.pending else p.tokens for p in after.propose(asks)]
         got = [p.pending.host()[p.row] if p.pending else p.tokens for p in before.propose(asks)]

@@ -8,8 +8,8 @@ from m3sdk.attention.base import AttentionMetadata
 from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
 from m3sdk.errors import CheckpointError
 from m3sdk.model import load_model
-from m3sdk.spec.base import DraftRequest, TargetInfo, TargetStates
-from m3sdk.spec.mtp import MtpDrafter, load_mtp
+from m3sdk.speculative.base import DraftRequest, TargetInfo, TargetStates
+from m3sdk.speculative.mtp import MtpDrafter, load_mtp
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from m3sdk.spec.base import DraftRequest, SpecConfig
-from m3sdk.spec.ngram import NgramDrafter, lookup
+from m3sdk.speculative.base import DraftRequest, SpecConfig
+from m3sdk.speculative.ngram import NgramDrafter, lookup
 
 
 def test_lookup_prefers_the_longest_then_latest_match():

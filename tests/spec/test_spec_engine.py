@@ -10,7 +10,7 @@ import pytest
 from m3sdk import Engine, SamplingParams
 from m3sdk.cache.page_pool import pages_for
 from m3sdk.config import EngineConfig
-from m3sdk.core import EngineCore
+from m3sdk.core import build_core
 from m3sdk.request import Request
 from m3sdk.sampler import SamplingState
 from m3sdk.tokenizer import TextStream
@@ -83,7 +83,7 @@ async def test_preemption_prefix_cache_and_mixed_sampling(spec_checkpoint, refer
 def test_rolled_back_slots_leave_no_page(spec_checkpoint):
     """Step by step: after every step no request holds a page past its committed tokens and the step in flight
     (launched, not read yet), and no draft is left in its tokens but that step's; at the end every page is free."""
-    core = EngineCore.build(EngineConfig(**config(spec_checkpoint, enable_prefix_caching=False, speculative="ngram")))
+    core = build_core(EngineConfig(**config(spec_checkpoint, enable_prefix_caching=False, speculative="ngram")))
     requests = []
     for i, p in enumerate(prompts(0)):
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
@@ -93,8 +93,8 @@ def test_rolled_back_slots_leave_no_page(spec_checkpoint):
         requests.append(r)
     while core.scheduler.num_running or core.scheduler.num_waiting:
         core.step()
-        flight = ({s.request.request_id: s.num_new_tokens for s in core._verifying.plan.scheduled}
-                  if core._verifying else {})
+        flight = ({s.request.request_id: s.num_new_tokens for s in core.executor.in_flight.plan.scheduled}
+                  if core.executor.in_flight else {})
         for r in requests:
             if r.is_finished or r.num_computed_tokens == 0:
                 continue
@@ -102,7 +102,7 @@ def test_rolled_back_slots_leave_no_page(spec_checkpoint):
             assert len(core.cache.page_table(r)) == pages_for(r.num_computed_tokens + n)
             if r.num_computed_tokens >= r.num_prompt_tokens:
                 assert r.num_tokens == r.num_computed_tokens + max(n, 1)  # the real tokens + the drafts in flight
-    assert core.spec.stats()["spec_accepted_tokens"] > 0
+    assert core.executor.spec.stats()["spec_accepted_tokens"] > 0
     assert core.cache.num_free_pages() == core.cache.num_pages
 
 

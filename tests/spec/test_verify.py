@@ -4,7 +4,7 @@ import torch
 
 from m3sdk.params import SamplingParams
 from m3sdk.sampler import SamplingState, processed_probs
-from m3sdk.spec.verify import VerifyRow, accept_greedy, accept_sampled, verify
+from m3sdk.speculative.verify import VerifyRow, accept_greedy, accept_sampled, verify
 
 # chi-square critical values at p = 1e-4 (df = V - 1): a correct sampler fails this once in 10^4 runs
 CHI2_CRIT = {5: 25.74, 3: 21.11}

@@ -7,27 +7,19 @@ prefill and decode are the same thing seen this way (n_i = prompt piece or 1).
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from m3sdk.registry import Registry
+from m3sdk.staging import to_device
+
 if TYPE_CHECKING:
     from m3sdk.cache.kv_pool import KVPool
 
 PAGE_SIZE = 16
-
-
-def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A host list as a tensor on `device` without blocking the host: to a GPU through pinned memory and a
-    non-blocking copy (`torch.tensor(..., device="cuda")` waits for the whole stream, which would stall the
-    overlapped engine step behind the forward still running)."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass
@@ -68,8 +60,23 @@ class AttentionMetadata:
         )
 
 
+@dataclass(frozen=True)
+class AttentionShapes:
+    """A model's attention widths, for a backend to decide at build how it serves each op. `index_dim` and
+    `block_size`: the MSA indexer's (None without sparse layers)."""
+
+    head_dim: int
+    rotary_dim: int
+    index_dim: int | None = None
+    block_size: int | None = None
+
+
 class AttentionBackend(Protocol):
     """Cache writes, indexer selection and paged attention of one layer (dense, or MSA with `block_sel`)."""
+
+    def bind(self, shapes: AttentionShapes) -> None:
+        """Called once when the model is built: the backend decides here, never at a request, how it serves each
+        op for these shapes."""
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None,
                  meta: AttentionMetadata, kv: KVPool) -> None:
@@ -95,27 +102,12 @@ class AttentionBackend(Protocol):
         """index_q [T, Hidx, Di] -> int32 [Hidx, T, topk] block ids (valid first, -1 padded)."""
 
 
-_BACKENDS: dict[str, type] = {}
-
-
-def register_backend(name: str) -> Callable[[type], type]:
-    def deco(cls: type) -> type:
-        _BACKENDS[name] = cls
-        return cls
-
-    return deco
+# built-in backends live in `<name>_backend.py` and register themselves on import
+BACKENDS: Registry[type[AttentionBackend]] = Registry(
+    "attention backend", builtin={"torch": "m3sdk.attention.torch_backend", "triton": "m3sdk.attention.triton_backend"})
+register_backend = BACKENDS.register
 
 
 def get_backend(name: str) -> AttentionBackend:
     """A new backend instance by registered name ("torch", "triton")."""
-    if name not in _BACKENDS:
-        # built-in backends live in `<name>_backend.py` and register themselves on import
-        module = f"{__package__}.{name}_backend"
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; registered: {sorted(_BACKENDS)}")
-    return _BACKENDS[name]()
+    return BACKENDS.get(name)()

@@ -6,10 +6,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from m3sdk.attention.base import AttentionMetadata, register_backend
-from m3sdk_kernels.cache_write import norm_rope_write_ref, write_index_key_ref, write_kv_ref
-from m3sdk_kernels.indexer import indexer_topk_ref
-from m3sdk_kernels.paged_attention import paged_attention_ref
+from m3sdk.attention.base import AttentionMetadata, AttentionShapes, register_backend
+from m3sdk_kernels.reference import (
+    indexer_topk_ref,
+    norm_rope_write_ref,
+    paged_attention_ref,
+    write_index_key_ref,
+    write_kv_ref,
+)
 
 if TYPE_CHECKING:
     from m3sdk.cache.kv_pool import KVPool
@@ -17,6 +21,9 @@ if TYPE_CHECKING:
 
 @register_backend("torch")
 class TorchAttentionBackend:
+    def bind(self, shapes: AttentionShapes) -> None:
+        """The references serve every shape."""
+
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None,
                  meta: AttentionMetadata, kv: KVPool) -> None:
         write_kv_ref(k, v, kv.k[layer], kv.v[layer], meta.slot_mapping, kv.k_scale[layer], kv.v_scale[layer],

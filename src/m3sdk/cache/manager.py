@@ -42,6 +42,13 @@ class CacheManager(Protocol):
     def free(self, request: Request) -> None:
         """Drop every page the request holds (finish, abort, preemption)."""
 
+    def retain(self, request: Request) -> list[int]:
+        """Hold the request's pages once more, past its `free`, until `release_pages` (I/O still reads or writes
+        them); returns them."""
+
+    def release_pages(self, pages: Sequence[int]) -> None:
+        """Drop the hold `retain` took."""
+
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Drop the request's pages past the first `num_tokens` slots (speculative decoding's rejected drafts);
         those pages were never committed, so none is shared or cached."""
@@ -129,8 +136,17 @@ class PagedCacheManager:
         rid = request.request_id
         self._hashes.pop(rid, None)
         self._num_committed.pop(rid, None)
+        self.release_pages(self._tables.pop(rid, []))
+
+    def retain(self, request: Request) -> list[int]:
+        pages = list(self.page_table(request))
+        for page in pages:
+            self.pool.incref(page)
+        return pages
+
+    def release_pages(self, pages: Sequence[int]) -> None:
         # Tail first: parked last-pages are evicted before the prefixes they depend on.
-        for page in reversed(self._tables.pop(rid, [])):
+        for page in reversed(pages):
             if self.pool.decref(page) == 0:
                 if self.prefix is not None and self.prefix.holds(page):
                     self.prefix.park(page)

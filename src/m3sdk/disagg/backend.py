@@ -1,49 +1,38 @@
 """The prefill node's backend: an engine core of its own computes each prompt as a one-token request, and its pages
 leave a group of layers at a time while the following layers still compute.
 
-The core runs a continuous scheduler that reports each step plan (through the EngineConfig.scheduler seam). When
-a plan holds the step that completes one of our prompts (the step samples it), a forward hook after the attention
-of the last layer of each group of layers (attention writes the layer's K, V, scales and index keys first) packs
-that group's pages of the prompt into the transfer's outbox, and the push sends them while that layer's MLP and the
-next layers run (the last group's while the last MLP, the head and the sampling run). Pages that line up with the
-decode side's runs (a plan of pieces) are sent straight from the pool (an in-place outbox: no copy), so a finish
-hook holds the request's pages until its sends let go of them; otherwise packing copies, and the core may free and
-reuse the pages at once. The first token comes with the step's chunk, after every message was packed.
+The backend is a step observer of its core (m3sdk/core/hooks.py). When a step's plan holds the step that
+completes one of our prompts (the step samples it), the observer asks for the layer hook, which runs after the
+attention of each layer (attention writes the layer's K, V, scales and index keys first): after the last layer of
+each group of layers it packs that group's pages of the prompt into the transfer's outbox, and the push sends them
+while that layer's MLP and the next layers run (the last group's while the last MLP, the head and the sampling
+run). Pages that line up with the decode side's runs (a plan of pieces) are sent straight from the pool (an
+in-place outbox: no copy), so its finish listener holds the request's pages until its sends let go of them (the
+engine thread does not wait: the hold completes from another thread); otherwise packing copies, and the core may
+free and reuse the pages at once. The first token comes with the step's chunk, after every message was packed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from m3sdk.config import EngineConfig
-from m3sdk.core import EngineCore
+from m3sdk.core import build_core
+from m3sdk.core.hooks import LayerHook
 from m3sdk.disagg import wire
 from m3sdk.disagg.compat import CompatInfo, model_fingerprint
 from m3sdk.disagg.messages import PrefillOrder
+from m3sdk.disagg.outbox import Outbox
 from m3sdk.disagg.server import FirstToken
-from m3sdk.disagg.transport import Outbox
 from m3sdk.observability import get_logger
-from m3sdk.request import Chunk
+from m3sdk.request import Chunk, FinishReason, Request
 from m3sdk.scheduler.base import StepPlan
-from m3sdk.scheduler.continuous import ContinuousScheduler
 
 log = get_logger("m3sdk.disagg.backend")
-
-
-class _ReportingScheduler(ContinuousScheduler):
-    def __init__(self, cache: Any, config: EngineConfig, on_plan: Any):
-        super().__init__(cache, config.max_num_seqs, config.max_num_batched_tokens)
-        self._on_plan = on_plan
-
-    def schedule(self) -> StepPlan:
-        plan = super().schedule()
-        self._on_plan(plan)
-        return plan
 
 
 @dataclass
@@ -58,8 +47,8 @@ class _Job:
 
 class EngineBackend:
     holds_pages = True  # _on_finish: a finishing prompt's pages stay until its in-place sends let go of them
-    # seconds a finish waits for them (the last group's messages, a few ms on a CPU); then the push's endpoint is
-    # dropped so that UCX lets go, and the pages are freed
+    # seconds a finished prompt's pages wait for them (the last group's messages, a few ms on a CPU); then the push's
+    # endpoint is dropped so that UCX lets go, and the pages are freed
     release_timeout = 5.0
 
     def __init__(self, config: EngineConfig):
@@ -67,25 +56,20 @@ class EngineBackend:
             raise ValueError(f"a prefill node runs the continuous scheduler, got {config.scheduler!r}")
         if config.tensor_parallel_size != 1:
             raise ValueError("a prefill node runs with tensor_parallel_size=1 (pages of other ranks are not sent)")
-        factory = functools.partial(_ReportingScheduler, on_plan=self._on_plan)
-        # before the core: its warm-up (EngineCore.build on a GPU) already reports plans, of no job
+        # before the core: its warm-up (build_core on a GPU) already shows it steps, of no job
         self._jobs: dict[str, _Job] = {}
         self._step: list[_Job] = []  # engine thread: jobs whose prompt completes in the running step
+        # where a finished prompt's pages wait for its in-place sends (never the engine thread)
+        self._waits = ThreadPoolExecutor(4, thread_name_prefix="m3sdk-node-release")
         # no overlapped steps: the step after a prompt's last chunk would run (and pack) it a second time
-        self.core = EngineCore.build(config.replace(scheduler=factory, overlap_scheduling=False))
+        self.core = build_core(config.replace(overlap_scheduling=False), observers=[self])
         self.compat = CompatInfo.from_spec(self.core.cache.kv.spec, model_fingerprint(config.model_path()))
         self.vocab_size = self.core.vocab_size
         # the prompt and its first token within max_model_len, which the core keeps within its KV cache
         self.max_prompt_tokens = self.core.max_model_len - 1
         self._dead: BaseException | None = None
         self.rows = wire.page_rows(self.core.cache.kv)
-        for i, layer in enumerate(self.core.runner.model.layers):
-            # after the attention, not the whole layer: its cache writes are queued by then, and the MLP (the MoE of
-            # a sparse layer) runs while the group's pages travel (session 16: the last group's push ended 0.6 ms
-            # after the node sampled an 8K prompt on the H200 pair, hooked after the whole layer)
-            layer.self_attn.register_forward_hook(functools.partial(self._after_attention, i))
-        self.core.finish_hooks.append(self._on_finish)
-        self.core.start(self._emit, self._on_dead)
+        self.core.start(self._emit, self._on_dead, finish_listeners=[self._on_finish])
 
     async def prefill(self, order: PrefillOrder, outbox: Outbox) -> FirstToken:
         ids = order.token_ids
@@ -114,10 +98,12 @@ class EngineBackend:
     def stop(self) -> None:
         self.core.stop()
         self.core.join()
+        self._waits.shutdown()
 
     # -- the engine thread -------------------------------------------------------------------------------
 
-    def _on_plan(self, plan: StepPlan) -> None:
+    def on_step(self, plan: StepPlan) -> LayerHook | None:
+        """The step observer: the jobs whose prompt this step completes pack their pages during its forward."""
         self._step = []
         for request, _, samples in plan.scheduled:
             job = self._jobs.get(request.request_id)
@@ -129,8 +115,11 @@ class EngineBackend:
                 # every message's pieces now, before the forward: its hooks then pack with a few calls each
                 job.outbox.prepare(self.rows, job.src)
                 self._step.append(job)
+        return self._after_attention if self._step else None
 
-    def _after_attention(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _after_attention(self, layer: int) -> None:
+        # after the attention, not the whole layer: its cache writes are queued by then, and the MLP (the MoE of a
+        # sparse layer) runs while the group's pages travel
         for job in self._step:
             messages = job.groups.get(layer)
             if messages:
@@ -140,12 +129,18 @@ class EngineBackend:
         job.outbox.pack(messages, self.rows, job.src)
         job.packed += len(messages)
 
-    def _on_finish(self, request: Any, reason: Any) -> None:
-        # before the core frees the request's pages (an abort too: sends of what was packed may be in flight)
+    def _on_finish(self, request: Request, reason: FinishReason) -> Future[None] | None:
+        """The finish listener, before the core frees the request's pages (an abort too: sends of what was packed
+        may be in flight): a hold on them while in-place sends read them."""
         job = self._jobs.get(request.request_id)
-        if job is not None and not job.outbox.wait_released(self.release_timeout):
+        if job is None or not job.outbox.reads_pages or job.outbox.released.is_set():
+            return None
+        return self._waits.submit(self._wait_released, job.outbox, request.request_id)
+
+    def _wait_released(self, outbox: Outbox, request_id: str) -> None:
+        if not outbox.wait_released(self.release_timeout):
             log.warning("in-place sends still held pages at the prefill's end: endpoint dropped",
-                        request_id=request.request_id, waited_s=self.release_timeout)
+                        request_id=request_id, waited_s=self.release_timeout)
 
     def _emit(self, chunks: list[Chunk]) -> None:
         for chunk in chunks:

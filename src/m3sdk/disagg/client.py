@@ -30,7 +30,7 @@ from m3sdk.disagg._proto import m3sdk_disagg_pb2_grpc as pb_grpc
 from m3sdk.disagg.compat import PROTOCOL_VERSION, CompatInfo
 from m3sdk.disagg.messages import check_reply, pack_token_ids, sampling_to_proto
 from m3sdk.disagg.server import TOKEN_HEADER
-from m3sdk.disagg.transport import KVTransport, Receive, TransportError, UcxTransport
+from m3sdk.disagg.transport import KVTransport, Receive, TransportError, build_transport
 from m3sdk.disagg.wire import MAX_TRANSFER_ID, TransferPlan, WireError, long_runs
 from m3sdk.errors import PrefillNodeError
 from m3sdk.observability import get_logger
@@ -81,18 +81,17 @@ class PrefillClient:
         if not nodes:
             raise ValueError("prefill_nodes is empty")
         self.compat, self.rows, self.vocab_size = compat, rows, vocab_size
-        self.transport = transport or UcxTransport()
+        self.transport = transport or build_transport()
         # groups of 4 layers (as SGLang's layer pipeline), but at least two groups, so that the first group
         # always travels while the rest of the prompt computes
         default = max(1, min(4, compat.num_layers // 2))
         self.layers_per_group = min(layers_per_group or default, compat.num_layers)
         # the cap on one data message. Staged, the decode side holds up to twice the transport's window of them (4
-        # posted, 4 being placed) per transfer: 256 MiB on GPUs (host time per message, not bytes, set the rate
-        # there: two H200s, 50 % of p2p at 256 MiB, 25 % at 64 MiB, session 13), 64 MiB on CPUs. Received in place
-        # nothing is staged, and larger messages cut larger pieces (each a rendezvous of UCX's): 2 GiB (two H200s,
-        # 8 GiB: 54 % of p2p in 256 MiB messages, 81 % in 1 GiB ones, session 15 window 2; 2 GiB transfers 79 % in
-        # 1 GiB messages, 80 % in 2 GiB ones, 8 GiB 90 / 92 %, session 16 window 3). A 32K prompt's 4-layer group of
-        # the full model is about 155 MB (one message), a 128K one's 620 MB
+        # posted, 4 being placed) per transfer: 256 MiB on GPUs (host time per message, not bytes, sets the rate
+        # there, so messages are large), 64 MiB on CPUs. Received in place nothing is staged, and larger messages
+        # cut larger pieces (each a rendezvous of UCX's): 2 GiB, where the rate levels off (docs/perf.md has the
+        # rates by message size). A 32K prompt's 4-layer group of the full model is about 155 MB (one message), a
+        # 128K one's 620 MB
         self.max_message_bytes = max_message_bytes
         self._staged_bytes = 256 << 20 if rows[0][0].is_cuda else 64 << 20
         self.heartbeat_s, self.connect_timeout = heartbeat_s, connect_timeout
@@ -128,9 +127,9 @@ class PrefillClient:
         return loop.submit(self._submit(request_id, list(token_ids), params, list(pages), num_cached_pages,
                                         timeout_s))
 
-    def cancel(self, request_id: str, timeout: float = 10.0) -> None:
-        """Abort a job; when this returns, its pages are no longer written. Unknown ids are a no-op."""
-        loop.run(self._cancel(request_id), timeout)
+    def cancel_async(self, request_id: str) -> Future[None]:
+        """Abort a job; once the future is done, its pages are no longer written. Unknown ids are a no-op."""
+        return loop.submit(self._cancel(request_id))
 
     # -- the disagg loop ----------------------------------------------------------------------------------
 
@@ -245,7 +244,8 @@ class PrefillClient:
         try:
             # the call leaves first (grpc's task runs now), then this side posts its receives while the node admits
             # the prompt: UCX holds a message that comes before its receive (an unexpected message) until it is
-            # posted, and the posting came before the call and took 1-5 ms on the H200 pair (session 16)
+            # posted, so posting need not come first, and posting (milliseconds for a large transfer) overlaps the
+            # call's trip
             await asyncio.sleep(0)
             dst = torch.tensor(send_pages, dtype=torch.int64, device=self.rows[0][0].device)
             receive = self.transport.receive(plan, self.rows, dst)

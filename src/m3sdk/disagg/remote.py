@@ -1,44 +1,52 @@
-"""The decode engine core's side of remote prefill (called from the engine thread only).
+"""The decode engine's side of remote prefill: an Admission (m3sdk/core/hooks.py) the core calls in its engine
+thread.
 
-The scheduler asks `wants(request, cached_tokens)` when it admits a request; if so it allocates the request's
-pages for the whole prompt and calls `start`, then leaves the request alone. The job runs on the disagg loop;
-when it ends the core is woken, `poll` hands over the outcome, and the core either appends the first token
-(the pages are valid from then on) or falls back to local prefill into the same pages (or fails the request
-with PrefillNodeError). `cancel` (called before a request's pages are freed) returns once the transfer can no
-longer write them.
+`admit` takes an arriving request whose prompt (past what the prefix cache holds) is long enough, while a node is
+healthy: it allocates the request's pages for the whole prompt and starts the job on the disagg loop. When the job
+ends the core is woken, and `handovers` gives the request to the scheduler: with the node's first token (the pages
+are valid from then on), to prefill here into the same pages (fallback "local"), or failed with PrefillNodeError
+(fallback "error"). A request dropped mid-transfer (aborted) has its job cancelled; its pages are freed in a later
+`handovers`, once the transfer can no longer write them. Nothing here waits for the loop.
 """
 
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
 from m3sdk.cache.manager import CacheManager
+from m3sdk.cache.page_pool import PAGE_SIZE
+from m3sdk.config import EngineConfig
+from m3sdk.core.hooks import Handover
 from m3sdk.disagg import wire
 from m3sdk.disagg.client import PrefillClient, RemotePrefillResult
 from m3sdk.disagg.compat import CompatInfo, model_fingerprint
+from m3sdk.errors import PrefillNodeError
 from m3sdk.observability import get_logger
-from m3sdk.request import FinishReason, Request
+from m3sdk.request import FinishReason, Request, RequestStatus
+from m3sdk.sampler import SampledToken
 
 log = get_logger("m3sdk.disagg.remote")
 
-Outcome = RemotePrefillResult | BaseException
-
 
 class RemotePrefill:
-    def __init__(self, client: PrefillClient, min_tokens: int, fallback: str, timeout_s: float,
-                 wake: Callable[[], None]):
-        self.client, self.min_tokens, self.fallback, self.timeout_s = client, min_tokens, fallback, timeout_s
+    def __init__(self, client: PrefillClient, cache: CacheManager, min_tokens: int, fallback: str, timeout_s: float,
+                 max_jobs: int, wake: Callable[[], None]):
+        self.client, self.cache = client, cache
+        self.min_tokens, self.fallback, self.timeout_s, self.max_jobs = min_tokens, fallback, timeout_s, max_jobs
         self._wake = wake
-        self._jobs: dict[str, tuple[Request, Future]] = {}
-        self._done: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._jobs: dict[str, tuple[Request, Future[RemotePrefillResult]]] = {}
+        self._done: queue.SimpleQueue[str] = queue.SimpleQueue()  # jobs that ended (any thread puts)
+        self._cancelled: queue.SimpleQueue[Request] = queue.SimpleQueue()  # dropped, no longer written
         self.num_remote = self.num_fallbacks = 0
         self.nodes_used: dict[str, int] = {}  # node -> remote prefills it served
 
     @classmethod
-    def from_config(cls, config, cache: CacheManager, vocab_size: int, wake: Callable[[], None]) -> RemotePrefill:
+    def from_config(cls, config: EngineConfig, cache: CacheManager, vocab_size: int,
+                    wake: Callable[[], None]) -> RemotePrefill:
         compat = CompatInfo.from_spec(cache.kv.spec, model_fingerprint(config.model_path()))
         root = config.prefill_tls_root_cert
         client = PrefillClient(list(config.prefill_nodes), compat, wire.page_rows(cache.kv), vocab_size,
@@ -49,23 +57,54 @@ class RemotePrefill:
         except BaseException:  # e.g. an incompatible node: close the listener and channels opened so far
             client.close()
             raise
-        return cls(client, config.remote_prefill_min_tokens, config.prefill_fallback, config.prefill_timeout, wake)
+        return cls(client, cache, config.remote_prefill_min_tokens, config.prefill_fallback, config.prefill_timeout,
+                   config.max_num_seqs, wake)
 
-    def wants(self, request: Request, cached_tokens: int) -> bool:
-        # a preempted request has generated tokens to recompute too: that is local work
-        if request.num_output_tokens or request.num_prompt_tokens - cached_tokens < self.min_tokens:
+    # -- Admission -------------------------------------------------------------------------------------------
+
+    def admit(self, request: Request) -> bool:
+        if len(self._jobs) >= self.max_jobs:
+            return False
+        prefix = self.cache.match_prefix(request)
+        cached = len(prefix) * PAGE_SIZE
+        if request.num_prompt_tokens - cached < self.min_tokens:
             return False
         # with every node down, prefill locally at once rather than fail each request on the way
-        return self.client.has_healthy_node or self.fallback == "error"
-
-    def start(self, request: Request, pages: list[int], num_cached_pages: int) -> None:
+        if not (self.client.has_healthy_node or self.fallback == "error"):
+            return False
+        # a remote prefill fills every page of the prompt at once
+        if not self.cache.allocate(request, request.num_tokens - cached, prefix):
+            return False  # the pages are short now: the scheduler queues it
+        request.num_computed_tokens = cached
+        request.first_scheduled_time = time.monotonic()
+        request.num_cached_tokens = min(cached, request.num_prompt_tokens)
         rid = request.request_id
-        future = self.client.submit(rid, request.prompt_token_ids, request.params, pages, num_cached_pages,
-                                    self.timeout_s)
+        future = self.client.submit(rid, request.prompt_token_ids, request.params, self.cache.page_table(request),
+                                    len(prefix), self.timeout_s)
         self._jobs[rid] = (request, future)
         future.add_done_callback(lambda _: (self._done.put(rid), self._wake()))
+        return True
 
-    def poll(self) -> list[tuple[Request, Outcome]]:
+    def get(self, request_id: str) -> Request | None:
+        job = self._jobs.get(request_id)
+        return job[0] if job is not None else None
+
+    def live_requests(self) -> list[Request]:
+        return [request for request, _ in self._jobs.values()]
+
+    def drop(self, request: Request, reason: FinishReason) -> None:
+        request.status, request.finish_reason, request.finish_time = RequestStatus.FINISHED, reason, time.monotonic()
+        if self._jobs.pop(request.request_id, None) is None:
+            return
+        cancel = self.client.cancel_async(request.request_id)
+        cancel.add_done_callback(lambda _: (self._cancelled.put(request), self._wake()))
+
+    def handovers(self) -> list[Handover]:
+        while True:  # dropped requests' pages, now that no transfer writes them
+            try:
+                self.cache.free(self._cancelled.get_nowait())
+            except queue.Empty:
+                break
         out = []
         while True:
             try:
@@ -73,24 +112,27 @@ class RemotePrefill:
             except queue.Empty:
                 return out
             job = self._jobs.pop(rid, None)
-            if job is None or job[1].cancelled():
-                continue  # cancelled: the request is gone already
+            if job is None:
+                continue  # dropped: the request is gone already
             request, future = job
             error = future.exception()
             if error is None:
                 result = future.result()
                 self.num_remote += 1
                 self.nodes_used[result.node] = self.nodes_used.get(result.node, 0) + 1
-                out.append((request, result))
+                # the pages hold the prompt: only now may the prefix cache share them
+                request.num_computed_tokens = request.num_prompt_tokens
+                self.cache.commit(request)
+                out.append(Handover(request, SampledToken(result.first_token, result.first_logprob,
+                                                          result.top_logprobs)))
+                continue
+            self.num_fallbacks += 1
+            log.warning("remote prefill failed", request_id=rid, error=str(error), fallback=self.fallback)
+            if self.fallback == "local":  # prefilled here, into the same pages
+                out.append(Handover(request))
             else:
-                self.num_fallbacks += 1
-                log.warning("remote prefill failed", request_id=rid, error=str(error), fallback=self.fallback)
-                out.append((request, error))
-
-    def on_finish(self, request: Request, reason: FinishReason) -> None:
-        """A finish hook of the core: a request leaving mid-transfer stops the transfer first."""
-        if self._jobs.pop(request.request_id, None) is not None:
-            self.client.cancel(request.request_id)
+                out.append(Handover(request, error=PrefillNodeError(
+                    f"remote prefill failed and prefill_fallback is 'error': {error}")))
 
     def close(self) -> None:
         self.client.close()

@@ -31,7 +31,8 @@ from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb
 from m3sdk.disagg._proto import m3sdk_disagg_pb2_grpc as pb_grpc
 from m3sdk.disagg.compat import PROTOCOL_VERSION, CompatInfo
 from m3sdk.disagg.messages import Limits, PrefillOrder, check_prefill
-from m3sdk.disagg.transport import KVTransport, Outbox, TransportError
+from m3sdk.disagg.outbox import Outbox
+from m3sdk.disagg.transport import KVTransport, TransportError
 from m3sdk.observability import get_logger
 
 log = get_logger("m3sdk.disagg.server")

@@ -9,18 +9,18 @@ messages of one tag from one endpoint in the order they were sent, so the decode
 the message's tag. Each part is a rendezvous with one zero-copy read by the receiver (`cma` between processes of
 one host, `cuda_ipc` between GPUs: UCX_PROTO_INFO=y); an iov message of the same parts moved through host memory
 as fragments copied in and out (sysv), at 0.5 GB/s between two H200s, and on this CPU faster than contiguous
-messages in 1 GiB messages but slower in 64 MiB ones and falling apart under load (docs/perf.md, sessions 14-15).
+messages in 1 GiB messages but slower in 64 MiB ones and falling apart under load (docs/perf.md).
 
 ucxx creates its worker with UCS_THREAD_MODE_MULTI (checked here with ucp_worker_query before first use), so
-posting from any thread (the disagg loop's, or the node's thread that saw a message's pages computed: transport.py)
+posting from any thread (the disagg loop's, or the node's thread that saw a message's pages computed: outbox.py)
 while ucxx's progress thread progresses the worker is allowed. That thread
 may sleep until the worker's event fd fires, so every post signals the worker (ucp_worker_signal), as ucxx does for
-its own requests: without it a message moved only when some other event woke the thread (0.1-1 GB/s, and a flush
-that waited 60 s, in session 14's probes). Completions arrive in a ctypes callback on that thread (or inside the
+its own requests: without it a message moves only when some other event wakes the thread (a fraction of the
+link's rate, and flushes that wait for seconds). Completions arrive in a ctypes callback on that thread (or inside the
 post), which hands them to the operation's asyncio loop; the requests are freed there, after the waiter was woken.
 ctypes releases the GIL around every foreign call, so the callback (which takes the GIL) cannot deadlock with a post
 that holds the worker's lock. Every request says its buffer's memory type (UCX would otherwise ask the CUDA driver
-about each buffer: UCX_MEMTYPE_CACHE=n, transport.py).
+about each buffer: UCX_MEMTYPE_CACHE=n, ucx_api.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from m3sdk.disagg import ucx_api
 
 _VOIDP, _SIZE, _U64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
 # void (*)(void *request, ucs_status_t status, void *user_data)
@@ -73,7 +75,8 @@ class UcpError(RuntimeError):
 @functools.cache
 def _lib() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     import libucx
-    import ucxx  # noqa: F401  (loads libucx's libraries first, with their own search path)
+
+    ucx_api.load_ucxx()  # loads libucx's libraries first, with their own search path
 
     root = os.path.join(os.path.dirname(libucx.__file__), "lib")
     ucp = ctypes.CDLL(os.path.join(root, "libucp.so"), mode=ctypes.RTLD_GLOBAL)

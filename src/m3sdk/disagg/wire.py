@@ -20,10 +20,9 @@ tensor. No host sync but the header and trailer check (one copy to the host).
 
 A decode side that receives in place asks for a plan of `pieces`: the same bytes, each message as one transport
 message per part (header, each (layer, tensor, destination run) piece, trailer), received straight into its
-pages and checked once they arrived (the transport zeroes a failed transfer's pages). Session 11 had dropped such
-"direct" messages (two H200s: 17.7 GB/s against 32.7 staged) while Python work per message paced everything;
-with that gone (sessions 12-13) and UCX's progress thread spinning on GPU hosts, they beat staging from 1 GiB
-messages on (docs/perf.md, session 15).
+pages and checked once they arrived (the transport zeroes a failed transfer's pages). They beat staging from
+1 GiB messages on, provided the Python work per message stays small (`Layout`) and UCX's progress thread spins on
+GPU hosts (docs/perf.md).
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ import numpy as np
 import torch
 
 from m3sdk.cache.kv_pool import KVPool
+from m3sdk.staging import to_device
 
 MAGIC = b"M3KV"
 TRAILER_MAGIC = b"M3KE"
@@ -122,8 +122,7 @@ class TransferPlan:
                 raise WireError(f"max_message_bytes {max_message_bytes} is below one page of {len(layers)} "
                                 f"layers ({page_bytes + HEADER_BYTES + TRAILER_BYTES} bytes)")
             # the group's pages cut evenly: a short last message would cost a message's worth of parts (a UCX
-            # rendezvous each) for a few pages, after the others (two H200s, session 16: 2 GiB in 1 GiB messages
-            # made a third of 4 MiB that arrived 0.5 ms after the second)
+            # rendezvous each) for a few pages, and arrive after the others
             per_message = -(-num_pages // -(-num_pages // per_message))
             for start in range(0, num_pages, per_message):
                 count = min(per_message, num_pages - start)
@@ -212,31 +211,23 @@ def _words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return a, b
 
 
-def _on(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if idx.device == device:
-        return idx
-    # from pinned memory the copy is queued, not waited for (a pageable one would hold the host)
-    return idx.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else idx.to(device)
-
-
 class Layout:
     """Where each message of one transfer lives in one side's pool (`rows` at `pages`, the transfer's page ids on
     this side), worked out once per transfer, so that moving a message costs a few Python calls whatever its
-    number of pieces: host time per message, not bytes, paced the GPU transfer (about 1 ms of Python per message
-    while UCX ran, most of it building the message's ~36 slices; session 12, docs/perf.md).
+    number of pieces: host time per message, not bytes, paces a GPU transfer (building a message's ~36 slices while
+    UCX runs costs about a millisecond of Python; docs/perf.md).
 
-    With runs (`runs`, else found in host `pages`; 8 pages or more on average: a fresh engine's page tables):
-    a message is one contiguous piece per (layer, tensor, run) of the pool tensors' flat views, in payload order.
-    The node gathers them with the header and trailer by one `torch.cat` into the message buffer, the decode side
-    places them by one `torch._foreach_copy_` (one multi-tensor kernel on a GPU; slice copies on a CPU, about 27
-    GB/s against 5-13 for index_copy_ on the same rows; a `copy_` per piece measured slower on two H200s). The
-    decode side works out every message before its first post, the node when it plans the step that computes the
-    pages, before the forward (`prepare`; on the H200 pair Python ran several times slower while UCX moved data,
-    and building pieces between packs held the sends: by a slice per piece 0.3 ms more per pack, eight messages at
-    once 1-2.7 ms; session 13). Not prepared, a side works out the first message it moves alone, then eight at a
+    With runs (`runs`, else found in host `pages`; 8 pages or more on average: a fresh engine's page tables): a
+    message is one contiguous piece per (layer, tensor, run) of the pool tensors' flat views, in payload order. The
+    node gathers them with the header and trailer by one `torch.cat` into the message buffer, the decode side places
+    them by one `torch._foreach_copy_` (one multi-tensor kernel on a GPU; slice copies on a CPU, about 27 GB/s
+    against 5-13 for index_copy_ on the same rows; a `copy_` per piece measured slower on two H200s). The decode
+    side works out every message before its first post, the node when it plans the step that computes the pages,
+    before the forward (`prepare`: Python runs several times slower while UCX moves data, and pieces built between
+    packs would hold the sends). Not prepared, a side works out the first message it moves alone, then eight at a
     time. `prepare` cuts each (tensor, run) of a span of messages by one `split`. 8-byte words throughout where
-    every width and address allow. Without runs: one index kernel per tensor, the page ids on the pool's device
-    once per transfer."""
+    every width and address allow. Without runs: one index kernel per tensor, the page ids on the pool's device once
+    per transfer."""
 
     def __init__(self, plan: TransferPlan, rows: list[list[torch.Tensor]], pages: torch.Tensor,
                  runs: Sequence[tuple[int, int, int]] | None = None):
@@ -245,7 +236,7 @@ class Layout:
         self.plan, self.rows, self.pages = plan, rows, pages
         self.runs = runs if runs is not None else _runs(pages)
         self.unit, self._flat = _flat_views(rows)
-        self.index = None if self.runs is not None else _on(pages, rows[0][0].device)
+        self.index = None if self.runs is not None else to_device(pages, pages.dtype, rows[0][0].device)
         self._pieces: dict[int, tuple[list[torch.Tensor], list[int]]] = {}  # message -> pool pieces, their sizes
         if self.runs is not None:
             self._starts = [at for at, _, _ in self.runs]
@@ -345,8 +336,8 @@ def _blocks(msg: MessageSpec, rows: list[list[torch.Tensor]],
 def frames(plan: TransferPlan, device: torch.device | str) -> torch.Tensor:
     """Every message's header and trailer, `[messages, HEADER_BYTES + TRAILER_BYTES]` uint8 on `device`, made once
     per transfer (on a GPU one queued copy from pinned memory), so that packing a message allocates no pinned
-    memory: a pinned block per message (its copy queued behind the previous gather, so never free for reuse)
-    went with a node packing one message per 0.8-1.1 ms of host time whatever its size (window 1, session 12)."""
+    memory: a pinned block per message (its copy queued behind the previous gather, so never free for reuse) would
+    cost the node about a millisecond of host time per message whatever its size."""
     blob = b"".join(_header(plan, m, KIND_DATA) + _trailer(plan, m) for m in plan.messages)
     table = torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(len(plan.messages), -1)
     if torch.device(device).type == "cuda":

@@ -6,15 +6,21 @@ SwiGLU-OAI math are m3sdk_kernels' references (`gemma_rms_norm_ref`, `swiglu_oai
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from m3sdk_kernels.cache_write import gemma_rms_norm_ref
-from m3sdk_kernels.moe import Experts, fused_moe, swiglu_oai_ref
-from m3sdk_kernels.norm import add_rms_norm, add_rms_norm_ref
+from m3sdk.observability import get_logger
+from m3sdk_kernels.experts import Experts
+from m3sdk_kernels.moe import fused_moe, moe_unsupported
+from m3sdk_kernels.norm import add_rms_norm
+from m3sdk_kernels.reference import add_rms_norm_ref, gemma_rms_norm_ref, swiglu_oai_ref
 from m3sdk_kernels.router import route as fused_route
+
+log = get_logger("m3sdk.model")
 
 
 class RMSNorm(nn.Module):
@@ -64,14 +70,36 @@ class RotaryEmbedding:
         return freqs.cos(), freqs.sin()
 
 
-class DenseMLP(nn.Module):
-    """SwiGLU-OAI MLP: the dense layers' MLP and the MoE's shared expert."""
+class RowParallelLinear(nn.Linear):
+    """A bias-free linear layer whose input features are split over the tensor-parallel ranks (parallel/sharding.py):
+    each rank's product is a partial sum. With `reduce`, the forward all-reduces it over the process group in
+    place, so every rank returns the whole output; without (one rank, or a caller that adds several partial sums
+    before one reduction), it is a plain nn.Linear."""
 
-    def __init__(self, hidden: int, inter: int, alpha: float, limit: float, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, reduce: bool = False):
+        super().__init__(in_features, out_features, bias=False, dtype=dtype)
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(super().forward(x), self.reduce)
+
+
+def all_reduce(partial: torch.Tensor, reduce: bool) -> torch.Tensor:
+    """`partial` summed over the tensor-parallel ranks in place when `reduce`, else as it is."""
+    if reduce:
+        dist.all_reduce(partial)
+    return partial
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU-OAI MLP: the dense layers' MLP and the MoE's shared expert. `reduce`: its down_proj's input is this
+    rank's slice of the intermediate, and the output is all-reduced (RowParallelLinear)."""
+
+    def __init__(self, hidden: int, inter: int, alpha: float, limit: float, dtype: torch.dtype, reduce: bool = False):
         super().__init__()
         self.alpha, self.limit = alpha, limit
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, dtype, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu_oai_ref(self.gate_up_proj(x), self.alpha, self.limit))
@@ -92,10 +120,15 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int)
     return weights / weights.sum(dim=-1, keepdim=True), ids
 
 
+@functools.cache
 def fused_moe_fits(hidden: int, inter: int) -> bool:
-    """Whether m3sdk_kernels' fused MoE tiles these widths for bf16 experts: its K steps are the table's or the
-    largest power of two dividing K, and tl.dot needs at least 16 (m3-tiny's 256 / 64 fit)."""
-    return hidden % 16 == 0 and inter % 16 == 0
+    """Whether m3sdk_kernels' fused MoE tiles bf16 experts of these widths (`moe_unsupported`; m3-tiny's 256 / 64
+    fit). Asked when a MoE layer is built on a GPU: where it does not, one log line says why and the torch path
+    serves the experts."""
+    why = moe_unsupported(hidden, inter, "bf16")
+    if why:
+        log.info("fused MoE kernels off: the torch path serves the experts", reason=why)
+    return why is None
 
 
 def moe_experts(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
@@ -142,21 +175,26 @@ def _moe_experts_dense(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weight
 
 
 class SparseMoE(nn.Module):
-    """Routed experts (top-k of E, sigmoid router with bias, scaled) plus one always-on shared expert."""
+    """Routed experts (top-k of E, sigmoid router with bias, scaled) plus one always-on shared expert. `reduce`:
+    both are this rank's partial sums (a slice of every expert's width, or whole experts of its own), added
+    first and all-reduced once."""
 
     def __init__(self, hidden: int, num_experts: int, inter: int, shared_inter: int, top_k: int, scaling: float,
-                 alpha: float, limit: float, dtype: torch.dtype):
+                 alpha: float, limit: float, dtype: torch.dtype, reduce: bool = False):
         super().__init__()
         self.top_k, self.scaling, self.alpha, self.limit = top_k, scaling, alpha, limit
+        self.reduce = reduce
         # router in fp32: its logits pick experts, and bf16 rounding flips near-ties
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype))
         self.shared_experts = DenseMLP(hidden, shared_inter, alpha, limit, dtype)
+        if torch.cuda.is_available():
+            fused_moe_fits(hidden, inter)  # decided (and logged) at build, not at the first request
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_experts(x)
         weights, ids = route(x, self.router_weight, self.e_score_correction_bias, self.top_k)
         routed = moe_experts(x, ids, weights, self.w_gate_up, self.w_down, self.alpha, self.limit)
-        return routed * self.scaling + shared
+        return all_reduce(routed * self.scaling + shared, self.reduce)

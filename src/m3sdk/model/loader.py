@@ -38,8 +38,8 @@ from m3sdk.errors import CheckpointError
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 from m3sdk.model.quantize import QuantizedMoE, quantize_model
-from m3sdk_kernels.moe import empty_experts
-from m3sdk_kernels.quant import MX_BLOCK, dequantize_mxfp4, dequantize_mxfp8
+from m3sdk_kernels.experts import empty_experts
+from m3sdk_kernels.formats import MX_BLOCK, dequantize_mxfp4, dequantize_mxfp8
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -79,15 +79,15 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     `progress` draws a bar on stderr (the CLI's choice: an embedded engine stays silent)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
-    files = _tensor_files(path)
-    shapes = _read_headers(files)
-    layout, prefix, lm_head = _detect_layout(shapes)
+    files = tensor_files(path)
+    shapes = read_headers(files)
+    layout, prefix, lm_head = detect_layout(shapes)
     expected = expected_tensors(config, layout, prefix, lm_head)
     mx = mx_weights(shapes, expected, config.quant_format)
 
     with torch.device("meta"):
         model = MiniMaxM3ForCausalLM(config, dtype=dtype, attn_backend=attn_backend)
-        _check(shapes, expected, dict(model.named_parameters()), path, mx, config.quant_format)
+        check_tensors(shapes, expected, dict(model.named_parameters()), path, mx, config.quant_format)
         plan = _mx_plan(model, expected, mx)
 
     model.to_empty(device=device)
@@ -118,7 +118,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     return quantize_model(model, quantization).eval()
 
 
-def _tensor_files(path: Path) -> dict[str, Path]:
+def tensor_files(path: Path) -> dict[str, Path]:
     """Tensor name -> shard file, from the index file or the single-file checkpoint."""
     index = path / INDEX_FILE
     if index.is_file():
@@ -137,7 +137,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     raise CheckpointError(f"no {INDEX_FILE} or {SINGLE_FILE} in {path}")
 
 
-def _read_headers(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+def read_headers(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], str]]:
     """Tensor name -> (shape, safetensors dtype), reading only the shard headers."""
     out = {}
     by_file: dict[Path, list[str]] = defaultdict(list)
@@ -159,7 +159,7 @@ def _read_headers(files: dict[str, Path]) -> dict[str, tuple[tuple[int, ...], st
     return out
 
 
-def _detect_layout(names: Mapping[str, object]) -> tuple[str, str, str]:
+def detect_layout(names: Mapping[str, object]) -> tuple[str, str, str]:
     """(layout, prefix of the text model's tensors, lm_head name) from the checkpoint's keys."""
     if any(n.startswith("language_model.") for n in names):
         return "minimax", "language_model.model.", "language_model.lm_head.weight"
@@ -175,11 +175,11 @@ def expected_tensors(config: ModelConfig, layout: str, prefix: str, lm_head: str
     if not config.tie_word_embeddings:
         out[lm_head] = Target("lm_head.weight")
     for i in range(config.num_layers):
-        out.update(_expected_layer(config, i, layout, prefix))
+        out.update(expected_layer(config, i, layout, prefix))
     return out
 
 
-def _expected_layer(c: ModelConfig, i: int, layout: str, prefix: str) -> dict[str, Target]:
+def expected_layer(c: ModelConfig, i: int, layout: str, prefix: str) -> dict[str, Target]:
     out: dict[str, Target] = {}
 
     def add(name: str, param: str, index: tuple = ()) -> None:
@@ -236,7 +236,7 @@ def _expected_moe(c: ModelConfig, layout: str, add) -> None:
         _expected_mlp("mlp.shared_experts", "mlp.shared_experts", c.shared_intermediate_size, layout, add)
 
 
-def _check(shapes: Mapping[str, tuple[tuple[int, ...], str]], expected: Mapping[str, Target],
+def check_tensors(shapes: Mapping[str, tuple[tuple[int, ...], str]], expected: Mapping[str, Target],
            params: Mapping[str, torch.Tensor], path: Path, mx: Mapping[str, str] | None = None,
            fmt: str = "none") -> None:
     """Presence, shape and dtype of every expected tensor (`mx`: weight -> scale names of the MX-stored linears,

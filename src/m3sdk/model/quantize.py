@@ -10,6 +10,10 @@
            checkpoint quantizes the shared experts too).
 Experts a checkpoint stores in an MX format (the loader builds their QuantizedMoE) stay as stored under every
 choice; "mxfp4" refuses MXFP8 experts rather than requantize them.
+Any width the architecture allows is served by zero padding at load, which changes no output: FP8 weight rows
+start 16 bytes apart (the GEMM reads them by TMA; the padding is storage only), and the MXFP4 stack pads the
+routed and the shared expert to one intermediate width and the hidden size to the MX block of 32 (padded
+intermediate channels have zero gate and up, so SwiGLU-OAI gives 0 there; padded hidden inputs are zero).
 GEMMs go through m3sdk_kernels: the Triton kernels on a GPU, their references on a CPU, which quantize and
 dequantize the same way (so the quantized model is testable in CI).
 """
@@ -19,22 +23,34 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from m3sdk.config import QUANTIZATIONS
 from m3sdk.model.layers import DenseMLP, Fp8Activation, SparseMoE
 from m3sdk_kernels.arch import current_arch
-from m3sdk_kernels.moe import Experts, fused_moe, fused_moe_ref, quantize_experts, serving_layout
-from m3sdk_kernels.quant import (
-    fp8_gemm,
-    fp8_gemm_ref,
-    fp8_linear,
-    fp8_linear_ref,
-    quantize_fp8_weight,
-    swiglu_quantize_fp8,
-    swiglu_quantize_fp8_ref,
-)
-from m3sdk_kernels.router import route, route_ref
+from m3sdk_kernels.experts import Experts, quantize_experts, serving_layout
+from m3sdk_kernels.formats import MX_BLOCK, quantize_fp8_weight
+from m3sdk_kernels.moe import fused_moe
+from m3sdk_kernels.quant import fp8_gemm, fp8_linear, swiglu_quantize_fp8
+from m3sdk_kernels.reference import fp8_gemm_ref, fp8_linear_ref, fused_moe_ref, route_ref, swiglu_quantize_fp8_ref
+from m3sdk_kernels.router import route
 
-QUANTIZATIONS = ("none", "fp8", "mxfp4")
 _EXPERT_TENSORS = ("gate_up", "down", "gate_up_scale", "down_scale", "gate_up_row", "down_row")
+_ROW_ALIGN_BYTES = 16  # TMA: every stride of a described tensor is a multiple of 16 bytes
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _row_aligned(w: torch.Tensor) -> torch.Tensor:
+    """`w` [N, K] as a view whose rows start `_ROW_ALIGN_BYTES` apart (the same values; zero padding after
+    each row, never read: the kernels take K from the activations)."""
+    k = w.shape[1]
+    per_row = _round_up(k * w.element_size(), _ROW_ALIGN_BYTES) // w.element_size()
+    if per_row == k:
+        return w
+    padded = torch.zeros((w.shape[0], per_row), dtype=w.dtype, device=w.device)
+    padded[:, :k] = w
+    return padded[:, :k]
 
 
 class Fp8Linear(nn.Module):
@@ -45,7 +61,7 @@ class Fp8Linear(nn.Module):
         super().__init__()
         self.out_dtype = linear.weight.dtype
         w_q, w_scale = quantize_fp8_weight(linear.weight.detach(), fp8_dtype)
-        self.register_buffer("weight", w_q)
+        self.register_buffer("weight", _row_aligned(w_q))
         self.register_buffer("weight_scale", w_scale)
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
@@ -98,12 +114,17 @@ class QuantizedMoE(nn.Module):
 
     @classmethod
     def quantize(cls, moe: SparseMoE, fmt: str) -> QuantizedMoE:
-        """`moe`'s float experts and shared expert quantized to `fmt`."""
+        """`moe`'s float experts and shared expert quantized to `fmt`, zero-padded to one intermediate width and
+        the hidden size to the format's block where they differ from it (the outputs are the same)."""
         shared = moe.shared_experts
-        if shared.gate_up_proj.weight.shape[0] != moe.w_gate_up.shape[1]:
-            raise ValueError("stacking the shared expert needs the routed experts' width")
-        return cls(moe, quantize_experts(torch.cat((moe.w_gate_up, shared.gate_up_proj.weight[None])),
-                                         torch.cat((moe.w_down, shared.down_proj.weight[None])), fmt))
+        hidden = moe.w_down.shape[1]
+        block = MX_BLOCK if fmt in ("mxfp4", "mxfp8") else 1
+        inter = _round_up(max(moe.w_down.shape[2], shared.down_proj.weight.shape[1]), block)
+        padded_hidden = _round_up(hidden, block)
+        gate_up = torch.cat([_pad_gate_up(w, inter, padded_hidden)
+                             for w in (moe.w_gate_up, shared.gate_up_proj.weight[None])])
+        down = torch.cat([_pad_down(w, inter, padded_hidden) for w in (moe.w_down, shared.down_proj.weight[None])])
+        return cls(moe, quantize_experts(gate_up, down, fmt))
 
     @property
     def experts(self) -> Experts:
@@ -111,7 +132,7 @@ class QuantizedMoE(nn.Module):
 
     def serve_layout(self) -> None:
         """The stack rearranged once, after loading, into the layout the kernels serve fastest on its device
-        (`moe.serving_layout`: MXFP4 on an H200 becomes the planes layout; the values stay)."""
+        (`experts.serving_layout`: MXFP4 on an H200 becomes the planes layout; the values stay)."""
         experts = serving_layout(self.experts)
         for name in _EXPERT_TENSORS:
             setattr(self, name, getattr(experts, name))
@@ -120,7 +141,28 @@ class QuantizedMoE(nn.Module):
         logits = nn.functional.linear(x.to(self.router_weight.dtype), self.router_weight).float()
         router, moe = (route, fused_moe) if x.is_cuda else (route_ref, fused_moe_ref)
         weights, ids = router(logits, self.e_score_correction_bias, self.top_k, self.scaling, shared=True)
-        return moe(x, ids, weights, self.experts, self.alpha, self.limit)
+        hidden = x.shape[-1]
+        padded = self.down.shape[1]  # the stack's hidden size, padded to the MX block
+        if padded == hidden:
+            return moe(x, ids, weights, self.experts, self.alpha, self.limit)
+        out = moe(nn.functional.pad(x, (0, padded - hidden)), ids, weights, self.experts, self.alpha, self.limit)
+        return out[:, :hidden]
+
+
+def _pad_gate_up(w: torch.Tensor, inter: int, hidden: int) -> torch.Tensor:
+    """[E, 2I, H] (gate | up) -> [E, 2 inter, hidden], each half zero-padded to `inter` rows."""
+    e, rows, h = w.shape
+    if rows == 2 * inter and h == hidden:
+        return w
+    out = w.new_zeros((e, 2 * inter, hidden))
+    out[:, : rows // 2, :h] = w[:, : rows // 2]
+    out[:, inter : inter + rows // 2, :h] = w[:, rows // 2 :]
+    return out
+
+
+def _pad_down(w: torch.Tensor, inter: int, hidden: int) -> torch.Tensor:
+    """[E, H, I] -> [E, hidden, inter], zero-padded."""
+    return nn.functional.pad(w, (0, inter - w.shape[2], 0, hidden - w.shape[1]))
 
 
 @torch.no_grad()

@@ -7,7 +7,8 @@ rank 0 goes to the workers first: a REPLAY message names the graph, and one broa
 static input bytes (token ids, positions, slots, context lengths, page table: graphs.DecodeGraphs.inputs) lands in
 each worker's identical buffer, so the worker replays its graph of the same key on the same inputs; a key first seen
 mid-serving is captured on every rank at that same step. Rank 0's model calls inside DecodeGraphs (its captures, or
-the eager steps off CUDA) are not mirrored as eager steps: the workers make them themselves.
+the eager steps off CUDA) are not mirrored as eager steps (only the runner's own calls are): the workers make them
+themselves.
 """
 
 from __future__ import annotations
@@ -34,12 +35,10 @@ class MirroredGraphs(DecodeGraphs):
         tp.use_kv(kv)
         tp.send((GRAPHS, dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, query_lens=tuple(query_lens),
                               aux_layers=tuple(aux_layers))))
-        with tp.unmirrored():
-            super().__init__(model, kv, max_num_seqs, max_model_len, device, query_lens, aux_layers)
+        super().__init__(model, kv, max_num_seqs, max_model_len, device, query_lens, aux_layers)
         tp.expect(READY)  # the workers captured the same graphs
 
     def replay(self, key: tuple[int, int, int]) -> tuple:
         self.tp.send((REPLAY, key))
         dist.broadcast(self.used_inputs(key), src=0)
-        with self.tp.unmirrored():
-            return super().replay(key)
+        return super().replay(key)

@@ -1,13 +1,15 @@
 """Tensor parallel at run time: rank 0 is the engine's own process; ranks 1..N-1 are worker processes.
 
-Design (docs/serving.md): only rank 0 schedules. A forward pre-hook on rank 0's model mirrors every forward call
-to the workers: a small header (token count, batch, page-table width, host ints, aux layers) goes over a pipe,
-then the step's integer inputs (token ids, positions, slots, cu_seqlens, context lengths, page table) go as one
-int64 tensor broadcast over the process group (NCCL between GPUs, gloo on a CPU), and every rank runs the same
-forward. All-reduces after o_proj and after each MLP/MoE make the hidden states identical on every rank; lm_head is
-split over the vocabulary (sharding.VocabParallelHead), so every rank computes its slice of the logits at the
-step's logits indices (broadcast too) and an all-gather joins them; rank 0 alone samples. Workers hold their own
-KV pool of the same page count (its spec comes over the pipe before the first step) and never see requests.
+Design (docs/serving.md): only rank 0 schedules. Rank 0's ModelRunner hands every eager forward to
+`TensorParallel.mirror` before it runs it (the runner's StepMirror): a small header (token count, batch, page-table
+width, host ints, aux layers) goes over a pipe, then the step's integer inputs (token ids, positions, slots,
+cu_seqlens, context lengths, page table) go as one int64 tensor broadcast over the process group (NCCL between GPUs,
+gloo on a CPU), and every rank runs the same forward. The row-parallel layers all-reduce their partial outputs
+themselves (o_proj and each MLP/MoE: model/layers.py RowParallelLinear), which makes the hidden states identical on
+every rank; lm_head is split over the vocabulary (sharding.VocabParallelHead), so every rank computes its slice of
+the logits at the step's logits indices (broadcast too) and an all-gather joins them; rank 0 alone samples. Workers
+hold their own KV pool of the same page count (its spec comes over the pipe before the first step) and never see
+requests.
 
 With CUDA graphs (parallel/graphs.py) every worker builds the same DecodeGraphs as rank 0, so all ranks capture the
 same graphs, with the same collectives inside, in the same order; a step rank 0 replays goes to the workers as a
@@ -20,7 +22,6 @@ process: torch.distributed's default group is process-wide.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -28,11 +29,10 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,18 +62,6 @@ def init_distributed(rank: int, world: int, store_port: int, device: torch.devic
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=300), device_id=device if device.type == "cuda" else None)
-
-
-def add_all_reduces(model: MiniMaxM3ForCausalLM) -> None:
-    """Sum the partial outputs of the row-parallel o_proj and of every MLP/MoE over the ranks, in place."""
-
-    def all_reduce(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(out)
-        return out
-
-    for layer in model.layers:
-        layer.self_attn.o_proj.register_forward_hook(all_reduce)
-        layer.mlp.register_forward_hook(all_reduce)
 
 
 def pack_step(input_ids: torch.Tensor, meta: AttentionMetadata, tail: torch.Tensor | None) -> torch.Tensor:
@@ -106,7 +94,7 @@ def release_graphs(graphs: DecodeGraphs) -> None:
 
 
 class TensorParallel:
-    """Rank 0's side: the worker processes, their pipes, and the hook that mirrors each forward to them."""
+    """Rank 0's side: the worker processes, their pipes, and `mirror`, which sends each eager forward to them."""
 
     def __init__(self, model: MiniMaxM3ForCausalLM, conns: list[Connection], procs: list[subprocess.Popen],
                  store: dist.Store):
@@ -116,9 +104,7 @@ class TensorParallel:
         self._store = store  # the rendezvous rank 0 hosts: alive until every worker has left the group
         self._kv: KVPool | None = None
         self._closed = False
-        self._mirroring = True  # off while rank 0's DecodeGraphs calls the model (the workers run their own)
         self.graphs: DecodeGraphs | None = None  # rank 0's MirroredGraphs, released before the group is destroyed
-        model.register_forward_pre_hook(self._mirror, with_kwargs=True)
 
     @classmethod
     def launch(cls, path: str | Path, world: int, device: torch.device, dtype: torch.dtype, attn_backend: str,
@@ -153,41 +139,27 @@ class TensorParallel:
                                     world_size=world, timeout=timedelta(seconds=300),
                                     device_id=device if device.type == "cuda" else None)
             model = load_shard(path, Shard(0, world, expert_parallel), device, dtype, attn_backend)
-            add_all_reduces(model)
             _expect(conns, procs, READY)
         except BaseException:
             _stop(conns, procs)
             raise
         return cls(model, conns, procs, store)
 
-    def _mirror(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        if not self._mirroring:
-            return
-        names = ("input_ids", "meta", "kv", "logits_indices", "aux_layers")
-        call = dict(zip(names, args, strict=False)) | kwargs
-        input_ids, meta = call["input_ids"], call["meta"]
-        self.use_kv(call["kv"])
-        indices = call.get("logits_indices")
+    def mirror(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool, logits_indices: torch.Tensor | None,
+               aux_layers: Sequence[int]) -> None:
+        """Send the workers the model call rank 0 is about to make (its arguments), so that every rank runs it."""
+        self.use_kv(kv)
         b, width = meta.page_table.shape
-        header = (input_ids.shape[0], b, width, meta.max_seqlen_q, meta.max_context_len,
-                  tuple(call.get("aux_layers") or ()), -1 if indices is None else indices.shape[0])
+        header = (input_ids.shape[0], b, width, meta.max_seqlen_q, meta.max_context_len, tuple(aux_layers),
+                  -1 if logits_indices is None else logits_indices.shape[0])
         self.send((STEP, header))
-        dist.broadcast(pack_step(input_ids, meta, indices), src=0)
+        dist.broadcast(pack_step(input_ids, meta, logits_indices), src=0)
 
     def use_kv(self, kv: KVPool) -> None:
         """The workers' KV pools follow rank 0's: a new pool's spec goes over the pipe before its first use."""
         if kv is not self._kv:
             self.send((KV, dataclasses.replace(kv.spec, device="cpu")))
             self._kv = kv
-
-    @contextlib.contextmanager
-    def unmirrored(self) -> Iterator[None]:
-        """Rank 0's model calls inside are not mirrored (the workers make the same calls themselves)."""
-        self._mirroring = False
-        try:
-            yield
-        finally:
-            self._mirroring = True
 
     def send(self, message: tuple) -> None:
         for conn in self.conns:

@@ -29,8 +29,8 @@ from safetensors import safe_open
 
 from m3sdk.errors import CheckpointError
 from m3sdk.model.config import ModelConfig
-from m3sdk.model.layers import SparseMoE, moe_experts, route
-from m3sdk.model.loader import _check, _detect_layout, _read_headers, _tensor_files, expected_tensors
+from m3sdk.model.layers import SparseMoE, all_reduce, moe_experts, route
+from m3sdk.model.loader import check_tensors, detect_layout, expected_tensors, read_headers, tensor_files
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 
 _CHUNK_BYTES = 64 << 20
@@ -184,7 +184,7 @@ class ExpertParallelMoE(SparseMoE):
         self.first_expert, end = shard.span(c.num_experts)
         super().__init__(c.hidden_size, end - self.first_expert, c.moe_intermediate_size,
                          c.shared_intermediate_size // shard.world, c.num_experts_per_tok, c.routed_scaling_factor,
-                         c.swiglu_alpha, c.swiglu_limit, dtype)
+                         c.swiglu_alpha, c.swiglu_limit, dtype, reduce=True)
         self.router_weight = torch.nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = torch.nn.Parameter(torch.empty(c.num_experts, dtype=torch.float32))
 
@@ -195,7 +195,7 @@ class ExpertParallelMoE(SparseMoE):
         mine = (local >= 0) & (local < self.w_gate_up.shape[0])
         routed = moe_experts(x, torch.where(mine, local, 0), torch.where(mine, weights, 0.0), self.w_gate_up,
                              self.w_down, self.alpha, self.limit)
-        return routed * self.scaling + shared
+        return all_reduce(routed * self.scaling + shared, self.reduce)
 
 
 class VocabParallelHead(torch.nn.Module):
@@ -227,7 +227,8 @@ def build_local_model(config: ModelConfig, shard: Shard, dtype: torch.dtype, att
                       ) -> MiniMaxM3ForCausalLM:
     """The rank's model on the meta device (weights unallocated)."""
     with torch.device("meta"):
-        model = MiniMaxM3ForCausalLM(local_config(config, shard), dtype=dtype, attn_backend=attn_backend)
+        model = MiniMaxM3ForCausalLM(local_config(config, shard), dtype=dtype, attn_backend=attn_backend,
+                                     tensor_parallel=shard.world > 1)
         if shard.expert_parallel:
             for i in config.moe_layers:
                 model.layers[i].mlp = ExpertParallelMoE(config, shard, dtype)
@@ -243,14 +244,14 @@ def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype
     config = ModelConfig.from_pretrained(path)
     if config.quant_format != "none":
         raise CheckpointError(f"tensor parallel loading of {config.quant_format} checkpoints is not supported yet")
-    files = _tensor_files(path)
-    shapes = _read_headers(files)
-    layout, prefix, lm_head = _detect_layout(shapes)
+    files = tensor_files(path)
+    shapes = read_headers(files)
+    layout, prefix, lm_head = detect_layout(shapes)
     expected = expected_tensors(config, layout, prefix, lm_head)
     with torch.device("meta"):
         full = MiniMaxM3ForCausalLM(config, dtype=dtype, attn_backend=attn_backend)
     full_params = dict(full.named_parameters())
-    _check(shapes, expected, full_params, path)  # the whole checkpoint against the whole model's shapes
+    check_tensors(shapes, expected, full_params, path)  # the whole checkpoint against the whole model's shapes
 
     model = build_local_model(config, shard, dtype, attn_backend)
     model.to_empty(device=device)

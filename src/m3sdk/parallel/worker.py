@@ -28,7 +28,6 @@ from m3sdk.parallel.group import (
     REPLAY,
     STEP,
     STOP,
-    add_all_reduces,
     init_distributed,
     release_graphs,
     step_numel,
@@ -47,7 +46,6 @@ def serve(spec: dict, conn: Connection) -> None:
     try:
         model = load_shard(spec["model"], Shard(spec["rank"], spec["world"], spec["expert_parallel"]), device,
                            _DTYPES[spec["dtype"]], spec["attn_backend"])
-        add_all_reduces(model)
     except Exception:
         conn.send((ERROR, traceback.format_exc()))
         raise

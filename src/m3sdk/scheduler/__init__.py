@@ -1,9 +1,14 @@
-"""Schedulers, picked by name in EngineConfig.scheduler (or passed as an instance)."""
+"""Schedulers, picked by name in EngineConfig.scheduler (or passed as a factory)."""
 
+from collections.abc import Callable
+from typing import Any
+
+from m3sdk.registry import Registry
 from m3sdk.scheduler.base import Scheduled, Scheduler, StepPlan
 from m3sdk.scheduler.continuous import ContinuousScheduler
 
 # name -> factory (cache_manager, config) -> Scheduler
-SCHEDULERS = {"continuous": ContinuousScheduler.from_config}
+SCHEDULERS: Registry[Callable[[Any, Any], Scheduler]] = Registry("scheduler")
+SCHEDULERS.register("continuous")(ContinuousScheduler.from_config)
 
 __all__ = ["SCHEDULERS", "ContinuousScheduler", "Scheduled", "Scheduler", "StepPlan"]

@@ -3,8 +3,8 @@
 A step is a list of (request, num_new_tokens): prefill chunks and decodes mixed. A request's new tokens are
 `token_ids[num_computed_tokens : num_computed_tokens + n]`; a step that reaches the request's last known token
 ends in logits, so the request samples. A speculating request is scheduled for 1 + k tokens (its drafts ride
-in `token_ids`, Contract 5); a request whose prompt a remote prefill node computes is parked in
-`remote_pending`, holding its pages, until `resume_remote` (Contract 6).
+in `token_ids`, Contract 5). A request may be added already holding pages and computed tokens (one the engine's
+admission handed over after computing its prompt elsewhere, Contract 6): it runs on from `num_computed_tokens`.
 """
 
 from __future__ import annotations
@@ -40,10 +40,6 @@ class Scheduler(Protocol):
     or gives a factory `(cache_manager, config) -> Scheduler`."""
 
     num_preemptions: int
-    # Remote prefill (Contract 6): the core sets `remote` when prefill nodes are configured; requests the scheduler
-    # hands to it wait in `remote_pending` (pages held, not running) until `resume_remote`.
-    remote: object | None
-    remote_pending: dict[str, Request]
 
     def add(self, request: Request) -> None: ...
 
@@ -57,9 +53,6 @@ class Scheduler(Protocol):
         """Remove a request for good and free its pages."""
 
     def get(self, request_id: str) -> Request | None: ...
-
-    def resume_remote(self, request: Request, computed: bool) -> None:
-        """A remote prefill ended: run the request on, its prompt computed (`computed`) or to prefill here."""
 
     def live_requests(self) -> list[Request]:
         """Every request added and not finished, waiting or running."""

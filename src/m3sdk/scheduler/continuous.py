@@ -5,8 +5,9 @@ while the token budget (`max_num_batched_tokens`), `max_num_seqs` and free pages
 prefilled in chunks. When a running request needs a page and none is left, the last request in that order is
 preempted: its pages are freed and it waits to be recomputed from its tokens (prompt + what it generated,
 often a prefix-cache hit). The first request in order can always grow (the cache holds at least one
-`max_model_len` sequence), so the batch never deadlocks and no request is lost; only requests parked on a
-remote prefill (which hold pages and slots) can leave nothing to schedule until their node answers.
+`max_model_len` sequence), so the batch never deadlocks and no request is lost; only pages held outside the
+scheduler (requests an admission took for remote prefill) can leave nothing to schedule until they come back.
+A request added with pages and computed tokens already (handed over that way) is admitted from there.
 """
 
 from __future__ import annotations
@@ -38,10 +39,6 @@ class ContinuousScheduler:
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []  # sorted by sort_key; the last one is preempted first
         self._requests: dict[str, Request] = {}
-        # Remote prefill (m3sdk/disagg/remote.py), set by the core when the engine has prefill nodes: a request
-        # it takes holds pages for its whole prompt and waits in remote_pending until resume_remote.
-        self.remote = None
-        self.remote_pending: dict[str, Request] = {}
         self.num_preemptions = 0
 
     @classmethod
@@ -89,13 +86,11 @@ class ContinuousScheduler:
                 i += 1
         if plan.preempted:
             return plan  # pages are short: admit nobody new this step
-        while self.waiting and budget > 0 and len(self.running) + len(self.remote_pending) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            prefix = self.cache.match_prefix(request)
-            cached = len(prefix) * PAGE_SIZE
-            remote = self.remote is not None and self.remote.wants(request, cached)
-            # a remote prefill fills every page of the prompt at once, and costs this step no tokens
-            n = request.num_tokens - cached if remote else min(request.num_tokens - cached, budget)
+            prefix = self.cache.match_prefix(request)  # none for a request holding pages already
+            cached = max(len(prefix) * PAGE_SIZE, request.num_computed_tokens)
+            n = min(request.num_tokens - cached, budget)
             if not self.cache.allocate(request, n, prefix):
                 break  # first come, first served: nobody overtakes the head of the queue
             del self.waiting[0]
@@ -103,10 +98,6 @@ class ContinuousScheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = min(cached, request.num_prompt_tokens)
-            if remote:
-                self.remote_pending[request.request_id] = request
-                self.remote.start(request, self.cache.page_table(request), len(prefix))
-                continue
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_key)
             plan.scheduled.append(self._scheduled(request, n))
@@ -120,22 +111,11 @@ class ContinuousScheduler:
             request.num_computed_tokens += n
             self.cache.commit(request)
 
-    def resume_remote(self, request: Request, computed: bool) -> None:
-        """A remote prefill ended: the pages hold the prompt (`computed`; only now may the prefix cache share
-        them), or it failed and the prompt is prefilled here, into the same pages."""
-        del self.remote_pending[request.request_id]
-        if computed:
-            request.num_computed_tokens = request.num_prompt_tokens
-            self.cache.commit(request)
-        request.status = RequestStatus.RUNNING
-        bisect.insort(self.running, request, key=_key)
-
     def finish(self, request: Request, reason: FinishReason) -> None:
         if self._requests.pop(request.request_id, None) is None:
             return
-        if self.remote_pending.pop(request.request_id, None) is None:
-            queue = self.running if request.status is RequestStatus.RUNNING else self.waiting
-            queue.remove(request)
+        queue = self.running if request.status is RequestStatus.RUNNING else self.waiting
+        queue.remove(request)
         self.cache.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

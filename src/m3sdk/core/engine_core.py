@@ -1,0 +1,278 @@
+"""EngineCore: the synchronous engine loop, in a thread of its own. A step is schedule -> execute -> process.
+
+Other threads talk to it only through `submit`, `abort`, `wake` and `stop` (a thread-safe inbox) and read
+`stats()` (a snapshot replaced after every step). Each step's deltas go out in one `emit(chunks)` call, so the
+application's event loop pays one wake-up per step, not one per token. If anything in the loop raises, the core
+calls `on_dead(exc)` and ends: the async face turns that into EngineDeadError for every waiter. The loop never
+waits for another thread: what others finish (an admission's outcome, pages a listener held) reaches it through
+the inbox. Built by `m3sdk.core.builder.build_core`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from m3sdk.cache.manager import CacheManager
+from m3sdk.core.executor import Executor
+from m3sdk.core.hooks import Admission, Emit, FinishListener, OnDead, StepObserver
+from m3sdk.core.output import OutputProcessor
+from m3sdk.observability import get_logger
+from m3sdk.params import SamplingParams
+from m3sdk.request import Chunk, FinishReason, Request
+from m3sdk.runner import ModelRunner
+from m3sdk.sampler import SamplingState
+from m3sdk.scheduler import Scheduler, StepPlan
+from m3sdk.tokenizer import TextStream, Tokenizer
+
+if TYPE_CHECKING:
+    from m3sdk.core.resolved import ResolvedConfig
+    from m3sdk.parallel import TensorParallel
+
+log = get_logger("m3sdk.core")
+
+_ADD, _ABORT, _STOP, _WAKE, _UNHOLD = "add", "abort", "stop", "wake", "unhold"
+
+
+class EngineCore:
+    def __init__(self, config: ResolvedConfig, runner: ModelRunner, scheduler: Scheduler, cache: CacheManager,
+                 tokenizer: Tokenizer, executor: Executor, observers: Sequence[StepObserver] = (),
+                 on_stop: Sequence[Callable[[], None]] = (), tensor_parallel: TensorParallel | None = None):
+        self.config = config
+        self.runner = runner
+        self.scheduler = scheduler
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.tensor_parallel = tensor_parallel  # the worker ranks, when tensor parallel
+        self.max_model_len = config.max_model_len
+        self.vocab_size = runner.model.config.vocab_size
+        self.output = OutputProcessor(frozenset(tokenizer.eos_token_ids) | frozenset(runner.model.config.eos_token_ids),
+                                      self._release)
+        self._observers = list(observers)
+        self._finish_listeners: list[FinishListener] = []
+        self._admission: Admission | None = None
+        self._on_stop = list(on_stop)  # run in the engine thread when its loop ends, however it ends
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pending: list[Chunk] = []  # abort notices, sent with the next step's deltas
+        # The last step could run nothing until an admission hands requests over: the loop sleeps until its wake.
+        self._stalled = False
+        self._counters = dict(steps=0, prompt_tokens=0)
+        self._stats: dict[str, Any] = {}
+        self._publish_stats()
+        self.warm_up_seconds = 0.0  # what the warm-up took (the builder runs it on a GPU)
+
+    def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_total_tokens: int,
+                    priority: int = 0) -> Request:
+        """A request with its seeded sampling state and incremental detokenizer attached."""
+        request = Request(request_id, prompt_ids, params, max_total_tokens, priority)
+        request.sampling = SamplingState(params, prompt_ids)
+        request.text = TextStream(self.tokenizer, params, prompt_ids)
+        return request
+
+    # -- any thread --------------------------------------------------------------------------------------
+
+    def start(self, emit: Emit, on_dead: OnDead, *, finish_listeners: Sequence[FinishListener] = (),
+              admission: Admission | None = None) -> None:
+        """Start the loop. `finish_listeners` hear of every request's end; `admission` may take arriving requests
+        (it is closed when the loop ends)."""
+        if self._thread is not None:
+            raise RuntimeError("an EngineCore starts once")
+        self._finish_listeners += finish_listeners
+        self._admission = admission
+        self._thread = threading.Thread(target=self._run, args=(emit, on_dead), name="m3sdk-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        self._inbox.put((_ADD, request))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put((_ABORT, request_id))
+
+    def wake(self) -> None:
+        """Make the loop look at its admission's outcomes."""
+        self._inbox.put((_WAKE, None))
+
+    def stop(self) -> None:
+        """Abort whatever is live and end the loop (join the thread to wait for it)."""
+        self._inbox.put((_STOP, None))
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    def describe(self) -> dict[str, str]:
+        """A human summary for `m3sdk info`: model, kernel backend, cache budget."""
+        mc, spec = self.runner.model.config, self.cache.kv.spec
+        model = self.runner.model
+        # quantized weights are buffers (Fp8Linear, QuantizedMoE): count their bytes too
+        weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        return {
+            "model": str(self.config.model_path),
+            "layers": f"{mc.num_layers} ({len(mc.sparse_layers)} MSA sparse, {len(mc.moe_layers)} MoE)",
+            "weights": f"{weight_bytes / 2**20:.1f} MiB on {spec.device} as {spec.model_dtype}",
+            "attention": f"{mc.num_heads} q / {mc.num_kv_heads} kv heads x {mc.head_dim}; MSA top-"
+                         f"{mc.index_topk_blocks} of {mc.index_block_size}-token blocks",
+            "experts": f"{mc.num_experts} routed (top-{mc.num_experts_per_tok}) + shared",
+            "backend": self.config.attention_backend,
+            "quantization": self.config.engine.quantization,
+            "kv cache": f"{spec.num_pages} pages x {spec.bytes_per_page} B = "
+                        f"{spec.num_pages * spec.bytes_per_page / 2**20:.1f} MiB ({spec.kv_dtype} {spec.layout}, "
+                        f"index keys {spec.index_dtype}); max_model_len {self.max_model_len}",
+        }
+
+    # -- the engine thread -------------------------------------------------------------------------------
+
+    def step(self) -> list[Chunk]:
+        """Schedule -> execute -> process: one forward over the scheduled tokens; returns the deltas of the
+        requests whose tokens the host read in it (with overlapped or speculative steps, those of the step
+        before)."""
+        ex = self.executor
+        chunks = self.output.process(ex.settle())
+        plan = ex.schedule()
+        if plan:
+            self._counters["steps"] += 1
+            ex.launch(plan, self._layer_hook(plan))
+        elif not ex.busy and not chunks:
+            return self._nothing_scheduled(plan)
+        chunks += self.output.process(ex.collect())
+        ex.commit()
+        # the text of tokens that cannot end their request, while the device runs the step just launched
+        return chunks + self.output.flush()
+
+    def reset_stats(self) -> None:
+        """Step, token, request, graph and speculation counters from zero (after the warm-up)."""
+        self._counters = dict.fromkeys(self._counters, 0)
+        self.output.counters = dict.fromkeys(self.output.counters, 0)
+        if self.runner.graphs is not None:
+            self.runner.graphs.replays = 0  # stats()["graph_steps"] counts from zero with "steps"
+        self.executor.reset()
+        self._publish_stats()
+
+    def _layer_hook(self, plan: StepPlan) -> Callable[[int], None] | None:
+        hooks = [h for h in (o.on_step(plan) for o in self._observers) if h is not None]
+        if len(hooks) <= 1:
+            return hooks[0] if hooks else None
+
+        def every(layer: int) -> None:
+            for hook in hooks:
+                hook(layer)
+
+        return every
+
+    def _nothing_scheduled(self, plan: StepPlan) -> list[Chunk]:
+        if plan.preempted or not (self.scheduler.num_running or self.scheduler.num_waiting):
+            return []
+        if self._admission is not None and self._admission.live_requests():
+            # the waiting requests need pages held by requests an admission took: wait for its handovers
+            self._stalled = True
+            return []
+        raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
+
+    def _run(self, emit: Emit, on_dead: OnDead) -> None:
+        try:
+            while self._handle_inbox():
+                if handed := self._handovers():
+                    # their first tokens go out before this engine's next step, which would hold them a whole step
+                    self._publish_stats()
+                    emit(handed)
+                chunks = self.step()
+                if self._pending:
+                    chunks, self._pending = self._pending + chunks, []
+                # stats first: a waiter woken by its last chunk then reads its pages as freed
+                self._publish_stats()
+                if chunks:
+                    emit(chunks)
+            self._publish_stats()
+            if self._pending:
+                emit(self._pending)
+        except BaseException as e:  # noqa: BLE001 - any failure must reach the waiters, never hang them
+            on_dead(e)
+            log.exception("engine thread died")
+        finally:
+            if self._admission is not None:
+                self._admission.close()
+            for fn in self._on_stop:
+                fn()
+
+    def _handle_inbox(self) -> bool:
+        """Apply queued adds and aborts; blocks while there is nothing to run. False once told to stop."""
+        block = self._stalled or not (self.scheduler.num_running or self.scheduler.num_waiting or self.executor.busy)
+        while True:
+            try:
+                kind, item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = self._stalled = False
+            if kind == _ADD:
+                self._counters["prompt_tokens"] += item.num_prompt_tokens
+                if self._admission is None or not self._admission.admit(item):
+                    self.scheduler.add(item)
+            elif kind == _ABORT:
+                request = self._live(item)
+                if request is not None:  # unknown or finished: a no-op
+                    self._pending.append(self.output.finish(request, "abort"))
+            elif kind == _UNHOLD:  # a finish listener's I/O let go of a finished request's pages
+                self.cache.release_pages(item)
+            elif kind == _WAKE:  # an admission has outcomes: the loop collects them
+                pass
+            else:
+                live = self.scheduler.live_requests()
+                if self._admission is not None:
+                    live += self._admission.live_requests()
+                for request in live:
+                    self._pending.append(self.output.finish(request, "abort"))
+                return False
+
+    def _live(self, request_id: str) -> Request | None:
+        request = self.scheduler.get(request_id)
+        if request is None and self._admission is not None:
+            request = self._admission.get(request_id)
+        return request
+
+    def _release(self, request: Request, reason: FinishReason) -> None:
+        """What a finished request holds goes: listeners first (a hold keeps its pages out of use until it
+        completes), then its owner's state and pages, then the executor's state of it."""
+        for listener in self._finish_listeners:
+            hold = listener(request, reason)
+            if hold is not None:
+                pages = self.cache.retain(request)
+                hold.add_done_callback(lambda _, pages=pages: self._inbox.put((_UNHOLD, pages)))
+        if self.scheduler.get(request.request_id) is request:
+            self.scheduler.finish(request, reason)
+        elif self._admission is not None and self._admission.get(request.request_id) is request:
+            self._admission.drop(request, reason)
+        self.executor.release(request)
+
+    def _handovers(self) -> list[Chunk]:
+        """Requests an admission hands over: they sample on from their first token, are prefilled here, or fail
+        with their error."""
+        if self._admission is None:
+            return []
+        emitted, chunks = [], []
+        for h in self._admission.handovers():
+            self.scheduler.add(h.request)  # it holds its pages: the scheduler runs it from num_computed_tokens
+            if h.error is not None:
+                chunks.append(self.output.finish(h.request, "abort", error=h.error))
+            elif h.first_token is not None:
+                emitted.append((h.request, [h.first_token], None))
+        return chunks + self.output.process(emitted) + self.output.flush()
+
+    def _publish_stats(self) -> None:
+        self._stats = {
+            "running": self.scheduler.num_running,
+            "waiting": self.scheduler.num_waiting,
+            "preemptions": self.scheduler.num_preemptions,
+            **self.cache.stats(),
+            **self._counters,
+            **self.output.counters,
+            # steps replayed from CUDA graphs (0: every step ran eagerly, e.g. no GPU or graphs off)
+            "graph_steps": self.runner.graphs.replays if self.runner.graphs is not None else 0,
+            **self.executor.stats(),
+        }

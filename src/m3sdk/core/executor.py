@@ -1,0 +1,208 @@
+"""Executors: how a scheduled step reaches the device and its tokens come back to the host. The builder picks one
+for the engine's life: plain, overlapped or speculative. The core's step drives each the same way:
+
+    settle()   results the next schedule depends on (a verify step's; an overlapped step whose rows' next draw
+               reads the host's tokens)
+    schedule() the plan (speculative: drafts proposed first, the unscheduled ones' dropped after)
+    launch()   the plan's forward (and sampling) queued on the device: an `InFlight`
+    collect()  results readable now (plain: the step just launched; overlapped: the one before it)
+    commit()   bookkeeping once those results were accepted
+
+An `InFlight` is a step launched whose results the host has not read: `resolve()` reads them (the pattern of
+`Sampler.sample = launch().resolve()`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from m3sdk.core.hooks import LayerHook
+from m3sdk.core.output import Emitted
+from m3sdk.request import Request
+from m3sdk.runner import PLACEHOLDER, Carry, ModelRunner
+from m3sdk.sampler import PendingSample, Sampler
+from m3sdk.scheduler.base import Scheduler, StepPlan
+from m3sdk.speculative.decoding import Launched, Speculation
+
+
+class InFlight(Protocol):
+    plan: StepPlan
+
+    def resolve(self) -> list[Emitted]:
+        """Wait for the step's results (only them) and read them."""
+
+
+@dataclass
+class SampledStep:
+    """A forward whose sampling is launched: `rows` sample, in plan order; with `slots`, row i's token stands as a
+    PLACEHOLDER at `token_ids[slots[i]]` (an overlapped step's)."""
+
+    plan: StepPlan
+    rows: list[Request]
+    slots: list[int] | None
+    sample: PendingSample | None
+
+    def carry(self) -> Carry | None:
+        if self.sample is None:
+            return None
+        return Carry(self.sample.tokens, {id(r): i for i, r in enumerate(self.rows)})
+
+    def resolve(self) -> list[Emitted]:
+        if self.sample is None:
+            return []
+        tokens = self.sample.resolve()
+        slots = self.slots if self.slots is not None else [None] * len(self.rows)
+        return [(r, [t], at) for r, at, t in zip(self.rows, slots, tokens, strict=True)]
+
+
+@dataclass
+class VerifyStep:
+    """A speculative step (verify rows and plain rows) launched on the device."""
+
+    launched: Launched
+    spec: Speculation
+
+    @property
+    def plan(self) -> StepPlan:
+        return self.launched.plan
+
+    def resolve(self) -> list[Emitted]:
+        return [(r, tokens, None) for r, tokens in self.spec.finish(self.launched)]
+
+
+class Executor:
+    """The plain one: launch, then read the step at once."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler):
+        self.runner, self.scheduler, self.sampler = runner, scheduler, sampler
+        self.in_flight: InFlight | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A step is on the device whose results the host has not read."""
+        return self.in_flight is not None
+
+    def settle(self) -> list[Emitted]:
+        return []
+
+    def schedule(self) -> StepPlan:
+        return self.scheduler.schedule()
+
+    def launch(self, plan: StepPlan, layer_hook: LayerHook | None) -> None:
+        self.in_flight = self._sampled(plan, None, layer_hook, placeholders=False)
+
+    def collect(self) -> list[Emitted]:
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return []
+        emitted = step.resolve()
+        self.scheduler.update(step.plan)  # before the tokens are accepted: a finishing request's pages get cached
+        return emitted
+
+    def commit(self) -> None:
+        pass
+
+    def release(self, request: Request) -> None:
+        """A request finished: drop what the executor keeps for it."""
+
+    def reset(self) -> None:
+        """Counters from zero (after the warm-up); nothing is in flight."""
+
+    def stats(self) -> dict[str, object]:
+        return {}
+
+    def _sampled(self, plan: StepPlan, prev: SampledStep | None, layer_hook: LayerHook | None,
+                 placeholders: bool) -> SampledStep:
+        rows = [s.request for s in plan.scheduled if s.samples]
+        logits = self.runner.run(plan, prev.carry() if prev is not None else None, layer_hook)
+        sample = self.sampler.launch(logits, [r.sampling for r in rows]) if rows else None
+        slots = None
+        if placeholders:
+            slots = []
+            for request in rows:
+                request.token_ids.append(PLACEHOLDER)
+                slots.append(request.num_tokens - 1)
+        return SampledStep(plan, rows, slots, sample)
+
+
+def _lag_safe(request: Request) -> bool:
+    """Its next draw does not read its own last token on the host (penalties count it, a seed counts tokens)."""
+    return request.params.seed is None and not request.params.has_penalties
+
+
+class OverlappedExecutor(Executor):
+    """Step N+1 is scheduled and launched while step N may still run on the device, then N's tokens are read.
+
+    N's sampled tokens stand as PLACEHOLDERs in `token_ids` (so the scheduler gives each such request its decode
+    token) and reach N+1's input ids on the device (the runner's Carry). The host then waits for N's tokens only
+    (not for N+1), the core accepts them (detokenize, stop checks, finish), and only then `commit` runs
+    `Scheduler.update` for N+1, so the pages it commits to the prefix cache hash real tokens. A request that
+    finished at N was scheduled in N+1 too: that token is dropped (its pages are freed at once; N+1's late writes
+    into them come before any later step's on the same stream)."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler):
+        super().__init__(runner, scheduler, sampler)
+        self._prev: SampledStep | None = None  # step N, launched before the step now being scheduled
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None or self._prev is not None
+
+    def settle(self) -> list[Emitted]:
+        self._prev, self.in_flight = self.in_flight, None
+        if self._prev is not None and not all(_lag_safe(r) for r in self._prev.rows):
+            prev, self._prev = self._prev, None  # their next draw reads the host's tokens: settle them first
+            return prev.resolve()
+        return []
+
+    def launch(self, plan: StepPlan, layer_hook: LayerHook | None) -> None:
+        self.in_flight = self._sampled(plan, self._prev, layer_hook, placeholders=True)
+
+    def collect(self) -> list[Emitted]:
+        prev, self._prev = self._prev, None
+        return prev.resolve() if prev is not None else []
+
+    def commit(self) -> None:
+        if self.in_flight is not None:
+            self.scheduler.update(self.in_flight.plan)
+
+
+class SpeculativeExecutor(Executor):
+    """Each step finishes the verify step the one before launched (its tokens are accepted, which decides who
+    finished), then proposes, schedules and launches the next: the core emits the finished step's deltas and reads
+    its inbox while the device runs the new one (spec/decoding.py has the step's stages)."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, spec: Speculation):
+        super().__init__(runner, scheduler, sampler)
+        self.spec = spec
+
+    def settle(self) -> list[Emitted]:
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return []
+        emitted = step.resolve()
+        self.scheduler.update(step.plan)
+        self.spec.finish_step()
+        return emitted
+
+    def schedule(self) -> StepPlan:
+        self.spec.propose(self.scheduler.live_requests())
+        plan = self.scheduler.schedule()
+        self.spec.scheduled(plan)
+        return plan
+
+    def launch(self, plan: StepPlan, layer_hook: LayerHook | None) -> None:
+        self.in_flight = VerifyStep(self.spec.launch(plan, self.runner, layer_hook), self.spec)
+
+    def collect(self) -> list[Emitted]:
+        return []
+
+    def release(self, request: Request) -> None:
+        self.spec.release(request)
+
+    def reset(self) -> None:  # its acceptance counters too (the warm-up's random prompts draft badly)
+        self.spec = Speculation(self.spec.drafter, self.spec.cache, self.sampler)
+
+    def stats(self) -> dict[str, object]:
+        return self.spec.stats()
