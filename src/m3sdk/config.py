@@ -74,6 +74,10 @@ class EngineConfig:
     # stream's new text against its stop strings, so 100,000 of them (or one of 10 MB) would slow every stream.
     max_stop_strings: int = 64
     max_stop_length: int = 1024
+    # The watchdog: a phase of the engine loop (a forward, sampling, emitting) that runs longer than this many
+    # seconds ends the engine with EngineDeadError naming the phase, so that no waiter hangs on a stuck step.
+    # None: off. A first Triton compile at a new shape runs in a step on a GPU (warm-up covers the common ones).
+    step_timeout: float | None = 300.0
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: gpu_memory_fraction (or a CPU default)
     gpu_memory_fraction: float = 0.9  # of the device memory free after loading the model
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bf16" | "fp8" | "fp32"
@@ -128,6 +132,9 @@ class EngineConfig:
         if isinstance(self.prefill_timeout, bool) or not isinstance(self.prefill_timeout, int | float) \
                 or not self.prefill_timeout > 0:
             problems.append(f"prefill_timeout must be a positive number of seconds, got {self.prefill_timeout!r}")
+        if self.step_timeout is not None and (isinstance(self.step_timeout, bool) or not isinstance(
+                self.step_timeout, int | float) or not 0 < self.step_timeout < float("inf")):
+            problems.append(f"step_timeout must be a positive number of seconds or None, got {self.step_timeout!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "tensor_parallel_size",
                      "max_stop_strings", "max_stop_length"):
             value = getattr(self, name)
