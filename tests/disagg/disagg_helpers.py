@@ -117,7 +117,7 @@ def stop_node(proc: mp.Process) -> None:
 
 
 def _serve_engine(conn, checkpoint: str, delay_s: float, corrupt_index_keys: bool, hold_last_layer: bool,
-                  fail_at_tokens: int, kv_cache_memory: int) -> None:
+                  fail_at_tokens: int, kv_cache_memory: int, listen: str) -> None:
     torch.set_num_threads(1)
     from m3sdk.config import EngineConfig
     from m3sdk.disagg.backend import EngineBackend
@@ -149,7 +149,7 @@ def _serve_engine(conn, checkpoint: str, delay_s: float, corrupt_index_keys: boo
                 raise RuntimeError(f"injected fault at a {fail_at_tokens}-token prompt")
 
         backend.core.runner.model.layers[0].register_forward_pre_hook(fail)
-    node = PrefillNode(backend, "127.0.0.1:0").start()
+    node = PrefillNode(backend, listen).start()
     conn.send(node.address)
     try:
         node.serve_until_signal(grace=2.0)
@@ -176,9 +176,9 @@ def hold_until_first_group_sent(backend) -> None:
 
 def spawn_engine_node(checkpoint, delay_s: float = 0.0, corrupt_index_keys: bool = False,
                       hold_last_layer: bool = False, fail_at_tokens: int = 0,
-                      kv_cache_memory: int = 8 << 20) -> tuple[mp.Process, str]:
+                      kv_cache_memory: int = 8 << 20, listen: str = "127.0.0.1:0") -> tuple[mp.Process, str]:
     """A prefill node running the real engine on `checkpoint`; index keys garbled in transit if asked; with
     `hold_last_layer`, a forward cannot finish before its transfers' first group of layers was sent; with
     `fail_at_tokens`, its engine thread dies on a prompt of that many tokens."""
     return _spawn(_serve_engine, str(checkpoint), delay_s, corrupt_index_keys, hold_last_layer, fail_at_tokens,
-                  kv_cache_memory)
+                  kv_cache_memory, listen)

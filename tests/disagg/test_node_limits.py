@@ -70,9 +70,9 @@ def quick_node():
 @pytest.fixture(scope="module")
 def idle_port():
     """A KV transport port that listens and never posts a receive."""
-    from m3sdk.disagg.transport import UcxTransport
+    from m3sdk.disagg.transport import build_transport
 
-    transport = UcxTransport()
+    transport = build_transport()
     run(transport.start(listen=True))
     yield transport.port
     run(transport.close())
@@ -100,11 +100,12 @@ def test_handshake_reports_the_limits_and_errors_stay_small(quick_node):
     assert len(details.encode()) <= MAX_DETAILS
 
 
-def test_a_receiver_that_does_not_read_frees_the_slot_within_receiver_timeout(quick_node):
+def test_a_receiver_that_does_not_read_frees_the_slot_within_receiver_timeout(quick_node, idle_port):
+    # 250 pages: messages large enough for UCX's rendezvous, which waits for a receive nobody posts
     t0 = time.monotonic()
-    status, details, _ = run(call(quick_node, "Prefill", prefill_request("closed", list(range(1, 40)),
-                                                                         closed_port())))
-    assert status == grpc.StatusCode.UNAVAILABLE, details
+    status, details, _ = run(call(quick_node, "Prefill", prefill_request("unread", [i % 999 + 1 for i in range(4000)],
+                                                                         idle_port)))
+    assert status == grpc.StatusCode.UNAVAILABLE and "receiver_timeout_s" in details, details
     assert time.monotonic() - t0 < 8.0  # the caller's deadline was 60 s
     status, _, health = run(call(quick_node, "Health", pb.HealthRequest()))
     assert status == grpc.StatusCode.OK and health.running == 0 and health.serving
@@ -178,13 +179,13 @@ async def test_the_engine_node_refuses_what_its_cache_cannot_hold_and_stops_once
     assert status == grpc.StatusCode.INVALID_ARGUMENT and "max_prompt_tokens" in details and "255" in details
     async with Engine(model=str(engine_checkpoint), device="cpu", kv_cache_memory=8 << 20, prefill_nodes=[address],
                       remote_prefill_min_tokens=32) as engine:
-        client = engine._core.remote.client
+        client = engine._admission.client
         assert client._nodes[0].max_prompt_tokens == 255
         t0 = time.monotonic()
         assert (await engine.generate(long, temperature=0.0, max_tokens=4)).token_ids == local[0]
-        assert time.monotonic() - t0 < 5.0 and engine._core.remote.num_fallbacks == 1
+        assert time.monotonic() - t0 < 5.0 and engine._admission.num_fallbacks == 1
         assert (await engine.generate(short, temperature=0.0, max_tokens=4)).token_ids == local[1]
-        assert engine._core.remote.num_remote == 1
+        assert engine._admission.num_remote == 1
         # a fault kills the node's engine: this request falls back, Health says so, the node process ends
         doomed = [(3 * i) % 251 + 1 for i in range(FAIL_AT)]
         assert len((await engine.generate(doomed, temperature=0.0, max_tokens=4)).token_ids) == 4
