@@ -34,3 +34,22 @@ def test_bad_values_are_refused_on_creation():
         EngineConfig(quantization="int3")
     with pytest.raises(ValueError, match="speculative"):
         EngineConfig(speculative="medusa")
+
+
+def test_knobs_are_grouped_and_read_flat():
+    from m3sdk.config import CacheConfig, SchedulingConfig
+
+    c = EngineConfig(kv_cache_dtype="fp8", max_num_seqs=4, max_num_batched_tokens=64, prefill_nodes=["n:1"],
+                     tensor_parallel_size=2)
+    assert c.cache.kv_cache_dtype == c.kv_cache_dtype == "fp8"
+    assert (c.scheduling.max_num_seqs, c.disagg.prefill_nodes, c.parallel.tensor_parallel_size) == (4, ("n:1",), 2)
+    again = c.replace(max_num_seqs=8)
+    assert (again.max_num_seqs, again.kv_cache_dtype, c.max_num_seqs) == (8, "fp8", 4)
+    whole = EngineConfig(cache=CacheConfig(kv_cache_memory=1 << 20), scheduling=SchedulingConfig(max_num_seqs=2))
+    assert whole.kv_cache_memory == 1 << 20 and whole.max_num_seqs == 2
+    assert EngineConfig(cache=CacheConfig(kv_cache_memory=1 << 20), kv_cache_dtype="bf16").cache == CacheConfig(
+        kv_cache_memory=1 << 20, kv_cache_dtype="bf16")
+    with pytest.raises(TypeError, match="no_such_knob"):
+        EngineConfig(no_such_knob=1)
+    with pytest.raises(ValueError, match="max_num_seqs must be an int >= 1.*quantization must be one of"):
+        EngineConfig(max_num_seqs=0, quantization="int3")

@@ -38,3 +38,4 @@ def test_every_seam_uses_it():
         get_backend("flash")
     with pytest.raises(ValueError, match="speculative method must be one of"):
         SpecConfig(method="medusa")
+

@@ -1,5 +1,10 @@
 """EngineConfig: the engine-level knobs, validated on creation. Unknown fields are a TypeError.
 
+The knobs that have grown into families live in groups: `cache` (CacheConfig), `scheduling` (SchedulingConfig),
+`speculative` (SpecConfig), `disagg` (DisaggConfig) and `parallel` (ParallelConfig). A group's knobs are also
+EngineConfig's own flat keywords and attributes (`EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype`), so
+`Engine(model=..., max_num_seqs=...)` reads as before; a whole group may be given too (`cache=CacheConfig(...)`).
+
 "auto" values are resolved against the machine once, when the engine is built (m3sdk/core/resolved.py), so one
 config serves a CPU laptop and a GPU node alike. A leaf: it imports nothing heavy (no torch, no kernels).
 """
@@ -17,8 +22,8 @@ from m3sdk.speculative.registry import DRAFTERS
 BUNDLED_MODELS = {"m3-tiny": Path(__file__).parent / "assets" / "m3-tiny"}
 
 QUANTIZATIONS = ("none", "fp8", "mxfp4")  # m3sdk/model/quantize.py
-_DTYPES = ("float32", "bfloat16")
-_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp32")
+DTYPES = ("float32", "bfloat16")
+CACHE_DTYPES = ("auto", "bf16", "fp8", "fp32")
 
 
 @dataclass(frozen=True)
@@ -61,62 +66,78 @@ class SpecConfig:
         raise ValueError(f"speculative must be a str, a dict or None, got {type(value).__name__}")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(group: object, *names: str) -> list[str]:
+    return [f"{n} must be an int >= 1, got {getattr(group, n)!r}" for n in names
+            if not _is_int(getattr(group, n)) or getattr(group, n) < 1]
+
+
+def _check(group: object, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"{type(group).__name__}: " + "; ".join(problems))
+
+
 @dataclass(frozen=True)
-class EngineConfig:
-    model: str = "m3-tiny"  # a checkpoint folder, or the name of a bundled model
-    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"  # "auto" (bfloat16 on a GPU, float32 on a CPU) | "float32" | "bfloat16"
-    max_model_len: int | None = None  # prompt + generated tokens; None: the model's, shrunk to fit the cache
-    max_num_seqs: int = 64  # requests running at once
-    max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
-    max_waiting_requests: int = 1024  # admitted but not yet running; beyond it EngineOverloadedError
-    # Per request: stop strings (and stop token ids) and the characters of one stop string. Every step matches each
-    # stream's new text against its stop strings, so 100,000 of them (or one of 10 MB) would slow every stream.
-    max_stop_strings: int = 64
-    max_stop_length: int = 1024
-    # The watchdog: a phase of the engine loop (a forward, sampling, emitting) that runs longer than this many
-    # seconds ends the engine with EngineDeadError naming the phase, so that no waiter hangs on a stuck step.
-    # None: off. A first Triton compile at a new shape runs in a step on a GPU (warm-up covers the common ones).
-    step_timeout: float | None = 300.0
+class CacheConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: gpu_memory_fraction (or a CPU default)
     gpu_memory_fraction: float = 0.9  # of the device memory free after loading the model
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "bf16" | "fp8" | "fp32"
     kv_cache_layout: str = "auto"  # "auto" (the platform's measured default, m3sdk_kernels.arch) | "plain" | "shuffle"
     index_cache_dtype: str = "auto"  # indexer keys of sparse layers; "auto": as kv_cache_dtype
     enable_prefix_caching: bool = True
-    # Remote prefill (docs/disaggregation.md): prompts with at least remote_prefill_min_tokens tokens to compute
-    # go to the least loaded of prefill_nodes ("host:port"); if that fails, "local" prefills here, "error" raises
-    # PrefillNodeError. Needs the `ucx` extra.
+    cache_manager: str = "paged"  # a registered name (m3sdk/cache: CACHE_MANAGERS)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.kv_cache_memory is not None and (not _is_int(self.kv_cache_memory) or self.kv_cache_memory < 1):
+            problems.append(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if not isinstance(self.gpu_memory_fraction, int | float) or not 0 < self.gpu_memory_fraction <= 1:
+            problems.append(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
+        for name, allowed in (("kv_cache_dtype", CACHE_DTYPES), ("index_cache_dtype", CACHE_DTYPES),
+                              ("kv_cache_layout", ("auto", "plain", "shuffle"))):
+            if getattr(self, name) not in allowed:
+                problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        _check(self, problems)
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
+    max_waiting_requests: int = 1024  # admitted but not yet running; beyond it EngineOverloadedError
+    # A registered name, or a factory (cache_manager, config) -> Scheduler, e.g. a Scheduler class.
+    scheduler: str | Callable[..., Any] = "continuous"
+    # Overlap host scheduling with the device step (docs/engine.md): while step N runs, schedule and launch step
+    # N+1 from N's tokens still on the device; the host's bookkeeping of N (append, stop checks, streaming) lags
+    # one step. None: on for a CUDA device. Off with speculative decoding (its drafts need the host's tokens).
+    overlap_scheduling: bool | None = None
+
+    def __post_init__(self) -> None:
+        problems = _positive_int(self, "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests")
+        if not problems and self.max_num_batched_tokens < self.max_num_seqs:
+            problems.append("max_num_batched_tokens must be >= max_num_seqs (each running request decodes)")
+        if not isinstance(self.scheduler, str) and not callable(self.scheduler):
+            problems.append(f"scheduler must be a name or a factory, got {self.scheduler!r}")
+        if self.overlap_scheduling not in (None, True, False):
+            problems.append(f"overlap_scheduling must be None (auto), True or False, got {self.overlap_scheduling!r}")
+        _check(self, problems)
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Remote prefill (docs/disaggregation.md): prompts with at least remote_prefill_min_tokens tokens to compute go
+    to the least loaded of prefill_nodes ("host:port"); if that fails, "local" prefills here, "error" raises
+    PrefillNodeError. Needs the `ucx` extra."""
+
     prefill_nodes: tuple[str, ...] = ()
     remote_prefill_min_tokens: int = 512
     prefill_fallback: str = "local"
     prefill_timeout: float = 60.0  # seconds per remote prefill, enforced on both sides
     prefill_token: str | None = None  # the shared token the prefill nodes require, if any
     prefill_tls_root_cert: str | None = None  # PEM file of the CA that signed the nodes' certificates: TLS
-    # A registered name, or a factory (cache_manager, config) -> Scheduler, e.g. a Scheduler class.
-    scheduler: str | Callable[..., Any] = "continuous"
-    attention_backend: str = "auto"  # "auto" (triton on a GPU, torch on a CPU) | "torch" | "triton"
-    cache_manager: str = "paged"
-    # Speculative decoding: None (off), "ngram" | "eagle3" | "eagle3:/path/to/head" | "mtp", or a dict
-    # {"method", "num_speculative_tokens", "model", ...}; normalized to a SpecConfig (above).
-    speculative: SpecConfig | str | dict | None = None
-    # Tensor parallel over this many ranks (processes; one GPU each, or gloo on a CPU), docs/serving.md.
-    # expert_parallel: whole experts per rank (needs num_experts % ranks == 0), else every expert's width is split
-    # (the default: pairs routed to another rank's experts still run as weight-0 pairs on a local expert, so whole
-    # experts measured 1.12x slower per TP=2 batch-64 decode step on the H200, docs/perf.md).
-    tensor_parallel_size: int = 1
-    expert_parallel: bool = False
-    # Replay decode and verify steps from captured CUDA graphs; None: on for a CUDA device with the triton backend.
-    cuda_graphs: bool | None = None
-    # Overlap host scheduling with the device step (docs/engine.md): while step N runs, schedule and launch step
-    # N+1 from N's tokens still on the device; the host's bookkeeping of N (append, stop checks, streaming) lags
-    # one step. None: on for a CUDA device. Off with speculative decoding (its drafts need the host's tokens).
-    overlap_scheduling: bool | None = None
-    # Weights quantized at load (m3sdk/model/quantize.py): "fp8" = FP8 W8A8 attention, dense MLPs and shared
-    # experts; "mxfp4" = that plus MXFP4 routed experts. Experts a checkpoint stores quantized stay as stored.
-    quantization: str = "none"
-    # A progress bar on stderr while the weights load (the CLI turns it on; an embedded engine stays silent).
-    show_progress: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -132,50 +153,116 @@ class EngineConfig:
         if isinstance(self.prefill_timeout, bool) or not isinstance(self.prefill_timeout, int | float) \
                 or not self.prefill_timeout > 0:
             problems.append(f"prefill_timeout must be a positive number of seconds, got {self.prefill_timeout!r}")
+        _check(self, problems)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallel over tensor_parallel_size ranks (processes; one GPU each, or gloo on a CPU), docs/serving.md.
+    expert_parallel: whole experts per rank (needs num_experts % ranks == 0), else every expert's width is split (the
+    default: pairs routed to another rank's experts still run as weight-0 pairs on a local expert, so whole experts
+    measured 1.12x slower per TP=2 batch-64 decode step on the H200, docs/perf.md)."""
+
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self, _positive_int(self, "tensor_parallel_size"))
+
+
+_GROUPS: dict[str, type] = {"cache": CacheConfig, "scheduling": SchedulingConfig, "disagg": DisaggConfig,
+                            "parallel": ParallelConfig}
+# flat keyword -> the group that holds it
+_FLAT = {f.name: group for group, cls in _GROUPS.items() for f in dataclasses.fields(cls)}
+
+
+@dataclass(frozen=True, init=False)
+class EngineConfig:
+    model: str = "m3-tiny"  # a checkpoint folder, or the name of a bundled model
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" (bfloat16 on a GPU, float32 on a CPU) | "float32" | "bfloat16"
+    max_model_len: int | None = None  # prompt + generated tokens; None: the model's, shrunk to fit the cache
+    # Per request: stop strings (and stop token ids) and the characters of one stop string. Every step matches each
+    # stream's new text against its stop strings, so 100,000 of them (or one of 10 MB) would slow every stream.
+    max_stop_strings: int = 64
+    max_stop_length: int = 1024
+    # The watchdog: a phase of the engine loop (a forward, sampling, emitting) that runs longer than this many
+    # seconds ends the engine with EngineDeadError naming the phase, so that no waiter hangs on a stuck step.
+    # None: off. A first Triton compile at a new shape runs in a step on a GPU (warm-up covers the common ones).
+    step_timeout: float | None = 300.0
+    attention_backend: str = "auto"  # "auto" (triton on a GPU, torch on a CPU) | "torch" | "triton"
+    # Replay decode and verify steps from captured CUDA graphs; None: on for a CUDA device with the triton backend.
+    cuda_graphs: bool | None = None
+    # Weights quantized at load (m3sdk/model/quantize.py): "fp8" = FP8 W8A8 attention, dense MLPs and shared
+    # experts; "mxfp4" = that plus MXFP4 routed experts. Experts a checkpoint stores quantized stay as stored.
+    quantization: str = "none"
+    # A progress bar on stderr while the weights load (the CLI turns it on; an embedded engine stays silent).
+    show_progress: bool = False
+    # Speculative decoding: None (off), "ngram" | "eagle3" | "eagle3:/path/to/head" | "mtp", or a dict
+    # {"method", "num_speculative_tokens", "model", ...}; normalized to a SpecConfig (above).
+    speculative: SpecConfig | str | dict | None = None
+    cache: CacheConfig = CacheConfig()
+    scheduling: SchedulingConfig = SchedulingConfig()
+    disagg: DisaggConfig = DisaggConfig()
+    parallel: ParallelConfig = ParallelConfig()
+
+    def __init__(self, **knobs: Any):
+        """Keywords: this class's fields, whole groups, or any group's knobs (flat)."""
+        own = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(knobs) - own - set(_FLAT))
+        if unknown:
+            raise TypeError(f"EngineConfig got unknown knob(s) {unknown}")
+        problems = []
+        for group, cls in _GROUPS.items():
+            flat = {k: v for k, v in knobs.items() if _FLAT.get(k) == group}
+            base = knobs.get(group, cls())
+            try:
+                value = dataclasses.replace(base, **flat) if flat else base
+            except ValueError as e:
+                problems.append(str(e))
+                value = base
+            object.__setattr__(self, group, value)
+        for f in dataclasses.fields(self):
+            if f.name not in _GROUPS:
+                object.__setattr__(self, f.name, knobs.get(f.name, f.default))
+        problems += self._problems()
+        if problems:
+            raise ValueError("EngineConfig: " + "; ".join(problems))
+
+    def __getattr__(self, name: str) -> Any:
+        # a group's knob read flat (only reached when normal lookup fails)
+        group = _FLAT.get(name)
+        if group is None or group not in self.__dict__:
+            raise AttributeError(f"'EngineConfig' object has no attribute {name!r}")
+        return getattr(self.__dict__[group], name)
+
+    def _problems(self) -> list[str]:
+        problems = _positive_int(self, "max_stop_strings", "max_stop_length")
         if self.step_timeout is not None and (isinstance(self.step_timeout, bool) or not isinstance(
                 self.step_timeout, int | float) or not 0 < self.step_timeout < float("inf")):
             problems.append(f"step_timeout must be a positive number of seconds or None, got {self.step_timeout!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "tensor_parallel_size",
-                     "max_stop_strings", "max_stop_length"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                problems.append(f"{name} must be an int >= 1, got {value!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             problems.append(f"max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
-        if _is_int(self.max_num_seqs) and _is_int(self.max_num_batched_tokens) \
-                and self.max_num_batched_tokens < self.max_num_seqs:
-            problems.append("max_num_batched_tokens must be >= max_num_seqs (each running request decodes)")
-        if self.kv_cache_memory is not None and (not _is_int(self.kv_cache_memory) or self.kv_cache_memory < 1):
-            problems.append(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
-        if not isinstance(self.gpu_memory_fraction, int | float) or not 0 < self.gpu_memory_fraction <= 1:
-            problems.append(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             problems.append(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        choices = {"dtype": ("auto", *_DTYPES), "kv_cache_dtype": _CACHE_DTYPES, "index_cache_dtype": _CACHE_DTYPES,
-                   "kv_cache_layout": ("auto", "plain", "shuffle"), "attention_backend": ("auto", "torch", "triton"),
+        choices = {"dtype": ("auto", *DTYPES), "attention_backend": ("auto", "torch", "triton"),
                    "quantization": QUANTIZATIONS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("cuda_graphs", "overlap_scheduling"):
-            if getattr(self, name) not in (None, True, False):
-                problems.append(f"{name} must be None (auto), True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.scheduler, str) and not callable(self.scheduler):
-            problems.append(f"scheduler must be a name or a factory, got {self.scheduler!r}")
+        if self.cuda_graphs not in (None, True, False):
+            problems.append(f"cuda_graphs must be None (auto), True or False, got {self.cuda_graphs!r}")
         try:
             object.__setattr__(self, "speculative", SpecConfig.parse(self.speculative))
         except ValueError as e:
             problems.append(f"speculative: {e}")
-        if problems:
-            raise ValueError("EngineConfig: " + "; ".join(problems))
+        return problems
 
     def replace(self, **overrides: Any) -> EngineConfig:
-        """A copy with `overrides` applied and validated (unknown names are a TypeError)."""
-        return dataclasses.replace(self, **overrides)
+        """A copy with `overrides` (flat knobs, fields or groups) applied and validated (unknown names are a
+        TypeError)."""
+        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return EngineConfig(**{**current, **overrides})
 
     def model_path(self) -> Path:
         return BUNDLED_MODELS.get(self.model) or Path(self.model)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

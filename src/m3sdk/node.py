@@ -17,7 +17,7 @@ import grpc
 
 from m3sdk.disagg import loop
 from m3sdk.disagg.messages import Limits
-from m3sdk.disagg.server import PrefillBackend, PrefillServicer, start_server, stop_server
+from m3sdk.disagg.server import PrefillBackend, PrefillServicer, check_listen, start_server, stop_server
 from m3sdk.disagg.transport import KVTransport, build_transport
 from m3sdk.errors import M3Error
 from m3sdk.observability import get_logger
@@ -51,8 +51,12 @@ class PrefillNode:
 
     async def _start(self) -> None:
         await self.transport.start(listen=False)
-        self._server, self.port = await start_server(self.servicer, self.listen, self.token, self.tls,
-                                                     self.insecure)
+        try:
+            self._server, self.port = await start_server(self.servicer, self.listen, self.token, self.tls,
+                                                         self.insecure)
+        except BaseException:
+            await self.transport.close()
+            raise
 
     def stop(self, grace: float = 30.0) -> None:
         """Drain: refuse new prefills, let running ones finish within `grace` seconds, then stop."""
@@ -90,6 +94,7 @@ def run_prefill_node(args: Any, engine_overrides: dict[str, Any]) -> None:
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
+    check_listen(args.listen)  # before the model loads: a port in use fails at once
     flags = dict(max_prompt_tokens=args.max_prompt_tokens, max_in_flight=args.max_in_flight,
                  max_deadline_s=args.max_deadline, max_message_bytes=args.max_message_bytes,
                  receiver_timeout_s=args.receiver_timeout)

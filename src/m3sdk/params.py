@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from m3sdk.errors import InvalidRequestError
+from m3sdk.structured import StructuredOutput
 
 MAX_LOGPROBS = 20
 # The sampler computes in float32. These bounds keep every step of it finite for any logits a model gives
@@ -65,6 +68,9 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # top-n logprobs per sampled token; 0 = only the sampled token's
     timeout: float | None = None  # seconds from submission; past it the request ends with "timeout"
+    # the output must match this (a StructuredOutput, or {"json": schema} / {"regex": ...} / {"choice": [...]} /
+    # {"grammar": EBNF}); the engine compiles it before queueing
+    structured_output: StructuredOutput | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalize types (numpy scalars, ints for floats) in place once
@@ -110,6 +116,8 @@ class SamplingParams:
             set_(self, "timeout", _float("timeout", self.timeout))
             if self.timeout <= 0:
                 raise InvalidRequestError(f"timeout must be a positive number of seconds, got {self.timeout}")
+        if self.structured_output is not None:
+            set_(self, "structured_output", StructuredOutput.of(self.structured_output))
 
     def _check_stop(self) -> None:
         stop = self.stop

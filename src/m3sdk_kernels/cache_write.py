@@ -20,13 +20,21 @@ def _exact_cast(x, ty: tl.constexpr):
         e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         step = tl.maximum(e, min_exp) - 3  # 3 mantissa bits; below the normals the spacing stays 2^(min-3)
         magic = (((step + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2^(step + 23)
-        rounded = (tl.abs(x) + magic) - magic
-        x = tl.where(x < 0, -rounded, rounded)  # on |x|: tiny negatives round to -0 as in torch
+        rounded = ((tl.abs(x) + magic) - magic).to(ty)
+        # the sign as a bit of the sign-magnitude byte: tiny negatives round to -0 as in torch (a negated float 0
+        # lost its sign in the compiled cast); fnuz has no -0 (0x80 is its NaN), so its zeros stay positive
+        if ty == tl.float8e4b8:
+            neg = (x < 0) & (rounded.to(tl.uint8, bitcast=True) != 0)
+        else:
+            neg = x < 0
+        out = (rounded.to(tl.uint8, bitcast=True) | tl.where(neg, 0x80, 0).to(tl.uint8)).to(ty, bitcast=True)
     elif ty == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16  # ties to the even upper half
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(ty)
+        out = bits.to(tl.float32, bitcast=True).to(ty)
+    else:
+        out = x.to(ty)
+    return out
 
 
 @triton.jit

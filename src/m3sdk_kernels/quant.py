@@ -308,7 +308,8 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
     launch = pdl_launch(t.get("PDL", 0), x_q)
     pdl = bool(launch)
     w_desc = None
-    if t.get("TMA", 0) and t.get("SWAP_AB", 0) and x_q.is_cuda and not INTERPRET:
+    # TMA needs 16-byte aligned row strides (K % 16 for fp8 rows); other widths take the cp.async loads
+    if t.get("TMA", 0) and t.get("SWAP_AB", 0) and x_q.is_cuda and not INTERPRET and w_q.stride(0) % 16 == 0:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         w_desc = TensorDescriptor.from_tensor(w_q, [t["BLOCK_N"], t["BLOCK_K"]])

@@ -63,7 +63,7 @@ def test_sparse_matches_reference_and_drops_blocks(monkeypatch, case, kv_dtype, 
 
 
 @pytest.mark.parametrize("merge_last", [0, 1], ids=["merge-kernel", "merge-last"])
-def test_splits_and_gqa_padding(monkeypatch, merge_last, device):
+def test_splits_and_gqa_padding(monkeypatch, merge_last, device, ieee_fp32):
     """Split-KV + LSE merge (many splits, some empty), a group of 4 heads padded to 16 rows, fp32 KV; merged by a
     second kernel, or (MERGE_LAST) by each tile's last program to arrive, whose counters are back at 0 after the
     call (a second call gives the same result)."""

@@ -208,7 +208,7 @@ def test_quantized_model_logits_and_greedy_agreement(oracle_checkpoint):
     assert fp8[0] < mxfp4[0] < 0.55 and mxfp4[1] > 0.35
 
 
-def test_fp8_norms_hand_quantized_rows_to_the_projections(oracle_checkpoint):
+def test_fp8_norms_hand_quantized_rows_to_the_projections(oracle_checkpoint, device):
     """quantization="fp8": the input norm and the fused residual-add + post-attention norm quantize their output
     per token for qkv_proj and the dense MLP's gate_up (the same rows the Triton kernel produces); MoE layers
     keep bf16 (the router and the experts read it)."""
@@ -241,6 +241,8 @@ def test_fp8_norms_hand_quantized_rows_to_the_projections(oracle_checkpoint):
         assert isinstance(got, Fp8Activation) and got.data.dtype == fp8
         assert torch.equal(got.data.float(), want[0].float()) and torch.equal(got.scale, want[1])
     assert isinstance(seen["moe_in"], torch.Tensor) and seen["moe_in"].dtype == torch.bfloat16
-    # the kernel (interpreted here) hands over the same rows, up to the interpreter's bf16 rounding of h
-    y, s, _ = add_rms_norm(seen["attn"], dense.post_attention_layernorm.weight, eps, seen["x"], fp8)
+    # the kernel (interpreted on a CPU) hands over the same rows, up to the interpreter's bf16 rounding of h
+    y, s, _ = add_rms_norm(seen["attn"].to(device), dense.post_attention_layernorm.weight.to(device), eps,
+                           seen["x"].to(device), fp8)
+    y, s = y.cpu(), s.cpu()
     assert rel(y.float() * s[:, None], want_mlp[0].float() * want_mlp[1][:, None]) < 2e-2

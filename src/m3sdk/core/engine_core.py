@@ -27,13 +27,14 @@ from m3sdk.cache.manager import CacheManager
 from m3sdk.core.executor import Executor
 from m3sdk.core.hooks import Admission, Emit, FinishListener, OnDead, StepObserver
 from m3sdk.core.output import OutputProcessor
-from m3sdk.errors import EngineDeadError
+from m3sdk.errors import EngineDeadError, InvalidRequestError
 from m3sdk.observability import get_logger
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, FinishReason, Request
 from m3sdk.runner import ModelRunner
 from m3sdk.sampler import SamplingState
 from m3sdk.scheduler import Scheduler, StepPlan
+from m3sdk.structured import GrammarCompiler
 from m3sdk.tokenizer import TextStream, Tokenizer
 
 if TYPE_CHECKING:
@@ -63,12 +64,16 @@ class EngineCore:
         self._observers = list(observers)
         self._finish_listeners: list[FinishListener] = []
         self._admission: Admission | None = None
+        self._grammars: GrammarCompiler | None = None  # structured outputs' compiler: `grammars()`
+        self._grammars_lock = threading.Lock()
         self._on_stop = list(on_stop)  # run in the engine thread when its loop ends, however it ends
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._pending: list[Chunk] = []  # abort notices, sent with the next step's deltas
-        # The last step could run nothing until an admission hands requests over: the loop sleeps until its wake.
+        # The last step could run nothing until an admission hands requests over or a page hold ends: the loop
+        # sleeps until its inbox hears of it.
         self._stalled = False
+        self._num_holds = 0  # finished requests' pages retained for a listener's I/O
         self._counters = dict(steps=0, prompt_tokens=0, requests_timed_out=0)
         # requests with a timeout: (deadline on time.monotonic(), tie-breaker, request), nearest first
         self._deadlines: list[tuple[float, int, Request]] = []
@@ -81,11 +86,26 @@ class EngineCore:
         self._publish_stats()
         self.warm_up_seconds = 0.0  # what the warm-up took (the builder runs it on a GPU)
 
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of structured outputs for this engine's tokenizer (built on first use, in the caller's
+        thread; thread-safe)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.output.eos_token_ids)
+            return self._grammars
+
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_total_tokens: int,
                     priority: int = 0) -> Request:
-        """A request with its seeded sampling state and incremental detokenizer attached."""
+        """A request with its seeded sampling state, its structured output's matcher (compiled here, in the
+        caller's thread: InvalidRequestError if it does not compile) and incremental detokenizer attached."""
+        grammar = None
+        if params.structured_output is not None:
+            if self._admission is not None:
+                raise InvalidRequestError("structured_output is not supported with prefill_nodes (a prefill node "
+                                          "samples the first token unconstrained)")
+            grammar = self.grammars().grammar(params.structured_output)
         request = Request(request_id, prompt_ids, params, max_total_tokens, priority)
-        request.sampling = SamplingState(params, prompt_ids)
+        request.sampling = SamplingState(params, prompt_ids, grammar=grammar)
         request.text = TextStream(self.tokenizer, params, prompt_ids)
         return request
 
@@ -225,8 +245,9 @@ class EngineCore:
     def _nothing_scheduled(self, plan: StepPlan) -> list[Chunk]:
         if plan.preempted or not (self.scheduler.num_running or self.scheduler.num_waiting):
             return []
-        if self._admission is not None and self._admission.live_requests():
-            # the waiting requests need pages held by requests an admission took: wait for its handovers
+        if self._num_holds or (self._admission is not None and self._admission.live_requests()):
+            # the waiting requests need pages held by requests an admission took, or by a listener's I/O: wait
+            # for its handovers or for the hold to end
             self._stalled = True
             return []
         raise RuntimeError("the scheduler scheduled nothing although requests are waiting")
@@ -286,6 +307,7 @@ class EngineCore:
                 if request is not None:  # unknown or finished: a no-op
                     self._pending.append(self.output.finish(request, "abort"))
             elif kind == _UNHOLD:  # a finish listener's I/O let go of a finished request's pages
+                self._num_holds -= 1
                 self.cache.release_pages(item)
             elif kind == _WAKE:  # an admission has outcomes: the loop collects them
                 pass
@@ -310,6 +332,7 @@ class EngineCore:
             hold = listener(request, reason)
             if hold is not None:
                 pages = self.cache.retain(request)
+                self._num_holds += 1
                 hold.add_done_callback(lambda _, pages=pages: self._inbox.put((_UNHOLD, pages)))
         if self.scheduler.get(request.request_id) is request:
             self.scheduler.finish(request, reason)
@@ -342,4 +365,5 @@ class EngineCore:
             # steps replayed from CUDA graphs (0: every step ran eagerly, e.g. no GPU or graphs off)
             "graph_steps": self.runner.graphs.replays if self.runner.graphs is not None else 0,
             **self.executor.stats(),
+            **(self._admission.stats() if self._admission is not None else {}),
         }

@@ -31,10 +31,12 @@ class OutputProcessor:
 
     def finish_reason(self, request: Request, token_id: int, end: int) -> FinishReason | None:
         """Whether this token, ending at position `end` of the request's tokens, ends the request by itself: "stop"
-        for eos (unless ignored) or a stop token (neither is text), "length" at max_tokens or the context limit.
-        A stop string is the detokenizer's to find."""
+        for eos (unless ignored; a structured output never ignores it) or a stop token (neither is text),
+        "length" at max_tokens or the context limit. A stop string is the detokenizer's to find."""
         params = request.params
-        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+        # a structured output allows eos only where its match is complete: eos ends it, ignore_eos or not
+        ends = token_id in self.eos_token_ids and (not params.ignore_eos or params.structured_output is not None)
+        if ends or token_id in params.stop_token_ids:
             return "stop"
         if end >= request.max_total_tokens:
             return "length"

@@ -8,7 +8,8 @@ buffer taken for host memory is copied by the CPU: the sender dies of SIGSEGV an
 (UCX_MEMTYPE_CACHE=n), but only after its import loaded libucs, which reads its global options when it loads:
 too late. So `load_ucxx` sets it before ucxx is imported, and UCX asks the CUDA driver about each buffer (about
 a microsecond a message); UcxTransport.start refuses to run on a GPU when UCX has no CUDA transport. Every import
-of ucxx in m3sdk goes through `load_ucxx`; nothing is set when m3sdk is imported.
+of ucxx in m3sdk goes through `load_ucxx`; nothing is set when m3sdk is imported (`set_environment` runs when a
+UcxTransport is built, and again before ucxx is imported).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def ucx_buffer(t: torch.Tensor) -> Any:
     return t.numpy()
 
 
-def load_ucxx() -> Any:
-    """The ucxx module, imported with the UCX environment it needs (module docstring): the first call sets it."""
+def set_environment() -> None:
+    """The UCX settings m3sdk needs, as process environment defaults (a value the user set stays): called when a
+    UcxTransport is built and before ucxx is imported, never at import."""
     # a UCX global option, read once when libucs loads (which importing ucxx does)
     os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
     # completions reach asyncio through ucxx's notifier thread (one wake-up of the loop per batch of finished
@@ -52,6 +54,11 @@ def load_ucxx() -> Any:
     # rates). Read by ucxx.init; the notifier thread is started from the disagg loop's (daemon) thread, so it never
     # holds a process at exit
     os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
+
+
+def load_ucxx() -> Any:
+    """The ucxx module, imported with the UCX environment it needs (module docstring)."""
+    set_environment()
     import ucxx
 
     return ucxx

@@ -52,6 +52,7 @@ class UcxTransport:
 
     def __init__(self, options: dict[str, str] | None = None, window: int = 4, drain_timeout: float = 5.0,
                  pool_bytes: int = 512 << 20, in_place: bool = True):
+        ucx_api.set_environment()
         # ucxx pins UCX_MAX_RNDV_RAILS to 1; 2 lets a TCP rendezvous use both loopback and eth0 lanes
         self.options = {"MAX_RNDV_RAILS": "2", **(options or {})}
         self.window = window
