@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import platform
 import sys
@@ -149,7 +150,23 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
 def _serve_prefill_node(args: argparse.Namespace) -> None:
     from .node import run_prefill_node
 
+    logging.getLogger("m3sdk").setLevel(logging.INFO)  # a daemon says where it serves and why it stops
     run_prefill_node(args, _engine_overrides(args))
+
+
+class _StderrHandler(logging.StreamHandler):
+    """The command's log handler (a class of its own: main() adds it once however often it runs)."""
+
+
+def _log_to_stderr() -> None:
+    """The command's warnings (and a daemon's notices) on stderr: the library alone only has a NullHandler."""
+    logger = logging.getLogger("m3sdk")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("m3sdk: %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.WARNING)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,6 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--tls-cert", metavar="PEM", help="certificate chain: serve gRPC over TLS, with --tls-key "
                       "(default: plain gRPC)")
     node.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert (default: none)")
+    node.add_argument("--insecure", action="store_true",
+                      help="serve beyond loopback with neither a token ($M3SDK_PREFILL_TOKEN) nor TLS")
+    # default None: messages.Limits' defaults (131072 tokens, 32 prefills, 120 s, 2 GiB, 10 s)
+    node.add_argument("--max-prompt-tokens", type=int, help="longest prompt taken (lowered to what the KV cache holds)")
+    node.add_argument("--max-in-flight", type=int, help="prefills held at once")
+    node.add_argument("--max-deadline", type=float, help="seconds: a caller's later deadline is cut to this")
+    node.add_argument("--max-message-bytes", type=int, help="largest KV data message")
+    node.add_argument("--receiver-timeout", type=float,
+                      help="seconds the decode side has to take the pages once the first token is computed")
     engine_options(node)
     return parser
 
@@ -248,6 +274,7 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _log_to_stderr()
     try:
         params = _sampling_params(args) if args.command in ("generate", "chat") else None
         config = _engine_config(args)

@@ -120,8 +120,10 @@ class Engine:
         if core is None:
             return
         core.stop()
+        # a thread the watchdog gave up on may never return: it is a daemon, not waited for
+        stuck = core.config.engine.step_timeout if self._dead is not None else None
         with anyio.CancelScope(shield=True):  # a cancelled shutdown still leaves no engine thread behind
-            await anyio.to_thread.run_sync(core.join)
+            await anyio.to_thread.run_sync(core.join, stuck)
 
     @property
     def max_model_len(self) -> int:
