@@ -233,12 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the server extra)",
                            description="An OpenAI-compatible HTTP server over the engine (docs/server.md).")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
-    serve.add_argument("--port", type=POSITIVE_INT, default=8000, help="(default: %(default)s)")
+    serve.add_argument("--port", type=POSITIVE_INT, default=8000, help="TCP port to listen on (default: %(default)s)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $M3SDK_API_KEY, "
                        "else none)")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="names clients give as 'model' (default: the checkpoint folder's name)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="the server's log verbosity on stderr (default: %(default)s)")
     engine_options(serve)
     _bench_module().add_engine_arguments(serve)
 
