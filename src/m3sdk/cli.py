@@ -1,4 +1,4 @@
-"""The `m3sdk` command: generate, chat, info, bench, prefill-node.
+"""The `m3sdk` command: generate, chat, info, bench, serve, prefill-node.
 
 Parsing imports neither torch nor the engine (each command imports them when it runs), so `--help` and a bad
 argument answer at once. Arguments are checked in two passes before any model loads: ranges by argparse
@@ -46,7 +46,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    if args.command == "bench":
+    if args.command in ("bench", "serve"):
         return _bench_module().engine_config(args, _engine_overrides(args))
     return EngineConfig(**_engine_overrides(args))
 
@@ -136,6 +136,17 @@ def _bench_module():
     return bench
 
 
+def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
+    try:
+        from .server.serve import event_loop_factory, serve
+    except ImportError as e:
+        raise ValueError(f"m3sdk serve needs the server extra: pip install 'm3sdk[server]' ({e})") from e
+    api_key = args.api_key or os.environ.get("M3SDK_API_KEY") or None
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(serve(config, host=args.host, port=args.port, api_key=api_key,
+                         model_names=args.served_model_name, log_level=args.log_level))
+
+
 def _serve_prefill_node(args: argparse.Namespace) -> None:
     from .node import run_prefill_node
 
@@ -219,6 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
     engine_options(bench)
     _bench_module().add_arguments(bench)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the server extra)",
+                           description="An OpenAI-compatible HTTP server over the engine (docs/server.md).")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    serve.add_argument("--port", type=POSITIVE_INT, default=8000, help="(default: %(default)s)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $M3SDK_API_KEY, "
+                       "else none)")
+    serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                       help="names clients give as 'model' (default: the checkpoint folder's name)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    engine_options(serve)
+    _bench_module().add_engine_arguments(serve)
+
     node = sub.add_parser("prefill-node", help="run a remote prefill node daemon",
                           description="A remote prefill node: prefills prompts for decode engines that list it in "
                                       "prefill_nodes. The shared token comes from $M3SDK_PREFILL_TOKEN.")
@@ -268,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_chat(args, config, params))
         elif args.command == "info":
             asyncio.run(_info(args, config))
+        elif args.command == "serve":
+            _serve(args, config)
         elif args.command == "bench":
             asyncio.run(_bench_module().main_async(args, config))
         else:
