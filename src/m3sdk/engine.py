@@ -9,6 +9,7 @@ engine thread dies, every waiter gets EngineDeadError at once.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import uuid
@@ -26,7 +27,8 @@ from m3sdk.core import EngineCore, build_core
 from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from m3sdk.metrics import EngineMetrics
 from m3sdk.params import SamplingParams, check_text, short_repr
-from m3sdk.request import Chunk, Completion, Request
+from m3sdk.request import Choice, Chunk, Completion, Request, Timings, Usage
+from m3sdk.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
@@ -55,9 +57,12 @@ class _LoopHandle:
 
 
 class _Channel:
-    """One request's deltas, from the loop's dispatch to its waiter."""
+    """One request's deltas (all its choices'), from the loop's dispatch to its waiter. `ids`: the engine's request
+    id of each choice (the application's id for a single choice, suffixed "/index" for several)."""
 
-    def __init__(self) -> None:
+    def __init__(self, request_id: str, ids: list[str]) -> None:
+        self.request_id = request_id
+        self.ids = ids
         self.send: MemoryObjectSendStream[Chunk | object]
         self.receive: MemoryObjectReceiveStream[Chunk | object]
         self.send, self.receive = anyio.create_memory_object_stream(math.inf)
@@ -82,7 +87,8 @@ class Engine:
         self._core: EngineCore | None = None
         self._metrics: EngineMetrics | None = None
         self._loop: _LoopHandle | None = None
-        self._channels: dict[str, _Channel] = {}
+        self._channels: dict[str, _Channel] = {}  # by the engine's request id of each live choice
+        self._requests: dict[str, _Channel] = {}  # by the application's request id
         # ids whose waiter left early, with how many aborts are in flight: their chunks are dropped until the
         # core's last one, so a new request reusing the id gets only its own
         self._orphans: dict[str, int] = {}
@@ -124,6 +130,11 @@ class Engine:
         return self._running_core().max_model_len
 
     @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (encode / decode / apply_chat_template), e.g. to count tokens as the engine does."""
+        return self._running_core().tokenizer
+
+    @property
     def metrics_registry(self) -> CollectorRegistry:
         """This engine's Prometheus registry (serve it with prometheus_client's start_http_server)."""
         return self._running_metrics().registry
@@ -143,32 +154,29 @@ class Engine:
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, /, *,
                        request_id: str | None = None, priority: int = 0, **param_overrides: Any) -> Completion:
-        """The whole completion. Cancelling the awaiting task aborts the request."""
-        text: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list = []
+        """The whole completion, its `n` choices in `outputs`. Cancelling the awaiting task aborts the request."""
+        chunks: dict[int, list[Chunk]] = {}
         async with aclosing(self.stream(prompt, params, request_id=request_id, priority=priority,
-                                        **param_overrides)) as chunks:
-            async for chunk in chunks:
-                text.append(chunk.text)
-                token_ids += chunk.token_ids
-                if chunk.logprobs is not None:
-                    logprobs += chunk.logprobs
-        return Completion(chunk.request_id, "".join(text), token_ids, chunk.finish_reason, chunk.usage,
-                          chunk.timings, logprobs if chunk.logprobs is not None else None)
+                                        **param_overrides)) as stream:
+            async for chunk in stream:
+                chunks.setdefault(chunk.index, []).append(chunk)
+        return _completion([chunks[i] for i in sorted(chunks)])
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, /, *, request_id: str | None = None,
                priority: int = 0, **param_overrides: Any) -> AsyncIterator[Chunk]:
-        """Deltas as they are generated; the last chunk has finish_reason, usage and timings. The request is
-        validated here (InvalidRequestError, TypeError) and queued when iteration starts; leaving the loop
-        early aborts it."""
-        request = self._make_request(prompt, params, request_id, priority, param_overrides)
-        return self._stream(request)
+        """Deltas as they are generated, each of choice `chunk.index` (several choices' interleave when n > 1);
+        the last chunk of each choice has finish_reason, usage and timings. The request is validated here
+        (InvalidRequestError, TypeError) and queued when iteration starts; leaving the loop early aborts it."""
+        return self._stream(self._make_requests(prompt, params, request_id, priority, param_overrides))
 
     async def abort(self, request_id: str) -> None:
-        """End a request (its waiter gets finish_reason "abort"). Unknown or finished ids are a no-op."""
-        if request_id in self._channels and self._dead is None:
-            self._running_core().abort(request_id)
+        """End a request, every choice of it (its waiter gets finish_reason "abort"). Unknown or finished ids are
+        a no-op."""
+        channel = self._requests.get(request_id)
+        if channel is not None and self._dead is None:
+            for rid in channel.ids:
+                if self._channels.get(rid) is channel:
+                    self._running_core().abort(rid)
 
     # -- requests in -----------------------------------------------------------------------------------
 
@@ -184,8 +192,9 @@ class Engine:
             raise RuntimeError("the Engine is not running: use `async with Engine(...)` or `await start()`")
         return self._core
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                      priority: int, overrides: dict[str, Any]) -> Request:
+    def _make_requests(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                       priority: int, overrides: dict[str, Any]) -> list[Request]:
+        """The request's choices, validated (every check before anything is queued)."""
         core = self._running_core()
         if params is None:
             params = SamplingParams(**overrides)
@@ -208,7 +217,14 @@ class Engine:
         if len(ids) + params.max_tokens > limit:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                       f"max_model_len {limit}")
-        return core.new_request(request_id, ids, params, len(ids) + params.max_tokens, priority)
+        most = self.config.max_num_seqs + self.config.max_waiting_requests
+        if params.n > most:
+            raise InvalidRequestError(f"n={params.n} choices cannot all be live in this engine (max_num_seqs + "
+                                      f"max_waiting_requests = {most})")
+        if params.n == 1:
+            return [core.new_request(request_id, ids, params, len(ids) + params.max_tokens, priority)]
+        return [core.new_request(f"{request_id}/{i}", ids, params.for_choice(i), len(ids) + params.max_tokens,
+                                 priority, index=i) for i in range(params.n)]
 
     @staticmethod
     def _prompt_ids(core: EngineCore, prompt: Prompt) -> list[int]:
@@ -241,45 +257,65 @@ class Engine:
             raise InvalidRequestError("the prompt is empty")
         return ids
 
-    def _admit(self, request: Request) -> _Channel:
+    def _admit(self, requests: list[Request]) -> _Channel:
         core = self._running_core()
         if not self._loop.is_current():
             raise RuntimeError("an Engine serves the event loop that started it")
-        if request.request_id in self._channels:
-            raise InvalidRequestError(f"request_id {request.request_id!r} is already live")
-        if len(self._channels) >= self.config.max_num_seqs + self.config.max_waiting_requests:
+        rid = requests[0].request_id if len(requests) == 1 else requests[0].request_id.rpartition("/")[0]
+        ids = [r.request_id for r in requests]
+        if rid in self._requests or any(i in self._channels for i in ids):
+            raise InvalidRequestError(f"request_id {rid!r} is already live")
+        if len(self._channels) + len(ids) > self.config.max_num_seqs + self.config.max_waiting_requests:
             raise EngineOverloadedError(f"{len(self._channels)} requests are live (max_num_seqs "
                                         f"{self.config.max_num_seqs} + max_waiting_requests "
                                         f"{self.config.max_waiting_requests}); retry later")
-        channel = _Channel()
-        self._channels[request.request_id] = channel
-        core.submit(request)
+        channel = _Channel(rid, ids)
+        self._requests[rid] = channel
+        self._channels.update(dict.fromkeys(ids, channel))
+        core.submit(*requests)
         return channel
 
-    async def _stream(self, request: Request) -> AsyncIterator[Chunk]:
-        rid = request.request_id
-        channel = self._admit(request)
-        done = False
+    async def _stream(self, requests: list[Request]) -> AsyncIterator[Chunk]:
+        channel = self._admit(requests)
+        rid, several = channel.request_id, len(requests) > 1
+        ended: set[int] = set()  # choices whose last chunk came
+        backlog: list[Chunk | object] = []
         try:
-            while not done:
-                item = await channel.receive.receive()
-                # Under load several steps' deltas wait here: hand them over as one chunk.
-                while item is not _DEAD and item.finish_reason is None and not channel.empty():
-                    nxt = channel.receive.receive_nowait()
-                    item = _DEAD if nxt is _DEAD else item.then(nxt)
+            while len(ended) < len(requests):
+                item = backlog.pop(0) if backlog else await channel.receive.receive()
+                while not channel.empty():
+                    backlog.append(channel.receive.receive_nowait())
+                if item is not _DEAD and item.finish_reason is None and backlog:
+                    # Under load several steps' deltas wait here: hand each choice's over as one chunk.
+                    if _DEAD in backlog:
+                        item = _DEAD
+                    else:
+                        rest = []
+                        for nxt in backlog:
+                            if nxt.index == item.index and item.finish_reason is None:
+                                item = item.then(nxt)
+                            else:
+                                rest.append(nxt)
+                        backlog = rest
                 if item is _DEAD:
                     raise EngineDeadError(f"the engine thread died: {self._dead!r}") from self._dead
+                if item.finish_reason is not None:
+                    ended.add(item.index)
                 if item.error is not None:
-                    done = True
                     raise item.error
-                done = item.finish_reason is not None
-                yield item
+                yield dataclasses.replace(item, request_id=rid) if several else item
         finally:
-            if self._channels.get(rid) is channel:
-                del self._channels[rid]
-            if not done and self._dead is None and not self._closed and not _holds_last(channel):
-                self._orphans[rid] = self._orphans.get(rid, 0) + 1
-                self._core.abort(rid)
+            for i in channel.ids:
+                if self._channels.get(i) is channel:
+                    del self._channels[i]
+            if self._requests.get(rid) is channel:
+                del self._requests[rid]
+            if len(ended) < len(requests) and self._dead is None and not self._closed:
+                ended |= _last_indices(backlog) | _last_indices(_drain(channel))
+                for request in requests:
+                    if request.index not in ended and not request.is_finished:
+                        self._orphans[request.request_id] = self._orphans.get(request.request_id, 0) + 1
+                        self._core.abort(request.request_id)
             channel.close()
 
     # -- deltas out (called in the engine thread) -------------------------------------------------------
@@ -321,10 +357,36 @@ def _remote_prefill(config: EngineConfig, core: EngineCore) -> Any:
     return RemotePrefill.from_config(config, core.cache, core.vocab_size, core.wake)
 
 
-def _holds_last(channel: _Channel) -> bool:
-    """Whether the core's last chunk already reached this channel, which its waiter left (drains it)."""
+def _drain(channel: _Channel) -> list[Chunk | object]:
+    """What waits in a channel its waiter left."""
+    items = []
     while not channel.empty():
-        item = channel.receive.receive_nowait()
-        if item is not _DEAD and item.finish_reason is not None:
-            return True
-    return False
+        items.append(channel.receive.receive_nowait())
+    return items
+
+
+def _last_indices(items: list[Chunk | object]) -> set[int]:
+    """The choices whose last chunk is among these."""
+    return {item.index for item in items if item is not _DEAD and item.finish_reason is not None}
+
+
+def _completion(choices: list[list[Chunk]]) -> Completion:
+    """A Completion from each choice's chunks (index order)."""
+    outputs, usages, timings = [], [], []
+    for chunks in choices:
+        last = chunks[-1]
+        logprobs = [t for c in chunks for t in c.logprobs or ()] if last.logprobs is not None else None
+        outputs.append(Choice(last.index, "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+                              last.finish_reason, last.stop_reason, logprobs))
+        usages.append(last.usage)
+        timings.append(last.timings)
+    prompt_logprobs = next((c.prompt_logprobs for c in choices[0] if c.prompt_logprobs is not None), None)
+    first = outputs[0]
+    usage = Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_prompt_tokens)
+    ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
+    tpots = [t.mean_tpot_s for t in timings if t.mean_tpot_s is not None]
+    timing = timings[0] if len(timings) == 1 else Timings(
+        min(t.queue_s for t in timings), min(ttfts) if ttfts else None, sum(tpots) / len(tpots) if tpots else None,
+        max(t.e2e_s for t in timings))
+    return Completion(choices[0][-1].request_id, first.text, first.token_ids, first.finish_reason, usage, timing,
+                      first.logprobs, first.stop_reason, prompt_logprobs, tuple(outputs))

@@ -19,6 +19,7 @@ from m3sdk.cache.manager import CacheManager
 from m3sdk.core.executor import Executor
 from m3sdk.core.hooks import Admission, Emit, FinishListener, OnDead, StepObserver
 from m3sdk.core.output import OutputProcessor
+from m3sdk.errors import InvalidRequestError
 from m3sdk.observability import get_logger
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, FinishReason, Request
@@ -62,16 +63,25 @@ class EngineCore:
         # sleeps until its inbox hears of it.
         self._stalled = False
         self._num_holds = 0  # finished requests' pages retained for a listener's I/O
-        self._counters = dict(steps=0, prompt_tokens=0)
+        # the other choices of an n-choice prompt, until its first choice's prompt is computed
+        self._held_choices: list[tuple[Request, list[Request]]] = []
+        # prefill_tokens: prompt tokens run through the model (prefix-cache hits are not, recomputes are again)
+        self._counters = dict(steps=0, prompt_tokens=0, prefill_tokens=0)
         self._stats: dict[str, Any] = {}
         self._publish_stats()
         self.warm_up_seconds = 0.0  # what the warm-up took (the builder runs it on a GPU)
 
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_total_tokens: int,
-                    priority: int = 0) -> Request:
-        """A request with its seeded sampling state and incremental detokenizer attached."""
-        request = Request(request_id, prompt_ids, params, max_total_tokens, priority)
-        request.sampling = SamplingState(params, prompt_ids)
+                    priority: int = 0, index: int = 0) -> Request:
+        """A request (choice `index` of its prompt) with its seeded sampling state and incremental detokenizer
+        attached."""
+        if params.prompt_logprobs is not None and self._admission is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported with prefill_nodes (a prefill node computes "
+                                      "the prompt)")
+        request = Request(request_id, prompt_ids, params, max_total_tokens, priority, index=index)
+        stops = () if params.ignore_eos else sorted(self.output.eos_token_ids)
+        request.sampling = SamplingState(params, prompt_ids,
+                                         min_tokens_ids=tuple(dict.fromkeys([*stops, *params.stop_token_ids])))
         request.text = TextStream(self.tokenizer, params, prompt_ids)
         return request
 
@@ -88,8 +98,10 @@ class EngineCore:
         self._thread = threading.Thread(target=self._run, args=(emit, on_dead), name="m3sdk-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, request: Request) -> None:
-        self._inbox.put((_ADD, request))
+    def submit(self, request: Request, *choices: Request) -> None:
+        """Queue a request; the other `choices` of its prompt (if any) follow it once its prompt is computed, so
+        that they find the prompt's pages in the prefix cache and compute only its last partial page."""
+        self._inbox.put((_ADD, (request, choices)))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put((_ABORT, request_id))
@@ -137,9 +149,12 @@ class EngineCore:
         before)."""
         ex = self.executor
         chunks = self.output.process(ex.settle())
+        self._add_held_choices()
         plan = ex.schedule()
         if plan:
             self._counters["steps"] += 1
+            self._counters["prefill_tokens"] += sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
+                                                    for r, n, _ in plan.scheduled)
             ex.launch(plan, self._layer_hook(plan))
         elif not ex.busy and not chunks:
             return self._nothing_scheduled(plan)
@@ -206,7 +221,8 @@ class EngineCore:
 
     def _handle_inbox(self) -> bool:
         """Apply queued adds and aborts; blocks while there is nothing to run. False once told to stop."""
-        block = self._stalled or not (self.scheduler.num_running or self.scheduler.num_waiting or self.executor.busy)
+        block = self._stalled or not (self.scheduler.num_running or self.scheduler.num_waiting or self.executor.busy
+                                      or self._held_choices)
         while True:
             try:
                 kind, item = self._inbox.get(block=block)
@@ -214,11 +230,15 @@ class EngineCore:
                 return True
             block = self._stalled = False
             if kind == _ADD:
-                self._counters["prompt_tokens"] += item.num_prompt_tokens
-                if self._admission is None or not self._admission.admit(item):
-                    self.scheduler.add(item)
+                request, choices = item
+                self._add(request)
+                if choices and self.config.engine.enable_prefix_caching:
+                    self._held_choices.append((request, list(choices)))
+                else:
+                    for choice in choices:
+                        self._add(choice)
             elif kind == _ABORT:
-                request = self._live(item)
+                request = self._live(item) or self._take_held(item)
                 if request is not None:  # unknown or finished: a no-op
                     self._pending.append(self.output.finish(request, "abort"))
             elif kind == _UNHOLD:  # a finish listener's I/O let go of a finished request's pages
@@ -230,9 +250,38 @@ class EngineCore:
                 live = self.scheduler.live_requests()
                 if self._admission is not None:
                     live += self._admission.live_requests()
+                live += [c for _, choices in self._held_choices for c in choices]
+                self._held_choices.clear()
                 for request in live:
                     self._pending.append(self.output.finish(request, "abort"))
                 return False
+
+    def _add(self, request: Request) -> None:
+        self._counters["prompt_tokens"] += request.num_prompt_tokens
+        if self._admission is None or not self._admission.admit(request):
+            self.scheduler.add(request)
+
+    def _add_held_choices(self) -> None:
+        """The choices whose first choice's prompt is computed (its pages committed to the prefix cache), or which
+        ended, go to the scheduler."""
+        if not self._held_choices:
+            return
+        held = []
+        for first, choices in self._held_choices:
+            if first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens:
+                for choice in choices:
+                    self._add(choice)
+            else:
+                held.append((first, choices))
+        self._held_choices = held
+
+    def _take_held(self, request_id: str) -> Request | None:
+        for _, choices in self._held_choices:
+            for choice in choices:
+                if choice.request_id == request_id:
+                    choices.remove(choice)
+                    return choice
+        return None
 
     def _live(self, request_id: str) -> Request | None:
         request = self.scheduler.get(request_id)
