@@ -180,7 +180,8 @@ async def test_prompt_logprobs_are_a_plain_forwards_and_skip_the_prefix_cache(sp
         assert math.isclose(entry.logprob, float(ref[j - 1, ids[j]]), abs_tol=2e-3)
         top = ref[j - 1].topk(3)
         assert [t for t, _ in entry.top_logprobs] == top.indices.tolist()
-        assert all(math.isclose(v, float(r), abs_tol=2e-3) for (_, v), r in zip(entry.top_logprobs, top.values))
+        values = [v for _, v in entry.top_logprobs]
+        assert all(math.isclose(v, float(r), abs_tol=2e-3) for v, r in zip(values, top.values, strict=True))
     # streamed: the first chunk carries them (top-0: only the prompt token's own)
     assert streamed[0].prompt_logprobs is not None and all(c.prompt_logprobs is None for c in streamed[1:])
     assert [x and (x.token_id, x.top_logprobs) for x in streamed[0].prompt_logprobs][1:] == [

@@ -19,7 +19,6 @@ from m3sdk.cache.manager import CacheManager
 from m3sdk.core.executor import Executor
 from m3sdk.core.hooks import Admission, Emit, FinishListener, OnDead, StepObserver
 from m3sdk.core.output import OutputProcessor
-from m3sdk.errors import InvalidRequestError
 from m3sdk.observability import get_logger
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, FinishReason, Request
@@ -75,9 +74,6 @@ class EngineCore:
                     priority: int = 0, index: int = 0) -> Request:
         """A request (choice `index` of its prompt) with its seeded sampling state and incremental detokenizer
         attached."""
-        if params.prompt_logprobs is not None and self._admission is not None:
-            raise InvalidRequestError("prompt_logprobs is not supported with prefill_nodes (a prefill node computes "
-                                      "the prompt)")
         request = Request(request_id, prompt_ids, params, max_total_tokens, priority, index=index)
         stops = () if params.ignore_eos else sorted(self.output.eos_token_ids)
         request.sampling = SamplingState(params, prompt_ids,
@@ -258,7 +254,10 @@ class EngineCore:
 
     def _add(self, request: Request) -> None:
         self._counters["prompt_tokens"] += request.num_prompt_tokens
-        if self._admission is None or not self._admission.admit(request):
+        # a prefill node samples the first token without logit_bias or min_tokens and computes no prompt logprobs:
+        # such a request is prefilled here
+        remote = not (request.sampling.adjusts_logits or request.needs_prompt_logprobs)
+        if self._admission is None or not remote or not self._admission.admit(request):
             self.scheduler.add(request)
 
     def _add_held_choices(self) -> None:
