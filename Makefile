@@ -1,17 +1,20 @@
 # The two commands of the README:  `make run` (generate with the bundled m3-tiny)  and  `make test`.
-# Both set up .venv on first use. torch is pinned to the CPU wheel on purpose: an open range would pull a
-# multi-GB CUDA build. On a GPU machine, install your torch first and run `pip install -e .[test]`.
+# Both set up .venv on first use: torch first, the build that fits the machine (scripts/install_torch.py: the CPU
+# wheel from TORCH_INDEX without an NVIDIA GPU, the CUDA build from pip's index with one), then the package.
 PY ?= python3
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+# Where torch comes from without an NVIDIA GPU: PyTorch's CPU wheels (plain PyPI has the multi-GB CUDA build on
+# Linux). Set it to a mirror of that index, to a ROCm index on AMD, or empty for pip's configured index.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PROMPT ?= Once upon a time
 
 $(BIN)/m3sdk: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,ucx]"
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python scripts/install_torch.py "$(TORCH)" --index "$(TORCH_INDEX)"
+	$(BIN)/python -m pip install -e ".[test,ucx]"
 	touch $(BIN)/m3sdk
 
 setup: $(BIN)/m3sdk

@@ -24,8 +24,8 @@ import torch
 from m3sdk.attention.base import PAGE_SIZE, AttentionMetadata
 from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
 from m3sdk.config import EngineConfig
+from m3sdk.core.resolved import resolve
 from m3sdk.model import load_model
-from m3sdk.model.quantize import QUANTIZATIONS
 from m3sdk.tokenizer import Tokenizer
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "austen.txt.xz"
@@ -81,11 +81,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
-    config = EngineConfig(model=args.model, device=args.device)
-    device = config.resolve_device()
-    dtype = config.resolve_dtype(device)
-    backend = config.resolve_attention_backend(device)
-    path = config.model_path()
+    resolved = resolve(EngineConfig(model=args.model, device=args.device))
+    device, dtype, backend, path = resolved.device, resolved.dtype, resolved.attention_backend, resolved.model_path
     tokenizer = Tokenizer.from_pretrained(path)
     full = load_model(path, device, dtype, backend)
     seqs = [(p, greedy(full, p, args.new_tokens, device)) for p in prompts(tokenizer, args.prompts, args.prompt_len)]
@@ -95,7 +92,7 @@ def main() -> None:
           f"of {args.prompt_len} tokens, {args.new_tokens} greedy tokens each, teacher-forced")
     print("| quantization | greedy agreement | mean |dlogprob| | max |dlogprob| | mean KL |")
     print("|---|---|---|---|---|")
-    for quantization in QUANTIZATIONS:
+    for quantization in ("none", "fp8", "mxfp4"):
         model = load_model(path, device, dtype, backend, quantization=quantization)
         agree = total = 0
         errors, kls = [], []

@@ -6,6 +6,7 @@
 
 from typing import TYPE_CHECKING, Any
 
+from m3sdk.chat.completion import ChatCompletion, ChatCompletionChunk
 from m3sdk.config import EngineConfig
 from m3sdk.errors import (
     CheckpointError,
@@ -18,11 +19,14 @@ from m3sdk.errors import (
 )
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, Completion, Timings, Usage
+from m3sdk.structured import StructuredOutput
 
 if TYPE_CHECKING:
     from m3sdk.engine import Engine
 
 __all__ = [
+    "ChatCompletion",
+    "ChatCompletionChunk",
     "CheckpointError",
     "Chunk",
     "Completion",
@@ -35,6 +39,7 @@ __all__ = [
     "M3Error",
     "PrefillNodeError",
     "SamplingParams",
+    "StructuredOutput",
     "Timings",
     "Usage",
 ]

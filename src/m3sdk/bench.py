@@ -26,12 +26,14 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from m3sdk.argtypes import NON_NEGATIVE_INT, POSITIVE_INT, byte_size, comma_list, number
 from m3sdk.config import EngineConfig
+from m3sdk.errors import M3Error
 
 _LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -127,21 +129,57 @@ async def send(engine, request: BenchRequest, params) -> RequestResult:
 
 
 async def run_load(engine, requests: Sequence[BenchRequest], params, rate: float = math.inf,
-                   burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0
-                   ) -> tuple[list[RequestResult], float]:
-    """Send `requests` as the arrival process says; -> (results in request order, duration in seconds)."""
+                   burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
+                   on_result: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
+    """Send `requests` as the arrival process says; -> (results in request order, duration in seconds).
+    `on_result` sees each result as its request ends."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def limited(request: BenchRequest) -> RequestResult:
         if limit is None:
-            return await send(engine, request, params)
-        async with limit:
-            return await send(engine, request, params)
+            result = await send(engine, request, params)
+        else:
+            async with limit:
+                result = await send(engine, request, params)
+        if on_result is not None:
+            on_result(result)
+        return result
 
     start = time.perf_counter()
     tasks = [asyncio.create_task(limited(r)) async for r in arrivals(requests, rate, burstiness, seed)]
     results = await asyncio.gather(*tasks)
     return list(results), time.perf_counter() - start
+
+
+class Progress:
+    """Requests done so far, on stderr: one line rewritten in place on a terminal, else a line every few seconds
+    (and always the last)."""
+
+    def __init__(self, label: str, total: int, every_s: float = 5.0):
+        self.label, self.total, self.every_s = label, total, every_s
+        self.done = self.failed = 0
+        self.tty = sys.stderr.isatty()
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, result: RequestResult) -> None:
+        self.done += 1
+        self.failed += not result.success
+        now = time.perf_counter()
+        if self.done == self.total or now - self.last >= (0.2 if self.tty else self.every_s):
+            self.last = now
+            end = "\n" if self.done == self.total or not self.tty else ""
+            print(f"\r{self.label}: {self.done}/{self.total} requests done, {self.failed} failed, "
+                  f"{now - self.start:.1f} s", end=end, file=sys.stderr, flush=True)
+
+
+def failure_reasons(results: Sequence[RequestResult]) -> dict[str, int]:
+    """Why requests failed: each distinct error with how many requests it ended, most frequent first."""
+    counts: dict[str, int] = {}
+    for r in results:
+        if not r.success:
+            reason = r.error or "no tokens generated"
+            counts[reason] = counts.get(reason, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def _summary(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
@@ -203,43 +241,61 @@ def _meets(r: RequestResult, slo_ms: dict[str, float]) -> bool:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The bench options (the engine's --model, --device, ... come from the CLI's shared engine options)."""
+    """The bench options (the engine's --model, --device, ... come from the CLI's shared engine options).
+    Values are range-checked here, when the command line is parsed."""
+    rate = number(float, 0, low_open=True, allow_inf=True)
     g = p.add_argument_group("workload")
-    g.add_argument("--num-prompts", default="64",
-                   help="requests per run (default 64); a comma list gives each sweep point its own count")
-    g.add_argument("--input-len", type=int, default=256, help="mean prompt tokens of random prompts")
-    g.add_argument("--output-len", type=int, default=64, help="mean generated tokens (EOS ignored)")
-    g.add_argument("--range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [len*(1-r), len*(1+r)] (default 0: fixed)")
-    g.add_argument("--prompt-file", type=Path, help="prompts: .jsonl with 'prompt' (+ 'output_len') or text lines")
-    g.add_argument("--request-rate", default="inf",
-                   help="requests/s of a Poisson process, 'inf' = all at once; a comma list sweeps")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
-    g.add_argument("--max-concurrency", default=None,
-                   help="cap on requests in flight; a comma list sweeps (with rate inf: fixed concurrency)")
-    g.add_argument("--num-warmups", type=int, default=1, help="requests run (and not measured) before each sweep")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-prompts", type=comma_list(POSITIVE_INT), default="64", metavar="N[,N...]",
+                   help="requests per run; a comma list gives each sweep point its own count (default: %(default)s)")
+    g.add_argument("--input-len", type=POSITIVE_INT, default=256, metavar="N",
+                   help="mean prompt tokens of random prompts (default: %(default)s)")
+    g.add_argument("--output-len", type=POSITIVE_INT, default=64, metavar="N",
+                   help="mean generated tokens, EOS ignored (default: %(default)s)")
+    g.add_argument("--range-ratio", type=number(float, 0, 0.999), default=0.0, metavar="R",
+                   help="lengths uniform in [len*(1-R), len*(1+R)] (default: %(default)s = fixed)")
+    g.add_argument("--prompt-file", type=Path, metavar="PATH",
+                   help="prompts: .jsonl with 'prompt' (+ 'output_len') or text lines (default: random token ids)")
+    g.add_argument("--request-rate", type=comma_list(rate), default="inf", metavar="R[,R...]",
+                   help="requests/s of a Poisson process, inf = all at once; a comma list sweeps "
+                        "(default: %(default)s)")
+    g.add_argument("--burstiness", type=number(float, 0, low_open=True), default=1.0, metavar="B",
+                   help="gamma shape of the gaps between arrivals, 1 = Poisson (default: %(default)s)")
+    g.add_argument("--max-concurrency", type=comma_list(POSITIVE_INT), default=None, metavar="N[,N...]",
+                   help="cap on requests in flight; a comma list sweeps; with rate inf: fixed concurrency "
+                        "(default: no cap)")
+    g.add_argument("--num-warmups", type=NON_NEGATIVE_INT, default=1, metavar="N",
+                   help="requests run (and not measured) before the first point (default: %(default)s)")
+    g.add_argument("--temperature", type=number(float, 0), default=0.0, metavar="T",
+                   help="sampling temperature, 0 = greedy (default: %(default)s)")
+    g.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, metavar="S",
+                   help="seed of the workload and of the arrivals (default: %(default)s)")
     m = p.add_argument_group("metrics")
-    m.add_argument("--metric-percentiles", default="99", help="comma list, e.g. 50,90,99 (default 99)")
-    m.add_argument("--slo-ttft-ms", type=float, help="goodput SLO on time to first token")
-    m.add_argument("--slo-tpot-ms", type=float, help="goodput SLO on time per output token")
-    m.add_argument("--slo-e2el-ms", type=float, help="goodput SLO on end-to-end latency")
-    m.add_argument("--json", type=Path, help="write the results here (one object, or a list for a sweep)")
+    m.add_argument("--metric-percentiles", type=comma_list(number(float, 0, 100, low_open=True)), default="99",
+                   metavar="P[,P...]", help="percentiles reported, e.g. 50,90,99 (default: %(default)s)")
+    slo = number(float, 0, low_open=True)
+    m.add_argument("--slo-ttft-ms", type=slo, metavar="MS", help="goodput SLO on time to first token (default: none)")
+    m.add_argument("--slo-tpot-ms", type=slo, metavar="MS",
+                   help="goodput SLO on time per output token (default: none)")
+    m.add_argument("--slo-e2el-ms", type=slo, metavar="MS", help="goodput SLO on end-to-end latency (default: none)")
+    m.add_argument("--json", type=Path, metavar="PATH",
+                   help="write the results here, one object or a list for a sweep (default: not written)")
     m.add_argument("--save-detailed", action="store_true", help="add per-request lengths, TTFTs, ITLs, errors")
-    e = p.add_argument_group("engine")
-    e.add_argument("--max-num-seqs", type=int)
-    e.add_argument("--max-num-batched-tokens", type=int)
-    e.add_argument("--kv-cache-memory", type=_bytes, help="KV cache bytes (suffix K/M/G allowed)")
-    e.add_argument("--tensor-parallel-size", "--tp", type=int)
+    add_engine_arguments(p)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Engine sizing options beyond the CLI's shared ones, read back by engine_config."""
+    e = p.add_argument_group("engine sizing")
+    e.add_argument("--max-num-seqs", type=POSITIVE_INT, metavar="N",
+                   help="requests running at once (default: the engine's, 64)")
+    e.add_argument("--max-num-batched-tokens", type=POSITIVE_INT, metavar="N",
+                   help="tokens per engine step (default: the engine's, 2048)")
+    e.add_argument("--kv-cache-memory", type=byte_size, metavar="BYTES",
+                   help="KV cache bytes, suffix K/M/G allowed (default: the engine's budget)")
+    e.add_argument("--tensor-parallel-size", "--tp", type=POSITIVE_INT, metavar="N",
+                   help="GPUs, one process each (default: 1)")
     e.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
-                   help="any EngineConfig field; VALUE parsed as JSON when it parses (repeatable)")
-
-
-def _bytes(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("b")
-    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+                   help="any EngineConfig field; VALUE parsed as JSON when it parses (repeatable; default: none)")
 
 
 def engine_config(args: argparse.Namespace, base: dict[str, Any]) -> EngineConfig:
@@ -289,13 +345,19 @@ async def run_bench(args: argparse.Namespace, config: EngineConfig) -> list[dict
     async with Engine(config) as engine:
         if args.num_warmups:
             warm = build_requests(args, config, args.num_warmups, args.seed + 10_000)
-            await run_load(engine, warm, params)
+            warm_results, _ = await run_load(engine, warm, params)
+            if not any(r.success for r in warm_results):  # the run would fail the same way: say why now
+                raise M3Error(f"the warm-up requests failed: {next(iter(failure_reasons(warm_results)))}")
         for i, (rate, conc) in enumerate(points):
             requests = build_requests(args, config, counts[i], args.seed + i)
             before = engine.stats()
-            results, duration = await run_load(engine, requests, params, rate, args.burstiness, conc, args.seed)
+            progress = Progress(f"rate {rate:g}, concurrency {conc or '-'}", len(requests))
+            results, duration = await run_load(engine, requests, params, rate, args.burstiness, conc, args.seed,
+                                               on_result=progress)
             after = engine.stats()
             metrics = compute_metrics(results, duration, percentiles, slo)
+            if metrics["failed"]:
+                metrics["failure_reasons"] = failure_reasons(results)
             record = {
                 "backend": "m3sdk", "model": config.model, "date": time.strftime("%Y%m%d-%H%M%S"),
                 "num_prompts": len(requests), "request_rate": rate if math.isfinite(rate) else "inf",
@@ -337,13 +399,22 @@ def print_result(r: dict[str, Any], percentiles: Sequence[float]) -> None:
         rows += [(f"P{p:g} {label} (ms)", r[f"p{p:g}_{name}_ms"]) for p in percentiles]
     for label, value in rows:
         print(f"{label:<36}{value:>14.2f}" if isinstance(value, float) else f"{label:<36}{value:>14}")
+    reasons = list(r.get("failure_reasons", {}).items())
+    for reason, n in reasons[:5]:
+        print(f"Failed ({n}): {reason}")
+    if len(reasons) > 5:
+        print(f"Failed ({sum(n for _, n in reasons[5:])}): {len(reasons) - 5} other reasons (--json has them all)")
     sys.stdout.flush()
 
 
-async def main_async(args: argparse.Namespace, base_overrides: dict[str, Any]) -> list[dict[str, Any]]:
-    config = engine_config(args, base_overrides)
+async def main_async(args: argparse.Namespace, config: EngineConfig) -> list[dict[str, Any]]:
+    """Run the bench, write --json; raises M3Error when no request of some point succeeded."""
     results = await run_bench(args, config)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results[0] if len(results) == 1 else results, indent=1))
+    if failed := [r for r in results if r["completed"] == 0]:
+        reason = next(iter(failed[0]["failure_reasons"]))
+        where = "" if len(results) == 1 else f" of {len(failed)} of the {len(results)} sweep points"
+        raise M3Error(f"every request{where} failed, e.g. {reason}")
     return results

@@ -1,6 +1,11 @@
-"""The `m3sdk` command: generate, chat, info, prefill-node.
+"""The `m3sdk` command: generate, chat, info, bench, prefill-node.
 
-Errors are one clear line on stderr and a non-zero exit, never a traceback (set M3SDK_DEBUG=1 for one)."""
+Parsing imports neither torch nor the engine (each command imports them when it runs), so `--help` and a bad
+argument answer at once. Arguments are checked in two passes before any model loads: ranges by argparse
+(m3sdk/argtypes.py), then the sampling parameters and the engine configuration as the SDK itself checks them.
+Exit codes: 0 done, 1 a failure while running, 2 a bad argument, 130 interrupted. Every error is one line on
+stderr, never a traceback (set M3SDK_DEBUG=1 for one).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,19 @@ import asyncio
 import os
 import platform
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
-from .errors import M3Error
+from .argtypes import NON_NEGATIVE_INT, POSITIVE_INT, number
+from .config import CACHE_DTYPES, DTYPES, QUANTIZATIONS, EngineConfig
+from .errors import InvalidRequestError, M3Error
+from .params import SamplingParams
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (its default adds the usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -24,37 +39,45 @@ def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def _sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    params: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    if args.seed is not None:
-        params["seed"] = args.seed
-    if args.top_p is not None:
-        params["top_p"] = args.top_p
-    if args.top_k is not None:
-        params["top_k"] = args.top_k
-    return params
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
 
 
-async def _generate(args: argparse.Namespace) -> None:
-    from . import Engine
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    if args.command == "bench":
+        return _bench_module().engine_config(args, _engine_overrides(args))
+    return EngineConfig(**_engine_overrides(args))
 
-    async with Engine(**_engine_overrides(args)) as engine:
+
+async def _generate(args: argparse.Namespace, config: EngineConfig, params: SamplingParams) -> None:
+    from .engine import Engine
+
+    async with Engine(config) as engine:
+        if args.echo:
+            print(args.prompt, end="", flush=True)
         if args.stream:
-            async for chunk in engine.stream(args.prompt, **_sampling_overrides(args)):
+            async for chunk in engine.stream(args.prompt, params):
                 print(chunk.text, end="", flush=True)
             print()
         else:
-            done = await engine.generate(args.prompt, **_sampling_overrides(args))
+            done = await engine.generate(args.prompt, params)
             print(done.text)
 
 
-async def _chat(args: argparse.Namespace) -> None:
-    from . import Engine
+async def _chat(args: argparse.Namespace, config: EngineConfig, params: SamplingParams) -> None:
+    from .engine import Engine
+    from .tokenizer import Tokenizer
 
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    async with Engine(**_engine_overrides(args)) as engine:
+    tokenizer = Tokenizer.from_pretrained(config.model_path())
+
+    def prompt_tokens(messages: list[dict[str, str]]) -> int:  # as the engine counts a chat prompt
+        return len(tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False))
+
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    turns: list[dict[str, str]] = []  # user, assistant, user, ...: the oldest pair leaves first
+    async with Engine(config) as engine:
+        room = engine.max_model_len - params.max_tokens  # the reply needs its max_tokens inside the context
         print("m3sdk chat: an empty line or Ctrl-D ends the conversation.")
         while True:
             try:
@@ -63,32 +86,47 @@ async def _chat(args: argparse.Namespace) -> None:
                 break
             if not line.strip():
                 break
-            messages.append({"role": "user", "content": line})
+            turns.append({"role": "user", "content": line})
+            dropped = 0
+            while len(turns) > 1 and prompt_tokens(system + turns) > room:
+                del turns[:2]
+                dropped += 2
+            if dropped:
+                print(f"m3sdk chat: dropped the oldest {dropped} messages: the conversation outgrew the context "
+                      f"({engine.max_model_len} tokens, {params.max_tokens} kept for the reply)", file=sys.stderr)
+            try:
+                chunks = engine.stream(system + turns, params)
+            except InvalidRequestError as exc:  # this message alone is too long: the conversation goes on
+                print(f"m3sdk chat: error: {exc}", file=sys.stderr)
+                turns.pop()
+                continue
             print("assistant> ", end="", flush=True)
             reply = []
-            async for chunk in engine.stream(list(messages), **_sampling_overrides(args)):
+            async for chunk in chunks:
                 print(chunk.text, end="", flush=True)
                 reply.append(chunk.text)
             print()
-            messages.append({"role": "assistant", "content": "".join(reply)})
+            turns.append({"role": "assistant", "content": "".join(reply)})
 
 
-async def _info(args: argparse.Namespace) -> None:
+async def _info(args: argparse.Namespace, config: EngineConfig) -> None:
     import torch
     import triton
 
-    from . import Engine
+    from .engine import Engine
 
-    print(f"python      {platform.python_version()} on {platform.machine()} ({platform.system()})")
-    print(f"torch       {torch.__version__}   triton {triton.__version__}")
+    rows = [("python", f"{platform.python_version()} on {platform.machine()} ({platform.system()})"),
+            ("torch", f"{torch.__version__}   triton {triton.__version__}")]
     if torch.cuda.is_available():
         kind = "HIP" if torch.version.hip else "CUDA"
-        print(f"accelerator {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()} ({kind})")
+        rows.append(("accelerator", f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()} ({kind})"))
     else:
-        print("accelerator none (CPU: torch reference kernels)")
-    async with Engine(**_engine_overrides(args)) as engine:
-        for key, value in engine.describe().items():
-            print(f"{key:<11} {value}")
+        rows.append(("accelerator", "none (CPU: torch reference kernels)"))
+    async with Engine(config) as engine:
+        rows += list(engine.describe().items())
+    width = max(len(key) for key, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
 
 
 def _bench_module():
@@ -104,73 +142,112 @@ def _serve_prefill_node(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="m3sdk", description="Serve MiniMax-M3 models in-process.")
+    parser = _Parser(prog="m3sdk", description="Serve MiniMax-M3 models in-process.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def engine_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", help="checkpoint folder (default: the bundled m3-tiny)")
-        p.add_argument("--device", choices=["auto", "cpu", "cuda"])
-        p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
-        p.add_argument("--max-model-len", type=int)
-        p.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
-        p.add_argument("--kv-cache-dtype", choices=["auto", "bf16", "fp8"])
-        p.add_argument("--quantization", choices=["none", "fp8", "mxfp4"],
-                       help="quantize weights at load: fp8 attention/MLPs, mxfp4 also the experts")
-        p.add_argument("--speculative", help='e.g. "ngram", "eagle3" or "eagle3:/path/to/head"')
+        g = p.add_argument_group("model and engine")
+        g.add_argument("--model", help="checkpoint folder, or a bundled model's name (default: m3-tiny, bundled)")
+        g.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                       help="where the model runs (default: auto = cuda when there is a GPU, else cpu)")
+        g.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                       help="weights and activations (default: auto = bfloat16 on a GPU, float32 on a CPU)")
+        g.add_argument("--max-model-len", type=POSITIVE_INT, metavar="N",
+                       help="context limit, prompt + reply (default: the checkpoint's, shrunk to fit the KV cache)")
+        g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                       help="attention kernels (default: auto = triton on a GPU, torch on a CPU)")
+        g.add_argument("--kv-cache-dtype", choices=CACHE_DTYPES, default="auto",
+                       help="KV cache element type (default: auto = the model dtype)")
+        g.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                       help="quantize weights at load: fp8 attention and MLPs, mxfp4 also the experts "
+                            "(default: none)")
+        g.add_argument("--speculative", metavar="METHOD",
+                       help='speculative decoding: "ngram", "mtp", "eagle3" or "eagle3:/path/to/head" (default: off)')
 
     def sampling_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--max-tokens", type=int, default=64)
-        p.add_argument("--temperature", type=float, default=0.0)
-        p.add_argument("--top-p", type=float)
-        p.add_argument("--top-k", type=int)
-        p.add_argument("--seed", type=int)
+        g = p.add_argument_group("sampling")
+        g.add_argument("--max-tokens", type=POSITIVE_INT, default=64, metavar="N",
+                       help="tokens to generate at most (default: %(default)s)")
+        g.add_argument("--temperature", type=number(float, 0), default=0.0, metavar="T",
+                       help="0 = greedy; higher = more random (default: %(default)s)")
+        g.add_argument("--top-p", type=number(float, 0, 1, low_open=True), default=1.0, metavar="P",
+                       help="nucleus sampling: keep the most likely tokens up to this probability mass "
+                            "(default: %(default)s = off)")
+        g.add_argument("--top-k", type=int, default=-1, metavar="K",
+                       help="keep the K most likely tokens, -1 = off (default: %(default)s)")
+        g.add_argument("--seed", type=NON_NEGATIVE_INT, metavar="S",
+                       help="makes sampling reproducible (default: a fresh random seed)")
 
-    gen = sub.add_parser("generate", help="complete one prompt")
-    gen.add_argument("prompt")
+    gen = sub.add_parser("generate", help="complete one prompt", description="Complete one prompt.")
+    gen.add_argument("prompt", help="the text to continue")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
-    engine_options(gen)
+    gen.add_argument("--echo", action="store_true", help="print the prompt before its continuation")
     sampling_options(gen)
+    engine_options(gen)
 
-    chat = sub.add_parser("chat", help="an interactive chat using the checkpoint's chat template")
-    chat.add_argument("--system", help="a system message")
-    engine_options(chat)
+    chat = sub.add_parser("chat", help="an interactive chat using the checkpoint's chat template",
+                          description="An interactive chat using the checkpoint's chat template. When the "
+                                      "conversation outgrows the context, the oldest turns are dropped.")
+    chat.add_argument("--system", help="a system message (default: none)")
     sampling_options(chat)
+    engine_options(chat)
     chat.set_defaults(temperature=0.7, max_tokens=256)
 
-    info = sub.add_parser("info", help="platform, kernel backend, model summary, cache budget")
+    info = sub.add_parser("info", help="platform, kernel backend, model summary, cache budget",
+                          description="Platform, kernel backend, model summary and cache budget.")
     engine_options(info)
 
-    bench = sub.add_parser("bench", help="throughput and serving latency (TTFT, TPOT, ITL) of the embedded engine")
+    bench = sub.add_parser("bench", help="throughput and serving latency (TTFT, TPOT, ITL) of the embedded engine",
+                           description=_bench_module().__doc__.split("\n\n")[0])
     engine_options(bench)
     _bench_module().add_arguments(bench)
 
-    node = sub.add_parser("prefill-node", help="run a remote prefill node daemon")
-    node.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT of the gRPC service")
-    node.add_argument("--tls-cert", help="PEM certificate chain: serve gRPC over TLS (with --tls-key)")
-    node.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    node = sub.add_parser("prefill-node", help="run a remote prefill node daemon",
+                          description="A remote prefill node: prefills prompts for decode engines that list it in "
+                                      "prefill_nodes. The shared token comes from $M3SDK_PREFILL_TOKEN.")
+    node.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
+                      help="address of the gRPC service; a port in use is an error (default: %(default)s)")
+    node.add_argument("--tls-cert", metavar="PEM", help="certificate chain: serve gRPC over TLS, with --tls-key "
+                      "(default: plain gRPC)")
+    node.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert (default: none)")
     engine_options(node)
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    if isinstance(exc, M3Error | OSError | ValueError | TypeError) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        params = _sampling_params(args) if args.command in ("generate", "chat") else None
+        config = _engine_config(args)
+    except (M3Error, ValueError, TypeError) as exc:  # a bad argument, found before anything loads
+        if os.environ.get("M3SDK_DEBUG"):
+            raise
+        parser.exit(2, f"m3sdk {args.command}: error: {_one_line(exc)}\n")
     try:
         if args.command == "generate":
-            asyncio.run(_generate(args))
+            asyncio.run(_generate(args, config, params))
         elif args.command == "chat":
-            asyncio.run(_chat(args))
+            asyncio.run(_chat(args, config, params))
         elif args.command == "info":
-            asyncio.run(_info(args))
+            asyncio.run(_info(args, config))
         elif args.command == "bench":
-            asyncio.run(_bench_module().main_async(args, _engine_overrides(args)))
+            asyncio.run(_bench_module().main_async(args, config))
         else:
             _serve_prefill_node(args)
     except KeyboardInterrupt:
         return 130
-    except (M3Error, OSError, ValueError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - the command's last word is one line, whatever failed
         if os.environ.get("M3SDK_DEBUG"):
             raise
-        print(f"m3sdk: error: {exc}", file=sys.stderr)
+        print(f"m3sdk: error: {_one_line(exc)}", file=sys.stderr)
         return 1
     return 0
 

@@ -22,8 +22,8 @@ from m3sdk.speculative.registry import DRAFTERS
 BUNDLED_MODELS = {"m3-tiny": Path(__file__).parent / "assets" / "m3-tiny"}
 
 QUANTIZATIONS = ("none", "fp8", "mxfp4")  # m3sdk/model/quantize.py
-_DTYPES = ("float32", "bfloat16")
-_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp32")
+DTYPES = ("float32", "bfloat16")
+CACHE_DTYPES = ("auto", "bf16", "fp8", "fp32")
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class CacheConfig:
             problems.append(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if not isinstance(self.gpu_memory_fraction, int | float) or not 0 < self.gpu_memory_fraction <= 1:
             problems.append(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
-        for name, allowed in (("kv_cache_dtype", _CACHE_DTYPES), ("index_cache_dtype", _CACHE_DTYPES),
+        for name, allowed in (("kv_cache_dtype", CACHE_DTYPES), ("index_cache_dtype", CACHE_DTYPES),
                               ("kv_cache_layout", ("auto", "plain", "shuffle"))):
             if getattr(self, name) not in allowed:
                 problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -238,7 +238,7 @@ class EngineConfig:
             problems.append(f"max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             problems.append(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        choices = {"dtype": ("auto", *_DTYPES), "attention_backend": ("auto", "torch", "triton"),
+        choices = {"dtype": ("auto", *DTYPES), "attention_backend": ("auto", "torch", "triton"),
                    "quantization": QUANTIZATIONS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

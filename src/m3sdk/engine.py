@@ -22,6 +22,9 @@ import sniffio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from prometheus_client import CollectorRegistry
 
+from m3sdk.chat import AssistantStreamParser, join_deltas, prompt_opens_reasoning
+from m3sdk.chat.completion import ChatCompletion, ChatCompletionChunk, chat_finish_reason
+from m3sdk.chat.constraints import chat_constraint
 from m3sdk.config import EngineConfig
 from m3sdk.core import EngineCore, build_core
 from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
@@ -139,7 +142,7 @@ class Engine:
         """This engine's Prometheus registry (serve it with prometheus_client's start_http_server)."""
         return self._running_metrics().registry
 
-    def metrics_text(self) -> bytes:
+    def metrics_text(self) -> str:
         """This engine's metrics in the Prometheus exposition format."""
         return self._running_metrics().text()
 
@@ -147,9 +150,11 @@ class Engine:
         """Model, kernel backend and cache budget, as `m3sdk info` prints them."""
         return self._running_core().describe()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """running, waiting, pages_total, pages_free, pages_cached, prefix_cache_queries/hits (tokens),
-        preemptions, steps, prompt/generation tokens, requests finished/aborted."""
+        preemptions, steps, prompt/generation tokens, requests finished/aborted; with prefill_nodes also
+        remote_prefills, remote_prefill_fallbacks, remote_prefill_failures, remote_prefill_bytes and
+        remote_prefill_seconds."""
         return self._running_core().stats()
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, /, *,
@@ -168,6 +173,84 @@ class Engine:
         the last chunk of each choice has finish_reason, usage and timings. The request is validated here
         (InvalidRequestError, TypeError) and queued when iteration starts; leaving the loop early aborts it."""
         return self._stream(self._make_requests(prompt, params, request_id, priority, param_overrides))
+
+    async def chat(self, messages: Sequence[Mapping[str, Any]], /, *, tools: Sequence[Mapping[str, Any]] | None = None,
+                   tool_choice: str | Mapping[str, Any] = "auto", response_format: Mapping[str, Any] | None = None,
+                   chat_template_kwargs: Mapping[str, Any] | None = None, parallel_tool_calls: bool = True,
+                   params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,
+                   **param_overrides: Any) -> ChatCompletion:
+        """One assistant turn: the messages (and tools) rendered by the checkpoint's chat template, the reply
+        parsed into content, reasoning and tool calls. `tool_choice` "required" or {"type": "function",
+        "function": {"name": ...}} constrains the reply to a call of the allowed tool(s) with schema-valid
+        arguments; `response_format` {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
+        ...}} constrains it to JSON. `parallel_tool_calls=False` allows one call per reply under "required".
+        finish_reason is "tool_calls" when the reply ends after calling tools."""
+        deltas, text = [], []
+        async with aclosing(self._chat(messages, tools, tool_choice, response_format, chat_template_kwargs,
+                                       parallel_tool_calls, params, request_id, priority, param_overrides)) as steps:
+            async for chunk, step in steps:
+                text.append(chunk.text)
+                deltas += step
+        message = join_deltas(deltas)
+        return ChatCompletion(chunk.request_id, message, chat_finish_reason(chunk.finish_reason,
+                                                                            bool(message.tool_calls)),
+                              chunk.usage, chunk.timings, "".join(text))
+
+    def chat_stream(self, messages: Sequence[Mapping[str, Any]], /, *,
+                    tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str | Mapping[str, Any] = "auto",
+                    response_format: Mapping[str, Any] | None = None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None, parallel_tool_calls: bool = True,
+                    params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,
+                    **param_overrides: Any) -> AsyncIterator[ChatCompletionChunk]:
+        """`chat`, streamed: each step's AssistantDeltas (content, reasoning_content, or a tool call with its
+        index, id, name and argument fragments). Validated here, queued when iteration starts."""
+        steps = self._chat(messages, tools, tool_choice, response_format, chat_template_kwargs, parallel_tool_calls,
+                           params, request_id, priority, param_overrides)
+        return self._chat_chunks(steps)
+
+    async def _chat_chunks(self, steps: AsyncIterator[tuple[Chunk, list]]) -> AsyncIterator[ChatCompletionChunk]:
+        called = False
+        async with aclosing(steps):
+            async for chunk, deltas in steps:
+                called = called or any(d.tool_calls for d in deltas)
+                reason = None if chunk.finish_reason is None else chat_finish_reason(chunk.finish_reason, called)
+                yield ChatCompletionChunk(chunk.request_id, deltas, reason, chunk.usage, chunk.timings)
+
+    def _chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+              tool_choice: str | Mapping[str, Any], response_format: Mapping[str, Any] | None,
+              chat_template_kwargs: Mapping[str, Any] | None, parallel_tool_calls: bool, params: SamplingParams | None,
+              request_id: str | None, priority: int, overrides: dict[str, Any]) -> AsyncIterator[tuple[Chunk, list]]:
+        """Validate and build a chat request (before anything is queued); the generator of (chunk, its parsed
+        deltas) runs it."""
+        core = self._running_core()
+        constraint = chat_constraint(tools, tool_choice, response_format, parallel_tool_calls)
+        prompt = core.tokenizer.apply_chat_template(messages, tools=None if tool_choice == "none" else tools,
+                                                    chat_template_kwargs=chat_template_kwargs)
+        in_reasoning = prompt_opens_reasoning(prompt)
+        params = _params(params, overrides)
+        if constraint is not None:
+            if in_reasoning:
+                raise InvalidRequestError("tool_choice 'required' / a named function and response_format constrain "
+                                          "the whole reply, which this prompt opens inside reasoning: use "
+                                          "thinking_mode 'disabled' or 'adaptive'")
+            if params.structured_output is not None:
+                raise InvalidRequestError("pass structured_output or tool_choice / response_format, not both")
+            params = params.replace(structured_output=constraint)
+        if params.n != 1:
+            raise InvalidRequestError(f"a chat turn has one reply: n must be 1, got {params.n}")
+        ids = core.tokenizer.encode(prompt, add_special_tokens=False)
+        requests = self._make_requests(ids, params, request_id, priority, {})
+        parser = AssistantStreamParser(None if tool_choice == "none" else tools, starts_in_reasoning=in_reasoning)
+        return self._parsed(requests, parser)
+
+    async def _parsed(self, requests: list[Request], parser: AssistantStreamParser
+                      ) -> AsyncIterator[tuple[Chunk, list]]:
+        async with aclosing(self._stream(requests)) as chunks:
+            async for chunk in chunks:
+                deltas = parser.feed(chunk.text)
+                if chunk.finish_reason is not None:
+                    deltas += parser.finish()
+                yield chunk, deltas
 
     async def abort(self, request_id: str) -> None:
         """End a request, every choice of it (its waiter gets finish_reason "abort"). Unknown or finished ids are
@@ -196,12 +279,7 @@ class Engine:
                        priority: int, overrides: dict[str, Any]) -> list[Request]:
         """The request's choices, validated (every check before anything is queued)."""
         core = self._running_core()
-        if params is None:
-            params = SamplingParams(**overrides)
-        elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        elif overrides:
-            params = params.replace(**overrides)
+        params = _params(params, overrides)
         params.check_against(core.vocab_size, self.config.max_stop_strings, self.config.max_stop_length)
         if request_id is None:
             request_id = uuid.uuid4().hex
@@ -349,6 +427,14 @@ class Engine:
         self._dead = exc
         for channel in self._channels.values():
             channel.put(_DEAD)
+
+
+def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> SamplingParams:
+    if params is None:
+        return SamplingParams(**overrides)
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return params.replace(**overrides) if overrides else params
 
 
 def _remote_prefill(config: EngineConfig, core: EngineCore) -> Any:

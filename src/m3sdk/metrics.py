@@ -35,6 +35,15 @@ _COUNTERS = {
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
     "spec_drafted_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
     "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted by verification."),
+    # with prefill_nodes (m3sdk/disagg/remote.py)
+    "remote_prefills": ("remote_prefills", "Prompts prefilled on a remote prefill node."),
+    "remote_prefill_fallbacks": ("remote_prefill_fallbacks",
+                                 "Prompts long enough for a remote node that were prefilled here instead."),
+    "remote_prefill_failures": ("remote_prefill_failures", "Remote prefills that failed (then fell back or failed "
+                                "their request)."),
+    "remote_prefill_bytes": ("remote_prefill_bytes", "KV and index-key bytes received from prefill nodes."),
+    "remote_prefill_seconds": ("remote_prefill_seconds", "Time remote prefills took, call to first token back "
+                               "(node compute and transfer overlap)."),
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0)
@@ -82,6 +91,6 @@ class EngineMetrics:
         if t.mean_tpot_s is not None:
             self._tpot.observe(t.mean_tpot_s)
 
-    def text(self) -> bytes:
+    def text(self) -> str:
         """The Prometheus exposition format."""
-        return generate_latest(self.registry)
+        return generate_latest(self.registry).decode()

@@ -16,7 +16,7 @@ import grpc
 
 from m3sdk.disagg import loop
 from m3sdk.disagg.messages import Limits
-from m3sdk.disagg.server import PrefillBackend, PrefillServicer, start_server, stop_server
+from m3sdk.disagg.server import PrefillBackend, PrefillServicer, check_listen, start_server, stop_server
 from m3sdk.disagg.transport import KVTransport, build_transport
 from m3sdk.observability import get_logger
 
@@ -49,7 +49,11 @@ class PrefillNode:
 
     async def _start(self) -> None:
         await self.transport.start(listen=False)
-        self._server, self.port = await start_server(self.servicer, self.listen, self.token, self.tls)
+        try:
+            self._server, self.port = await start_server(self.servicer, self.listen, self.token, self.tls)
+        except BaseException:
+            await self.transport.close()
+            raise
 
     def stop(self, grace: float = 30.0) -> None:
         """Drain: refuse new prefills, let running ones finish within `grace` seconds, then stop."""
@@ -83,6 +87,7 @@ def run_prefill_node(args: Any, engine_overrides: dict[str, Any]) -> None:
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
+    check_listen(args.listen)  # before the model loads: a port in use fails at once
     backend = EngineBackend(EngineConfig(**engine_overrides))
     node = PrefillNode(backend, args.listen, token=os.environ.get("M3SDK_PREFILL_TOKEN") or None, tls=tls).start()
     print(f"m3sdk prefill node {node.node_id} serving on {node.address}", flush=True)

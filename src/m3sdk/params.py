@@ -7,8 +7,10 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from m3sdk.errors import InvalidRequestError
+from m3sdk.structured import StructuredOutput
 
 MAX_LOGPROBS = 20
 # The sampler computes in float32. These bounds keep every step of it finite for any logits a model gives
@@ -74,6 +76,9 @@ class SamplingParams:
     # per prompt token (but the first): its logprob given its prefix and the top-n alternatives (computed at prefill,
     # which then does not read those positions from the prefix cache)
     prompt_logprobs: int | None = None
+    # the output must match this (a StructuredOutput, or {"json": schema} / {"regex": ...} / {"choice": [...]} /
+    # {"grammar": EBNF}); the engine compiles it before queueing
+    structured_output: StructuredOutput | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalize types (numpy scalars, ints for floats) in place once
@@ -130,6 +135,8 @@ class SamplingParams:
             if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
                                           f"got {self.prompt_logprobs}")
+        if self.structured_output is not None:
+            set_(self, "structured_output", StructuredOutput.of(self.structured_output))
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias

@@ -106,7 +106,7 @@ class Request:
         else:
             self.token_ids[at] = token_id
         if self.sampling is not None:
-            self.sampling.output_token_ids.append(token_id)
+            self.sampling.append(token_id)
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

@@ -1,7 +1,8 @@
 """Sampler: logits [N, V] and one SamplingState per row -> one SampledToken per row.
 
 Each row goes through, in order (vLLM's order and semantics):
-  0. logit_bias added, and before min_tokens are generated eos and the stop token ids set to -inf;
+  0. the grammar's bitmask, for rows with a structured output: tokens it forbids become -inf; then logit_bias
+     added, and before min_tokens are generated eos and the stop token ids set to -inf;
   1. penalties: repetition over prompt + output (divide positive logits, multiply negative ones), presence and
      frequency over the output only (subtract once per seen token / once per occurrence);
   2. temperature (greedy rows, temperature 0, take the argmax here, after penalties);
@@ -26,6 +27,7 @@ import torch
 
 from m3sdk.params import SamplingParams
 from m3sdk.staging import HostCopy, to_device
+from m3sdk.structured import Grammar, apply_bitmask, new_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -52,15 +54,23 @@ class _PenaltyCounts:
 
 @dataclass(eq=False)
 class SamplingState:
-    """Per-request sampler state. The engine appends each accepted token to `output_token_ids` (append-only;
-    if it ever shrinks, the penalty counts are rebuilt from scratch)."""
+    """Per-request sampler state. The engine appends each accepted token through `append` (append-only; if
+    `output_token_ids` ever shrinks, the penalty counts are rebuilt from scratch)."""
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: list[int] = field(default_factory=list)
     # the ids masked until min_tokens are generated: eos (unless ignored) and the stop token ids (the core sets it)
     min_tokens_ids: tuple[int, ...] = ()
+    # the structured output's matcher, at the state after output_token_ids
+    grammar: Grammar | None = None
     _penalty: _PenaltyCounts | None = field(default=None, init=False, repr=False)
+
+    def append(self, token_id: int) -> None:
+        """An accepted token: into the history, and through the grammar."""
+        self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     @property
     def masks_stops(self) -> bool:
@@ -165,6 +175,16 @@ def apply_penalties(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
     _update(x, rows, penalize)
 
 
+def apply_grammars(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    """Each constrained row's bitmask, in place: the tokens its grammar forbids next become -inf."""
+    rows = [i for i, s in enumerate(states) if s.grammar is not None]
+    if rows:
+        bitmask = new_bitmask(len(states), x.shape[1], x.device)
+        for i in rows:
+            states[i].grammar.fill(bitmask, i)
+        apply_bitmask(x, bitmask, rows)
+
+
 def apply_temperature(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
     """Divide each row by its temperature, in place (greedy rows by 1: their logprobs are at temperature 1)."""
     temps = [s.params.temperature if s.params.temperature > 0 else 1.0 for s in states]
@@ -260,8 +280,10 @@ class Sampler:
         dev = logits.device
         # a copy only for the steps that change it in place (penalties, temperature, truncation of sampled rows):
         # an all-greedy batch-64 step would copy 51 MB of M3 logits for nothing
-        plain = all(s.params.greedy and not s.params.has_penalties and not s.adjusts_logits for s in states)
+        plain = all(s.params.greedy and not s.params.has_penalties and not s.adjusts_logits and s.grammar is None
+                    for s in states)
         x = logits.to(torch.float32, copy=not plain)
+        apply_grammars(x, states)
         apply_logit_bias(x, states)
         apply_penalties(x, states)
         apply_temperature(x, states)

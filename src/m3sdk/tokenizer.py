@@ -41,6 +41,17 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): printable Latin-1 bytes stand for
+    themselves, the others for chr(256 + n) in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = (b for b in range(256) if b not in printable)
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(extra)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 class _TemplateRaised(jinja2.TemplateError):
     """raise_exception(...) called by a chat template: the messages do not fit it."""
 
@@ -108,6 +119,24 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def vocabulary_bytes(self, size: int) -> list[bytes]:
+        """The bytes each token id below `size` stands for in generated text, b"" for special tokens and ids the
+        tokenizer does not have (what a grammar engine needs to know which tokens spell what)."""
+        added = self._tok.get_added_tokens_decoder()
+        byte_level = json.loads(self._tok.to_str()).get("decoder", {}) or {}
+        byte_level = byte_level.get("type") == "ByteLevel"
+        out = []
+        for i in range(size):
+            if i in added:
+                out.append(b"" if added[i].special else added[i].content.encode())
+            elif (piece := self._tok.id_to_token(i)) is None:
+                out.append(b"")
+            elif byte_level:
+                out.append(bytes(_BYTE_OF_CHAR[c] for c in piece))
+            else:
+                out.append(self._tok.decode([i], skip_special_tokens=False).encode())
+        return out
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -181,11 +181,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['name']:48} {'yes' if r['ok'] else 'NO':3} {r['registers'] or 0:>5} "
                   f"{r['spill_bytes'] or 0:>6} {r['shared_bytes'] or 0:>7} {r['matrix_instructions'] or 0:>4}"
                   f"  {extra}")
-    for family in TRITON_LIMITS:
-        limit = triton_limit(family, ARCHS[args.target])
+    for entry in TRITON_LIMITS:
+        limit = triton_limit(entry, ARCHS[args.target])
         if limit is not None:
-            print(f"NOTE {family} on {args.target}: triton {triton.__version__} cannot build the table's entry "
-                  f"({limit[0]}); built and run with {limit[1]} instead", file=sys.stderr)
+            print(f"NOTE {entry} on {args.target}: triton {triton.__version__}: {limit[0]}; built and run with "
+                  f"{limit[1]} instead", file=sys.stderr)
     bad = failed(rows)
     for r in bad:
         why = r.get("error") or f"{r['spill_bytes']} bytes spilled"

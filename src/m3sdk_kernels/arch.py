@@ -279,14 +279,19 @@ TILES.update({
 })
 
 
-# Table entries a Triton release cannot compile for a target (found by `python -m m3sdk_kernels.aot` run under each
-# release): family -> arch -> (the oldest release known to build the table's entry, why not before, the parameters
-# used instead below it). `tiles` applies them, so an unbuildable variant is never chosen at run time there.
+# Table entries a Triton release cannot compile for a target, or compiles with register spills (found by
+# `python -m m3sdk_kernels.aot` run under each release): "family" (the family's own entry, asked without a variant:
+# here the MX expert formats) or "family:variant" -> arch -> (the oldest release known to build the entry, why not
+# before, the parameters used instead below it). `tiles` applies them, so such a variant never runs there.
 TRITON_LIMITS: dict[str, dict[str, tuple[tuple[int, int], str, dict[str, int]]]] = {
     # triton 3.6, gfx942: tl.dot_scaled (MXFP4 and MXFP8 down GEMMs) with K tiles of 64 fails to lower
     # ("failed to translate module to LLVM IR": an unrealized_conversion_cast of the scale operand); 128 builds
     "moe_small": {"gfx942": ((3, 9), "tl.dot_scaled with K tiles of 64 does not lower to LLVM IR on gfx942",
                              {"DN_BLOCK_K": 128})},
+    # triton 3.6, gfx942: the MX gate_up GEMM of 128-row tiles spills 104 (MXFP4) / 156 (MXFP8) bytes at 2 stages
+    # (1 stage: MXFP8 still 16); 64-row tiles at 1 stage spill neither (triton 3.9 spills at neither table entry)
+    "moe_prefill": {"gfx942": ((3, 9), "the MX gate_up GEMM of 128-row tiles spills registers on gfx942",
+                               {"BLOCK_M": 64, "num_stages": 1})},
 }
 
 
@@ -321,7 +326,7 @@ def tiles(family: str, arch: Arch | None = None, variant: str | None = None) -> 
     cfg = TILES[family][arch.name]
     if variant is not None:
         cfg = cfg | TILES.get(f"{family}:{variant}", {}).get(arch.name, {})
-    limit = triton_limit(family, arch)
+    limit = triton_limit(family if variant is None else f"{family}:{variant}", arch)
     if limit is not None:
         cfg = cfg | limit[1]
     return cfg | _overrides().get(family, {})

@@ -8,6 +8,7 @@ import asyncio
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 
@@ -81,3 +82,12 @@ def test_prefill_node_daemon_tls_token_and_sigterm_drain(engine_checkpoint, tmp_
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_prefill_node_on_a_port_in_use_fails_at_once(engine_checkpoint):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "m3sdk.cli", "prefill-node", "--model", str(engine_checkpoint),
+                               "--listen", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "serving" not in proc.stdout
+    assert proc.stderr.strip().splitlines() == [f"m3sdk: error: cannot listen on 127.0.0.1:{port}: the port is in use"]

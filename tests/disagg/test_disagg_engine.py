@@ -72,6 +72,12 @@ async def test_remote_prefill_is_greedy_identical_to_colocated(engine_checkpoint
         free = engine.stats()["pages_free"]
         assert await generate_all(engine) == colocated
         assert engine._admission.num_remote == len(PROMPTS)
+        stats = engine.stats()
+        assert (stats["remote_prefills"], stats["remote_prefill_fallbacks"]) == (len(PROMPTS), 0)
+        assert stats["remote_prefill_bytes"] > 0 and stats["remote_prefill_seconds"] > 0
+        metrics = engine.metrics_text()
+        assert f"m3sdk:remote_prefills_total {float(len(PROMPTS))}" in metrics
+        assert f"m3sdk:remote_prefill_bytes_total {float(stats['remote_prefill_bytes'])}" in metrics
         assert engine._admission.client.layers_per_group == 2  # 4 layers: two groups, the first overlaps
         assert engine.stats()["pages_free"] == free
         assert_node_pages_free(engine._admission.client)
@@ -118,6 +124,9 @@ async def test_node_killed_mid_prefill_falls_back_within_deadline_without_page_l
             assert await task == colocated
             assert time.monotonic() - t0 < 10.0
             assert engine._admission.num_fallbacks == len(PROMPTS)
+            stats = engine.stats()
+            assert stats["remote_prefill_failures"] == stats["remote_prefill_fallbacks"] == len(PROMPTS)
+            assert stats["remote_prefills"] == 0
             assert engine.stats()["pages_free"] == free
             # with the node down, the next request is prefilled here at once
             assert (await engine.generate(PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS)).token_ids \
@@ -167,7 +176,7 @@ async def test_two_nodes_one_engine_and_one_node_two_engines(engine_checkpoint, 
         stop_node(proc)
 
 
-async def test_handshake_runs_off_the_callers_event_loop(engine_checkpoint, colocated):
+async def test_handshake_runs_off_the_callers_event_loop(engine_checkpoint, colocated, caplog):
     # a "node" that accepts TCP connections and never answers: the handshake waits out its connect timeout
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -194,3 +203,8 @@ async def test_handshake_runs_off_the_callers_event_loop(engine_checkpoint, colo
             assert (await engine.generate(PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS)).token_ids \
                 == colocated[0]
             assert engine._admission.num_remote == 0
+            # the fallback says so: a log line with its reason, and the stats count it
+            assert engine.stats()["remote_prefill_fallbacks"] == 1
+            assert "m3sdk:remote_prefill_fallbacks_total 1.0" in engine.metrics_text()
+            lines = [r.getMessage() for r in caplog.records if "remote prefill fallback" in r.getMessage()]
+            assert len(lines) == 1 and "no healthy prefill node" in lines[0], lines

@@ -16,6 +16,7 @@ pytest.importorskip("ucxx")
 from disagg_helpers import (  # noqa: E402
     TOKEN,
     VOCAB,
+    PatternBackend,
     compat,
     expected_rows,
     first_token,
@@ -232,6 +233,21 @@ def test_malformed_oversized_and_unauthenticated_calls_are_refused_and_the_node_
     try:
         tokens = list(range(5, 25))
         client.submit("after", tokens, GREEDY, [1, 2], 0, 30).result(30)
+        assert_pages(pool, tokens, [1, 2], 0)
+    finally:
+        client.close()
+
+
+def test_a_second_node_on_a_port_in_use_is_refused_and_the_first_keeps_serving(node):
+    from m3sdk.node import PrefillNode
+
+    second = PrefillNode(PatternBackend("bf16", "plain"), node)
+    with pytest.raises(OSError, match="the port is in use"):
+        second.start()
+    client, pool = make_client(node)
+    try:
+        tokens = list(range(30, 50))
+        client.submit("still-first", tokens, GREEDY, [1, 2], 0, 30).result(30)
         assert_pages(pool, tokens, [1, 2], 0)
     finally:
         client.close()

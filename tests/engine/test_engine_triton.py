@@ -1,6 +1,8 @@
-"""attention_backend="triton" through the whole engine: its greedy tokens equal the torch backend's, and its
-top-5 logprobs agree to 1e-4, on the oracle checkpoint (kernels compiled on a GPU, under TRITON_INTERPRET=1 on a
-CPU; the torch backend's engine on the same device).
+"""attention_backend="triton" through the whole engine: its greedy tokens and top-5 candidates equal the torch
+backend's, and its top-5 logprobs agree to 1e-4 where the kernels' dots are fp32 (under TRITON_INTERPRET=1 on a
+CPU, every cache dtype; compiled on a GPU, an fp32 cache), on the oracle checkpoint, the torch backend's engine on
+the same device. Compiled with a bf16 or FP8 cache, the dots take bf16 operands (the tensor cores' inputs: q and
+the probabilities rounded to bf16): 1.7e-2 (bf16) and 9e-4 (FP8) measured on the H200, bound 2e-2.
 
 A mixed batch: with 32 tokens per step, the 12-token prompt decodes while the others still prefill in chunks;
 contexts of 30-51 tokens make MSA (top 3 blocks of 8) drop blocks, so the indexer's selection steers the sparse
@@ -19,7 +21,8 @@ PROMPTS = ([(7 * i + 3) % 253 + 3 for i in range(12)], [(5 * i + 1) % 253 + 3 fo
 MAX_TOKENS = 4
 
 
-@pytest.mark.parametrize(("kv_dtype", "layout"), [("bf16", "plain"), ("fp8", "shuffle")])
+@pytest.mark.parametrize(("kv_dtype", "layout"), [("bf16", "plain"), ("fp8", "shuffle"),
+                                                   pytest.param("fp32", "plain", marks=pytest.mark.gpu)])
 async def test_triton_engine_equals_torch_engine(engine_checkpoint, device, ieee_fp32, few_prefill_splits, kv_dtype,
                                                  layout):
     tokens, top, top_ids = {}, {}, {}
@@ -35,4 +38,5 @@ async def test_triton_engine_equals_torch_engine(engine_checkpoint, device, ieee
     assert all(len(t) == MAX_TOKENS for t in tokens["torch"])
     assert tokens["triton"] == tokens["torch"]
     assert top_ids["triton"] == top_ids["torch"]
-    torch.testing.assert_close(top["triton"], top["torch"], atol=1e-4, rtol=0)
+    fp32_dots = device.type == "cpu" or kv_dtype == "fp32"
+    torch.testing.assert_close(top["triton"], top["torch"], atol=1e-4 if fp32_dots else 2e-2, rtol=0)

@@ -5,9 +5,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from m3sdk import Engine
 
 
-def samples(text: bytes) -> dict[str, float]:
+def samples(text: str) -> dict[str, float]:
+    assert isinstance(text, str)
     out = {}
-    for family in text_string_to_metric_families(text.decode()):
+    for family in text_string_to_metric_families(text):
         for s in family.samples:
             key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
             out[key] = s.value

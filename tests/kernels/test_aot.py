@@ -27,3 +27,18 @@ def test_aot_compiles_every_variant_for_amd_without_spills():
             assert r["ok"] and r["spill_bytes"] == 0 and r["registers"] > 0, r
             if r["name"].startswith(("attention.", "indexer.scan")) and r["name"] != "attention.merge":
                 assert r["matrix_instructions"] > 0, r  # the dots became MFMA instructions
+
+
+def test_a_release_that_cannot_build_an_entry_gets_the_one_that_builds(monkeypatch):
+    """`arch.TRITON_LIMITS`: below the release that builds a table entry, `tiles` hands out the replacement (the MX
+    formats' entry only: bf16's and fp8's variants keep theirs); from that release on, the table's own."""
+    from m3sdk_kernels import arch
+
+    gfx942 = arch.ARCHS["gfx942"]
+    monkeypatch.setattr(arch, "triton_version", lambda: (3, 6))
+    assert arch.tiles("moe_small", gfx942)["DN_BLOCK_K"] == 128
+    assert arch.tiles("moe_prefill", gfx942)["BLOCK_M"] == 64
+    assert arch.tiles("moe_prefill", gfx942, "fp8")["BLOCK_M"] == arch.TILES["moe_prefill"]["gfx942"]["BLOCK_M"]
+    assert arch.triton_limit("moe_small", arch.ARCHS["sm90"]) is None
+    monkeypatch.setattr(arch, "triton_version", lambda: (3, 9))
+    assert arch.tiles("moe_small", gfx942)["DN_BLOCK_K"] == arch.TILES["moe_small"]["gfx942"]["DN_BLOCK_K"] == 64

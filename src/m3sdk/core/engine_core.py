@@ -19,12 +19,14 @@ from m3sdk.cache.manager import CacheManager
 from m3sdk.core.executor import Executor
 from m3sdk.core.hooks import Admission, Emit, FinishListener, OnDead, StepObserver
 from m3sdk.core.output import OutputProcessor
+from m3sdk.errors import InvalidRequestError
 from m3sdk.observability import get_logger
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, FinishReason, Request
 from m3sdk.runner import ModelRunner
 from m3sdk.sampler import SamplingState
 from m3sdk.scheduler import Scheduler, StepPlan
+from m3sdk.structured import GrammarCompiler
 from m3sdk.tokenizer import TextStream, Tokenizer
 
 if TYPE_CHECKING:
@@ -54,6 +56,8 @@ class EngineCore:
         self._observers = list(observers)
         self._finish_listeners: list[FinishListener] = []
         self._admission: Admission | None = None
+        self._grammars: GrammarCompiler | None = None  # structured outputs' compiler: `grammars()`
+        self._grammars_lock = threading.Lock()
         self._on_stop = list(on_stop)  # run in the engine thread when its loop ends, however it ends
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -70,13 +74,28 @@ class EngineCore:
         self._publish_stats()
         self.warm_up_seconds = 0.0  # what the warm-up took (the builder runs it on a GPU)
 
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of structured outputs for this engine's tokenizer (built on first use, in the caller's
+        thread; thread-safe)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.output.eos_token_ids)
+            return self._grammars
+
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_total_tokens: int,
                     priority: int = 0, index: int = 0) -> Request:
-        """A request (choice `index` of its prompt) with its seeded sampling state and incremental detokenizer
-        attached."""
+        """A request (choice `index` of its prompt) with its seeded sampling state, its structured output's matcher
+        (compiled here, in the caller's thread: InvalidRequestError if it does not compile) and incremental
+        detokenizer attached."""
+        grammar = None
+        if params.structured_output is not None:
+            if self._admission is not None:
+                raise InvalidRequestError("structured_output is not supported with prefill_nodes (a prefill node "
+                                          "samples the first token unconstrained)")
+            grammar = self.grammars().grammar(params.structured_output)
         request = Request(request_id, prompt_ids, params, max_total_tokens, priority, index=index)
         stops = () if params.ignore_eos else sorted(self.output.eos_token_ids)
-        request.sampling = SamplingState(params, prompt_ids,
+        request.sampling = SamplingState(params, prompt_ids, grammar=grammar,
                                          min_tokens_ids=tuple(dict.fromkeys([*stops, *params.stop_token_ids])))
         request.text = TextStream(self.tokenizer, params, prompt_ids)
         return request
@@ -328,4 +347,5 @@ class EngineCore:
             # steps replayed from CUDA graphs (0: every step ran eagerly, e.g. no GPU or graphs off)
             "graph_steps": self.runner.graphs.replays if self.runner.graphs is not None else 0,
             **self.executor.stats(),
+            **(self._admission.stats() if self._admission is not None else {}),
         }

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -28,6 +28,9 @@ from m3sdk.runner import PLACEHOLDER, Carry, ModelRunner
 from m3sdk.sampler import PendingSample, Sampler
 from m3sdk.scheduler.base import Scheduler, StepPlan
 from m3sdk.speculative.decoding import Launched, Speculation
+
+if TYPE_CHECKING:
+    import torch
 
 
 class InFlight(Protocol):
@@ -124,13 +127,7 @@ class Executor:
         rows = [s.request for s in plan.scheduled if s.samples]
         logits, prompt = self._forward(plan, prev.carry() if prev is not None else None, layer_hook)
         sample = self.sampler.launch(logits, [r.sampling for r in rows]) if rows else None
-        slots = None
-        if placeholders:
-            slots = []
-            for request in rows:
-                request.token_ids.append(PLACEHOLDER)
-                slots.append(request.num_tokens - 1)
-        return SampledStep(plan, rows, slots, sample, prompt)
+        return SampledStep(plan, rows, _placeholders(rows) if placeholders else None, sample, prompt)
 
     def _forward(self, plan: StepPlan, carry: Carry | None, layer_hook: LayerHook | None
                  ) -> tuple[torch.Tensor | None, PendingPromptLogprobs | None]:
@@ -143,6 +140,15 @@ class Executor:
         ends = list(itertools.accumulate(num_logits))
         sample_rows = [end - 1 for sc, end in zip(plan.scheduled, ends, strict=True) if sc.samples]
         return (logits[sample_rows] if sample_rows else None), prompt.launch(logits)
+
+
+def _placeholders(rows: list[Request]) -> list[int]:
+    """Each row's token-to-be as a PLACEHOLDER at the end of its token_ids: where it stands."""
+    slots = []
+    for request in rows:
+        request.token_ids.append(PLACEHOLDER)
+        slots.append(request.num_tokens - 1)
+    return slots
 
 
 def _lag_safe(request: Request) -> bool:
@@ -159,11 +165,14 @@ class OverlappedExecutor(Executor):
     (not for N+1), the core accepts them (detokenize, stop checks, finish), and only then `commit` runs
     `Scheduler.update` for N+1, so the pages it commits to the prefix cache hash real tokens. A request that
     finished at N was scheduled in N+1 too: that token is dropped (its pages are freed at once; N+1's late writes
-    into them come before any later step's on the same stream)."""
+    into them come before any later step's on the same stream). When N+1 samples a row with a structured output,
+    its sampling is launched in `commit`, after N's tokens were accepted (its bitmask needs them)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler):
         super().__init__(runner, scheduler, sampler)
         self._prev: SampledStep | None = None  # step N, launched before the step now being scheduled
+        # step N+1 whose forward is launched and whose sampling waits for N's tokens (structured outputs)
+        self._unsampled: tuple[SampledStep, torch.Tensor] | None = None
 
     @property
     def busy(self) -> bool:
@@ -177,13 +186,24 @@ class OverlappedExecutor(Executor):
         return []
 
     def launch(self, plan: StepPlan, layer_hook: LayerHook | None) -> None:
-        self.in_flight = self._sampled(plan, self._prev, layer_hook, placeholders=True)
+        rows = [sc.request for sc in plan.scheduled if sc.samples]
+        if self._prev is None or all(r.sampling.grammar is None for r in rows):
+            self.in_flight = self._sampled(plan, self._prev, layer_hook, placeholders=True)
+            return
+        # a row's grammar bitmask needs step N's token accepted on the host: the forward is queued now, its
+        # sampling in `commit`, after the core accepted N's tokens (the masks are filled while the forward runs)
+        logits, prompt = self._forward(plan, self._prev.carry(), layer_hook)
+        self._unsampled = SampledStep(plan, rows, _placeholders(rows), None, prompt), logits
 
     def collect(self) -> list[Emitted]:
         prev, self._prev = self._prev, None
         return prev.resolve() if prev is not None else []
 
     def commit(self) -> None:
+        if self._unsampled is not None:
+            (step, logits), self._unsampled = self._unsampled, None
+            step.sample = self.sampler.launch(logits, [r.sampling for r in step.rows]) if step.rows else None
+            self.in_flight = step
         if self.in_flight is not None:
             self.scheduler.update(self.in_flight.plan)
 

@@ -67,5 +67,8 @@ class Admission(Protocol):
     def handovers(self) -> list[Handover]:
         """Requests whose outside work ended, to run on here (and pages of dropped ones freed meanwhile)."""
 
+    def stats(self) -> dict[str, int | float]:
+        """Its counters, merged into the core's stats() (and so into the Prometheus metrics) after every step."""
+
     def close(self) -> None:
         """The loop ended."""

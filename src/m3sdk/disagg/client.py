@@ -52,6 +52,8 @@ class RemotePrefillResult:
     first_logprob: float
     top_logprobs: list[tuple[int, float]] | None  # when the request asked for top-n logprobs
     node: str
+    bytes: int  # KV and index-key bytes that landed in the pages
+    seconds: float  # from the call to the pages landed and the first token back (node compute and transfer overlap)
 
 
 @dataclass
@@ -204,7 +206,8 @@ class PrefillClient:
 
     async def _job(self, node: _Node, request_id: str, token_ids: list[int], params: SamplingParams,
                    pages: list[int], num_cached_pages: int, timeout_s: float) -> RemotePrefillResult:
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
         send_pages = pages[num_cached_pages:]
         # a plan of pieces where the transport receives in place and the pages form runs; staged otherwise
         pieces = self.transport.in_place and long_runs(send_pages) is not None
@@ -252,7 +255,8 @@ class PrefillClient:
                         plan.total_bytes, params.logprobs or 0)
             ok = True
             top = None if params.logprobs is None else [(t.token_id, t.logprob) for t in reply.top_logprobs]
-            return RemotePrefillResult(reply.first_token, reply.first_logprob, top, node.target)
+            return RemotePrefillResult(reply.first_token, reply.first_logprob, top, node.target, plan.total_bytes,
+                                       time.monotonic() - start)
         except grpc.aio.AioRpcError as e:
             raise PrefillNodeError(f"prefill node {node.target}: {e.code().name}: {e.details()}") from e
         except (TransportError, WireError) as e:

@@ -7,6 +7,10 @@ ends the core is woken, and `handovers` gives the request to the scheduler: with
 are valid from then on), to prefill here into the same pages (fallback "local"), or failed with PrefillNodeError
 (fallback "error"). A request dropped mid-transfer (aborted) has its job cancelled; its pages are freed in a later
 `handovers`, once the transfer can no longer write them. Nothing here waits for the loop.
+
+A long prompt that is prefilled here after all (a fallback: no healthy node, every job slot taken, the pages short,
+or the job failed) gets a log line with the reason. `stats()` counts remote prefills, fallbacks, failures, the
+bytes received and the time the remote prefills took.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ class RemotePrefill:
         self._jobs: dict[str, tuple[Request, Future[RemotePrefillResult]]] = {}
         self._done: queue.SimpleQueue[str] = queue.SimpleQueue()  # jobs that ended (any thread puts)
         self._cancelled: queue.SimpleQueue[Request] = queue.SimpleQueue()  # dropped, no longer written
-        self.num_remote = self.num_fallbacks = 0
+        self.num_remote = self.num_fallbacks = self.num_failures = 0
+        self.bytes_received = 0
+        self.remote_seconds = 0.0  # summed over remote prefills, call to first token back
         self.nodes_used: dict[str, int] = {}  # node -> remote prefills it served
 
     @classmethod
@@ -63,18 +69,19 @@ class RemotePrefill:
     # -- Admission -------------------------------------------------------------------------------------------
 
     def admit(self, request: Request) -> bool:
-        if len(self._jobs) >= self.max_jobs:
-            return False
         prefix = self.cache.match_prefix(request)
         cached = len(prefix) * PAGE_SIZE
         if request.num_prompt_tokens - cached < self.min_tokens:
             return False
+        if len(self._jobs) >= self.max_jobs:
+            return self._local(request, f"{self.max_jobs} remote prefills in flight already")
         # with every node down, prefill locally at once rather than fail each request on the way
         if not (self.client.has_healthy_node or self.fallback == "error"):
-            return False
+            states = "; ".join(f"{node}: {state}" for node, state in self.client.node_states().items())
+            return self._local(request, f"no healthy prefill node ({states})")
         # a remote prefill fills every page of the prompt at once
         if not self.cache.allocate(request, request.num_tokens - cached, prefix):
-            return False  # the pages are short now: the scheduler queues it
+            return self._local(request, "too few free KV pages for the whole prompt")  # the scheduler queues it
         request.num_computed_tokens = cached
         request.first_scheduled_time = time.monotonic()
         request.num_cached_tokens = min(cached, request.num_prompt_tokens)
@@ -84,6 +91,16 @@ class RemotePrefill:
         self._jobs[rid] = (request, future)
         future.add_done_callback(lambda _: (self._done.put(rid), self._wake()))
         return True
+
+    def _local(self, request: Request, reason: str) -> bool:
+        self.num_fallbacks += 1
+        log.warning("remote prefill fallback: prefilling locally", request_id=request.request_id, reason=reason)
+        return False
+
+    def stats(self) -> dict[str, int | float]:
+        return {"remote_prefills": self.num_remote, "remote_prefill_fallbacks": self.num_fallbacks,
+                "remote_prefill_failures": self.num_failures, "remote_prefill_bytes": self.bytes_received,
+                "remote_prefill_seconds": self.remote_seconds}
 
     def get(self, request_id: str) -> Request | None:
         job = self._jobs.get(request_id)
@@ -119,6 +136,8 @@ class RemotePrefill:
             if error is None:
                 result = future.result()
                 self.num_remote += 1
+                self.bytes_received += result.bytes
+                self.remote_seconds += result.seconds
                 self.nodes_used[result.node] = self.nodes_used.get(result.node, 0) + 1
                 # the pages hold the prompt: only now may the prefix cache share them
                 request.num_computed_tokens = request.num_prompt_tokens
@@ -126,11 +145,12 @@ class RemotePrefill:
                 out.append(Handover(request, SampledToken(result.first_token, result.first_logprob,
                                                           result.top_logprobs)))
                 continue
-            self.num_fallbacks += 1
-            log.warning("remote prefill failed", request_id=rid, error=str(error), fallback=self.fallback)
+            self.num_failures += 1
             if self.fallback == "local":  # prefilled here, into the same pages
+                self._local(request, f"the remote prefill failed: {error}")
                 out.append(Handover(request))
             else:
+                log.warning("remote prefill failed", request_id=rid, error=str(error))
                 out.append(Handover(request, error=PrefillNodeError(
                     f"remote prefill failed and prefill_fallback is 'error': {error}")))
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
+import socket
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -200,22 +202,45 @@ async def start_server(servicer: PrefillServicer, listen: str, token: str | None
                        tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int]:
     """Serve on `listen` ("HOST:PORT", port 0 picks one); `tls` is (PEM key, PEM certificate chain).
     Returns the started server and its port."""
-    host, _, port = listen.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"listen must be HOST:PORT, got {listen!r}")
+    host, port = check_listen(listen)
     limit = servicer.limits.max_call_bytes
+    # so_reuseport off: a port in use fails to bind (by default gRPC would add a second listener on it)
     server = grpc.aio.server(
         interceptors=[_TokenCheck(token)] if token else None,
-        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", 1 << 20)])
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", 1 << 20),
+                 ("grpc.so_reuseport", 0)])
     pb_grpc.add_PrefillNodeServicer_to_server(servicer, server)
-    if tls is not None:
-        bound = server.add_secure_port(listen, grpc.ssl_server_credentials([tls]))
-    else:
-        if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
-            log.warning("prefill node listens beyond loopback without TLS", listen=listen)
-        bound = server.add_insecure_port(listen)
+    try:
+        if tls is not None:
+            bound = server.add_secure_port(listen, grpc.ssl_server_credentials([tls]))
+        else:
+            if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
+                log.warning("prefill node listens beyond loopback without TLS", listen=listen)
+            bound = server.add_insecure_port(listen)
+    except RuntimeError as e:  # grpc's "Failed to bind": in use since check_listen, or not an address here
+        raise OSError(f"cannot listen on {listen}: {e}") from e
+    if port and bound != port:
+        raise OSError(f"cannot listen on {listen}: bound port {bound} instead")
     await server.start()
     return server, bound
+
+
+def check_listen(listen: str) -> tuple[str, int]:
+    """HOST:PORT -> (host, port), refusing a port something already listens on. Checked with a socket of our own
+    before gRPC binds, whose failure would log lines of its C core first."""
+    host, _, port_text = listen.rpartition(":")
+    if not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"listen must be HOST:PORT, got {listen!r}")
+    port = int(port_text)
+    if port:
+        bare = host.strip("[]")
+        try:
+            socket.create_server((bare, port), family=socket.AF_INET6 if ":" in bare else socket.AF_INET).close()
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise OSError(f"cannot listen on {listen}: the port is in use") from None
+            # anything else (a host that is not an address of this machine): gRPC's bind reports it
+    return host, port
 
 
 async def stop_server(server: grpc.aio.Server, grace: float) -> None:

@@ -37,6 +37,7 @@ from m3sdk.sampler import SampledToken, Sampler
 from m3sdk.scheduler.base import Scheduled, StepPlan
 from m3sdk.speculative.base import DraftRequest, Proposal, SpeculativeDecoder, TargetStates
 from m3sdk.speculative.verify import VerifyRow, verify, verify_greedy
+from m3sdk.structured import apply_bitmask, fill_draft_masks, new_bitmask
 
 if TYPE_CHECKING:
     from m3sdk.cache.manager import CacheManager
@@ -185,6 +186,8 @@ class Speculation:
                 # the scheduled drafts (the token budget may cut some) and, if sampled, their distributions
                 q = None if proposal.probs is None else proposal.probs[: n - 1]
                 verify_rows.append(VerifyRow(request.sampling, proposal.tokens[: n - 1], q))
+            if any(r.sampling.grammar is not None for r, _ in verify_reqs):
+                rows = _grammar_masked(rows, verify_reqs, verify_rows)
             results = verify_greedy(argmax, verify_rows) if greedy else verify(rows, verify_rows)
             for (r, _), vr, toks in zip(verify_reqs, verify_rows, results, strict=True):
                 emitted[r.request_id] = toks
@@ -277,7 +280,24 @@ class Speculation:
 
 
 def _greedy(requests: Iterable[Request]) -> bool:
-    """Whether each request's verdict is the argmax of the raw logits alone (greedy, no penalties, no logprobs, no
-    logit_bias or min_tokens mask)."""
+    """Whether each request's verdict is the argmax of the raw logits alone (greedy, no penalties, no logprobs,
+    no structured output, no logit_bias or min_tokens mask)."""
     return all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
-               and not r.sampling.adjusts_logits for r in requests)
+               and r.sampling.grammar is None and not r.sampling.adjusts_logits for r in requests)
+
+
+def _grammar_masked(logits: torch.Tensor, requests: list[tuple[Request, int]], rows: list[VerifyRow]) -> torch.Tensor:
+    """A float32 copy of the verify logits with each constrained request's per-position bitmask applied: at its
+    last token and after each draft (the matcher walks the drafts and rolls back), so the verifier never accepts
+    a draft the grammar forbids, nor draws a token it forbids."""
+    x = logits.to(torch.float32, copy=True)
+    bitmask = new_bitmask(x.shape[0], x.shape[1], x.device)
+    masked, start = [], 0
+    for (request, _), row in zip(requests, rows, strict=True):
+        n = len(row.drafts) + 1
+        if request.sampling.grammar is not None:
+            fill_draft_masks(bitmask, start, request.sampling.grammar, row.drafts)
+            masked += range(start, start + n)
+        start += n
+    apply_bitmask(x, bitmask, masked)
+    return x

@@ -52,7 +52,7 @@ def _position_states(row: VerifyRow) -> list[SamplingState]:
     if not s.params.has_penalties and not s.masks_stops:
         return [s] * (len(row.drafts) + 1)
     out = list(s.output_token_ids)
-    return [s] + [SamplingState(s.params, s.prompt_token_ids, out + row.drafts[:i], s.min_tokens_ids)
+    return [s] + [SamplingState(s.params, s.prompt_token_ids, out + row.drafts[:i], min_tokens_ids=s.min_tokens_ids)
                   for i in range(1, len(row.drafts) + 1)]
 
 
