@@ -73,6 +73,13 @@ async def test_n_choices_survive_preemption_and_abort_together():
         small = await e.generate(PROMPT, n=4, temperature=0.9, seed=5, max_tokens=60, ignore_eos=True)
         assert e.stats()["preemptions"] > 0
         assert [c.token_ids for c in small.outputs] == [c.token_ids for c in big.outputs]
+        # leaving a stream of choices early aborts the rest
+        async for _ in e.stream(PROMPT, n=3, max_tokens=60, ignore_eos=True, request_id="left"):
+            break
+        # a structured output keeps its eos under min_tokens: it ends where its grammar completes
+        both = await e.generate(PROMPT, n=2, temperature=1.0, seed=2, max_tokens=12, min_tokens=10,
+                                structured_output={"choice": ["yes", "no"]})
+        assert all(c.text in ("yes", "no") and c.finish_reason == "stop" for c in both.outputs)
         # aborting the request aborts every choice, the held ones too
         task = asyncio.ensure_future(e.generate(PROMPT, n=3, max_tokens=60, ignore_eos=True, request_id="gone"))
         await asyncio.sleep(0.05)
@@ -160,10 +167,10 @@ def plain_prompt_logprobs(ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
 
 
-@pytest.mark.parametrize("speculative", [None, "ngram"])
-async def test_prompt_logprobs_are_a_plain_forwards_and_skip_the_prefix_cache(speculative):
+@pytest.mark.parametrize("mode", [{}, dict(speculative="ngram"), dict(overlap_scheduling=True)])
+async def test_prompt_logprobs_are_a_plain_forwards_and_skip_the_prefix_cache(mode):
     # chunks of 16 tokens: the prompt is prefilled over several steps
-    async with engine(max_num_batched_tokens=16, speculative=speculative) as e:
+    async with engine(max_num_batched_tokens=16, **mode) as e:
         ids = e.tokenizer.encode(PROMPT)
         warm = await e.generate(PROMPT, temperature=0, max_tokens=4)  # its pages now sit in the prefix cache
         got = await e.generate(PROMPT, temperature=0, max_tokens=4, prompt_logprobs=3)

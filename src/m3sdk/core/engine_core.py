@@ -94,7 +94,8 @@ class EngineCore:
                                           "samples the first token unconstrained)")
             grammar = self.grammars().grammar(params.structured_output)
         request = Request(request_id, prompt_ids, params, max_total_tokens, priority, index=index)
-        stops = () if params.ignore_eos else sorted(self.output.eos_token_ids)
+        # eos is never masked for a structured output: its grammar decides where it may end
+        stops = () if params.ignore_eos or grammar is not None else sorted(self.output.eos_token_ids)
         request.sampling = SamplingState(params, prompt_ids, grammar=grammar,
                                          min_tokens_ids=tuple(dict.fromkeys([*stops, *params.stop_token_ids])))
         request.text = TextStream(self.tokenizer, params, prompt_ids)

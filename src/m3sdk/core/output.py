@@ -33,16 +33,17 @@ class OutputProcessor:
 
     def finish_reason(self, request: Request, token_id: int, end: int) -> tuple[FinishReason, StopReason] | None:
         """Whether this token, ending at position `end` of the request's tokens, ends the request by itself, and
-        why: ("stop", None) for eos (unless ignored; a structured output never ignores it), ("stop", the id) for a
-        stop token (neither is text), once min_tokens are generated; ("length", None) at max_tokens or the context
-        limit. A stop string is the detokenizer's to find (`matches_stops`)."""
+        why: ("stop", None) for eos (unless ignored) and ("stop", the id) for a stop token (neither is text), once
+        min_tokens are generated; ("length", None) at max_tokens or the context limit. A structured output allows
+        eos only where its match is complete: eos ends it, ignore_eos and min_tokens or not. A stop string is the
+        detokenizer's to find (`matches_stops`)."""
         params = request.params
-        if self.matches_stops(request, end):
-            # a structured output allows eos only where its match is complete: eos ends it, ignore_eos or not
-            if token_id in self.eos_token_ids and (not params.ignore_eos or params.structured_output is not None):
-                return "stop", None
-            if token_id in params.stop_token_ids:
-                return "stop", token_id
+        structured = params.structured_output is not None
+        stops = self.matches_stops(request, end)
+        if token_id in self.eos_token_ids and (structured or (stops and not params.ignore_eos)):
+            return "stop", None
+        if stops and token_id in params.stop_token_ids:
+            return "stop", token_id
         if end >= request.max_total_tokens:
             return "length", None
         return None
