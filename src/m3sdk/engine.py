@@ -4,7 +4,8 @@ own thread; the caller's event loop only validates and moves requests in, and de
 Requests go in through the core's thread-safe inbox. Deltas come back once per step, scheduled onto the event loop
 from the engine thread without waiting for it (`_LoopHandle`), into one memory stream per request. Leaving a
 stream early, cancelling the awaiting task, or `abort()` ends the request in the core and frees its pages. If the
-engine thread dies, every waiter gets EngineDeadError at once.
+engine thread dies, every waiter gets EngineDeadError at once. (Over 450 lines: generate, stream, chat and abort
+share the loop-side state here, the channels and orphans, which has one owner.)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from m3sdk.core import EngineCore, build_core
 from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from m3sdk.metrics import EngineMetrics
 from m3sdk.params import SamplingParams, check_text, short_repr
-from m3sdk.request import Choice, Chunk, Completion, Request, Timings, Usage
+from m3sdk.request import Chunk, Completion, Request
 from m3sdk.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
@@ -165,7 +166,7 @@ class Engine:
                                         **param_overrides)) as stream:
             async for chunk in stream:
                 chunks.setdefault(chunk.index, []).append(chunk)
-        return _completion([chunks[i] for i in sorted(chunks)])
+        return Completion.of_chunks([chunks[i] for i in sorted(chunks)])
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, /, *, request_id: str | None = None,
                priority: int = 0, **param_overrides: Any) -> AsyncIterator[Chunk]:
@@ -454,25 +455,3 @@ def _drain(channel: _Channel) -> list[Chunk | object]:
 def _last_indices(items: list[Chunk | object]) -> set[int]:
     """The choices whose last chunk is among these."""
     return {item.index for item in items if item is not _DEAD and item.finish_reason is not None}
-
-
-def _completion(choices: list[list[Chunk]]) -> Completion:
-    """A Completion from each choice's chunks (index order)."""
-    outputs, usages, timings = [], [], []
-    for chunks in choices:
-        last = chunks[-1]
-        logprobs = [t for c in chunks for t in c.logprobs or ()] if last.logprobs is not None else None
-        outputs.append(Choice(last.index, "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
-                              last.finish_reason, last.stop_reason, logprobs))
-        usages.append(last.usage)
-        timings.append(last.timings)
-    prompt_logprobs = next((c.prompt_logprobs for c in choices[0] if c.prompt_logprobs is not None), None)
-    first = outputs[0]
-    usage = Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages), usages[0].cached_prompt_tokens)
-    ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
-    tpots = [t.mean_tpot_s for t in timings if t.mean_tpot_s is not None]
-    timing = timings[0] if len(timings) == 1 else Timings(
-        min(t.queue_s for t in timings), min(ttfts) if ttfts else None, sum(tpots) / len(tpots) if tpots else None,
-        max(t.e2e_s for t in timings))
-    return Completion(choices[0][-1].request_id, first.text, first.token_ids, first.finish_reason, usage, timing,
-                      first.logprobs, first.stop_reason, prompt_logprobs, tuple(outputs))

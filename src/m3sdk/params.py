@@ -52,7 +52,8 @@ class SamplingParams:
     Frozen so that a validated object stays valid: derive variants with `replace(**overrides)`.
     `temperature == 0` means greedy (penalties still apply, the other filters are moot). Values that float32
     sampling cannot represent are refused: temperature 0 or in [1e-3, 1e3], top_p >= 1e-6, repetition_penalty in
-    [0.01, 100], seed in [0, 2**64).
+    [0.01, 100], seed in [0, 2**64). n is in [1, 128], min_tokens in [0, max_tokens], logit_bias values in
+    [-100, 100] (its ids are checked against the vocabulary by the engine), prompt_logprobs in [0, 20].
     """
 
     max_tokens: int = 256

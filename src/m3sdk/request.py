@@ -205,3 +205,27 @@ class Completion:
     stop_reason: StopReason = None
     prompt_logprobs: list[SampledToken | None] | None = None
     outputs: tuple[Choice, ...] = ()
+
+    @classmethod
+    def of_chunks(cls, choices: list[list[Chunk]]) -> Completion:
+        """The Completion of a request's streamed chunks, grouped by choice (index order)."""
+        outputs, usages, timings = [], [], []
+        for chunks in choices:
+            last = chunks[-1]
+            logprobs = [t for c in chunks for t in c.logprobs or ()] if last.logprobs is not None else None
+            outputs.append(Choice(last.index, "".join(c.text for c in chunks),
+                                  [t for c in chunks for t in c.token_ids], last.finish_reason, last.stop_reason,
+                                  logprobs))
+            usages.append(last.usage)
+            timings.append(last.timings)
+        prompt_logprobs = next((c.prompt_logprobs for c in choices[0] if c.prompt_logprobs is not None), None)
+        first = outputs[0]
+        usage = Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
+                      usages[0].cached_prompt_tokens)
+        ttfts = [t.ttft_s for t in timings if t.ttft_s is not None]
+        tpots = [t.mean_tpot_s for t in timings if t.mean_tpot_s is not None]
+        timing = timings[0] if len(timings) == 1 else Timings(
+            min(t.queue_s for t in timings), min(ttfts) if ttfts else None,
+            sum(tpots) / len(tpots) if tpots else None, max(t.e2e_s for t in timings))
+        return cls(choices[0][-1].request_id, first.text, first.token_ids, first.finish_reason, usage, timing,
+                   first.logprobs, first.stop_reason, prompt_logprobs, tuple(outputs))
