@@ -54,6 +54,8 @@ class SamplingParams:
     sampling cannot represent are refused: temperature 0 or in [1e-3, 1e3], top_p >= 1e-6, repetition_penalty in
     [0.01, 100], seed in [0, 2**64). n is in [1, 128], min_tokens in [0, max_tokens], logit_bias values in
     [-100, 100] (its ids are checked against the vocabulary by the engine), prompt_logprobs in [0, 20].
+    `timeout`: seconds from submission after which the request ends with finish_reason "timeout" and its pages
+    return (None: no deadline).
     """
 
     max_tokens: int = 256
@@ -77,6 +79,7 @@ class SamplingParams:
     # per prompt token (but the first): its logprob given its prefix and the top-n alternatives (computed at prefill,
     # which then does not read those positions from the prefix cache)
     prompt_logprobs: int | None = None
+    timeout: float | None = None  # seconds from submission; past it the request ends with "timeout"
     # the output must match this (a StructuredOutput, or {"json": schema} / {"regex": ...} / {"choice": [...]} /
     # {"grammar": EBNF}); the engine compiles it before queueing
     structured_output: StructuredOutput | Mapping[str, Any] | None = None
@@ -136,6 +139,10 @@ class SamplingParams:
             if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
                                           f"got {self.prompt_logprobs}")
+        if self.timeout is not None:
+            set_(self, "timeout", _float("timeout", self.timeout))
+            if self.timeout <= 0:
+                raise InvalidRequestError(f"timeout must be a positive number of seconds, got {self.timeout}")
         if self.structured_output is not None:
             set_(self, "structured_output", StructuredOutput.of(self.structured_output))
 

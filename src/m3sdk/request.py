@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from m3sdk.sampler import SampledToken, SamplingState
     from m3sdk.tokenizer import TextStream
 
-FinishReason = Literal["stop", "length", "abort"]
+# "timeout": SamplingParams.timeout passed before the request ended
+FinishReason = Literal["stop", "length", "abort", "timeout"]
 # What ended a "stop": the stop string matched or the stop token id sampled (None for eos, a length or an abort).
 StopReason = int | str | None
 
