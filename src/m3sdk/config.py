@@ -19,7 +19,8 @@ from typing import Any
 
 from m3sdk.speculative.registry import DRAFTERS
 
-BUNDLED_MODELS = {"m3-tiny": Path(__file__).parent / "assets" / "m3-tiny"}
+# minimax-m3: the real architecture's config.json alone (no weights): for load_format="dummy" and memory planning
+BUNDLED_MODELS = {name: Path(__file__).parent / "assets" / name for name in ("m3-tiny", "minimax-m3")}
 
 QUANTIZATIONS = ("none", "fp8", "mxfp4")  # m3sdk/model/quantize.py
 LOAD_FORMATS = ("auto", "dummy")  # dummy: m3sdk/model/dummy.py

@@ -32,6 +32,7 @@ from m3sdk.model.config import ModelConfig
 from m3sdk.model.dummy import materialize
 from m3sdk.model.layers import SparseMoE, all_reduce, moe_experts, route
 from m3sdk.model.loader import check_tensors, detect_layout, expected_tensors, read_headers, tensor_files
+from m3sdk.model.memory import check_split
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 
 _CHUNK_BYTES = 64 << 20
@@ -63,19 +64,7 @@ class Shard:
 
 def check_divisible(config: ModelConfig, shard: Shard) -> None:
     """Every sharded count must split evenly over the ranks; say all that do not, at once."""
-    c, n = config, shard.world
-    counts = {"num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads}
-    if c.dense_layers:
-        counts["dense_intermediate_size"] = c.dense_intermediate_size
-    if c.moe_layers:
-        counts["shared_intermediate_size"] = c.shared_intermediate_size
-        if shard.expert_parallel:
-            counts["num_local_experts"] = c.num_experts
-        else:
-            counts["intermediate_size (per expert)"] = c.moe_intermediate_size
-    bad = [f"{k}={v}" for k, v in counts.items() if v % n]
-    if bad:
-        raise ValueError(f"tensor_parallel_size {n} must divide {', '.join(bad)}")
+    check_split(config, shard.world, shard.expert_parallel)
 
 
 def local_config(config: ModelConfig, shard: Shard) -> ModelConfig:
