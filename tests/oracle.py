@@ -9,7 +9,8 @@ Every weight is random, norm weights and router bias included (transformers init
 which would hide a wrong norm), and the MLP input weights are large enough that the SwiGLU-OAI clamp engages.
 layout="hf" is transformers' own `save_pretrained` (one model.safetensors). layout="minimax" re-lays the same
 weights under the published names (language_model.model..., experts.E.w1/w3/w2, block_sparse_moe, index_q_proj,
-nested text_config with sparse_attention_config) in 3 shards with an index file, plus a vision tensor (to skip)
+nested text_config with sparse_attention_config) in 3 shards with an index file, plus a stray vision tensor
+(no vision_config: the text loader skips it and no vision encoder is built)
 and an mtp tensor (to keep aside). Both hold identical numbers.
 """
 
@@ -153,7 +154,7 @@ def _published_config(c) -> dict:
         "model_type": "minimax_m3", "torch_dtype": "float32",
     }
     return {"architectures": ["MiniMaxM3SparseForConditionalGeneration"], "model_type": "minimax_m3_vl",
-            "text_config": text, "vision_config": {"hidden_size": 8}}
+            "text_config": text}
 
 
 class PagedSequences:
@@ -247,3 +248,19 @@ def oracle_vl_model(seed: int = 0):
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.05)
     return model
+
+
+def make_vl_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """oracle_vl_model saved as transformers saves it (the published MiniMax names), with the byte tokenizer."""
+    directory = Path(directory)
+    oracle_vl_model(seed).save_pretrained(directory)
+    write_byte_tokenizer(directory)
+    return directory
+
+
+def load_vl_oracle(path: Path):
+    """transformers' MiniMaxM3SparseForConditionalGeneration of a make_vl_checkpoint folder (float32, eager)."""
+    from transformers.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
+
+    return MiniMaxM3SparseForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                   attn_implementation="eager").eval()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    from m3sdk.images import PromptImage
     from m3sdk.params import SamplingParams
     from m3sdk.sampler import SampledToken, SamplingState
     from m3sdk.tokenizer import TextStream
@@ -59,6 +60,8 @@ class Request:
     sampling: SamplingState | None = None
     text: TextStream | None = None
     logprobs: list[SampledToken] = field(default_factory=list)
+    # The prompt's images, in prompt order, each over its run of image tokens (m3sdk.images)
+    images: tuple[PromptImage, ...] = ()
     _seq: int = field(default_factory=lambda: next(_arrival_seq))
 
     def __post_init__(self) -> None:

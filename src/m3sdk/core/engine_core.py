@@ -31,6 +31,7 @@ from m3sdk.tokenizer import TextStream, Tokenizer
 
 if TYPE_CHECKING:
     from m3sdk.core.resolved import ResolvedConfig
+    from m3sdk.images import PromptImage
     from m3sdk.parallel import TensorParallel
 
 log = get_logger("m3sdk.core")
@@ -51,6 +52,7 @@ class EngineCore:
         self.tensor_parallel = tensor_parallel  # the worker ranks, when tensor parallel
         self.max_model_len = config.max_model_len
         self.vocab_size = runner.model.config.vocab_size
+        self.images = runner.images  # image prompts (m3sdk.images), or None: this engine takes text only
         self.output = OutputProcessor(frozenset(tokenizer.eos_token_ids) | frozenset(runner.model.config.eos_token_ids),
                                       self._release)
         self._observers = list(observers)
@@ -80,7 +82,7 @@ class EngineCore:
             return self._grammars
 
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_total_tokens: int,
-                    priority: int = 0) -> Request:
+                    priority: int = 0, images: tuple[PromptImage, ...] = ()) -> Request:
         """A request with its seeded sampling state, its structured output's matcher (compiled here, in the
         caller's thread: InvalidRequestError if it does not compile) and incremental detokenizer attached."""
         grammar = None
@@ -89,7 +91,11 @@ class EngineCore:
                 raise InvalidRequestError("structured_output is not supported with prefill_nodes (a prefill node "
                                           "samples the first token unconstrained)")
             grammar = self.grammars().grammar(params.structured_output)
-        request = Request(request_id, prompt_ids, params, max_total_tokens, priority)
+        if images and self._admission is not None:
+            raise InvalidRequestError("images are not supported with prefill_nodes yet")
+        if images and self.config.engine.speculative is not None:
+            raise InvalidRequestError("images are not supported with speculative decoding yet")
+        request = Request(request_id, prompt_ids, params, max_total_tokens, priority, images=images)
         request.sampling = SamplingState(params, prompt_ids, grammar=grammar)
         request.text = TextStream(self.tokenizer, params, prompt_ids)
         return request
