@@ -121,6 +121,8 @@ async def test_prefix_cache_keys_pages_by_image(vl_checkpoint, vl_oracle):
                                  temperature=0, ignore_eos=True)
         other = await e.generate({"prompt_token_ids": prompt, "images": [C]}, max_tokens=MAX_TOKENS,
                                  temperature=0, ignore_eos=True)
+        # the second request recomputed image tokens past the cached pages from the encoder-output cache
+        assert e._running_core().images.num_encoded == 2
     assert first.token_ids == again.token_ids
     assert again.usage.cached_prompt_tokens == 32  # both full pages, the image's included
     assert other.usage.cached_prompt_tokens == 16  # the text page only: the image page differs by content
@@ -151,3 +153,21 @@ async def test_text_only_engine_refuses_images(vl_checkpoint):
         with pytest.raises(InvalidRequestError, match="takes no images"):
             await e.generate({"prompt_token_ids": ONE, "images": [A]}, max_tokens=2)
         assert len(await greedy(e, [5, 6, 7])) == MAX_TOKENS
+
+
+async def test_images_with_speculation_are_refused(vl_checkpoint):
+    async with engine(vl_checkpoint, speculative="ngram") as e:
+        with pytest.raises(InvalidRequestError, match="speculative decoding"):
+            await e.generate({"prompt_token_ids": ONE, "images": [A]}, max_tokens=2)
+
+
+async def test_preemption_recomputes_image_tokens(vl_checkpoint):
+    """Six image prompts in a cache of 8 pages: requests are preempted and their images' tokens recomputed."""
+    prompts = [{"prompt_token_ids": [3 + i] + ONE, "images": [A if i % 2 else C]} for i in range(6)]
+    async with engine(vl_checkpoint, enable_prefix_caching=False) as e:
+        reference = [await greedy(e, p) for p in prompts]
+    page_bytes = 4 * 2 * 2 * 16 * 16 * 4 + 2 * 16 * 16 * 4
+    async with engine(vl_checkpoint, kv_cache_memory=8 * page_bytes, enable_prefix_caching=False) as e:
+        outs = await asyncio.gather(*[greedy(e, p) for p in prompts])
+        assert e.stats()["preemptions"] > 0
+    assert list(outs) == reference
