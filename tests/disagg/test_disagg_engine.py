@@ -10,6 +10,7 @@ import socket
 import time
 
 import pytest
+import structlog
 
 pytest.importorskip("ucxx")
 
@@ -176,7 +177,7 @@ async def test_two_nodes_one_engine_and_one_node_two_engines(engine_checkpoint, 
         stop_node(proc)
 
 
-async def test_handshake_runs_off_the_callers_event_loop(engine_checkpoint, colocated, caplog):
+async def test_handshake_runs_off_the_callers_event_loop(engine_checkpoint, colocated):
     # a "node" that accepts TCP connections and never answers: the handshake waits out its connect timeout
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -199,12 +200,13 @@ async def test_handshake_runs_off_the_callers_event_loop(engine_checkpoint, colo
             await ticker
             assert started > 4.0  # the handshake did wait (connect timeout 5 s)...
             assert max(gaps) < 1.0  # ...without blocking this loop
-            # the node is unreachable: prompts are prefilled here at once
-            assert (await engine.generate(PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS)).token_ids \
-                == colocated[0]
+            # the node is unreachable: prompts are prefilled here at once, and the fallback says so: a log line with
+            # its reason, and the stats count it
+            with structlog.testing.capture_logs() as logs:
+                assert (await engine.generate(PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS)).token_ids \
+                    == colocated[0]
             assert engine._admission.num_remote == 0
-            # the fallback says so: a log line with its reason, and the stats count it
             assert engine.stats()["remote_prefill_fallbacks"] == 1
             assert "m3sdk:remote_prefill_fallbacks_total 1.0" in engine.metrics_text()
-            lines = [r.getMessage() for r in caplog.records if "remote prefill fallback" in r.getMessage()]
-            assert len(lines) == 1 and "no healthy prefill node" in lines[0], lines
+            fallbacks = [e for e in logs if e["event"].startswith("remote prefill fallback")]
+            assert len(fallbacks) == 1 and fallbacks[0]["reason"].startswith("no healthy prefill node"), logs

@@ -53,6 +53,9 @@ class FailingNode:
         out, self.failed = [Handover(self.held.pop(r.request_id)) for r in self.failed], []
         return out
 
+    def stats(self):
+        return {"held": len(self.held)}
+
     def close(self) -> None:
         self.closed = True
 
@@ -92,6 +95,7 @@ def test_requests_held_by_an_admission_wait_for_its_outcome(engine_checkpoint):
         steps = schedules
         time.sleep(0.3)
         assert node.taken and node.taken[0].request_id == "a"
+        assert core.stats()["held"] == 1  # the admission's own stats are the core's
         assert schedules - steps < 3, f"the loop spins while nothing can run ({schedules - steps} steps in 0.3 s)"
         node.fail()
         assert done.wait(30)
