@@ -177,3 +177,14 @@ def test_digest_follows_content():
     a, b = _random_image(56, 56, 0), _random_image(56, 56, 1)
     assert proc.process_array(a).digest == proc.process_array(a.clone()).digest
     assert proc.process_array(a).digest != proc.process_array(b).digest
+
+
+@pytest.mark.parametrize("layout", ["hf", "minimax"])
+def test_text_model_of_a_vl_checkpoint_loads(vl_checkpoints, layout):
+    """The text loader skips the vision tensors of either layout and reads the same text weights."""
+    from m3sdk.model.loader import load_model
+
+    model, paths = vl_checkpoints
+    ours = load_model(paths[layout], dtype=torch.float32)
+    torch.testing.assert_close(ours.embed_tokens.weight, model.model.language_model.embed_tokens.weight)
+    torch.testing.assert_close(ours.lm_head.weight, model.lm_head.weight)
