@@ -26,8 +26,8 @@ def _read_sum_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
 
 def read_rates(device: str = "cuda") -> dict[str, float]:
     """TB/s of two reductions of a 4 GiB bf16 tensor: torch's sum, and a plain Triton streaming sum (8 warps,
-    8192-element tiles, 8 per program). On the H200 torch's reads 4.22-4.28 TB/s and the Triton one 4.55-4.61 (session
-    17), the "about 4.6 TB/s" issue 5 names; read-bound floors use the faster ("read")."""
+    8192-element tiles, 8 per program). On the H200 torch's reads 4.22-4.28 TB/s and the Triton one 4.55-4.61;
+    read-bound floors use the faster ("read")."""
     x = torch.randn(2 << 30, dtype=torch.bfloat16, device=device)
     block, iters = 8192, 8
     partial = torch.empty(x.numel() // (block * iters), dtype=torch.float32, device=device)

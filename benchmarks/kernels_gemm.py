@@ -48,14 +48,14 @@ ARMS = ("ours", "sep", "gemm", "norm", "norm0", "normq", "swiglu", "torch", "bf1
 # decode configs set every key they vary: swap-AB (64 weight rows x 16 tokens, fp8 wgmma), launched as programmatic
 # dependents (PDL: the quantization and the GEMM start while the kernel before them finishes; the GEMM prefetches
 # PREFETCH weight tiles into L2 before griddepcontrol.wait and lets the next kernel launch once its weight stream is
-# done), the weight tiles by TMA (session 14 window 2). qkv+index (154 column blocks): split-K up to 264 programs (so
-# none), 4 stages; o_proj / dense down (96 column blocks, `:narrow`): no split, 6 stages (window 4), against 5 / 7 / 8
-# stages and window 3's default (split in 2, 4 stages). Window 4 also timed, split in 2: the last split waiting for
+# done), the weight tiles by TMA. qkv+index (154 column blocks): split-K up to 264 programs (so
+# none), 4 stages; o_proj / dense down (96 column blocks, `:narrow`): no split, 6 stages, against 5 / 7 / 8
+# stages and the earlier default (split in 2, 4 stages). Also timed, split in 2: the last split waiting for
 # the others and summing without publishing its own (o_proj 15.7 / 16.2 / 16.8 us at M = 1 / 4 / 16), no STAGGER,
-# 8 warps, 2 tiles prefetched, cp.async: all 15.6-17.4 us; window 3: 8 warps at 3 / 4 stages, 5 stages, no prefetch,
+# 8 warps, 2 tiles prefetched, cp.async: all 15.6-17.4 us; 8 warps at 3 / 4 stages, 5 stages, no prefetch,
 # K tiles of 128 x 8 stages.
-# Lost before (docs/perf.md): stream-K (session 14 window 1: equal ranges of (column block, K tile) units per
-# program, 1-3 per SM: 0.5-3.5 us slower on every shape); in window 2 the quantization inside the GEMM (every
+# Lost before (docs/perf.md): stream-K (equal ranges of (column block, K tile) units per
+# program, 1-3 per SM: 0.5-3.5 us slower on every shape); the quantization inside the GEMM (every
 # program computing the rows' scales: +1.3 us at M = 1, +9 us at M = 16), the activation by TMA too, 128-row tiles
 # (the GEMM alone 0.2-0.9 us faster at M = 1, 1-2.5 us slower with the quantization launch in front); before: 330 /
 # 396 programs, prefetch 4 / 8, unsplit 16-column tiles (mma.sync), the quantization inside the GEMM's launch.

@@ -69,7 +69,7 @@ PREFILL_SWEEP = [dict(_P),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, GU_BLOCK_N=128),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=1, DN_BLOCK_N=256),
                  dict(_P, FUSED_GU=1, H_ROW=1, GU_BLOCK_K=128, DN_BLOCK_K=128, MX_CONVERT=2)]
-# `--bf16-prefill-sweep`: moe_prefill:bf16 (8K tokens, bf16 experts): the kept tiles first (session 13 window 1:
+# `--bf16-prefill-sweep`: moe_prefill:bf16 (8K tokens, bf16 experts): the kept tiles first (
 # gate|up as one 256-wide interleaved MMA, 256-wide down tiles; before: two 64-wide gate / up MMAs, 128-wide down),
 # then 4 stages, 64-row blocks (less padding per expert: ~317 pairs each at 8K tokens), K tiles of 128 at 2 stages
 _B = dict(FUSED_GU=1, GU_BLOCK_N=128, GU_BLOCK_K=64, DN_BLOCK_N=256, DN_BLOCK_K=64, BLOCK_M=128, num_warps=8,

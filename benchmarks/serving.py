@@ -424,7 +424,7 @@ class StepPhases:
 
 async def _engine_runs(args, tp: int) -> None:
     from m3sdk import Engine, SamplingParams
-    from m3sdk.bench import compute_metrics, random_requests, run_load
+    from m3sdk.bench import EngineTarget, compute_metrics, random_requests, run_load
 
     config = dict(model=str(args.slice), kv_cache_dtype="fp8", max_model_len=args.input_len + args.output_len + 16,
                   max_num_seqs=max(args.concurrency), kv_cache_memory=4 << 30, tensor_parallel_size=tp,
@@ -491,12 +491,12 @@ async def _engine_runs(args, tp: int) -> None:
                 warm, requests = (random_requests(n, args.input_len, args.output_len, 0.0, core.vocab_size, seed + k)
                                   for k in (0, 1))
                 seed += 2
-                await run_load(e, warm, greedy, max_concurrency=concurrency)
+                await run_load(EngineTarget(e), warm, greedy, max_concurrency=concurrency)
                 await _idle(e)
                 before = core.stats()
                 phases = StepPhases(core) if args.phases else None
                 try:
-                    results, duration = await run_load(e, requests, greedy, max_concurrency=concurrency)
+                    results, duration = await run_load(EngineTarget(e), requests, greedy, max_concurrency=concurrency)
                 finally:
                     if phases is not None:
                         phases.restore()

@@ -52,7 +52,7 @@ async def run(prompts: list[list[int]], concurrency: int, max_tokens: int, devic
         # and draft-chain graphs were captured when the engine started); sent twice, because the timed window
         # re-sends these prompts as prefix-cache hits, whose 16-token tails at a short context are Triton variants
         # no whole prompt compiles: without the second pass the first engine of a process compiled them in its
-        # timed window and later engines reused them (the overlap column, run first, read 1.8-2.4x slow, window 6)
+        # timed window and later engines reused them (the overlap column, run first, read 1.8-2.4x slow)
         for _ in range(2):
             await asyncio.gather(*[one(p, WARM_UP_TOKENS or max_tokens) for p in prompts[:2 * concurrency]])
         before = engine.stats()
@@ -250,7 +250,7 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true", help="host ms per step by phase in every row (no profiler)")
     ap.add_argument("--spec-modes", default="early",
                     help="speculative engines to time: early (the drafter's read launched behind each greedy verify "
-                         "forward, the default), late (read after the host has read the step: the session-12 order)")
+                         "forward, the default), late (read after the host has read the step: the older order)")
     ap.add_argument("--repeat", type=int, default=1, help="time every engine this many times (rows each)")
     ap.add_argument("--warm-up-tokens", type=int, default=0,
                     help="tokens per warm-up request (0: --max-tokens); fewer make a large batch's run shorter")

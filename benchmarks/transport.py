@@ -212,7 +212,7 @@ class Trace:
 
 def plan_pieces(what: str) -> bool:
     """Whether kind `what` moves plans of pieces, as a decode side that receives in place asks (kv-staged: whole
-    messages, the GPU path of sessions 11-14; kv-scattered has no runs, so whole messages too)."""
+    messages, the GPU path before; kv-scattered has no runs, so whole messages too)."""
     return what.startswith("kv") and what != "kv-staged"
 
 

@@ -21,7 +21,7 @@ BAD = [
     # values float32 sampling cannot represent (they sampled BOS with NaN logprobs)
     ("temperature", 1e-45), ("temperature", 1e-4), ("temperature", 1e300), ("top_p", 1e-46), ("top_p", 1e-7),
     ("repetition_penalty", 1e-300), ("repetition_penalty", 1e300), ("top_k", 2**31),
-    ("stop", ["a\ud800"]),
+    ("stop", ["a\ud800"]), ("timeout", 0), ("timeout", -1.0), ("timeout", float("inf")), ("timeout", "5"),
     ("logprobs", -1), ("logprobs", 21), ("logprobs", 2.0), ("logprobs", True),
 ]
 
@@ -83,8 +83,8 @@ def test_error_messages_do_not_echo_huge_values():
 
 
 def test_float32_edges_are_accepted():
-    p = SamplingParams(temperature=1e-3, top_p=1e-6, repetition_penalty=100, top_k=2**31 - 1, seed=0)
-    assert (p.temperature, p.top_p, p.repetition_penalty) == (1e-3, 1e-6, 100.0)
+    p = SamplingParams(temperature=1e-3, top_p=1e-6, repetition_penalty=100, top_k=2**31 - 1, seed=0, timeout=0.5)
+    assert (p.temperature, p.top_p, p.repetition_penalty, p.timeout) == (1e-3, 1e-6, 100.0, 0.5)
 
 
 def test_stop_limits_are_the_engines():

@@ -1,4 +1,5 @@
-"""`m3sdk bench`: offline throughput and serving-style load against the embedded Engine, in-process.
+"""`m3sdk bench`: offline throughput and serving-style load against the embedded Engine, in-process, or against an
+OpenAI-compatible endpoint (--base-url: `m3sdk serve`, or a peer's server) on the same workload.
 
 Requests come from random token ids (lengths drawn around --input-len / --output-len, spread by --range-ratio) or
 from a prompt file. They arrive all at once (--request-rate inf: the offline throughput run) or as a Poisson
@@ -27,13 +28,18 @@ import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from m3sdk.argtypes import NON_NEGATIVE_INT, POSITIVE_INT, byte_size, comma_list, number
 from m3sdk.config import EngineConfig
 from m3sdk.errors import M3Error
+from m3sdk.params import SamplingParams
+
+if TYPE_CHECKING:
+    from m3sdk.engine import Engine
 
 _LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -103,24 +109,58 @@ async def arrivals(requests: Sequence[BenchRequest], rate: float, burstiness: fl
         yield request
 
 
-async def send(engine, request: BenchRequest, params) -> RequestResult:
-    """Stream one request, timing every chunk on the event loop."""
+@dataclass(frozen=True)
+class Arrival:
+    """What one streamed delta told the client: `tokens` generated in it (0 for a usage-only message), and the
+    token counts a final usage reports (the server's word overrides the client's count)."""
+
+    tokens: int
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class Target(Protocol):
+    """What the load is sent to: the embedded engine (EngineTarget) or an OpenAI-compatible endpoint
+    (m3sdk.bench_http.HTTPTarget). `stream` raises if the request fails or is aborted."""
+
+    def stream(self, request: BenchRequest, params: SamplingParams) -> AsyncIterator[Arrival]: ...
+
+    async def stats(self) -> dict[str, int] | None: ...
+
+
+class EngineTarget:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    async def stream(self, request: BenchRequest, params: SamplingParams) -> AsyncIterator[Arrival]:
+        async for chunk in self.engine.stream(request.prompt, params, max_tokens=request.output_len):
+            if chunk.finish_reason == "abort":
+                raise RuntimeError("aborted by the engine")
+            usage = chunk.usage
+            yield Arrival(len(chunk.token_ids), usage.prompt_tokens if usage else None)
+
+    async def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+
+async def send(target: Target, request: BenchRequest, params: SamplingParams) -> RequestResult:
+    """Stream one request, timing every delta on the event loop."""
     result = RequestResult(prompt_len=request.prompt_len)
     start = last = time.perf_counter()
     try:
-        async for chunk in engine.stream(request.prompt, params, max_tokens=request.output_len):
+        async for arrival in target.stream(request, params):
             now = time.perf_counter()
-            if chunk.token_ids:
+            if arrival.tokens:
                 if result.output_len == 0:
                     result.ttft = now - start
                 else:
                     result.itl.append(now - last)
-                result.output_len += len(chunk.token_ids)
+                result.output_len += arrival.tokens
                 last = now
-            if chunk.usage is not None:
-                result.prompt_len = chunk.usage.prompt_tokens
-            if chunk.finish_reason == "abort":
-                raise RuntimeError("aborted by the engine")
+            if arrival.prompt_tokens is not None:
+                result.prompt_len = arrival.prompt_tokens
+            if arrival.completion_tokens is not None:
+                result.output_len = arrival.completion_tokens
         result.latency = last - start
         result.success = result.output_len > 0
     except Exception as e:  # noqa: BLE001 - a failed request is a result, the run goes on
@@ -128,7 +168,7 @@ async def send(engine, request: BenchRequest, params) -> RequestResult:
     return result
 
 
-async def run_load(engine, requests: Sequence[BenchRequest], params, rate: float = math.inf,
+async def run_load(target: Target, requests: Sequence[BenchRequest], params: SamplingParams, rate: float = math.inf,
                    burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
                    on_result: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
     """Send `requests` as the arrival process says; -> (results in request order, duration in seconds).
@@ -137,10 +177,10 @@ async def run_load(engine, requests: Sequence[BenchRequest], params, rate: float
 
     async def limited(request: BenchRequest) -> RequestResult:
         if limit is None:
-            result = await send(engine, request, params)
+            result = await send(target, request, params)
         else:
             async with limit:
-                result = await send(engine, request, params)
+                result = await send(target, request, params)
         if on_result is not None:
             on_result(result)
         return result
@@ -244,6 +284,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench options (the engine's --model, --device, ... come from the CLI's shared engine options).
     Values are range-checked here, when the command line is parsed."""
     rate = number(float, 0, low_open=True, allow_inf=True)
+    t = p.add_argument_group("target")
+    t.add_argument("--base-url", metavar="URL",
+                   help="drive an OpenAI-compatible endpoint (e.g. http://127.0.0.1:8000/v1) through /completions "
+                        "instead of the embedded engine; --model then only names the vocabulary of random prompts "
+                        "(default: the embedded engine)")
+    t.add_argument("--api-key", help="bearer key of --base-url (default: $OPENAI_API_KEY)")
+    t.add_argument("--served-model", metavar="NAME",
+                   help="the model name sent to --base-url (default: the first of its /models)")
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=comma_list(POSITIVE_INT), default="64", metavar="N[,N...]",
                    help="requests per run; a comma list gives each sweep point its own count (default: %(default)s)")
@@ -327,10 +375,23 @@ def build_requests(args: argparse.Namespace, config: EngineConfig, num: int, see
     return random_requests(num, args.input_len, args.output_len, args.range_ratio, vocab, seed)
 
 
-async def run_bench(args: argparse.Namespace, config: EngineConfig) -> list[dict[str, Any]]:
-    """Load the engine once, warm it up, run every (rate, concurrency) point; -> one result dict per point."""
-    from m3sdk import Engine, SamplingParams
+@asynccontextmanager
+async def open_target(args: argparse.Namespace, config: EngineConfig) -> AsyncIterator[Target]:
+    """An endpoint when --base-url is given, else the embedded engine, loaded from `config`."""
+    if args.base_url:
+        from m3sdk.bench_http import HTTPTarget
 
+        async with HTTPTarget(args.base_url, args.api_key, args.served_model) as target:
+            yield target
+        return
+    from m3sdk import Engine
+
+    async with Engine(config) as engine:
+        yield EngineTarget(engine)
+
+
+async def run_bench(args: argparse.Namespace, config: EngineConfig) -> list[dict[str, Any]]:
+    """Open the target once, warm it up, run every (rate, concurrency) point; -> one result dict per point."""
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     slo = {k: v for k, v in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms), ("e2el", args.slo_e2el_ms))
            if v is not None}
@@ -342,32 +403,36 @@ async def run_bench(args: argparse.Namespace, config: EngineConfig) -> list[dict
         raise ValueError(f"--num-prompts has {len(counts)} values for {len(points)} sweep points")
     counts = counts * len(points) if len(counts) == 1 else counts
     out = []
-    async with Engine(config) as engine:
+    async with open_target(args, config) as target:
         if args.num_warmups:
             warm = build_requests(args, config, args.num_warmups, args.seed + 10_000)
-            warm_results, _ = await run_load(engine, warm, params)
+            warm_results, _ = await run_load(target, warm, params)
             if not any(r.success for r in warm_results):  # the run would fail the same way: say why now
                 raise M3Error(f"the warm-up requests failed: {next(iter(failure_reasons(warm_results)))}")
         for i, (rate, conc) in enumerate(points):
             requests = build_requests(args, config, counts[i], args.seed + i)
-            before = engine.stats()
+            before = await target.stats()
             progress = Progress(f"rate {rate:g}, concurrency {conc or '-'}", len(requests))
-            results, duration = await run_load(engine, requests, params, rate, args.burstiness, conc, args.seed,
+            results, duration = await run_load(target, requests, params, rate, args.burstiness, conc, args.seed,
                                                on_result=progress)
-            after = engine.stats()
+            after = await target.stats()
             metrics = compute_metrics(results, duration, percentiles, slo)
             if metrics["failed"]:
                 metrics["failure_reasons"] = failure_reasons(results)
             record = {
-                "backend": "m3sdk", "model": config.model, "date": time.strftime("%Y%m%d-%H%M%S"),
+                "backend": "openai-http" if args.base_url else "m3sdk", "model": config.model,
+                "date": time.strftime("%Y%m%d-%H%M%S"),
                 "num_prompts": len(requests), "request_rate": rate if math.isfinite(rate) else "inf",
                 "burstiness": args.burstiness, "max_concurrency": conc,
                 "input_len": args.input_len if args.prompt_file is None else None, "output_len": args.output_len,
                 "range_ratio": args.range_ratio, **({"slo_ms": slo} if slo else {}), **metrics,
-                "engine_steps": after["steps"] - before["steps"],
-                "engine_preemptions": after["preemptions"] - before["preemptions"],
-                "engine_config": _config_summary(config),
             }
+            if args.base_url:
+                record["base_url"] = args.base_url
+            else:
+                record.update(engine_steps=after["steps"] - before["steps"],
+                              engine_preemptions=after["preemptions"] - before["preemptions"],
+                              engine_config=_config_summary(config))
             if args.save_detailed:
                 record.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_len for r in results],
                               ttfts=[r.ttft for r in results], itls=[r.itl for r in results],

@@ -1,4 +1,4 @@
-"""The `m3sdk` command: generate, chat, info, bench, prefill-node.
+"""The `m3sdk` command: generate, chat, info, bench, serve, prefill-node.
 
 Parsing imports neither torch nor the engine (each command imports them when it runs), so `--help` and a bad
 argument answer at once. Arguments are checked in two passes before any model loads: ranges by argparse
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import platform
 import sys
@@ -45,7 +46,7 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    if args.command == "bench":
+    if args.command in ("bench", "serve"):
         return _bench_module().engine_config(args, _engine_overrides(args))
     return EngineConfig(**_engine_overrides(args))
 
@@ -135,10 +136,37 @@ def _bench_module():
     return bench
 
 
+def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
+    try:
+        from .server.serve import event_loop_factory, serve
+    except ImportError as e:
+        raise ValueError(f"m3sdk serve needs the server extra: pip install 'm3sdk[server]' ({e})") from e
+    api_key = args.api_key or os.environ.get("M3SDK_API_KEY") or None
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(serve(config, host=args.host, port=args.port, api_key=api_key,
+                         model_names=args.served_model_name, log_level=args.log_level))
+
+
 def _serve_prefill_node(args: argparse.Namespace) -> None:
     from .node import run_prefill_node
 
+    logging.getLogger("m3sdk").setLevel(logging.INFO)  # a daemon says where it serves and why it stops
     run_prefill_node(args, _engine_overrides(args))
+
+
+class _StderrHandler(logging.StreamHandler):
+    """The command's log handler (a class of its own: main() adds it once however often it runs)."""
+
+
+def _log_to_stderr() -> None:
+    """The command's warnings (and a daemon's notices) on stderr: the library alone only has a NullHandler."""
+    logger = logging.getLogger("m3sdk")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("m3sdk: %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.WARNING)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,6 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
     engine_options(bench)
     _bench_module().add_arguments(bench)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the server extra)",
+                           description="An OpenAI-compatible HTTP server over the engine (docs/server.md).")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    serve.add_argument("--port", type=POSITIVE_INT, default=8000, help="(default: %(default)s)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $M3SDK_API_KEY, "
+                       "else none)")
+    serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                       help="names clients give as 'model' (default: the checkpoint folder's name)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    engine_options(serve)
+    _bench_module().add_engine_arguments(serve)
+
     node = sub.add_parser("prefill-node", help="run a remote prefill node daemon",
                           description="A remote prefill node: prefills prompts for decode engines that list it in "
                                       "prefill_nodes. The shared token comes from $M3SDK_PREFILL_TOKEN.")
@@ -210,6 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--tls-cert", metavar="PEM", help="certificate chain: serve gRPC over TLS, with --tls-key "
                       "(default: plain gRPC)")
     node.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert (default: none)")
+    node.add_argument("--insecure", action="store_true",
+                      help="serve beyond loopback with neither a token ($M3SDK_PREFILL_TOKEN) nor TLS")
+    # default None: messages.Limits' defaults (131072 tokens, 32 prefills, 120 s, 2 GiB, 10 s)
+    node.add_argument("--max-prompt-tokens", type=int, help="longest prompt taken (lowered to what the KV cache holds)")
+    node.add_argument("--max-in-flight", type=int, help="prefills held at once")
+    node.add_argument("--max-deadline", type=float, help="seconds: a caller's later deadline is cut to this")
+    node.add_argument("--max-message-bytes", type=int, help="largest KV data message")
+    node.add_argument("--receiver-timeout", type=float,
+                      help="seconds the decode side has to take the pages once the first token is computed")
     engine_options(node)
     return parser
 
@@ -224,6 +273,7 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _log_to_stderr()
     try:
         params = _sampling_params(args) if args.command in ("generate", "chat") else None
         config = _engine_config(args)
@@ -238,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_chat(args, config, params))
         elif args.command == "info":
             asyncio.run(_info(args, config))
+        elif args.command == "serve":
+            _serve(args, config)
         elif args.command == "bench":
             asyncio.run(_bench_module().main_async(args, config))
         else:

@@ -186,6 +186,10 @@ class EngineConfig:
     # stream's new text against its stop strings, so 100,000 of them (or one of 10 MB) would slow every stream.
     max_stop_strings: int = 64
     max_stop_length: int = 1024
+    # The watchdog: a phase of the engine loop (a forward, sampling, emitting) that runs longer than this many
+    # seconds ends the engine with EngineDeadError naming the phase, so that no waiter hangs on a stuck step.
+    # None: off. A first Triton compile at a new shape runs in a step on a GPU (warm-up covers the common ones).
+    step_timeout: float | None = 300.0
     attention_backend: str = "auto"  # "auto" (triton on a GPU, torch on a CPU) | "torch" | "triton"
     # Replay decode and verify steps from captured CUDA graphs; None: on for a CUDA device with the triton backend.
     cuda_graphs: bool | None = None
@@ -243,6 +247,9 @@ class EngineConfig:
             problems.append(f"limit_images must be an int >= 0, got {self.limit_images!r}")
         if self.image_fetcher is not None and not callable(self.image_fetcher):
             problems.append("image_fetcher must be a callable (url -> bytes) or None")
+        if self.step_timeout is not None and (isinstance(self.step_timeout, bool) or not isinstance(
+                self.step_timeout, int | float) or not 0 < self.step_timeout < float("inf")):
+            problems.append(f"step_timeout must be a positive number of seconds or None, got {self.step_timeout!r}")
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             problems.append(f"max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):

@@ -30,6 +30,7 @@ from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestE
 from m3sdk.metrics import EngineMetrics
 from m3sdk.params import SamplingParams, check_text, short_repr
 from m3sdk.request import Chunk, Completion, Request
+from m3sdk.tokenizer import Tokenizer
 
 # a text, token ids, chat messages, or an image prompt: {"prompt": text | "prompt_token_ids": ids, "images": [...]}
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]] | Mapping[str, Any]
@@ -120,12 +121,19 @@ class Engine:
         if core is None:
             return
         core.stop()
+        # a thread the watchdog gave up on may never return: it is a daemon, not waited for
+        stuck = core.config.engine.step_timeout if self._dead is not None else None
         with anyio.CancelScope(shield=True):  # a cancelled shutdown still leaves no engine thread behind
-            await anyio.to_thread.run_sync(core.join)
+            await anyio.to_thread.run_sync(core.join, stuck)
 
     @property
     def max_model_len(self) -> int:
         return self._running_core().max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The checkpoint's tokenizer and chat template (read-only use: it is shared with the engine thread)."""
+        return self._running_core().tokenizer
 
     @property
     def metrics_registry(self) -> CollectorRegistry:
@@ -211,7 +219,7 @@ class Engine:
             async for chunk, deltas in steps:
                 called = called or any(d.tool_calls for d in deltas)
                 reason = None if chunk.finish_reason is None else chat_finish_reason(chunk.finish_reason, called)
-                yield ChatCompletionChunk(chunk.request_id, deltas, reason, chunk.usage, chunk.timings)
+                yield ChatCompletionChunk(chunk.request_id, deltas, reason, chunk.usage, chunk.timings, chunk.logprobs)
 
     def _chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
               tool_choice: str | Mapping[str, Any], response_format: Mapping[str, Any] | None,

@@ -50,7 +50,8 @@ class SamplingParams:
     Frozen so that a validated object stays valid: derive variants with `replace(**overrides)`.
     `temperature == 0` means greedy (penalties still apply, the other filters are moot). Values that float32
     sampling cannot represent are refused: temperature 0 or in [1e-3, 1e3], top_p >= 1e-6, repetition_penalty in
-    [0.01, 100], seed in [0, 2**64).
+    [0.01, 100], seed in [0, 2**64). `timeout`: seconds from submission after which the request ends with
+    finish_reason "timeout" and its pages return (None: no deadline).
     """
 
     max_tokens: int = 256
@@ -66,6 +67,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None  # top-n logprobs per sampled token; 0 = only the sampled token's
+    timeout: float | None = None  # seconds from submission; past it the request ends with "timeout"
     # the output must match this (a StructuredOutput, or {"json": schema} / {"regex": ...} / {"choice": [...]} /
     # {"grammar": EBNF}); the engine compiles it before queueing
     structured_output: StructuredOutput | Mapping[str, Any] | None = None
@@ -110,6 +112,10 @@ class SamplingParams:
             set_(self, "logprobs", _int("logprobs", self.logprobs))
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.timeout is not None:
+            set_(self, "timeout", _float("timeout", self.timeout))
+            if self.timeout <= 0:
+                raise InvalidRequestError(f"timeout must be a positive number of seconds, got {self.timeout}")
         if self.structured_output is not None:
             set_(self, "structured_output", StructuredOutput.of(self.structured_output))
 

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from m3sdk.sampler import SampledToken, SamplingState
     from m3sdk.tokenizer import TextStream
 
-FinishReason = Literal["stop", "length", "abort"]
+# "timeout": SamplingParams.timeout passed before the request ended
+FinishReason = Literal["stop", "length", "abort", "timeout"]
 
 # Tie-breaker for requests that arrive within the clock's resolution: admission order.
 _arrival_seq = itertools.count()

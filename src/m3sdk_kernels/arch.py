@@ -96,22 +96,22 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
         "gfx950": {"num_warps": 4, "num_stages": 1},
     },
     # dense decode: one query token x one GQA group (16 heads padded to BLOCK_H rows) per program, split-KV.
-    # MERGE_LAST: the last split program of a token merges the partials (no merge launch; H200 session 13 window 1,
+    # MERGE_LAST: the last split program of a token merges the partials (no merge launch; H200,
     # b64 32K: bf16 0.974 -> 0.959 ms with 1056 programs, FP8 0.749 -> 0.721, MSA bf16 0.078 -> 0.072).
     # sm90 bf16: the keys as the wgmma's M (KEYS_M) with page ids carried ahead, 3 stages: 0.1-0.4 % faster at b64
-    # 32K, 0.9-1.5 % at 128K in each of session 14's windows 1-3 (3.909 -> 3.867 ms in window 3)
+    # 32K, 0.9-1.5 % at 128K in each of three runs (3.909 -> 3.867 ms)
     "attn_decode": {
         "sm90": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 3, "SPLIT_PROGRAMS": 1056,
                  "MERGE_LAST": 1, "KEYS_M": 1, "PAGE_AHEAD": 1},
         "gfx942": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1216},
         "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
     },
-    # FP8 KV on the H200 (docs/perf.md): page ids carried one tile ahead (PAGE_AHEAD, session 11); one-warp programs
+    # FP8 KV on the H200 (docs/perf.md): page ids carried one tile ahead (PAGE_AHEAD); one-warp programs
     # of 32-key tiles, 2 stages (no cross-warp reduction in the loop, as MSA decode; 189 registers, 10 per SM):
-    # session 14 window 3, b64 32K: 0.746-0.751 -> 0.714 ms against 4-warp programs of 128-key tiles at 3 stages.
+    # b64 32K: 0.746-0.751 -> 0.714 ms against 4-warp programs of 128-key tiles at 3 stages.
     # ALL_SLOTS (K/V loads without per-key predicates; the loop is issue-bound) and then 3 stages (198 registers, no
-    # spill): session 15 window 3, b64 32K: 0.735 (masked, 2 stages) -> 0.656-0.675 (ALL_SLOTS) -> 0.608 ms; window
-    # 4: 0.741 -> 0.617 ms (128K: 2.95 -> 2.65); 4 stages: 0.717 (7 programs per SM fit: two waves)
+    # spill): b64 32K: 0.735 (masked, 2 stages) -> 0.656-0.675 (ALL_SLOTS) -> 0.608 ms;
+    # 0.741 -> 0.617 ms in another run (128K: 2.95 -> 2.65); 4 stages: 0.717 (7 programs per SM fit: two waves)
     "attn_decode:fp8": {"sm90": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "SPLIT_PROGRAMS": 1056,
                                  "PAGE_AHEAD": 1, "ALL_SLOTS": 1}},
     # prefill / verification: BLOCK_Q query tokens x the group's heads as the MMA's M rows. On AMD a 128 x 64
@@ -127,19 +127,19 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
         "gfx942": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1216},
         "gfx950": {"BLOCK_N": 64, "BLOCK_Q": 1, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 1024},
     },
-    # FP8 on the H200 (docs/perf.md): block ids read once and page ids carried a tile ahead (PAGE_AHEAD, session 12);
+    # FP8 on the H200 (docs/perf.md): block ids read once and page ids carried a tile ahead (PAGE_AHEAD);
     # four one-warp programs per (token, KV head), each walking 4 blocks in 32-key tiles, merged by the last to
     # finish (MERGE_LAST): no cross-warp max, sum or P exchange in the loop, all 1024 in one wave (187 registers x
-    # 32 threads, 21 KB: 10 per SM). Session 14 window 2, b64 32K / 128K: 0.0530 / 0.0522 -> 0.0491 / 0.0491 ms
-    # device time (62 -> 67 % of the read floor, 1.25x -> 1.34x SDPA pre-gathered) against session 13's two 2-warp
+    # 32 threads, 21 KB: 10 per SM). At b64 32K / 128K: 0.0530 / 0.0522 -> 0.0491 / 0.0491 ms
+    # device time (62 -> 67 % of the read floor, 1.25x -> 1.34x SDPA pre-gathered) against two 2-warp
     # programs of 64-key tiles; 2048 programs (two waves), 16-key tiles, 4 stages, register caps: slower.
-    # ALL_SLOTS as dense FP8: session 15 windows 2-3, the same from DRAM (0.0489-0.0495 vs 0.0487-0.0497 ms), with
+    # ALL_SLOTS as dense FP8: the same from DRAM (0.0489-0.0495 vs 0.0487-0.0497 ms), with
     # every page in L2 0.0430 -> 0.0418; 2 / 4 stages, 2048 programs under a 128 / 168-register cap: slower.
-    # PDL: launched as a programmatic dependent, waiting for the previous kernel before reading anything (session 16,
-    # b64: window 5, with the merge's partial loads no longer waiting for their weights, 32K 0.0473-0.0475 -> 0.0459-
-    # 0.0461 ms, 128K 0.0472 -> 0.0460; window 6, PDL off / on: 0.0477 / 0.0470-0.0471, 128K 0.0479 / 0.0470)
-    # FEW_BELOW: with fewer than 1024 programs at 16 splits (batch < 16), 2-warp programs of 64-key tiles (session 17
-    # window 11, 32K, device ms against SDPA pre-gathered: b1 0.0180 -> 0.0095 (0.40 -> 0.75x; 4 warps 0.0088),
+    # PDL: launched as a programmatic dependent, waiting for the previous kernel before reading anything (b64,
+    # with the merge's partial loads no longer waiting for their weights, 32K 0.0473-0.0475 -> 0.0459-
+    # 0.0461 ms, 128K 0.0472 -> 0.0460; PDL off / on: 0.0477 / 0.0470-0.0471, 128K 0.0479 / 0.0470)
+    # FEW_BELOW: with fewer than 1024 programs at 16 splits (batch < 16), 2-warp programs of 64-key tiles
+    # (32K, device ms against SDPA pre-gathered: b1 0.0180 -> 0.0095 (0.40 -> 0.75x; 4 warps 0.0088),
     # b8 0.0250 -> 0.0134 (0.46 -> 0.85x; 4 warps 0.0176); b16 / b32 keep the one-warp shape: 0.0222 / 0.0341, 1.09 /
     # 1.04x, against 0.0301 / 0.0476 with 4 warps)
     "sparse_decode:fp8": {"sm90": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "SPLIT_PROGRAMS": 1024,
@@ -164,7 +164,7 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
         "gfx942": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 2432},
         "gfx950": {"BLOCK_Q": 4, "num_warps": 4, "num_stages": 2, "SPLIT_PROGRAMS": 2048},
     },
-    # FP8 keys on the H200 (docs/perf.md, session 12): page ids carried one block ahead (two 16 KB key tiles in
+    # FP8 keys on the H200 (docs/perf.md): page ids carried one block ahead (two 16 KB key tiles in
     # flight per program) and every program resident at once (5 per SM: 640 at b64; 1024 made 1.5 waves, 768
     # 1.2): the scan went from 0.316 to 0.278 ms at b64 128K
     "indexer_scan:fp8": {"sm90": {"SPLIT_PROGRAMS": 660, "PAGE_AHEAD": 1}},
@@ -197,18 +197,18 @@ TILES.update({
     "router": {a: {"BLOCK_T": 16, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "moe_align": {a: {"CHUNK": 256, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     # MXFP4 -> fp8 experts once per prefill step (mx_convert.mx_to_fp8, where a moe_* table sets MX_CONVERT)
-    # H200 session 12 window 2: 3.2 / 3.1 ms for M3's 129-expert stack (checkpoint / planes layout), 3.5 / 3.6 TB/s
+    # H200: 3.2 / 3.1 ms for M3's 129-expert stack (checkpoint / planes layout), 3.5 / 3.6 TB/s
     "mx_to_fp8": {"sm90": {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 8}},
     # decode: split K until SPLIT_PROGRAMS programs stream the weight (about the resident CTAs: split_k in quant.py),
     # STAGGER the K order per column block (spreads the shared activation reads over L2); SWAP_AB (sm90): weight
     # rows as the MMA's M, so 64 x 16 fp8 wgmma straight from shared memory (no f16 upcast, no mma.sync).
     # PDL (sm90): launched as a programmatic dependent, PREFETCH weight tiles into L2 before griddepcontrol.wait
-    # (quant.py); the activation quantization of fp8_linear launches so too. H200 session 13 window 2 (quantization
+    # (quant.py); the activation quantization of fp8_linear launches so too. H200 (quantization
     # included, M = 1 / 16): o_proj 18.4 / 19.9 -> 16.8 / 17.8 us, dense down 24.4 / 26.0 -> 23.4 / 24.2, qkv+index
     # 20.8 / 22.0 -> 19.4 / 19.9 with PDL, 2 tiles prefetched and 264 programs (2 per SM; 396 with PDL: 16.6 / 19.1);
-    # window 3: prefetching 1, 2 or 4 tiles within 1 %, 330 programs and unsplit 16-column tiles slower.
+    # prefetching 1, 2 or 4 tiles within 1 %, 330 programs and unsplit 16-column tiles slower.
     # TMA (sm90, swap-AB): the weight tile by one tensor copy per stage; that frees the registers and threads a
-    # deeper cp.async pipeline cost, so 4 stages pay (session 14 window 2, quantization included, M = 1 / 4 / 16:
+    # deeper cp.async pipeline cost, so 4 stages pay (quantization included, M = 1 / 4 / 16:
     # o_proj 16.3 / 16.7 / 17.1 -> 15.5 / 16.0 / 17.1 us, dense down 22.7 / 23.0 / 23.5 -> 21.6 / 22.0 / 23.2, qkv+index
     # 19.1 / 19.3 / 19.3 -> 17.2 / 17.2 / 18.0; 5 stages, the activation by TMA too, 128-row tiles, 8 warps, the
     # quantization inside the GEMM and stream-K lost)
@@ -222,12 +222,12 @@ TILES.update({
     },
     # decode GEMMs with N <= quant.NARROW_N (o_proj, the dense down: 96 column tiles of 64) take these over the above:
     # no split (SPLIT_PROGRAMS 0: 96 programs, one per column block, 1 per SM at 6 stages = 120 KB), so no partial
-    # exchange at the end. H200 session 14 window 4, quantization included, M = 1 / 4 / 16: o_proj 16.1 / 16.2 / 17.1
+    # exchange at the end. H200, quantization included, M = 1 / 4 / 16: o_proj 16.1 / 16.2 / 17.1
     # (split in 2, 4 stages) -> 15.1 / 15.1 / 15.9 us, the GEMM alone 16.3 / 16.2 / 16.8 -> 14.1 / 14.2 / 14.4; dense
     # down 21.6 / 22.1 / 23.2 -> 21.4 / 21.6 / 22.1 (5 stages: 15.5 / 15.7 / 16.0 and 21.9 / 22.2 / 22.6)
     "fp8_gemm_decode:narrow": {"sm90": {"SPLIT_PROGRAMS": 0, "num_stages": 6}},
     # decode GEMMs with N >= quant.WIDE_N (the dense gate_up: 384 column tiles) run more programs than fit 2 per SM
-    # at 4 stages (80 KB each): 3 stages keep 3 per SM in one wave (session 14 window 2: 4 stages 43.0 vs 38.0 us)
+    # at 4 stages (80 KB each): 3 stages keep 3 per SM in one wave (4 stages 43.0 vs 38.0 us)
     "fp8_gemm_decode:wide": {"sm90": {"num_stages": 3}},
     "fp8_gemm_mid": {
         "sm90": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
@@ -253,7 +253,7 @@ TILES.update({
     },
     # MXFP4 in the planes layout (sm90 decode, moe.py): PLANES_SWAP puts the weight rows in the MMA's M (fp16 wgmma
     # with the converted weights as the register operand), PLANES_XPERM hands the activations over in the planes
-    # column order (H200, session 12 window 1: 3.02-3.72x torch._grouped_mm bf16 at T = 1..64, vs 1.40-1.70x for
+    # column order (H200: 3.02-3.72x torch._grouped_mm bf16 at T = 1..64, vs 1.40-1.70x for
     # tl.dot_scaled; without XPERM 166-1832 us, with 98-1188 us)
     "moe_decode:planes": {"sm90": {"PLANES_SWAP": 1, "PLANES_XPERM": 1}},
     "moe_small:planes": {"sm90": {"PLANES_SWAP": 1, "PLANES_XPERM": 1}},
@@ -265,11 +265,11 @@ TILES.update({
             "num_warps": 8, "num_stages": 3 if a == "sm90" else 2, "MX_FP8": int(a == "sm90")}
         for a in ("sm90", "gfx942", "gfx950")
     },
-    # bf16 experts (their own entry: the MX formats share moe_prefill's tiles), H200 session 13 window 1 (8K tokens,
+    # bf16 experts (their own entry: the MX formats share moe_prefill's tiles), H200 (8K tokens,
     # docs/perf.md): gate|up as one 256-wide interleaved MMA (FUSED_GU, GU_BLOCK_N 128: 144 KB of shared memory at K
     # tiles of 64, 3 stages) and 256-wide down tiles: 13.04 -> 10.74 ms (128-wide fused gate|up alone 12.57)
     "moe_prefill:bf16": {"sm90": {"FUSED_GU": 1, "GU_BLOCK_N": 128, "DN_BLOCK_N": 256}},
-    # fp8 activations (fp8 experts, MXFP4 through the fp8 tensor cores), H200 session 12 (8K tokens, docs/perf.md):
+    # fp8 activations (fp8 experts, MXFP4 through the fp8 tensor cores), H200 (8K tokens, docs/perf.md):
     # the per-row fp8 intermediate (H_ROW) with K tiles of 128, gate|up as one 256-wide interleaved MMA (FUSED_GU,
     # GU_BLOCK_N 128: 2 x 128 weight rows), MXFP4 converted to fp8 once per step (MX_CONVERT): fp8 experts 10.25 ->
     # 7.08 ms, MXFP4 16.8 -> 10.0 ms (converting per token tile: 12.9; MX_CONVERT 2, the down weights on a side

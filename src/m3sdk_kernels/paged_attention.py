@@ -204,7 +204,7 @@ def _attn_kernel(
     split = tl.program_id(2)
     if ONE_EACH:
         # decode, one query token per sequence (cu_q = 0, 1, ..): program i is sequence i. The search of cu_q is 6
-        # dependent loads ahead of the first page ids at b64 (H200 session 16 window 4, b64 32K: MSA FP8 0.0490-0.0496
+        # dependent loads ahead of the first page ids at b64 (H200, b64 32K: MSA FP8 0.0490-0.0496
         # -> 0.0480-0.0481 ms, dense unchanged)
         seq = pid
         q_start = pid
@@ -366,7 +366,7 @@ def _merge_rows(part_o, part_lse, row0, num_tokens, row_ok, NUM_HEADS: tl.conste
         row = s * num_tokens * NUM_HEADS + row0
         w = tl.exp2(tl.load(part_lse + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m)
         # every split wrote its partial (finite: 0 where it saw no key), so the loads need not wait for w (H200
-        # session 16 window 5, MSA FP8 b64 32K: with PDL 0.0473-0.0475 -> 0.0459-0.0461 ms)
+        # MSA FP8 b64 32K: with PDL 0.0473-0.0475 -> 0.0459-0.0461 ms)
         o += w[:, None] * tl.load(part_o + row[:, None] * HEAD_DIM + d[None, :], mask=tile_ok, other=0.0,
                                   cache_modifier=".cg")
         w_sum += w
@@ -409,7 +409,7 @@ def dot_dtype(kv_dtype: torch.dtype) -> tl.dtype:
 # MERGE_LAST's merge is unrolled over the splits (_merge_rows), and its compile time grows much faster than the
 # split count: sm90 on the CPU machine (triton 3.9), dense FP8 decode of one sequence: 1.8 s at 4 splits, 6.3 s at
 # 32, 18.9 s at 64, 861 s at 256 (a 32K context); on the H200 (triton 3.6) a first 4K-token request stalled 38 s and
-# an 8K one > 140 s in these compiles (docs/perf.md, session 15). Past this many splits (few sequences, long
+# an 8K one > 140 s in these compiles (docs/perf.md). Past this many splits (few sequences, long
 # contexts) the merge kernel, vectorized over the splits, does it: one launch more, compiled in about a second.
 MERGE_LAST_MAX_SPLITS = 16
 

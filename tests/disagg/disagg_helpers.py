@@ -57,6 +57,7 @@ class PatternBackend:
     for each request and never changed (so they may be sent in place)."""
 
     holds_pages = True
+    max_prompt_tokens = 1 << 20
 
     def __init__(self, kv_dtype: str, layout: str, delay_s: float = 0.0):
         self.spec = spec(kv_dtype, layout)
@@ -75,12 +76,16 @@ class PatternBackend:
     def pages(self) -> tuple[int, int]:
         return 0, 0
 
+    def failure(self) -> BaseException | None:
+        return None
 
-def _serve(conn, kv_dtype: str, layout: str, delay_s: float, token: str | None) -> None:
+
+def _serve(conn, kv_dtype: str, layout: str, delay_s: float, token: str | None, listen: str,
+           limits: dict) -> None:
     from m3sdk.node import PrefillNode
 
-    node = PrefillNode(PatternBackend(kv_dtype, layout, delay_s), "127.0.0.1:0", token=token,
-                       limits=Limits(max_prompt_tokens=4096)).start()
+    node = PrefillNode(PatternBackend(kv_dtype, layout, delay_s), listen, token=token,
+                       limits=Limits(**{"max_prompt_tokens": 4096, **limits})).start()
     conn.send(node.address)
     node.serve_until_signal(grace=2.0)
 
@@ -97,9 +102,9 @@ def _spawn(target, *args) -> tuple[mp.Process, str]:
 
 
 def spawn_node(kv_dtype: str = "bf16", layout: str = "plain", delay_s: float = 0.0,
-               token: str | None = TOKEN) -> tuple[mp.Process, str]:
-    """A node in a process of its own; returns (process, "127.0.0.1:PORT")."""
-    return _spawn(_serve, kv_dtype, layout, delay_s, token)
+               token: str | None = TOKEN, listen: str = "127.0.0.1:0", **limits) -> tuple[mp.Process, str]:
+    """A node in a process of its own; returns (process, "HOST:PORT"). `limits`: messages.Limits fields."""
+    return _spawn(_serve, kv_dtype, layout, delay_s, token, listen, limits)
 
 
 def stop_node(proc: mp.Process) -> None:
@@ -111,7 +116,8 @@ def stop_node(proc: mp.Process) -> None:
         proc.join()
 
 
-def _serve_engine(conn, checkpoint: str, delay_s: float, corrupt_index_keys: bool, hold_last_layer: bool) -> None:
+def _serve_engine(conn, checkpoint: str, delay_s: float, corrupt_index_keys: bool, hold_last_layer: bool,
+                  fail_at_tokens: int, kv_cache_memory: int, listen: str) -> None:
     torch.set_num_threads(1)
     from m3sdk.config import EngineConfig
     from m3sdk.disagg.backend import EngineBackend
@@ -133,11 +139,17 @@ def _serve_engine(conn, checkpoint: str, delay_s: float, corrupt_index_keys: boo
                                                         dtype=torch.uint8)
             super()._pack(job, messages)
 
-    config = EngineConfig(model=checkpoint, device="cpu", kv_cache_memory=8 << 20)
+    config = EngineConfig(model=checkpoint, device="cpu", kv_cache_memory=kv_cache_memory)
     backend = Backend(config)
     if hold_last_layer:
         hold_until_first_group_sent(backend)
-    node = PrefillNode(backend, "127.0.0.1:0").start()
+    if fail_at_tokens:
+        def fail(module, args):  # a fault in the node's engine thread, on one prompt length only
+            if any(len(job.order.token_ids) == fail_at_tokens for job in backend._step):
+                raise RuntimeError(f"injected fault at a {fail_at_tokens}-token prompt")
+
+        backend.core.runner.model.layers[0].register_forward_pre_hook(fail)
+    node = PrefillNode(backend, listen).start()
     conn.send(node.address)
     try:
         node.serve_until_signal(grace=2.0)
@@ -163,7 +175,10 @@ def hold_until_first_group_sent(backend) -> None:
 
 
 def spawn_engine_node(checkpoint, delay_s: float = 0.0, corrupt_index_keys: bool = False,
-                      hold_last_layer: bool = False) -> tuple[mp.Process, str]:
+                      hold_last_layer: bool = False, fail_at_tokens: int = 0,
+                      kv_cache_memory: int = 8 << 20, listen: str = "127.0.0.1:0") -> tuple[mp.Process, str]:
     """A prefill node running the real engine on `checkpoint`; index keys garbled in transit if asked; with
-    `hold_last_layer`, a forward cannot finish before its transfers' first group of layers was sent."""
-    return _spawn(_serve_engine, str(checkpoint), delay_s, corrupt_index_keys, hold_last_layer)
+    `hold_last_layer`, a forward cannot finish before its transfers' first group of layers was sent; with
+    `fail_at_tokens`, its engine thread dies on a prompt of that many tokens."""
+    return _spawn(_serve_engine, str(checkpoint), delay_s, corrupt_index_keys, hold_last_layer, fail_at_tokens,
+                  kv_cache_memory, listen)

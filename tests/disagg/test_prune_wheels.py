@@ -17,7 +17,7 @@ def _prune():
 def test_repack_keeps_vendored_libraries_and_drops_copies(tmp_path):
     kept = ["libucx/lib/libucp.so", "libucx/lib/libucp.so.0", "libucx/lib/ucx/libuct_cuda.so",
             "libucx/lib/ucx/libucm_cuda.so.0", "libucx/bin/ucx_info",
-            # libucm_cuda.so needs this libcudart: without it UCX took CUDA buffers for host memory (window 1)
+            # libucm_cuda.so needs this libcudart: without it UCX took CUDA buffers for host memory ()
             "libucx_cu13.libs/libcudart-96c42e41.so.13.0.96", "libucx_cu13.libs/libgomp-855c301a.so.1.0.0"]
     dropped = ["libucx/lib/libucp.so.0.0.0", "libucx/lib/libucp.a", "libucx/lib/libucp.la",
                "libucx/lib/ucx/libucx_perftest_cuda.so", "libucx/bin/ucx_perftest", "libucx/bin/io_demo"]

@@ -25,7 +25,9 @@ from m3sdk.model import load_model
 
 CPU_SEEDS = [0, 1, 2, 3]
 SEEDS = CPU_SEEDS + [pytest.param(s, marks=pytest.mark.gpu) for s in range(4, 16)]
-TRITON_SEEDS = [0, 1] + [pytest.param(s, marks=pytest.mark.gpu) for s in range(2, 16)]
+# under the interpreter, two cheap odd ones: head 40 / rotary 38 / index 40 and head 24 / rotary 18 / index 24,
+# both with MSA blocks of 8 (seed 0, blocks of 32 over 192 tokens, took minutes there)
+TRITON_SEEDS = [5, 7] + [pytest.param(s, marks=pytest.mark.gpu) for s in range(16) if s not in (5, 7)]
 DECODE_STEPS = 6
 # Relative RMS error of the quantized model's logits against full precision. These random models are chaotic
 # (weights large enough that the SwiGLU-OAI clamp engages everywhere), so a small weight error grows through the

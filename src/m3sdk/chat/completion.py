@@ -4,10 +4,13 @@ its deltas as they stream, with OpenAI's finish reasons."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from m3sdk.chat.messages import AssistantDelta, AssistantMessage
 from m3sdk.request import FinishReason, Timings, Usage
+
+if TYPE_CHECKING:
+    from m3sdk.sampler import SampledToken
 
 ChatFinishReason = Literal["stop", "length", "tool_calls", "abort"]
 
@@ -37,3 +40,4 @@ class ChatCompletionChunk:
     finish_reason: ChatFinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    logprobs: list[SampledToken] | None = None  # this step's sampled tokens, when the params ask for logprobs

@@ -6,12 +6,20 @@ application's event loop pays one wake-up per step, not one per token. If anythi
 calls `on_dead(exc)` and ends: the async face turns that into EngineDeadError for every waiter. The loop never
 waits for another thread: what others finish (an admission's outcome, pages a listener held) reaches it through
 the inbox. Built by `m3sdk.core.builder.build_core`.
+
+Time bounds: a request with `SamplingParams.timeout` ends with finish_reason "timeout" once it passed (checked
+between steps; the inbox wait wakes for the nearest one), its pages freed as an abort's. A watchdog thread
+(`EngineConfig.step_timeout`) reports EngineDeadError naming the phase of the loop that ran past the bound (a
+stuck forward hangs no waiter); the stuck thread, should it ever return, emits nothing more.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +27,7 @@ from m3sdk.cache.manager import CacheManager
 from m3sdk.core.executor import Executor
 from m3sdk.core.hooks import Admission, Emit, FinishListener, OnDead, StepObserver
 from m3sdk.core.output import OutputProcessor
-from m3sdk.errors import InvalidRequestError
+from m3sdk.errors import EngineDeadError, InvalidRequestError
 from m3sdk.observability import get_logger
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, FinishReason, Request
@@ -68,7 +76,14 @@ class EngineCore:
         # sleeps until its inbox hears of it.
         self._stalled = False
         self._num_holds = 0  # finished requests' pages retained for a listener's I/O
-        self._counters = dict(steps=0, prompt_tokens=0)
+        self._counters = dict(steps=0, prompt_tokens=0, requests_timed_out=0)
+        # requests with a timeout: (deadline on time.monotonic(), tie-breaker, request), nearest first
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._tie = itertools.count()
+        # the watchdog's view of the loop: the phase it runs and since when (None while it waits for work)
+        self._phase: tuple[str, float] | None = None
+        self._dead_once = threading.Lock()
+        self._given_up = False  # the watchdog reported this loop dead: it must emit nothing more
         self._stats: dict[str, Any] = {}
         self._publish_stats()
         self.warm_up_seconds = 0.0  # what the warm-up took (the builder runs it on a GPU)
@@ -110,8 +125,12 @@ class EngineCore:
             raise RuntimeError("an EngineCore starts once")
         self._finish_listeners += finish_listeners
         self._admission = admission
-        self._thread = threading.Thread(target=self._run, args=(emit, on_dead), name="m3sdk-engine", daemon=True)
+        once = self._once(on_dead)
+        self._thread = threading.Thread(target=self._run, args=(emit, once), name="m3sdk-engine", daemon=True)
         self._thread.start()
+        if self.config.engine.step_timeout is not None:
+            threading.Thread(target=self._watch, args=(once, self.config.engine.step_timeout),
+                             name="m3sdk-watchdog", daemon=True).start()
 
     def submit(self, request: Request) -> None:
         self._inbox.put((_ADD, request))
@@ -161,17 +180,53 @@ class EngineCore:
         requests whose tokens the host read in it (with overlapped or speculative steps, those of the step
         before)."""
         ex = self.executor
+        self._enter("settle the step in flight")
         chunks = self.output.process(ex.settle())
+        self._enter("schedule")
         plan = ex.schedule()
         if plan:
             self._counters["steps"] += 1
+            self._enter("launch the forward")
             ex.launch(plan, self._layer_hook(plan))
         elif not ex.busy and not chunks:
             return self._nothing_scheduled(plan)
+        self._enter("collect the sampled tokens")
         chunks += self.output.process(ex.collect())
+        self._enter("commit and detokenize")
         ex.commit()
         # the text of tokens that cannot end their request, while the device runs the step just launched
         return chunks + self.output.flush()
+
+    def _enter(self, phase: str) -> None:
+        self._phase = (phase, time.monotonic())
+
+    def _once(self, on_dead: OnDead) -> OnDead:
+        """`on_dead` for the loop and the watchdog: whichever reports first is the one the waiters get."""
+        def report(exc: BaseException) -> None:
+            if self._dead_once.acquire(blocking=False):
+                on_dead(exc)
+        return report
+
+    def _watch(self, on_dead: OnDead, bound: float) -> None:
+        """The watchdog thread: report the loop dead when one phase of it ran past `bound` seconds."""
+        while self._thread is not None and self._thread.is_alive():
+            time.sleep(min(bound / 4, 1.0))
+            phase = self._phase
+            if phase is not None and time.monotonic() - phase[1] > bound:
+                self._given_up = True
+                log.warning("engine step stuck: the engine is reported dead", phase=phase[0], bound_s=bound)
+                on_dead(EngineDeadError(f"the engine loop spent over {bound:g} s in one phase ({phase[0]}; "
+                                        "EngineConfig.step_timeout)"))
+                return
+
+    def _expire(self) -> None:
+        """End the requests whose timeout passed (their chunks go out with the next emit)."""
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self._deadlines)
+            if not request.is_finished and self._live(request.request_id) is request:
+                self._counters["requests_timed_out"] += 1
+                self._pending.append(self.output.finish(request, "timeout"))
 
     def reset_stats(self) -> None:
         """Step, token, request, graph and speculation counters from zero (after the warm-up)."""
@@ -206,6 +261,9 @@ class EngineCore:
     def _run(self, emit: Emit, on_dead: OnDead) -> None:
         try:
             while self._handle_inbox():
+                self._enter("hand over admitted requests")
+                if self._deadlines:
+                    self._expire()
                 if handed := self._handovers():
                     # their first tokens go out before this engine's next step, which would hold them a whole step
                     self._publish_stats()
@@ -213,10 +271,14 @@ class EngineCore:
                 chunks = self.step()
                 if self._pending:
                     chunks, self._pending = self._pending + chunks, []
+                if self._given_up:  # the watchdog told every waiter already
+                    return
                 # stats first: a waiter woken by its last chunk then reads its pages as freed
                 self._publish_stats()
                 if chunks:
+                    self._enter("emit")
                     emit(chunks)
+                self._phase = None
             self._publish_stats()
             if self._pending:
                 emit(self._pending)
@@ -233,13 +295,17 @@ class EngineCore:
         """Apply queued adds and aborts; blocks while there is nothing to run. False once told to stop."""
         block = self._stalled or not (self.scheduler.num_running or self.scheduler.num_waiting or self.executor.busy)
         while True:
+            # waiting for work: wake for the nearest deadline (a stalled request may pass its timeout meanwhile)
+            wait = max(0.0, self._deadlines[0][0] - time.monotonic()) if block and self._deadlines else None
             try:
-                kind, item = self._inbox.get(block=block)
+                kind, item = self._inbox.get(block=block, timeout=wait)
             except queue.Empty:
                 return True
             block = self._stalled = False
             if kind == _ADD:
                 self._counters["prompt_tokens"] += item.num_prompt_tokens
+                if item.params.timeout is not None:
+                    heapq.heappush(self._deadlines, (item.arrival_time + item.params.timeout, next(self._tie), item))
                 if self._admission is None or not self._admission.admit(item):
                     self.scheduler.add(item)
             elif kind == _ABORT:

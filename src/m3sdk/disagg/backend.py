@@ -65,6 +65,9 @@ class EngineBackend:
         self.core = build_core(config.replace(overlap_scheduling=False), observers=[self])
         self.compat = CompatInfo.from_spec(self.core.cache.kv.spec, model_fingerprint(config.model_path()))
         self.vocab_size = self.core.vocab_size
+        # the prompt and its first token within max_model_len, which the core keeps within its KV cache
+        self.max_prompt_tokens = self.core.max_model_len - 1
+        self._dead: BaseException | None = None
         self.rows = wire.page_rows(self.core.cache.kv)
         self.core.start(self._emit, self._on_dead, finish_listeners=[self._on_finish])
 
@@ -88,6 +91,9 @@ class EngineBackend:
     def pages(self) -> tuple[int, int]:
         stats = self.core.stats()
         return stats["pages_free"], stats["pages_total"]
+
+    def failure(self) -> BaseException | None:
+        return self._dead
 
     def stop(self) -> None:
         self.core.stop()
@@ -155,6 +161,7 @@ class EngineBackend:
             job.done.set_result(FirstToken(token.token_id, token.logprob, token.top_logprobs))
 
     def _on_dead(self, exc: BaseException) -> None:
+        self._dead = exc
         for job in list(self._jobs.values()):
             job.done.get_loop().call_soon_threadsafe(
                 lambda d=job.done: d.done() or d.set_exception(RuntimeError(f"engine died: {exc!r}")))

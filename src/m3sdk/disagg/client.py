@@ -42,6 +42,9 @@ log = get_logger("m3sdk.disagg.client")
 _transfer_ids = itertools.count(random.randrange(1, 1 << 32))
 
 
+SLOW_BEATS = 3  # heartbeats in a row that time out before a node is taken for down
+
+
 def _next_transfer_id() -> int:
     return next(_transfer_ids) % MAX_TRANSFER_ID + 1
 
@@ -64,6 +67,8 @@ class _Node:
     healthy: bool = False
     error: str = "not contacted yet"
     remote_running: int = 0
+    max_prompt_tokens: int = 0  # from its handshake: a longer prompt goes elsewhere (or falls back) at once
+    slow_beats: int = 0  # heartbeats in a row that timed out
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set when it stops answering; then replaced
     jobs: set[asyncio.Task] = field(default_factory=set)
 
@@ -154,6 +159,7 @@ class PrefillClient:
         if reply.protocol_version != PROTOCOL_VERSION or diff:
             raise PrefillNodeError(f"prefill node {node.target} is incompatible (decode != node): "
                                    + "; ".join(diff or [f"protocol {PROTOCOL_VERSION} != {reply.protocol_version}"]))
+        node.max_prompt_tokens = reply.max_prompt_tokens
         node.healthy, node.error = True, ""
 
     async def _heartbeat(self, node: _Node) -> None:
@@ -168,12 +174,16 @@ class PrefillClient:
                 await self._handshake(node)
                 return
             reply = await node.stub.Health(pb.HealthRequest(), timeout=self.heartbeat_s, metadata=self._metadata)
-            node.remote_running = reply.running
+            node.remote_running, node.slow_beats = reply.running, 0
             if not reply.serving:  # draining: no new work, but what it runs still finishes (server.drain)
                 log.warning("prefill node draining", node=node.target)
                 node.healthy, node.error = False, "draining"
         except grpc.aio.AioRpcError as e:
-            self._mark_down(node, f"heartbeat failed: {e.code().name}")
+            # a node that is gone refuses the connection (UNAVAILABLE) at once; one that answers late is busy (a
+            # loaded host) and is given SLOW_BEATS beats before its jobs fail
+            node.slow_beats += 1
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or node.slow_beats >= SLOW_BEATS:
+                self._mark_down(node, f"heartbeat failed: {e.code().name}")
         except PrefillNodeError as e:  # it came back incompatible (another model): keep it out
             node.error = str(e)
 
@@ -184,16 +194,20 @@ class PrefillClient:
         node.down.set()  # fails its jobs at once
         node.down = asyncio.Event()
 
-    def _pick(self) -> _Node:
+    def _pick(self, num_tokens: int) -> _Node:
         healthy = [n for n in self._nodes if n.healthy]
         if not healthy:
             raise PrefillNodeError("no healthy prefill node: " + "; ".join(
                 f"{n.target}: {n.error}" for n in self._nodes))
-        return min(healthy, key=lambda n: (len(n.jobs) + n.remote_running, len(n.jobs)))
+        fits = [n for n in healthy if num_tokens <= n.max_prompt_tokens]
+        if not fits:
+            raise PrefillNodeError(f"no prefill node takes a {num_tokens}-token prompt: " + "; ".join(
+                f"{n.target}: max_prompt_tokens {n.max_prompt_tokens}" for n in healthy))
+        return min(fits, key=lambda n: (len(n.jobs) + n.remote_running, len(n.jobs)))
 
     async def _submit(self, request_id: str, token_ids: list[int], params: SamplingParams, pages: list[int],
                       num_cached_pages: int, timeout_s: float) -> RemotePrefillResult:
-        node = self._pick()
+        node = self._pick(len(token_ids))
         task = asyncio.current_task()
         self._jobs[request_id] = task
         node.jobs.add(task)

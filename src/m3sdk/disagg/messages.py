@@ -28,14 +28,30 @@ MIN_MESSAGE_BYTES = 64 << 10
 
 @dataclass(frozen=True)
 class Limits:
-    """What a node accepts. gRPC refuses bigger calls than `max_call_bytes` before they are parsed."""
+    """What a node accepts, reported by Handshake. gRPC refuses bigger calls than `max_call_bytes` before they
+    are parsed. The node lowers `max_prompt_tokens` to what its KV cache can hold (PrefillServicer)."""
 
     max_prompt_tokens: int = 1 << 17
     # one data-plane message: a staged decode side posts buffers of up to this size (its window of them), a
     # decode side that receives in place (plans of pieces) asks for 2 GiB messages (client.py)
     max_message_bytes: int = 1 << 31
-    max_deadline_s: float = 3600.0
-    max_in_flight: int = 256  # prefills a node holds at once; more are refused with RESOURCE_EXHAUSTED
+    max_deadline_s: float = 120.0  # a caller's later deadline is cut to this many seconds from its arrival
+    max_in_flight: int = 32  # prefills a node holds at once; more are refused with RESOURCE_EXHAUSTED
+    # once the first token is computed, the decode side must have taken every page within this many seconds:
+    # a receiver that does not read (a closed transport port, a stalled process) frees the node's slot then
+    receiver_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_tokens", "max_message_bytes", "max_in_flight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Limits.{name} must be an int >= 1, got {value!r}")
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ValueError(f"Limits.max_message_bytes must be >= {MIN_MESSAGE_BYTES}")
+        for name in ("max_deadline_s", "receiver_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"Limits.{name} must be a positive number of seconds, got {value!r}")
 
     @property
     def max_call_bytes(self) -> int:
@@ -103,7 +119,8 @@ def check_prefill(req: pb.PrefillRequest, limits: Limits, compat_hash: str, voca
     ids = np.frombuffer(req.token_ids, dtype="<i4")
     n = len(ids)
     if not 0 < n <= limits.max_prompt_tokens:
-        raise WireError(f"token_ids must hold 1..{limits.max_prompt_tokens} tokens, got {n}")
+        raise WireError(f"token_ids must hold 1..{limits.max_prompt_tokens} tokens (the node's max_prompt_tokens), "
+                        f"got {n}")
     if ids.min() < 0 or ids.max() >= vocab_size:
         bad = ids[(ids < 0) | (ids >= vocab_size)][0]
         raise WireError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
@@ -128,13 +145,14 @@ def check_prefill(req: pb.PrefillRequest, limits: Limits, compat_hash: str, voca
     if not MIN_MESSAGE_BYTES <= req.max_message_bytes <= limits.max_message_bytes:
         raise WireError(f"max_message_bytes must be in [{MIN_MESSAGE_BYTES}, {limits.max_message_bytes}], "
                         f"got {req.max_message_bytes}")
-    if not math.isfinite(req.deadline_unix_s) or not now < req.deadline_unix_s <= now + limits.max_deadline_s:
-        raise WireError(f"deadline must be within the next {limits.max_deadline_s:.0f} s")
+    if not math.isfinite(req.deadline_unix_s) or not now < req.deadline_unix_s:
+        raise WireError("deadline_unix_s must be a time in the future")
     return PrefillOrder(request_id=req.request_id, token_ids=token_ids,
                         params=_sampling_from_proto(req.sampling), transport_port=req.transport_port,
                         transfer_id=req.transfer_id, num_cached_pages=req.num_cached_pages,
                         dst_pages=dst_pages, layers_per_group=req.layers_per_group,
-                        max_message_bytes=req.max_message_bytes, deadline=req.deadline_unix_s,
+                        max_message_bytes=req.max_message_bytes,
+                        deadline=min(req.deadline_unix_s, now + limits.max_deadline_s),
                         pieces=req.message_per_piece)
 
 

@@ -47,20 +47,26 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("protocol_version", "compat", "transport", "max_prompt_tokens", "max_message_bytes", "node_id")
+    __slots__ = ("protocol_version", "compat", "transport", "max_prompt_tokens", "max_message_bytes", "node_id", "max_in_flight", "max_deadline_s", "receiver_timeout_s")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     compat: CompatInfo
     transport: str
     max_prompt_tokens: int
     max_message_bytes: int
     node_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., transport: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    max_in_flight: int
+    max_deadline_s: float
+    receiver_timeout_s: float
+    def __init__(self, protocol_version: _Optional[int] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., transport: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., node_id: _Optional[str] = ..., max_in_flight: _Optional[int] = ..., max_deadline_s: _Optional[float] = ..., receiver_timeout_s: _Optional[float] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "has_seed", "seed", "top_logprobs")
@@ -153,15 +159,17 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("serving", "running", "waiting_tokens", "pages_free", "pages_total")
+    __slots__ = ("serving", "running", "waiting_tokens", "pages_free", "pages_total", "error")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
     PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     running: int
     waiting_tokens: int
     pages_free: int
     pages_total: int
-    def __init__(self, serving: _Optional[bool] = ..., running: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., pages_free: _Optional[int] = ..., pages_total: _Optional[int] = ...) -> None: ...
+    error: str
+    def __init__(self, serving: _Optional[bool] = ..., running: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., pages_free: _Optional[int] = ..., pages_total: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,129 @@
+"""What the HTTP face costs: TTFT, ITL and throughput of one workload through `m3sdk serve` (streamed
+/v1/completions, the official-client path) against the embedded Engine, at several fixed concurrencies.
+
+    PYTHONPATH=src python benchmarks/http_overhead.py [--model DIR] [--concurrency 1,16,64] [--input-len 256]
+        [--output-len 64] [--num-prompts N] [--engine-arg NAME=JSON ...] [--out results.jsonl]
+
+Both modes get the same engine settings (--engine-arg, as `m3sdk bench` / `m3sdk serve` take them) and the same
+prompts (random token ids, EOS ignored); each mode loads its own engine (the embedded one in this process, then
+the server as a subprocess, never both at once) and warms up at every concurrency before it is measured. Metrics
+are m3sdk.bench's (vLLM's names), timed where the client sees each delta: the embedded engine's chunk on its
+event loop, the server's SSE event in an httpx client in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from m3sdk import Engine, SamplingParams
+from m3sdk.bench import EngineTarget, Target, compute_metrics, random_requests, run_load
+from m3sdk.bench_http import HTTPTarget
+from m3sdk.config import EngineConfig
+from m3sdk.model.config import ModelConfig
+
+KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "output_throughput")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="m3-tiny")
+    p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, help="per point (default: 4 x concurrency, at least 16)")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="NAME=JSON")
+    p.add_argument("--out", type=Path, help="append one JSON line per (mode, concurrency)")
+    return p.parse_args()
+
+
+def engine_overrides(args: argparse.Namespace) -> dict:
+    out = {"model": args.model, "max_num_seqs": max(int(c) for c in args.concurrency.split(","))}
+    for item in args.engine_arg:
+        name, _, value = item.partition("=")
+        out[name] = json.loads(value)
+    return out
+
+
+async def measure(target: Target, args: argparse.Namespace, vocab: int) -> dict[int, dict]:
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    out = {}
+    for k, conc in enumerate(int(c) for c in args.concurrency.split(",")):
+        n = args.num_prompts or max(16, 4 * conc)
+        warm = random_requests(min(n, 2 * conc), args.input_len, args.output_len, 0.0, vocab, 1000 + k)
+        await run_load(target, warm, greedy, max_concurrency=conc)
+        requests = random_requests(n, args.input_len, args.output_len, 0.0, vocab, k)
+        results, duration = await run_load(target, requests, greedy, max_concurrency=conc)
+        out[conc] = compute_metrics(results, duration, percentiles=(99,))
+    return out
+
+
+async def embedded(args: argparse.Namespace, overrides: dict, vocab: int) -> dict[int, dict]:
+    async with Engine(EngineConfig(**overrides)) as engine:
+        return await measure(EngineTarget(engine), args, vocab)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def through_http(args: argparse.Namespace, overrides: dict, vocab: int) -> dict[int, dict]:
+    port = free_port()
+    argv = [sys.executable, "-m", "m3sdk.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    for name, value in overrides.items():
+        argv += ["--engine-arg", f"{name}={json.dumps(value)}"]
+    server = subprocess.Popen(argv, env=os.environ.copy())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 1800
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"m3sdk serve did not come up (exit {server.poll()})")
+            await asyncio.sleep(0.5)
+        async with HTTPTarget(base + "/v1") as target:
+            return await measure(target, args, vocab)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def main() -> None:
+    args = parse_args()
+    overrides = engine_overrides(args)
+    vocab = ModelConfig.from_pretrained(EngineConfig(model=args.model).model_path()).vocab_size
+    runs = {"embedded": asyncio.run(embedded(args, overrides, vocab)),
+            "http": asyncio.run(through_http(args, overrides, vocab))}
+    header = f"{'conc':>5} {'mode':<9}" + "".join(f"{k:>20}" for k in KEYS)
+    print(header)
+    for conc in runs["embedded"]:
+        for mode in ("embedded", "http"):
+            m = runs[mode][conc]
+            print(f"{conc:>5} {mode:<9}" + "".join(f"{m[k]:>20.2f}" for k in KEYS))
+            if args.out is not None:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps({"mode": mode, "concurrency": conc, "engine": overrides, "input_len":
+                                        args.input_len, "output_len": args.output_len, **m}) + "\n")
+        e, h = runs["embedded"][conc], runs["http"][conc]
+        print(f"{conc:>5} {'http adds':<9} TTFT {h['median_ttft_ms'] - e['median_ttft_ms']:+.2f} ms (median), "
+              f"ITL {100 * (h['median_itl_ms'] / e['median_itl_ms'] - 1):+.1f} % (median), "
+              f"throughput {100 * (h['output_throughput'] / e['output_throughput'] - 1):+.1f} %")
+
+
+if __name__ == "__main__":
+    main()
