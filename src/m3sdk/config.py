@@ -207,6 +207,11 @@ class EngineConfig:
     # Speculative decoding: None (off), "ngram" | "eagle3" | "eagle3:/path/to/head" | "mtp", or a dict
     # {"method", "num_speculative_tokens", "model", ...}; normalized to a SpecConfig (above).
     speculative: SpecConfig | str | dict | None = None
+    # Images per request (docs/vision.md); 0: the checkpoint's vision encoder is not loaded (text serving pays
+    # nothing). A checkpoint without a vision tower takes no images whatever this says.
+    limit_images: int = 8
+    # Remote (http/https) image URLs -> their bytes; None: such URLs are refused (no network access by default).
+    image_fetcher: Callable[[str], bytes] | None = None
     cache: CacheConfig = CacheConfig()
     scheduling: SchedulingConfig = SchedulingConfig()
     disagg: DisaggConfig = DisaggConfig()
@@ -246,6 +251,10 @@ class EngineConfig:
         problems = _positive_int(self, "max_stop_strings", "max_stop_length")
         if not _is_int(self.seed) or self.seed < 0:
             problems.append(f"seed must be an int >= 0, got {self.seed!r}")
+        if not _is_int(self.limit_images) or self.limit_images < 0:
+            problems.append(f"limit_images must be an int >= 0, got {self.limit_images!r}")
+        if self.image_fetcher is not None and not callable(self.image_fetcher):
+            problems.append("image_fetcher must be a callable (url -> bytes) or None")
         if self.step_timeout is not None and (isinstance(self.step_timeout, bool) or not isinstance(
                 self.step_timeout, int | float) or not 0 < self.step_timeout < float("inf")):
             problems.append(f"step_timeout must be a positive number of seconds or None, got {self.step_timeout!r}")

@@ -20,10 +20,13 @@ from m3sdk.core.hooks import StepObserver
 from m3sdk.core.resolved import ResolvedConfig, resolve
 from m3sdk.core.warmup import warm_up
 from m3sdk.graphs import DecodeGraphs
+from m3sdk.images import ImagePrompts
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.dummy import dummy_model
+from m3sdk.model.image_processor import ImageProcessor
 from m3sdk.model.loader import load_model
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
+from m3sdk.model.vision_loader import load_vision_encoder
 from m3sdk.observability import get_logger
 from m3sdk.runner import ModelRunner
 from m3sdk.sampler import Sampler
@@ -89,7 +92,8 @@ def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParalle
             config=model.config, embed_tokens=model.embed_tokens, lm_head=model.lm_head,
             checkpoint=str(rc.model_path), device=rc.device, dtype=rc.dtype, model=model, kv_spec=cache.kv.spec,
             num_cache_pages=cache.num_pages, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len))
-    runner = ModelRunner(model, cache, rc.device, _graphs(rc, model, cache, tp, drafter), mirror=tp)
+    runner = ModelRunner(model, cache, rc.device, _graphs(rc, model, cache, tp, drafter), mirror=tp,
+                         images=_images(rc, tokenizer, tp))
     sampler = Sampler()
     if drafter is not None:
         executor: Executor = SpeculativeExecutor(runner, scheduler, sampler, Speculation(drafter, cache, sampler))
@@ -108,6 +112,16 @@ def _tokenizer_path(rc: ResolvedConfig) -> Path:
         log.info("no tokenizer.json beside the config: using the bundled m3-tiny tokenizer", model=str(rc.model_path))
         return BUNDLED_MODELS["m3-tiny"]
     return rc.model_path
+def _images(rc: ResolvedConfig, tokenizer: Tokenizer, tp: TensorParallel | None) -> ImagePrompts | None:
+    """Image prompts, when the checkpoint has a vision encoder and images are asked for (limit_images > 0); the
+    encoder runs on rank 0's device only, so tensor-parallel engines take text only for now."""
+    if rc.engine.limit_images == 0 or tp is not None:
+        return None
+    encoder = load_vision_encoder(rc.model_path, rc.device, rc.dtype)
+    if encoder is None:
+        return None
+    return ImagePrompts(ImageProcessor.from_pretrained(rc.model_path), encoder, tokenizer, rc.engine.limit_images,
+                        rc.device, rc.engine.image_fetcher)
 
 
 def _cache(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM) -> tuple[CacheManager, int]:
