@@ -18,7 +18,7 @@ from m3sdk.errors import (
     PrefillNodeError,
 )
 from m3sdk.params import SamplingParams
-from m3sdk.request import Chunk, Completion, Timings, Usage
+from m3sdk.request import Choice, Chunk, Completion, Timings, Usage
 from m3sdk.structured import StructuredOutput
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ __all__ = [
     "ChatCompletion",
     "ChatCompletionChunk",
     "CheckpointError",
+    "Choice",
     "Chunk",
     "Completion",
     "ConfigError",

@@ -268,12 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the server extra)",
                            description="An OpenAI-compatible HTTP server over the engine (docs/server.md).")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
-    serve.add_argument("--port", type=POSITIVE_INT, default=8000, help="(default: %(default)s)")
+    serve.add_argument("--port", type=POSITIVE_INT, default=8000, help="TCP port to listen on (default: %(default)s)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $M3SDK_API_KEY, "
                        "else none)")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="names clients give as 'model' (default: the checkpoint folder's name)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="the server's log verbosity on stderr (default: %(default)s)")
     engine_options(serve)
     _bench_module().add_engine_arguments(serve)
 
@@ -287,13 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert (default: none)")
     node.add_argument("--insecure", action="store_true",
                       help="serve beyond loopback with neither a token ($M3SDK_PREFILL_TOKEN) nor TLS")
-    # default None: messages.Limits' defaults (131072 tokens, 32 prefills, 120 s, 2 GiB, 10 s)
-    node.add_argument("--max-prompt-tokens", type=int, help="longest prompt taken (lowered to what the KV cache holds)")
-    node.add_argument("--max-in-flight", type=int, help="prefills held at once")
-    node.add_argument("--max-deadline", type=float, help="seconds: a caller's later deadline is cut to this")
-    node.add_argument("--max-message-bytes", type=int, help="largest KV data message")
-    node.add_argument("--receiver-timeout", type=float,
-                      help="seconds the decode side has to take the pages once the first token is computed")
+    # default None: messages.Limits' own defaults, named in the help
+    node.add_argument("--max-prompt-tokens", type=int, metavar="N",
+                      help="longest prompt taken, lowered to what the KV cache holds (default: 131072)")
+    node.add_argument("--max-in-flight", type=int, metavar="N", help="prefills held at once (default: 32)")
+    node.add_argument("--max-deadline", type=float, metavar="S",
+                      help="seconds: a caller's later deadline is cut to this (default: 120)")
+    node.add_argument("--max-message-bytes", type=int, metavar="B", help="largest KV data message (default: 2 GiB)")
+    node.add_argument("--receiver-timeout", type=float, metavar="S",
+                      help="seconds the decode side has to take the pages once the first token is computed "
+                           "(default: 10)")
     engine_options(node)
     return parser
 

@@ -4,11 +4,13 @@ own thread; the caller's event loop only validates and moves requests in, and de
 Requests go in through the core's thread-safe inbox. Deltas come back once per step, scheduled onto the event loop
 from the engine thread without waiting for it (`_LoopHandle`), into one memory stream per request. Leaving a
 stream early, cancelling the awaiting task, or `abort()` ends the request in the core and frees its pages. If the
-engine thread dies, every waiter gets EngineDeadError at once.
+engine thread dies, every waiter gets EngineDeadError at once. (Over 450 lines: generate, stream, chat and abort
+share the loop-side state here, the channels and orphans, which has one owner.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import uuid
@@ -59,9 +61,12 @@ class _LoopHandle:
 
 
 class _Channel:
-    """One request's deltas, from the loop's dispatch to its waiter."""
+    """One request's deltas (all its choices'), from the loop's dispatch to its waiter. `ids`: the engine's request
+    id of each choice (the application's id for a single choice, suffixed "/index" for several)."""
 
-    def __init__(self) -> None:
+    def __init__(self, request_id: str, ids: list[str]) -> None:
+        self.request_id = request_id
+        self.ids = ids
         self.send: MemoryObjectSendStream[Chunk | object]
         self.receive: MemoryObjectReceiveStream[Chunk | object]
         self.send, self.receive = anyio.create_memory_object_stream(math.inf)
@@ -86,7 +91,8 @@ class Engine:
         self._core: EngineCore | None = None
         self._metrics: EngineMetrics | None = None
         self._loop: _LoopHandle | None = None
-        self._channels: dict[str, _Channel] = {}
+        self._channels: dict[str, _Channel] = {}  # by the engine's request id of each live choice
+        self._requests: dict[str, _Channel] = {}  # by the application's request id
         # ids whose waiter left early, with how many aborts are in flight: their chunks are dropped until the
         # core's last one, so a new request reusing the id gets only its own
         self._orphans: dict[str, int] = {}
@@ -156,27 +162,20 @@ class Engine:
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, /, *,
                        request_id: str | None = None, priority: int = 0, **param_overrides: Any) -> Completion:
-        """The whole completion. Cancelling the awaiting task aborts the request."""
-        text: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list = []
+        """The whole completion, its `n` choices in `outputs`. Cancelling the awaiting task aborts the request."""
+        chunks: dict[int, list[Chunk]] = {}
         async with aclosing(self.stream(prompt, params, request_id=request_id, priority=priority,
-                                        **param_overrides)) as chunks:
-            async for chunk in chunks:
-                text.append(chunk.text)
-                token_ids += chunk.token_ids
-                if chunk.logprobs is not None:
-                    logprobs += chunk.logprobs
-        return Completion(chunk.request_id, "".join(text), token_ids, chunk.finish_reason, chunk.usage,
-                          chunk.timings, logprobs if chunk.logprobs is not None else None)
+                                        **param_overrides)) as stream:
+            async for chunk in stream:
+                chunks.setdefault(chunk.index, []).append(chunk)
+        return Completion.of_chunks([chunks[i] for i in sorted(chunks)])
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, /, *, request_id: str | None = None,
                priority: int = 0, **param_overrides: Any) -> AsyncIterator[Chunk]:
-        """Deltas as they are generated; the last chunk has finish_reason, usage and timings. The request is
-        validated here (InvalidRequestError, TypeError) and queued when iteration starts; leaving the loop
-        early aborts it."""
-        request = self._make_request(prompt, params, request_id, priority, param_overrides)
-        return self._stream(request)
+        """Deltas as they are generated, each of choice `chunk.index` (several choices' interleave when n > 1);
+        the last chunk of each choice has finish_reason, usage and timings. The request is validated here
+        (InvalidRequestError, TypeError) and queued when iteration starts; leaving the loop early aborts it."""
+        return self._stream(self._make_requests(prompt, params, request_id, priority, param_overrides))
 
     async def chat(self, messages: Sequence[Mapping[str, Any]], /, *, tools: Sequence[Mapping[str, Any]] | None = None,
                    tool_choice: str | Mapping[str, Any] = "auto", response_format: Mapping[str, Any] | None = None,
@@ -240,13 +239,16 @@ class Engine:
             if params.structured_output is not None:
                 raise InvalidRequestError("pass structured_output or tool_choice / response_format, not both")
             params = params.replace(structured_output=constraint)
+        if params.n != 1:
+            raise InvalidRequestError(f"a chat turn has one reply: n must be 1, got {params.n}")
         ids = core.tokenizer.encode(prompt, add_special_tokens=False)
-        request = self._make_request(ids, params, request_id, priority, {})
+        requests = self._make_requests(ids, params, request_id, priority, {})
         parser = AssistantStreamParser(None if tool_choice == "none" else tools, starts_in_reasoning=in_reasoning)
-        return self._parsed(request, parser)
+        return self._parsed(requests, parser)
 
-    async def _parsed(self, request: Request, parser: AssistantStreamParser) -> AsyncIterator[tuple[Chunk, list]]:
-        async with aclosing(self._stream(request)) as chunks:
+    async def _parsed(self, requests: list[Request], parser: AssistantStreamParser
+                      ) -> AsyncIterator[tuple[Chunk, list]]:
+        async with aclosing(self._stream(requests)) as chunks:
             async for chunk in chunks:
                 deltas = parser.feed(chunk.text)
                 if chunk.finish_reason is not None:
@@ -254,9 +256,13 @@ class Engine:
                 yield chunk, deltas
 
     async def abort(self, request_id: str) -> None:
-        """End a request (its waiter gets finish_reason "abort"). Unknown or finished ids are a no-op."""
-        if request_id in self._channels and self._dead is None:
-            self._running_core().abort(request_id)
+        """End a request, every choice of it (its waiter gets finish_reason "abort"). Unknown or finished ids are
+        a no-op."""
+        channel = self._requests.get(request_id)
+        if channel is not None and self._dead is None:
+            for rid in channel.ids:
+                if self._channels.get(rid) is channel:
+                    self._running_core().abort(rid)
 
     # -- requests in -----------------------------------------------------------------------------------
 
@@ -272,8 +278,9 @@ class Engine:
             raise RuntimeError("the Engine is not running: use `async with Engine(...)` or `await start()`")
         return self._core
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                      priority: int, overrides: dict[str, Any]) -> Request:
+    def _make_requests(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                       priority: int, overrides: dict[str, Any]) -> list[Request]:
+        """The request's choices, validated (every check before anything is queued)."""
         core = self._running_core()
         params = _params(params, overrides)
         params.check_against(core.vocab_size, self.config.max_stop_strings, self.config.max_stop_length)
@@ -291,7 +298,14 @@ class Engine:
         if len(ids) + params.max_tokens > limit:
             raise InvalidRequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                       f"max_model_len {limit}")
-        return core.new_request(request_id, ids, params, len(ids) + params.max_tokens, priority)
+        most = self.config.max_num_seqs + self.config.max_waiting_requests
+        if params.n > most:
+            raise InvalidRequestError(f"n={params.n} choices cannot all be live in this engine (max_num_seqs + "
+                                      f"max_waiting_requests = {most})")
+        if params.n == 1:
+            return [core.new_request(request_id, ids, params, len(ids) + params.max_tokens, priority)]
+        return [core.new_request(f"{request_id}/{i}", ids, params.for_choice(i), len(ids) + params.max_tokens,
+                                 priority, index=i) for i in range(params.n)]
 
     @staticmethod
     def _prompt_ids(core: EngineCore, prompt: Prompt) -> list[int]:
@@ -324,45 +338,65 @@ class Engine:
             raise InvalidRequestError("the prompt is empty")
         return ids
 
-    def _admit(self, request: Request) -> _Channel:
+    def _admit(self, requests: list[Request]) -> _Channel:
         core = self._running_core()
         if not self._loop.is_current():
             raise RuntimeError("an Engine serves the event loop that started it")
-        if request.request_id in self._channels:
-            raise InvalidRequestError(f"request_id {request.request_id!r} is already live")
-        if len(self._channels) >= self.config.max_num_seqs + self.config.max_waiting_requests:
+        rid = requests[0].request_id if len(requests) == 1 else requests[0].request_id.rpartition("/")[0]
+        ids = [r.request_id for r in requests]
+        if rid in self._requests or any(i in self._channels for i in ids):
+            raise InvalidRequestError(f"request_id {rid!r} is already live")
+        if len(self._channels) + len(ids) > self.config.max_num_seqs + self.config.max_waiting_requests:
             raise EngineOverloadedError(f"{len(self._channels)} requests are live (max_num_seqs "
                                         f"{self.config.max_num_seqs} + max_waiting_requests "
                                         f"{self.config.max_waiting_requests}); retry later")
-        channel = _Channel()
-        self._channels[request.request_id] = channel
-        core.submit(request)
+        channel = _Channel(rid, ids)
+        self._requests[rid] = channel
+        self._channels.update(dict.fromkeys(ids, channel))
+        core.submit(*requests)
         return channel
 
-    async def _stream(self, request: Request) -> AsyncIterator[Chunk]:
-        rid = request.request_id
-        channel = self._admit(request)
-        done = False
+    async def _stream(self, requests: list[Request]) -> AsyncIterator[Chunk]:
+        channel = self._admit(requests)
+        rid, several = channel.request_id, len(requests) > 1
+        ended: set[int] = set()  # choices whose last chunk came
+        backlog: list[Chunk | object] = []
         try:
-            while not done:
-                item = await channel.receive.receive()
-                # Under load several steps' deltas wait here: hand them over as one chunk.
-                while item is not _DEAD and item.finish_reason is None and not channel.empty():
-                    nxt = channel.receive.receive_nowait()
-                    item = _DEAD if nxt is _DEAD else item.then(nxt)
+            while len(ended) < len(requests):
+                item = backlog.pop(0) if backlog else await channel.receive.receive()
+                while not channel.empty():
+                    backlog.append(channel.receive.receive_nowait())
+                if item is not _DEAD and item.finish_reason is None and backlog:
+                    # Under load several steps' deltas wait here: hand each choice's over as one chunk.
+                    if _DEAD in backlog:
+                        item = _DEAD
+                    else:
+                        rest = []
+                        for nxt in backlog:
+                            if nxt.index == item.index and item.finish_reason is None:
+                                item = item.then(nxt)
+                            else:
+                                rest.append(nxt)
+                        backlog = rest
                 if item is _DEAD:
                     raise EngineDeadError(f"the engine thread died: {self._dead!r}") from self._dead
+                if item.finish_reason is not None:
+                    ended.add(item.index)
                 if item.error is not None:
-                    done = True
                     raise item.error
-                done = item.finish_reason is not None
-                yield item
+                yield dataclasses.replace(item, request_id=rid) if several else item
         finally:
-            if self._channels.get(rid) is channel:
-                del self._channels[rid]
-            if not done and self._dead is None and not self._closed and not _holds_last(channel):
-                self._orphans[rid] = self._orphans.get(rid, 0) + 1
-                self._core.abort(rid)
+            for i in channel.ids:
+                if self._channels.get(i) is channel:
+                    del self._channels[i]
+            if self._requests.get(rid) is channel:
+                del self._requests[rid]
+            if len(ended) < len(requests) and self._dead is None and not self._closed:
+                ended |= _last_indices(backlog) | _last_indices(_drain(channel))
+                for request in requests:
+                    if request.index not in ended and not request.is_finished:
+                        self._orphans[request.request_id] = self._orphans.get(request.request_id, 0) + 1
+                        self._core.abort(request.request_id)
             channel.close()
 
     # -- deltas out (called in the engine thread) -------------------------------------------------------
@@ -412,10 +446,14 @@ def _remote_prefill(config: EngineConfig, core: EngineCore) -> Any:
     return RemotePrefill.from_config(config, core.cache, core.vocab_size, core.wake)
 
 
-def _holds_last(channel: _Channel) -> bool:
-    """Whether the core's last chunk already reached this channel, which its waiter left (drains it)."""
+def _drain(channel: _Channel) -> list[Chunk | object]:
+    """What waits in a channel its waiter left."""
+    items = []
     while not channel.empty():
-        item = channel.receive.receive_nowait()
-        if item is not _DEAD and item.finish_reason is not None:
-            return True
-    return False
+        items.append(channel.receive.receive_nowait())
+    return items
+
+
+def _last_indices(items: list[Chunk | object]) -> set[int]:
+    """The choices whose last chunk is among these."""
+    return {item.index for item in items if item is not _DEAD and item.finish_reason is not None}

@@ -1,7 +1,8 @@
 """Sampler: logits [N, V] and one SamplingState per row -> one SampledToken per row.
 
 Each row goes through, in order (vLLM's order and semantics):
-  0. the grammar's bitmask, for rows with a structured output: tokens it forbids become -inf;
+  0. the grammar's bitmask, for rows with a structured output: tokens it forbids become -inf; then logit_bias
+     added, and before min_tokens are generated eos and the stop token ids set to -inf;
   1. penalties: repetition over prompt + output (divide positive logits, multiply negative ones), presence and
      frequency over the output only (subtract once per seen token / once per occurrence);
   2. temperature (greedy rows, temperature 0, take the argmax here, after penalties);
@@ -59,6 +60,8 @@ class SamplingState:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: list[int] = field(default_factory=list)
+    # the ids masked until min_tokens are generated: eos (unless ignored) and the stop token ids (the core sets it)
+    min_tokens_ids: tuple[int, ...] = ()
     # the structured output's matcher, at the state after output_token_ids
     grammar: Grammar | None = None
     _penalty: _PenaltyCounts | None = field(default=None, init=False, repr=False)
@@ -68,6 +71,16 @@ class SamplingState:
         self.output_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
+
+    @property
+    def masks_stops(self) -> bool:
+        """Its next token must not be one that ends it (fewer than min_tokens generated)."""
+        return bool(self.min_tokens_ids) and len(self.output_token_ids) < self.params.min_tokens
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Stage 0 changes its logits (a logit_bias, or stops masked)."""
+        return self.params.logit_bias is not None or self.masks_stops
 
     def generator_seed(self) -> int | None:
         """Seed of this step's draw (None: unseeded, use the global generator)."""
@@ -118,6 +131,27 @@ def _update(x: torch.Tensor, rows: _Rows, fn: Callable[[torch.Tensor], torch.Ten
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return to_device(values, torch.float32, device).unsqueeze(1)
+
+
+def apply_logit_bias(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    """Each row's logit_bias added and, before its min_tokens, its stop ids set to -inf, in place: one scatter for
+    the batch."""
+    rows: list[int] = []
+    ids: list[int] = []
+    values: list[float] = []
+    for i, s in enumerate(states):
+        if s.params.logit_bias is not None:
+            rows += [i] * len(s.params.logit_bias)
+            ids += s.params.logit_bias.keys()
+            values += s.params.logit_bias.values()
+        if s.masks_stops:
+            rows += [i] * len(s.min_tokens_ids)
+            ids += s.min_tokens_ids
+            values += [-math.inf] * len(s.min_tokens_ids)
+    if rows:
+        index = to_device(rows + ids, torch.long, x.device)
+        x.index_put_((index[:len(rows)], index[len(rows):]), to_device(values, torch.float32, x.device),
+                     accumulate=True)
 
 
 def apply_penalties(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
@@ -200,6 +234,7 @@ def processed_probs(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
     """The distribution each row is sampled from, float32[N, V]: after penalties, temperature, min-p, top-k and
     top-p. Greedy rows are one-hot at their argmax. (For exact rejection sampling in speculative decoding.)"""
     x = logits.to(torch.float32, copy=True)
+    apply_logit_bias(x, states)
     apply_penalties(x, states)
     apply_temperature(x, states)
     apply_truncation(x, [s.params for s in states])
@@ -245,9 +280,11 @@ class Sampler:
         dev = logits.device
         # a copy only for the steps that change it in place (penalties, temperature, truncation of sampled rows):
         # an all-greedy batch-64 step would copy 51 MB of M3 logits for nothing
-        plain = all(s.params.greedy and not s.params.has_penalties and s.grammar is None for s in states)
+        plain = all(s.params.greedy and not s.params.has_penalties and not s.adjusts_logits and s.grammar is None
+                    for s in states)
         x = logits.to(torch.float32, copy=not plain)
         apply_grammars(x, states)
+        apply_logit_bias(x, states)
         apply_penalties(x, states)
         apply_temperature(x, states)
         logz = x.logsumexp(dim=1)
@@ -297,3 +334,35 @@ class PendingSample:
             SampledToken(tok, lp, top.get(i, [] if self._logprob_counts[i] == 0 else None))
             for i, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=True))
         ]
+
+
+@torch.inference_mode()
+def launch_prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], top_n: Sequence[int]) -> PendingLogprobs:
+    """Row i's logprob of token `targets[i]` and its top `top_n[i]` alternatives, under the plain log-softmax of the
+    logits (a prompt token given its prefix: no sampling parameter applies), queued on the device."""
+    x = logits.to(torch.float32)
+    logz = x.logsumexp(dim=1)
+    target = to_device(list(targets), torch.long, x.device)
+    chosen = x.gather(1, target.unsqueeze(1)).squeeze(1) - logz
+    width = min(max(top_n), x.shape[1])
+    top_vals = top_ids = None
+    if width:
+        top_vals, top_ids = x.topk(width, dim=1)
+        top_vals = top_vals - logz.unsqueeze(1)
+    return PendingLogprobs(HostCopy(chosen, top_vals, top_ids), list(targets), list(top_n))
+
+
+@dataclass
+class PendingLogprobs:
+    """Logprobs of given tokens queued on the device; `resolve()` reads them as SampledTokens."""
+
+    _host: HostCopy
+    _targets: list[int]
+    _top_n: list[int]
+
+    def resolve(self) -> list[SampledToken]:
+        chosen, top_vals, top_ids = self._host.get()
+        vals = top_vals.tolist() if top_vals is not None else None
+        ids = top_ids.tolist() if top_ids is not None else None
+        return [SampledToken(t, lp, list(zip(ids[i][:k], vals[i][:k], strict=True)) if k else [])
+                for i, (t, lp, k) in enumerate(zip(self._targets, chosen.tolist(), self._top_n, strict=True))]

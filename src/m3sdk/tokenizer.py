@@ -184,21 +184,24 @@ class TextStream:
     at the token that completes it; the window slides once its text ends on a whole character.
 
     Stop strings: released text is held back while its tail could still grow into a stop string; when one
-    completes, the text before it is the last delta and the stop string is never included. The match that
-    completes first wins (so the result does not depend on how text splits into tokens), the longest one among
-    those completing at the same character.
+    completes, the text before it is the last delta (with the stop string at its end when
+    `include_stop_str_in_output`). The match that completes first wins (so the result does not depend on how text
+    splits into tokens), the longest one among those completing at the same character. A push with
+    `match_stops=False` (before min_tokens) matches none: a stop string counts only if it completes in the text of
+    a push that matches.
     """
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: Sequence[int],
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
-        self._skip_special = skip_special_tokens
+        self._skip_special = params.skip_special_tokens
+        self._include_stop = params.include_stop_str_in_output
         self._ids = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)
         self._sent = 0  # characters of the window's text released beyond its prefix text
         self._stops = params.stop_strings
         self._pending = ""  # decoded text held back: it could be the start of a stop string
+        self._unmatched = 0  # leading characters of _pending pushed while stops were not matched
         self.stop_reason: str | None = None
 
     def _decode(self, start: int, end: int | None = None) -> str:
@@ -218,30 +221,33 @@ class TextStream:
             self._sent = max(start, len(stable))
         return delta
 
-    def _cut(self, text: str, final: bool) -> str:
+    def _cut(self, text: str, final: bool, match: bool = True) -> str:
         if not self._stops:
             return text
         buf = self._pending + text
-        # the held-back text holds no whole stop string, so any match ends inside `text`
-        hits = [(pos + len(s), pos, s) for s in self._stops if (pos := buf.find(s)) >= 0]
+        # a match ends past the text pushed while stops were not matched (held back, so at most a stop's length)
+        hits = [(pos + len(s), pos, s) for s in self._stops
+                if match and (pos := buf.find(s, max(0, self._unmatched - len(s) + 1))) >= 0]
         if hits:
             _, pos, stop = min(hits)
             self.stop_reason, self._pending = stop, ""
-            return buf[:pos]
+            return buf[:pos + len(stop)] if self._include_stop else buf[:pos]
         hold = 0
         if not final:
             longest = max(len(s) for s in self._stops) - 1
             hold = next((k for k in range(min(longest, len(buf)), 0, -1)
                          if any(s.startswith(buf[-k:]) for s in self._stops)), 0)
         self._pending = buf[len(buf) - hold:]
+        self._unmatched = hold if not match else max(0, self._unmatched - (len(buf) - hold))
         return buf[:len(buf) - hold]
 
-    def push(self, token_id: int) -> tuple[str, str | None]:
-        """Add one generated token -> (text to emit now, the stop string if one just completed)."""
+    def push(self, token_id: int, match_stops: bool = True) -> tuple[str, str | None]:
+        """Add one generated token -> (text to emit now, the stop string if one just completed). With
+        `match_stops=False` no stop string completes at this token."""
         if self.stop_reason is not None:
             raise RuntimeError(f"push() after the stop string {self.stop_reason!r} ended this stream")
         self._ids.append(token_id)
-        text = self._cut(self._decoded_delta(final=False), final=False)
+        text = self._cut(self._decoded_delta(final=False), final=False, match=match_stops)
         return text, self.stop_reason
 
     def finish(self) -> str:

@@ -30,7 +30,8 @@ class CacheManager(Protocol):
     num_pages: int
 
     def match_prefix(self, request: Request) -> list[int]:
-        """Cached pages holding a prefix of the request's tokens (read only: nothing is taken yet)."""
+        """Cached pages holding a prefix of the request's tokens (read only: nothing is taken yet); none for a
+        request that needs its prompt logprobs (its prefill computes every prompt position)."""
 
     def allocate(self, request: Request, num_new_tokens: int, prefix_pages: Sequence[int] = ()) -> bool:
         """Hold pages for `num_computed_tokens + num_new_tokens` tokens (a new request first takes
@@ -81,7 +82,7 @@ class PagedCacheManager:
         return self._tables.get(request.request_id, [])
 
     def match_prefix(self, request: Request) -> list[int]:
-        if self.prefix is None or request.request_id in self._tables:
+        if self.prefix is None or request.request_id in self._tables or request.needs_prompt_logprobs:
             return []
         # At least the last token is computed again: its logits start the generation.
         hashes = self._page_hashes(request, (request.num_tokens - 1) // PAGE_SIZE)

@@ -74,7 +74,10 @@ class EngineCore:
         # sleeps until its inbox hears of it.
         self._stalled = False
         self._num_holds = 0  # finished requests' pages retained for a listener's I/O
-        self._counters = dict(steps=0, prompt_tokens=0, requests_timed_out=0)
+        # the other choices of an n-choice prompt, until its first choice's prompt is computed
+        self._held_choices: list[tuple[Request, list[Request]]] = []
+        # prefill_tokens: prompt tokens run through the model (prefix-cache hits are not, recomputes are again)
+        self._counters = dict(steps=0, prompt_tokens=0, prefill_tokens=0, requests_timed_out=0)
         # requests with a timeout: (deadline on time.monotonic(), tie-breaker, request), nearest first
         self._deadlines: list[tuple[float, int, Request]] = []
         self._tie = itertools.count()
@@ -95,17 +98,21 @@ class EngineCore:
             return self._grammars
 
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_total_tokens: int,
-                    priority: int = 0) -> Request:
-        """A request with its seeded sampling state, its structured output's matcher (compiled here, in the
-        caller's thread: InvalidRequestError if it does not compile) and incremental detokenizer attached."""
+                    priority: int = 0, index: int = 0) -> Request:
+        """A request (choice `index` of its prompt) with its seeded sampling state, its structured output's matcher
+        (compiled here, in the caller's thread: InvalidRequestError if it does not compile) and incremental
+        detokenizer attached."""
         grammar = None
         if params.structured_output is not None:
             if self._admission is not None:
                 raise InvalidRequestError("structured_output is not supported with prefill_nodes (a prefill node "
                                           "samples the first token unconstrained)")
             grammar = self.grammars().grammar(params.structured_output)
-        request = Request(request_id, prompt_ids, params, max_total_tokens, priority)
-        request.sampling = SamplingState(params, prompt_ids, grammar=grammar)
+        request = Request(request_id, prompt_ids, params, max_total_tokens, priority, index=index)
+        # eos is never masked for a structured output: its grammar decides where it may end
+        stops = () if params.ignore_eos or grammar is not None else sorted(self.output.eos_token_ids)
+        request.sampling = SamplingState(params, prompt_ids, grammar=grammar,
+                                         min_tokens_ids=tuple(dict.fromkeys([*stops, *params.stop_token_ids])))
         request.text = TextStream(self.tokenizer, params, prompt_ids)
         return request
 
@@ -126,8 +133,10 @@ class EngineCore:
             threading.Thread(target=self._watch, args=(once, self.config.engine.step_timeout),
                              name="m3sdk-watchdog", daemon=True).start()
 
-    def submit(self, request: Request) -> None:
-        self._inbox.put((_ADD, request))
+    def submit(self, request: Request, *choices: Request) -> None:
+        """Queue a request; the other `choices` of its prompt (if any) follow it once its prompt is computed, so
+        that they find the prompt's pages in the prefix cache and compute only its last partial page."""
+        self._inbox.put((_ADD, (request, choices)))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put((_ABORT, request_id))
@@ -176,10 +185,13 @@ class EngineCore:
         ex = self.executor
         self._enter("settle the step in flight")
         chunks = self.output.process(ex.settle())
+        self._add_held_choices()
         self._enter("schedule")
         plan = ex.schedule()
         if plan:
             self._counters["steps"] += 1
+            self._counters["prefill_tokens"] += sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
+                                                    for r, n, _ in plan.scheduled)
             self._enter("launch the forward")
             ex.launch(plan, self._layer_hook(plan))
         elif not ex.busy and not chunks:
@@ -218,7 +230,8 @@ class EngineCore:
         now = time.monotonic()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, request = heapq.heappop(self._deadlines)
-            if not request.is_finished and self._live(request.request_id) is request:
+            if not request.is_finished and (self._live(request.request_id)
+                                            or self._take_held(request.request_id)) is request:
                 self._counters["requests_timed_out"] += 1
                 self._pending.append(self.output.finish(request, "timeout"))
 
@@ -287,7 +300,8 @@ class EngineCore:
 
     def _handle_inbox(self) -> bool:
         """Apply queued adds and aborts; blocks while there is nothing to run. False once told to stop."""
-        block = self._stalled or not (self.scheduler.num_running or self.scheduler.num_waiting or self.executor.busy)
+        block = self._stalled or not (self.scheduler.num_running or self.scheduler.num_waiting or self.executor.busy
+                                      or self._held_choices)
         while True:
             # waiting for work: wake for the nearest deadline (a stalled request may pass its timeout meanwhile)
             wait = max(0.0, self._deadlines[0][0] - time.monotonic()) if block and self._deadlines else None
@@ -297,13 +311,18 @@ class EngineCore:
                 return True
             block = self._stalled = False
             if kind == _ADD:
-                self._counters["prompt_tokens"] += item.num_prompt_tokens
-                if item.params.timeout is not None:
-                    heapq.heappush(self._deadlines, (item.arrival_time + item.params.timeout, next(self._tie), item))
-                if self._admission is None or not self._admission.admit(item):
-                    self.scheduler.add(item)
+                request, choices = item
+                for r in (request, *choices):
+                    if r.params.timeout is not None:
+                        heapq.heappush(self._deadlines, (r.arrival_time + r.params.timeout, next(self._tie), r))
+                self._add(request)
+                if choices and self.config.engine.enable_prefix_caching:
+                    self._held_choices.append((request, list(choices)))
+                else:
+                    for choice in choices:
+                        self._add(choice)
             elif kind == _ABORT:
-                request = self._live(item)
+                request = self._live(item) or self._take_held(item)
                 if request is not None:  # unknown or finished: a no-op
                     self._pending.append(self.output.finish(request, "abort"))
             elif kind == _UNHOLD:  # a finish listener's I/O let go of a finished request's pages
@@ -315,9 +334,41 @@ class EngineCore:
                 live = self.scheduler.live_requests()
                 if self._admission is not None:
                     live += self._admission.live_requests()
+                live += [c for _, choices in self._held_choices for c in choices]
+                self._held_choices.clear()
                 for request in live:
                     self._pending.append(self.output.finish(request, "abort"))
                 return False
+
+    def _add(self, request: Request) -> None:
+        self._counters["prompt_tokens"] += request.num_prompt_tokens
+        # a prefill node samples the first token without logit_bias or min_tokens and computes no prompt logprobs:
+        # such a request is prefilled here
+        remote = not (request.sampling.adjusts_logits or request.needs_prompt_logprobs)
+        if self._admission is None or not remote or not self._admission.admit(request):
+            self.scheduler.add(request)
+
+    def _add_held_choices(self) -> None:
+        """The choices whose first choice's prompt is computed (its pages committed to the prefix cache), or which
+        ended, go to the scheduler."""
+        if not self._held_choices:
+            return
+        held = []
+        for first, choices in self._held_choices:
+            if first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens:
+                for choice in choices:
+                    self._add(choice)
+            else:
+                held.append((first, choices))
+        self._held_choices = held
+
+    def _take_held(self, request_id: str) -> Request | None:
+        for _, choices in self._held_choices:
+            for choice in choices:
+                if choice.request_id == request_id:
+                    choices.remove(choice)
+                    return choice
+        return None
 
     def _live(self, request_id: str) -> Request | None:
         request = self.scheduler.get(request_id)

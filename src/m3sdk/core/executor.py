@@ -14,11 +14,15 @@ An `InFlight` is a step launched whose results the host has not read: `resolve()
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import torch
+
 from m3sdk.core.hooks import LayerHook
 from m3sdk.core.output import Emitted
+from m3sdk.prompt_logprobs import PendingPromptLogprobs, widen_for_prompt_logprobs
 from m3sdk.request import Request
 from m3sdk.runner import PLACEHOLDER, Carry, ModelRunner
 from m3sdk.sampler import PendingSample, Sampler
@@ -39,12 +43,13 @@ class InFlight(Protocol):
 @dataclass
 class SampledStep:
     """A forward whose sampling is launched: `rows` sample, in plan order; with `slots`, row i's token stands as a
-    PLACEHOLDER at `token_ids[slots[i]]` (an overlapped step's)."""
+    PLACEHOLDER at `token_ids[slots[i]]` (an overlapped step's); `prompt`: the prompt logprobs it computes."""
 
     plan: StepPlan
     rows: list[Request]
     slots: list[int] | None
     sample: PendingSample | None
+    prompt: PendingPromptLogprobs | None = None
 
     def carry(self) -> Carry | None:
         if self.sample is None:
@@ -52,6 +57,8 @@ class SampledStep:
         return Carry(self.sample.tokens, {id(r): i for i, r in enumerate(self.rows)})
 
     def resolve(self) -> list[Emitted]:
+        if self.prompt is not None:  # before the tokens: the first token's chunk carries them
+            self.prompt.resolve()
         if self.sample is None:
             return []
         tokens = self.sample.resolve()
@@ -118,9 +125,21 @@ class Executor:
     def _sampled(self, plan: StepPlan, prev: SampledStep | None, layer_hook: LayerHook | None,
                  placeholders: bool) -> SampledStep:
         rows = [s.request for s in plan.scheduled if s.samples]
-        logits = self.runner.run(plan, prev.carry() if prev is not None else None, layer_hook)
+        logits, prompt = self._forward(plan, prev.carry() if prev is not None else None, layer_hook)
         sample = self.sampler.launch(logits, [r.sampling for r in rows]) if rows else None
-        return SampledStep(plan, rows, _placeholders(rows) if placeholders else None, sample)
+        return SampledStep(plan, rows, _placeholders(rows) if placeholders else None, sample, prompt)
+
+    def _forward(self, plan: StepPlan, carry: Carry | None, layer_hook: LayerHook | None
+                 ) -> tuple[torch.Tensor | None, PendingPromptLogprobs | None]:
+        """The plan's forward: logits of its sampling rows, and the prompt logprobs it computes, launched."""
+        if not any(sc.request.needs_prompt_logprobs for sc in plan.scheduled):
+            return self.runner.run(plan, carry, layer_hook), None
+        num_logits, prompt = widen_for_prompt_logprobs(plan, [int(sc.samples) for sc in plan.scheduled])
+        logits = self.runner.forward(plan, num_logits, carry=carry, layer_hook=layer_hook)[0]
+        # each sampling entry's last row
+        ends = list(itertools.accumulate(num_logits))
+        sample_rows = [end - 1 for sc, end in zip(plan.scheduled, ends, strict=True) if sc.samples]
+        return (logits[sample_rows] if sample_rows else None), prompt.launch(logits)
 
 
 def _placeholders(rows: list[Request]) -> list[int]:
@@ -133,8 +152,9 @@ def _placeholders(rows: list[Request]) -> list[int]:
 
 
 def _lag_safe(request: Request) -> bool:
-    """Its next draw does not read its own last token on the host (penalties count it, a seed counts tokens)."""
-    return request.params.seed is None and not request.params.has_penalties
+    """Its next draw does not read its own last token on the host (penalties count it, a seed counts tokens, so
+    does min_tokens until it is reached)."""
+    return request.params.seed is None and not request.params.has_penalties and not request.sampling.masks_stops
 
 
 class OverlappedExecutor(Executor):
@@ -172,8 +192,8 @@ class OverlappedExecutor(Executor):
             return
         # a row's grammar bitmask needs step N's token accepted on the host: the forward is queued now, its
         # sampling in `commit`, after the core accepted N's tokens (the masks are filled while the forward runs)
-        logits = self.runner.run(plan, self._prev.carry(), layer_hook)
-        self._unsampled = SampledStep(plan, rows, _placeholders(rows), None), logits
+        logits, prompt = self._forward(plan, self._prev.carry(), layer_hook)
+        self._unsampled = SampledStep(plan, rows, _placeholders(rows), None, prompt), logits
 
     def collect(self) -> list[Emitted]:
         prev, self._prev = self._prev, None

@@ -8,10 +8,11 @@ which the core calls once the next step is launched: the host's detokenizing ove
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from m3sdk.request import Chunk, FinishReason, Request
+from m3sdk.request import Chunk, FinishReason, Request, StopReason
 from m3sdk.runner import PLACEHOLDER
 from m3sdk.sampler import SampledToken
 
@@ -26,21 +27,32 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         # frees what a finished request holds (its scheduler's or admission's state, pages, drafts)
         self._release = release
-        self._text_later: list[tuple[Request, list[SampledToken]]] = []
+        # tokens recorded whose text waits for `flush`, with the position of the first
+        self._text_later: list[tuple[Request, list[SampledToken], int]] = []
         self.counters = dict(generation_tokens=0, requests_finished=0, requests_aborted=0)
 
-    def finish_reason(self, request: Request, token_id: int, end: int) -> FinishReason | None:
-        """Whether this token, ending at position `end` of the request's tokens, ends the request by itself: "stop"
-        for eos (unless ignored; a structured output never ignores it) or a stop token (neither is text),
-        "length" at max_tokens or the context limit. A stop string is the detokenizer's to find."""
+    def finish_reason(self, request: Request, token_id: int, end: int) -> tuple[FinishReason, StopReason] | None:
+        """Whether this token, ending at position `end` of the request's tokens, ends the request by itself, and
+        why: ("stop", None) for eos (unless ignored) and ("stop", the id) for a stop token (neither is text), once
+        min_tokens are generated; ("length", None) at max_tokens or the context limit. A structured output allows
+        eos only where its match is complete: eos ends it, ignore_eos and min_tokens or not. A stop string is the
+        detokenizer's to find (`matches_stops`)."""
         params = request.params
-        # a structured output allows eos only where its match is complete: eos ends it, ignore_eos or not
-        ends = token_id in self.eos_token_ids and (not params.ignore_eos or params.structured_output is not None)
-        if ends or token_id in params.stop_token_ids:
-            return "stop"
+        structured = params.structured_output is not None
+        stops = self.matches_stops(request, end)
+        if token_id in self.eos_token_ids and (structured or (stops and not params.ignore_eos)):
+            return "stop", None
+        if stops and token_id in params.stop_token_ids:
+            return "stop", token_id
         if end >= request.max_total_tokens:
-            return "length"
+            return "length", None
         return None
+
+    @staticmethod
+    def matches_stops(request: Request, end: int) -> bool:
+        """Whether a stop (eos, a stop token, a stop string) may end the request at the token ending at `end`:
+        min_tokens are generated with it."""
+        return end - request.num_prompt_tokens >= request.params.min_tokens
 
     def process(self, emitted: Sequence[Emitted]) -> list[Chunk]:
         """Record every token; the chunks of the requests that may finish now (the others' come from `flush`).
@@ -56,17 +68,19 @@ class OutputProcessor:
             else:
                 for i, token in enumerate(tokens):
                     self._record(request, token, None if at is None else at + i)
-                self._text_later.append((request, tokens))
+                self._text_later.append((request, tokens, first))
         return chunks
 
     def flush(self) -> list[Chunk]:
         """The text of the tokens `process` recorded without their chunk."""
         later, self._text_later = self._text_later, []
         chunks = []
-        for request, tokens in later:
-            text = "".join(request.text.push(t.token_id)[0] for t in tokens)
+        for request, tokens, first in later:
+            text = "".join(request.text.push(t.token_id, self.matches_stops(request, first + i + 1))[0]
+                           for i, t in enumerate(tokens))
             logprobs = list(tokens) if request.params.logprobs is not None else None
-            chunks.append(Chunk(request.request_id, text, [t.token_id for t in tokens], None, logprobs))
+            chunks.append(Chunk(request.request_id, text, [t.token_id for t in tokens], None, logprobs,
+                                index=request.index, prompt_logprobs=_take_prompt_logprobs(request)))
         return chunks
 
     def _accept(self, request: Request, tokens: list[SampledToken], at: int | None) -> Chunk:
@@ -75,24 +89,28 @@ class OutputProcessor:
         want_logprobs = request.params.logprobs is not None
         first = request.num_tokens if at is None else at
         text, ids, logprobs = [], [], []
-        reason: FinishReason | None = None
+        ends: tuple[FinishReason, StopReason] | None = None
         for i, token in enumerate(tokens):
             tid = token.token_id
             self._record(request, token, None if at is None else at + i)
             ids.append(tid)
             logprobs.append(token)
-            reason = self.finish_reason(request, tid, first + i + 1)
-            if reason != "stop":  # stop tokens are not text
-                piece, stopped = request.text.push(tid)
+            ends = self.finish_reason(request, tid, first + i + 1)
+            if ends is None or ends[0] != "stop":  # stop tokens are not text
+                piece, stopped = request.text.push(tid, self.matches_stops(request, first + i + 1))
                 text.append(piece)
                 if stopped is not None:
-                    reason = "stop"
-            if reason is not None:
+                    ends = "stop", stopped
+            if ends is not None:
                 break
-        if reason is None:
-            return Chunk(request.request_id, "".join(text), ids, None, logprobs if want_logprobs else None)
+        prompt_logprobs = _take_prompt_logprobs(request)
+        if ends is None:
+            return Chunk(request.request_id, "".join(text), ids, None, logprobs if want_logprobs else None,
+                         index=request.index, prompt_logprobs=prompt_logprobs)
         text.append(request.text.finish())
-        return self.finish(request, reason, "".join(text), ids, logprobs if want_logprobs else None)
+        request.stop_reason = ends[1]
+        chunk = self.finish(request, ends[0], "".join(text), ids, logprobs if want_logprobs else None)
+        return dataclasses.replace(chunk, prompt_logprobs=prompt_logprobs) if prompt_logprobs is not None else chunk
 
     def _record(self, request: Request, token: SampledToken, at: int | None) -> None:
         """Append a token (or put it at `at`, its PLACEHOLDER) and count it."""
@@ -109,4 +127,10 @@ class OutputProcessor:
         self._release(request, reason)
         self.counters["requests_aborted" if reason == "abort" else "requests_finished"] += 1
         return Chunk(request.request_id, text, list(token_ids), reason, logprobs, request.usage(), request.timings(),
-                     error)
+                     error, request.index, request.stop_reason)
+
+
+def _take_prompt_logprobs(request: Request) -> list[SampledToken | None] | None:
+    """The request's prompt logprobs, once, with its first chunk (they are complete when it has a token)."""
+    prompt, request.prompt_logprobs = request.prompt_logprobs, None
+    return prompt

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from m3sdk.prompt_logprobs import PendingPromptLogprobs, widen_for_prompt_logprobs
 from m3sdk.request import Request, RequestStatus
 from m3sdk.runner import Carry
 from m3sdk.sampler import SampledToken, Sampler
@@ -58,6 +59,7 @@ class Launched:
     # the drafter's read of a greedy verify step launched behind it, with the step's argmax and the drafts it
     # verified on their way to the host (`ChainDrafter.read_unverified`; None: read and observed as usual)
     read: Unverified | None = None
+    prompt: PendingPromptLogprobs | None = None  # the prompt logprobs it computes
 
 
 class Speculation:
@@ -116,9 +118,13 @@ class Speculation:
             if is_spec and self._drafts[request.request_id][1].pending is not None:
                 pending.append(request)
         carry = self._carry(pending)
+        prompt = None
+        if any(sc.request.needs_prompt_logprobs for sc in plan.scheduled):  # (prefill entries: never speculating)
+            num_logits, prompt = widen_for_prompt_logprobs(plan, num_logits)
         logits, hidden, aux = runner.forward(plan, num_logits, self.drafter.aux_layers, carry=carry,
                                              layer_hook=layer_hook)
-        step = Launched(plan, num_logits, spec, logits, hidden, aux, carry)
+        step = Launched(plan, num_logits, spec, logits, hidden, aux, carry,
+                        prompt=prompt.launch(logits) if prompt is not None else None)
         if self.read_behind_verify and carry is not None and len(pending) == len(plan.scheduled) and _greedy(pending):
             self._read_unverified(step)
         return step
@@ -136,15 +142,17 @@ class Speculation:
         """A launched step's emitted tokens, per request that emits, in plan order. Requests finished since it was
         launched (aborted while it ran) are skipped: their pages and drafts are gone already."""
         plan, num_logits, spec, logits = step.plan, step.num_logits, step.spec, step.logits
+        if step.prompt is not None:  # before the tokens: the first token's chunk carries them
+            step.prompt.resolve()
         plain_rows, plain_reqs, verify_reqs, verify_at = [], [], [], []
         row = 0
-        for (request, n, _), m, is_spec in zip(plan.scheduled, num_logits, spec, strict=True):
+        for (request, n, samples), m, is_spec in zip(plan.scheduled, num_logits, spec, strict=True):
             if is_spec and not request.is_finished:  # (one aborted while the forward ran: its rows are not read)
                 verify_reqs.append((request, n))
                 verify_at.extend(range(row, row + m))
-            elif m and not request.is_finished:
+            elif samples and not request.is_finished:
                 plain_reqs.append(request)
-                plain_rows.append(row)
+                plain_rows.append(row + m - 1)  # (an entry computing prompt logprobs has all its positions')
             row += m
         emitted: dict[str, list[SampledToken]] = {}
         if plain_rows:
@@ -273,9 +281,9 @@ class Speculation:
 
 def _greedy(requests: Iterable[Request]) -> bool:
     """Whether each request's verdict is the argmax of the raw logits alone (greedy, no penalties, no logprobs,
-    no structured output)."""
+    no structured output, no logit_bias or min_tokens mask)."""
     return all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
-               and r.sampling.grammar is None for r in requests)
+               and r.sampling.grammar is None and not r.sampling.adjusts_logits for r in requests)
 
 
 def _grammar_masked(logits: torch.Tensor, requests: list[tuple[Request, int]], rows: list[VerifyRow]) -> torch.Tensor:

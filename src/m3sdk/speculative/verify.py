@@ -2,14 +2,14 @@
 and one more token (the correction at the first rejection, or the bonus token after k acceptances).
 
 Exactness:
-- temperature 0: draft i is accepted iff it equals the argmax of the penalized logits at its position, the token
+- temperature 0: draft i is accepted iff it equals the argmax of the biased, penalized logits at its position, the token
   the plain sampler would have emitted there, so the output is token-for-token the non-speculative one.
 - temperature > 0 (Leviathan et al. / Chen et al. speculative sampling): with p the target's processed
-  distribution (penalties, temperature, min-p/top-k/top-p: `sampler.processed_probs`) and q the distribution the
-  draft was drawn from, draft x is accepted with probability min(1, p(x) / q(x)); at the first rejection the
-  token is drawn from normalize(max(p - q, 0)). Every emitted token is then distributed exactly as p. A drafter
-  that picks its tokens deterministically has q = a point mass at x: accept with probability p(x), else draw
-  from p with x removed.
+  distribution (logit_bias and min_tokens masks, penalties, temperature, min-p/top-k/top-p:
+  `sampler.processed_probs`) and q the distribution the draft was drawn from, draft x is accepted with probability
+  min(1, p(x) / q(x)); at the first rejection the token is drawn from normalize(max(p - q, 0)). Every emitted
+  token is then distributed exactly as p. A drafter that picks its tokens deterministically has q = a point mass
+  at x: accept with probability p(x), else draw from p with x removed.
 Position i's distribution is computed with drafts 1..i-1 appended to the output history (the penalties see
 them), which is the true history whenever position i is reached.
 
@@ -25,7 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from m3sdk.sampler import SampledToken, SamplingState, apply_penalties, apply_temperature, apply_truncation
+from m3sdk.sampler import (
+    SampledToken,
+    SamplingState,
+    apply_logit_bias,
+    apply_penalties,
+    apply_temperature,
+    apply_truncation,
+)
 
 
 @dataclass
@@ -39,13 +46,13 @@ class VerifyRow:
 
 
 def _position_states(row: VerifyRow) -> list[SamplingState]:
-    """The sampler state at each of the row's 1 + k positions. Without penalties the history does not change
-    the distribution, so the one state serves all positions (no per-position copy of the counts)."""
+    """The sampler state at each of the row's 1 + k positions. Without penalties, and past min_tokens, the history
+    does not change the distribution, so the one state serves all positions (no per-position copy of the counts)."""
     s = row.state
-    if not s.params.has_penalties:
+    if not s.params.has_penalties and not s.masks_stops:
         return [s] * (len(row.drafts) + 1)
     out = list(s.output_token_ids)
-    return [s] + [SamplingState(s.params, s.prompt_token_ids, out + row.drafts[:i])
+    return [s] + [SamplingState(s.params, s.prompt_token_ids, out + row.drafts[:i], min_tokens_ids=s.min_tokens_ids)
                   for i in range(1, len(row.drafts) + 1)]
 
 
@@ -112,7 +119,9 @@ def verify(logits: torch.Tensor, rows: Sequence[VerifyRow]) -> list[list[Sampled
     assert logits.shape[0] == len(states), f"{logits.shape[0]} logits rows for {len(states)} verify positions"
     # penalties and temperature work in place: a copy only when one applies (greedy rows without penalties
     # read the logits as they are)
-    x = logits.to(torch.float32, copy=any(st.params.has_penalties or not st.params.greedy for st in states))
+    x = logits.to(torch.float32, copy=any(st.params.has_penalties or not st.params.greedy or st.adjusts_logits
+                                          for st in states))
+    apply_logit_bias(x, states)
     apply_penalties(x, states)
     apply_temperature(x, states)
     logz = x.logsumexp(dim=1)
