@@ -89,3 +89,25 @@ def test_load_format_is_checked():
         Engine(load_format="pt")
     with pytest.raises(ValueError, match="seed must be an int >= 0"):
         Engine(load_format="dummy", seed=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", ["none", "fp8", "mxfp4"])
+def test_made_on_the_gpu_in_the_planned_bytes(config_only, quantization):
+    """On a GPU: made there, reproducible, the bytes plan_memory names (the H200's MXFP4 planes layout included),
+    and the engine serves it with CUDA graphs."""
+    from m3sdk.model.memory import plan_memory
+
+    config = ModelConfig.from_pretrained(config_only)
+    a, b = (dummy_model(config, "cuda", torch.bfloat16, "triton", quantization=quantization, seed=4) for _ in "ab")
+    ta, tb = tensors(a), tensors(b)
+    assert all(t.is_cuda for t in ta.values()) and all(torch.equal(ta[n], tb[n]) for n in ta)
+    held = sum(t.numel() * t.element_size() for t in ta.values())
+    assert held == plan_memory(config, quantization=quantization).weight_bytes_per_rank
+
+    async def run():
+        async with Engine(model=str(config_only), load_format="dummy", quantization=quantization, device="cuda",
+                          kv_cache_memory=64 << 20, max_model_len=256) as e:
+            return (await e.generate("hello there", SamplingParams(max_tokens=8, temperature=0.0))).token_ids
+
+    assert len(asyncio.run(run())) == 8

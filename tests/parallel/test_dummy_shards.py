@@ -51,3 +51,15 @@ def test_two_ranks_serve_dummy_weights(tmp_path):
     tokens, procs = asyncio.run(run())
     assert len(tokens) == 10
     assert [p.returncode for p in procs] == [0]
+
+
+@pytest.mark.multi_gpu(2)
+def test_two_gpus_serve_dummy_weights(tmp_path):
+    shutil.copy(TINY / "config.json", tmp_path / "config.json")
+
+    async def run():
+        async with Engine(model=str(tmp_path), load_format="dummy", device="cuda", tensor_parallel_size=2,
+                          expert_parallel=True, kv_cache_memory=64 << 20, max_model_len=256) as e:
+            return (await e.generate("hello there", max_tokens=10, temperature=0)).token_ids
+
+    assert len(asyncio.run(run())) == 10
