@@ -223,6 +223,13 @@ ORACLE_VISION_CONFIG = dict(hidden_size=40, intermediate_size=64, num_hidden_lay
 ORACLE_IMAGE_TOKEN = 250
 
 
+def image_features(model, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """transformers' projected image features, every image's rows in order ([sum of tokens, hidden]): releases
+    give them as one tensor or as a tuple per image."""
+    out = model.model.get_image_features(pixels, grid).pooler_output
+    return torch.cat(list(out)) if isinstance(out, list | tuple) else out
+
+
 def oracle_vl_model(seed: int = 0):
     """A random-weight transformers MiniMaxM3SparseForConditionalGeneration (float32, eager/SDPA attention) whose
     text model is ORACLE_CONFIG's and whose image token is ORACLE_IMAGE_TOKEN."""

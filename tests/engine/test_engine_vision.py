@@ -7,7 +7,7 @@ import io
 
 import pytest
 import torch
-from oracle import ORACLE_IMAGE_TOKEN, load_vl_oracle, make_vl_checkpoint
+from oracle import ORACLE_IMAGE_TOKEN, image_features, load_vl_oracle, make_vl_checkpoint
 
 from m3sdk import Engine
 from m3sdk.errors import InvalidRequestError
@@ -64,7 +64,7 @@ def transformers_agrees(oracle, ids: list[int], images: list[bytes], output: lis
     full, pixels, grid = expand(ids, images)
     with torch.no_grad():
         embeds = oracle.get_input_embeddings()(torch.tensor([full + output]))
-        features = torch.cat(oracle.model.get_image_features(pixels, grid).pooler_output)
+        features = image_features(oracle, pixels, grid)
         positions = [i for i, t in enumerate(full) if t == IMG]
         embeds[0, positions] = features
         logits = oracle(inputs_embeds=embeds).logits[0]

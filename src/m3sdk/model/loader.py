@@ -82,7 +82,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torc
     files = tensor_files(path)
     shapes = read_headers(files)
     layout, prefix, lm_head = detect_layout(shapes)
-    expected = expected_tensors(config, layout, prefix, lm_head)
+    expected = expected_tensors(config, layout, prefix, lm_head, shapes)
     mx = mx_weights(shapes, expected, config.quant_format)
 
     with torch.device("meta"):
@@ -168,14 +168,20 @@ def detect_layout(names: Mapping[str, object]) -> tuple[str, str, str]:
     return "hf", "model.", "lm_head.weight"
 
 
-def expected_tensors(config: ModelConfig, layout: str, prefix: str, lm_head: str) -> dict[str, Target]:
-    """Every tensor the checkpoint must hold, by its name in `layout`, and where it goes in the model."""
+def expected_tensors(config: ModelConfig, layout: str, prefix: str, lm_head: str,
+                     present: Mapping[str, object] = ()) -> dict[str, Target]:
+    """Every tensor the checkpoint must hold, by its name in `layout`, and where it goes in the model. A dense
+    layer's MLP of the published layout may be named `mlp.*` or `block_sparse_moe.*` (transformers reads both into
+    `mlp`, and some releases save the second): a name missing from `present` takes its alias where that exists."""
     out = {f"{prefix}embed_tokens.weight": Target("embed_tokens.weight"),
            f"{prefix}norm.weight": Target("norm.weight")}
     if not config.tie_word_embeddings:
         out[lm_head] = Target("lm_head.weight")
     for i in range(config.num_layers):
         out.update(expected_layer(config, i, layout, prefix))
+    if layout == "minimax" and present:
+        aliases = {n: n.replace(".mlp.", ".block_sparse_moe.", 1) for n in out if ".mlp." in n and n not in present}
+        out = {aliases[n] if n in aliases and aliases[n] in present else n: t for n, t in out.items()}
     return out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -45,6 +46,13 @@ def checkpoint_name(param: str, layout: str) -> str:
     raise AssertionError(param)  # the last rule's empty prefix matches everything
 
 
+def _present(name: str, files: Mapping[str, object]) -> str:
+    """`name`, or its `block_sparse_moe` alias where only that is in the checkpoint: some transformers releases
+    save every `.mlp.` of a published-layout model under that name (and read both back)."""
+    alias = name.replace(".mlp.", ".block_sparse_moe.", 1)
+    return alias if name not in files and alias in files else name
+
+
 def load_vision_encoder(path: str | Path, device: torch.device | str = "cpu",
                         dtype: torch.dtype = torch.bfloat16) -> VisionEncoder | None:
     """The checkpoint's vision encoder, ready on `device`; None when the checkpoint has no vision tower (a text-only
@@ -60,7 +68,7 @@ def load_vision_encoder(path: str | Path, device: torch.device | str = "cpu",
     with torch.device("meta"):
         encoder = VisionEncoder(config)
     params = dict(encoder.named_parameters())
-    names = {p: checkpoint_name(p, layout) for p in params}
+    names = {p: _present(checkpoint_name(p, layout), files) for p in params}
     shapes = read_headers({n: files[n] for n in names.values() if n in files})
     problems = []
     for param, name in names.items():

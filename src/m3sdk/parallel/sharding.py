@@ -237,7 +237,7 @@ def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype
     files = tensor_files(path)
     shapes = read_headers(files)
     layout, prefix, lm_head = detect_layout(shapes)
-    expected = expected_tensors(config, layout, prefix, lm_head)
+    expected = expected_tensors(config, layout, prefix, lm_head, shapes)
     with torch.device("meta"):
         full = MiniMaxM3ForCausalLM(config, dtype=dtype, attn_backend=attn_backend)
     full_params = dict(full.named_parameters())
