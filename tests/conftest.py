@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import structlog  # noqa: E402
 from oracle import load_oracle, make_oracle_checkpoint, write_byte_tokenizer
 
 # The machine's markers (registered in pyproject.toml): a test marked with one the machine lacks is skipped.
@@ -65,6 +66,15 @@ def few_prefill_splits(monkeypatch, device):
 
         for family in ("attn_prefill", "sparse_prefill"):
             monkeypatch.setitem(arch.TILES[family], "sm90", arch.TILES[family]["sm90"] | {"SPLIT_PROGRAMS": 1})
+
+
+@pytest.fixture(autouse=True)
+def unconfigured_structlog():
+    """Every test starts with structlog as an application that never configured it: structlog's capture_logs
+    leaves it configured, and a configured structlog is where the engine's logs go (to stdout), which would break
+    the next test that checks the engine is silent."""
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture(autouse=True)
