@@ -47,11 +47,15 @@ def oracle_model(seed: int = 0, **overrides):
     config = MiniMaxM3VLTextConfig(**{**ORACLE_CONFIG, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = MiniMaxM3VLForCausalLM(config).eval()
+    return randomized(MiniMaxM3VLForCausalLM(config).eval(), seed)
+
+
+def randomized(model, seed: int):
+    """`model` with seeded random weights, gate_up weights large enough that SwiGLU-OAI's clamp at 7 engages
+    (~10% of gate/up values) and small router score biases."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            # gate_up weights large enough that SwiGLU-OAI's clamp at 7 engages (~10% of gate/up values)
             std = 0.3 if name.endswith("norm.weight") else 0.6 if "gate_up_proj" in name else 0.1
             p.copy_(torch.randn(p.shape, generator=g) * std)
         for name, b in model.named_buffers():
@@ -245,16 +249,7 @@ def oracle_vl_model(seed: int = 0):
                                image_token_index=ORACLE_IMAGE_TOKEN, video_token_index=251, projector_hidden_size=48)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = MiniMaxM3SparseForConditionalGeneration(config).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            std = 0.3 if name.endswith("norm.weight") else 0.6 if "gate_up_proj" in name else 0.1
-            p.copy_(torch.randn(p.shape, generator=g) * std)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
-    return model
+    return randomized(MiniMaxM3SparseForConditionalGeneration(config).eval(), seed)
 
 
 def make_vl_checkpoint(directory: Path, seed: int = 0) -> Path:
