@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from chat_corpus import WEATHER
 
 import m3sdk
 from m3sdk.chat import (
@@ -20,13 +21,6 @@ from m3sdk.errors import InvalidRequestError
 from m3sdk.tokenizer import Tokenizer
 
 ASSETS = Path(m3sdk.__file__).parent / "assets" / "m3-tiny"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
-        "hours": {"type": "array", "items": {"type": "number"}},
-        "where": {"type": "object", "properties": {"lat": {"type": "number"}, "label": {"type": ["string", "null"]}}},
-    }}}}
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
     "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}}}}
 
