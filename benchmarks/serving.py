@@ -227,8 +227,15 @@ def step_decode(args) -> None:
 
         if args.quantization != "none":
             raise SystemExit("decode --tp > 1 runs bf16 weights only (tensor parallel loads bf16 shards)")
-        tp = TensorParallel.launch(args.slice, tp_size, dev, torch.bfloat16, "triton", args.expert_parallel)
+        tp = TensorParallel.launch(args.slice, tp_size, dev, torch.bfloat16, "triton", args.expert_parallel,
+                                   args.load_format)
         model, dev = tp.model, torch.device("cuda", 0)
+    elif args.load_format == "dummy":
+        from m3sdk.model.config import ModelConfig
+        from m3sdk.model.dummy import dummy_model
+
+        model = dummy_model(ModelConfig.from_pretrained(args.slice), dev, torch.bfloat16, "triton",
+                            quantization=args.quantization)
     else:
         model = load_model(args.slice, dev, torch.bfloat16, "triton", quantization=args.quantization)
     try:
@@ -428,7 +435,7 @@ async def _engine_runs(args, tp: int) -> None:
 
     config = dict(model=str(args.slice), kv_cache_dtype="fp8", max_model_len=args.input_len + args.output_len + 16,
                   max_num_seqs=max(args.concurrency), kv_cache_memory=4 << 30, tensor_parallel_size=tp,
-                  expert_parallel=args.expert_parallel, overlap_scheduling=True)
+                  expert_parallel=args.expert_parallel, overlap_scheduling=True, load_format=args.load_format)
     t = time.perf_counter()
     async with Engine(**config) as e:
         core = e._core
@@ -669,6 +676,8 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help='a config override as a JSON pair: ["k", v]')
     p.add_argument("--points", default="1x2048,16x2048,1x32768,64x32768", help="BATCHxCONTEXT decode points")
     p.add_argument("--quantization", default="none", help="load_model's: none | fp8 (decode step)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="decode, engine: dummy = random weights for --slice's config.json alone (no weights read)")
     p.add_argument("--profile", action="store_true", help="decode: kernel profile of each point (graph and "
                    "eager); engine: the loaded engine's decode step at the largest concurrency, timed and profiled")
     p.add_argument("--expert-parallel", action="store_true",

@@ -9,7 +9,8 @@ Every weight is random, norm weights and router bias included (transformers init
 which would hide a wrong norm), and the MLP input weights are large enough that the SwiGLU-OAI clamp engages.
 layout="hf" is transformers' own `save_pretrained` (one model.safetensors). layout="minimax" re-lays the same
 weights under the published names (language_model.model..., experts.E.w1/w3/w2, block_sparse_moe, index_q_proj,
-nested text_config with sparse_attention_config) in 3 shards with an index file, plus a vision tensor (to skip)
+nested text_config with sparse_attention_config) in 3 shards with an index file, plus a stray vision tensor
+(no vision_config: the text loader skips it and no vision encoder is built)
 and an mtp tensor (to keep aside). Both hold identical numbers.
 """
 
@@ -153,7 +154,7 @@ def _published_config(c) -> dict:
         "model_type": "minimax_m3", "torch_dtype": "float32",
     }
     return {"architectures": ["MiniMaxM3SparseForConditionalGeneration"], "model_type": "minimax_m3_vl",
-            "text_config": text, "vision_config": {"hidden_size": 8}}
+            "text_config": text}
 
 
 class PagedSequences:
@@ -212,3 +213,54 @@ def write_byte_tokenizer(directory) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+
+
+# A tiny vision tower beside ORACLE_CONFIG's text model: heads of 20 dims, so the 3D RoPE rotates 18 of them
+# (3 axes x 6) and leaves 2 unrotated, as M3's 80-dim heads leave 2 of 80.
+ORACLE_VISION_CONFIG = dict(hidden_size=40, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
+                            rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+ORACLE_IMAGE_TOKEN = 250
+
+
+def oracle_vl_model(seed: int = 0):
+    """A random-weight transformers MiniMaxM3SparseForConditionalGeneration (float32, eager/SDPA attention) whose
+    text model is ORACLE_CONFIG's and whose image token is ORACLE_IMAGE_TOKEN."""
+    from transformers.models.minimax_m3_vl import (
+        MiniMaxM3SparseForConditionalGeneration,
+        MiniMaxM3VLConfig,
+        MiniMaxM3VLTextConfig,
+        MiniMaxM3VLVisionConfig,
+    )
+
+    config = MiniMaxM3VLConfig(text_config=MiniMaxM3VLTextConfig(**ORACLE_CONFIG).to_dict(),
+                               vision_config=MiniMaxM3VLVisionConfig(**ORACLE_VISION_CONFIG).to_dict(),
+                               image_token_index=ORACLE_IMAGE_TOKEN, video_token_index=251, projector_hidden_size=48)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = MiniMaxM3SparseForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = 0.3 if name.endswith("norm.weight") else 0.6 if "gate_up_proj" in name else 0.1
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    return model
+
+
+def make_vl_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """oracle_vl_model saved as transformers saves it (the published MiniMax names), with the byte tokenizer."""
+    directory = Path(directory)
+    oracle_vl_model(seed).save_pretrained(directory)
+    write_byte_tokenizer(directory)
+    return directory
+
+
+def load_vl_oracle(path: Path):
+    """transformers' MiniMaxM3SparseForConditionalGeneration of a make_vl_checkpoint folder (float32, eager)."""
+    from transformers.models.minimax_m3_vl import MiniMaxM3SparseForConditionalGeneration
+
+    return MiniMaxM3SparseForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                   attn_implementation="eager").eval()

@@ -138,6 +138,17 @@ def test_info_rows_are_aligned():
     assert "MSA" in proc.stdout and "max_model_len" in proc.stdout
 
 
+def test_info_plans_the_full_model_without_loading_it():
+    proc = m3sdk("info", "--model", "minimax-m3", "--plan-only", "--tp", "2", "--expert-parallel",
+                 "--quantization", "mxfp4", "--kv-cache-dtype", "fp8", "--gpu-memory", "141")
+    assert proc.returncode == 0, proc.stderr
+    rows = dict(line.split("  ", 1) for line in proc.stdout.splitlines())
+    assert rows["plan: parameters"].strip().startswith("426.2 B total, 23.5 B active")
+    assert rows["plan: weights/rank"].strip().startswith("119.0")
+    assert "concurrent sequences of 32768 tokens" in rows["plan: fits"] and "model" not in rows
+    assert "no: the weights need" in m3sdk("info", "--model", "minimax-m3", "--plan-only", "--gpu-memory", "141").stdout
+
+
 def test_chat_answers_over_stdin():
     proc = m3sdk("chat", "--max-tokens", "8", "--seed", "0", stdin="Hello there.\n\n")
     assert proc.returncode == 0, proc.stderr

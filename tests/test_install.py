@@ -59,6 +59,7 @@ def test_torch_comes_from_the_cpu_index_when_it_answers(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_only  # the set-up of a machine without a GPU: the CPU wheel, or the fallback to pip's index
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_setup_in_a_fresh_venv(tmp_path):
     venv = fresh_venv(tmp_path)

@@ -18,7 +18,7 @@ import sys
 from typing import Any, NoReturn
 
 from .argtypes import NON_NEGATIVE_INT, POSITIVE_INT, number
-from .config import CACHE_DTYPES, DTYPES, QUANTIZATIONS, EngineConfig
+from .config import CACHE_DTYPES, DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig
 from .errors import InvalidRequestError, M3Error
 from .params import SamplingParams
 
@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
 def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {"show_progress": sys.stderr.isatty()}
     for name in ("model", "device", "dtype", "max_model_len", "attention_backend", "kv_cache_dtype", "speculative",
-                 "quantization"):
+                 "quantization", "load_format", "tensor_parallel_size", "expert_parallel"):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -123,11 +123,32 @@ async def _info(args: argparse.Namespace, config: EngineConfig) -> None:
         rows.append(("accelerator", f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()} ({kind})"))
     else:
         rows.append(("accelerator", "none (CPU: torch reference kernels)"))
-    async with Engine(config) as engine:
-        rows += list(engine.describe().items())
+    rows += _plan_rows(args, config)
+    if not args.plan_only:
+        async with Engine(config) as engine:
+            rows += list(engine.describe().items())
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+def _plan_rows(args: argparse.Namespace, config: EngineConfig) -> list[tuple[str, str]]:
+    """The memory plan of the model from its config.json alone, per GPU (m3sdk/model/memory.py)."""
+    import torch
+
+    from .model.config import ModelConfig
+    from .model.memory import plan_memory
+
+    gpu = args.gpu_memory * 10**9 if args.gpu_memory else (
+        torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
+    plan = plan_memory(
+        ModelConfig.from_pretrained(config.model_path()), tensor_parallel_size=config.tensor_parallel_size,
+        expert_parallel=config.expert_parallel, quantization=config.quantization,
+        dtype=torch.float32 if config.dtype == "float32" else torch.bfloat16,
+        kv_cache_dtype=config.kv_cache_dtype if config.kv_cache_dtype != "auto" else "bf16",
+        index_cache_dtype=None if config.index_cache_dtype == "auto" else config.index_cache_dtype,
+        device_memory=gpu, gpu_memory_fraction=config.gpu_memory_fraction)
+    return [(f"plan: {key}", value) for key, value in plan.rows()]
 
 
 def _bench_module():
@@ -189,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                        help="quantize weights at load: fp8 attention and MLPs, mxfp4 also the experts "
                             "(default: none)")
+        g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                       help="dummy: random weights for the model's config.json alone, made on the device (for "
+                            "memory and speed runs without a checkpoint; default: auto = the checkpoint's)")
         g.add_argument("--speculative", metavar="METHOD",
                        help='speculative decoding: "ngram", "mtp", "eagle3" or "eagle3:/path/to/head" (default: off)')
 
@@ -221,9 +245,20 @@ def build_parser() -> argparse.ArgumentParser:
     engine_options(chat)
     chat.set_defaults(temperature=0.7, max_tokens=256)
 
-    info = sub.add_parser("info", help="platform, kernel backend, model summary, cache budget",
-                          description="Platform, kernel backend, model summary and cache budget.")
+    info = sub.add_parser("info", help="platform, kernel backend, model summary, memory plan, cache budget",
+                          description="Platform, kernel backend, the memory plan per GPU (weights per rank, KV "
+                                      "bytes, pages and 32K-token sequences that fit: from config.json alone, "
+                                      "before loading), then the loaded engine's model summary and cache budget.")
     engine_options(info)
+    p = info.add_argument_group("memory plan")
+    p.add_argument("--tensor-parallel-size", "--tp", type=POSITIVE_INT, metavar="N",
+                   help="plan (and load) over N GPUs (default: 1)")
+    p.add_argument("--expert-parallel", action="store_true", default=None,
+                   help="whole experts per rank instead of 1/N of every expert (default: off)")
+    p.add_argument("--gpu-memory", type=number(float, 0, low_open=True), metavar="GB",
+                   help="plan for GPUs of this many GB (default: this machine's GPU; none: no fit computed)")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print the plan without loading the model (for configs too large for this machine)")
 
     bench = sub.add_parser("bench", help="throughput and serving latency (TTFT, TPOT, ITL) of the embedded engine",
                            description=_bench_module().__doc__.split("\n\n")[0])
@@ -233,12 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the server extra)",
                            description="An OpenAI-compatible HTTP server over the engine (docs/server.md).")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
-    serve.add_argument("--port", type=POSITIVE_INT, default=8000, help="(default: %(default)s)")
+    serve.add_argument("--port", type=POSITIVE_INT, default=8000, help="TCP port to listen on (default: %(default)s)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (default: $M3SDK_API_KEY, "
                        "else none)")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="names clients give as 'model' (default: the checkpoint folder's name)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="the server's log verbosity on stderr (default: %(default)s)")
     engine_options(serve)
     _bench_module().add_engine_arguments(serve)
 
@@ -252,13 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert (default: none)")
     node.add_argument("--insecure", action="store_true",
                       help="serve beyond loopback with neither a token ($M3SDK_PREFILL_TOKEN) nor TLS")
-    # default None: messages.Limits' defaults (131072 tokens, 32 prefills, 120 s, 2 GiB, 10 s)
-    node.add_argument("--max-prompt-tokens", type=int, help="longest prompt taken (lowered to what the KV cache holds)")
-    node.add_argument("--max-in-flight", type=int, help="prefills held at once")
-    node.add_argument("--max-deadline", type=float, help="seconds: a caller's later deadline is cut to this")
-    node.add_argument("--max-message-bytes", type=int, help="largest KV data message")
-    node.add_argument("--receiver-timeout", type=float,
-                      help="seconds the decode side has to take the pages once the first token is computed")
+    # default None: messages.Limits' own defaults, named in the help
+    node.add_argument("--max-prompt-tokens", type=int, metavar="N",
+                      help="longest prompt taken, lowered to what the KV cache holds (default: 131072)")
+    node.add_argument("--max-in-flight", type=int, metavar="N", help="prefills held at once (default: 32)")
+    node.add_argument("--max-deadline", type=float, metavar="S",
+                      help="seconds: a caller's later deadline is cut to this (default: 120)")
+    node.add_argument("--max-message-bytes", type=int, metavar="B", help="largest KV data message (default: 2 GiB)")
+    node.add_argument("--receiver-timeout", type=float, metavar="S",
+                      help="seconds the decode side has to take the pages once the first token is computed "
+                           "(default: 10)")
     engine_options(node)
     return parser
 

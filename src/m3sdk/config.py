@@ -19,9 +19,11 @@ from typing import Any
 
 from m3sdk.speculative.registry import DRAFTERS
 
-BUNDLED_MODELS = {"m3-tiny": Path(__file__).parent / "assets" / "m3-tiny"}
+# minimax-m3: the real architecture's config.json alone (no weights): for load_format="dummy" and memory planning
+BUNDLED_MODELS = {name: Path(__file__).parent / "assets" / name for name in ("m3-tiny", "minimax-m3")}
 
 QUANTIZATIONS = ("none", "fp8", "mxfp4")  # m3sdk/model/quantize.py
+LOAD_FORMATS = ("auto", "dummy")  # dummy: m3sdk/model/dummy.py
 DTYPES = ("float32", "bfloat16")
 CACHE_DTYPES = ("auto", "bf16", "fp8", "fp32")
 
@@ -196,11 +198,20 @@ class EngineConfig:
     # Weights quantized at load (m3sdk/model/quantize.py): "fp8" = FP8 W8A8 attention, dense MLPs and shared
     # experts; "mxfp4" = that plus MXFP4 routed experts. Experts a checkpoint stores quantized stay as stored.
     quantization: str = "none"
+    # "auto": the checkpoint's weights; "dummy": random weights from `seed` for the model's config.json alone, made
+    # on the device in the served format (each tensor-parallel rank makes only its shard): nothing else is read.
+    load_format: str = "auto"
+    seed: int = 0  # of load_format="dummy"'s weights
     # A progress bar on stderr while the weights load (the CLI turns it on; an embedded engine stays silent).
     show_progress: bool = False
     # Speculative decoding: None (off), "ngram" | "eagle3" | "eagle3:/path/to/head" | "mtp", or a dict
     # {"method", "num_speculative_tokens", "model", ...}; normalized to a SpecConfig (above).
     speculative: SpecConfig | str | dict | None = None
+    # Images per request (docs/vision.md); 0: the checkpoint's vision encoder is not loaded (text serving pays
+    # nothing). A checkpoint without a vision tower takes no images whatever this says.
+    limit_images: int = 8
+    # Remote (http/https) image URLs -> their bytes; None: such URLs are refused (no network access by default).
+    image_fetcher: Callable[[str], bytes] | None = None
     cache: CacheConfig = CacheConfig()
     scheduling: SchedulingConfig = SchedulingConfig()
     disagg: DisaggConfig = DisaggConfig()
@@ -238,6 +249,12 @@ class EngineConfig:
 
     def _problems(self) -> list[str]:
         problems = _positive_int(self, "max_stop_strings", "max_stop_length")
+        if not _is_int(self.seed) or self.seed < 0:
+            problems.append(f"seed must be an int >= 0, got {self.seed!r}")
+        if not _is_int(self.limit_images) or self.limit_images < 0:
+            problems.append(f"limit_images must be an int >= 0, got {self.limit_images!r}")
+        if self.image_fetcher is not None and not callable(self.image_fetcher):
+            problems.append("image_fetcher must be a callable (url -> bytes) or None")
         if self.step_timeout is not None and (isinstance(self.step_timeout, bool) or not isinstance(
                 self.step_timeout, int | float) or not 0 < self.step_timeout < float("inf")):
             problems.append(f"step_timeout must be a positive number of seconds or None, got {self.step_timeout!r}")
@@ -246,7 +263,7 @@ class EngineConfig:
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             problems.append(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         choices = {"dtype": ("auto", *DTYPES), "attention_backend": ("auto", "torch", "triton"),
-                   "quantization": QUANTIZATIONS}
+                   "quantization": QUANTIZATIONS, "load_format": LOAD_FORMATS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

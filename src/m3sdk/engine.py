@@ -34,7 +34,8 @@ from m3sdk.params import SamplingParams, check_text, short_repr
 from m3sdk.request import Chunk, Completion, Request
 from m3sdk.tokenizer import Tokenizer
 
-Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+# a text, token ids, chat messages, or an image prompt: {"prompt": text | "prompt_token_ids": ids, "images": [...]}
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]] | Mapping[str, Any]
 
 _DEAD = object()  # queued to every live request when the engine thread dies
 
@@ -290,7 +291,7 @@ class Engine:
             raise InvalidRequestError(f"request_id must be a non-empty str, got {short_repr(request_id)}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an int, got {short_repr(priority)}")
-        ids = self._prompt_ids(core, prompt)
+        ids, images = self._prompt_with_images(core, prompt)
         limit = core.max_model_len
         if len(ids) >= limit:
             raise InvalidRequestError(f"the prompt has {len(ids)} tokens; the context holds {limit} "
@@ -303,9 +304,33 @@ class Engine:
             raise InvalidRequestError(f"n={params.n} choices cannot all be live in this engine (max_num_seqs + "
                                       f"max_waiting_requests = {most})")
         if params.n == 1:
-            return [core.new_request(request_id, ids, params, len(ids) + params.max_tokens, priority)]
+            return [core.new_request(request_id, ids, params, len(ids) + params.max_tokens, priority,
+                                     images=images)]
         return [core.new_request(f"{request_id}/{i}", ids, params.for_choice(i), len(ids) + params.max_tokens,
-                                 priority, index=i) for i in range(params.n)]
+                                 priority, index=i, images=images) for i in range(params.n)]
+
+    @classmethod
+    def _prompt_with_images(cls, core: EngineCore, prompt: Prompt) -> tuple[list[int], tuple]:
+        """(token ids, images): an image prompt's placeholders expanded to their images' tokens (m3sdk.images)."""
+        if not isinstance(prompt, Mapping):
+            return cls._prompt_ids(core, prompt), ()
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "images"})
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise InvalidRequestError("a prompt mapping holds 'prompt' (text) or 'prompt_token_ids', and 'images'; "
+                                      f"got keys {sorted(prompt)}")
+        images = prompt.get("images") or ()
+        if images and core.images is None:
+            raise InvalidRequestError("this engine takes no images: its checkpoint has no vision encoder, "
+                                      "limit_images is 0, or it runs tensor parallel")
+        text = prompt.get("prompt")
+        if images and isinstance(text, str):
+            check_text("the prompt", text)
+            ids = core.images.text_ids(text)
+        else:
+            ids = cls._prompt_ids(core, text if "prompt" in prompt else prompt["prompt_token_ids"])
+        if not images:
+            return ids, ()
+        return core.images.prepare(ids, images)
 
     @staticmethod
     def _prompt_ids(core: EngineCore, prompt: Prompt) -> list[int]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    from m3sdk.images import PromptImage
     from m3sdk.params import SamplingParams
     from m3sdk.sampler import SampledToken, SamplingState
     from m3sdk.tokenizer import TextStream
@@ -68,6 +69,8 @@ class Request:
     # with params.prompt_logprobs: position j's entry is prompt token j's logprob given tokens < j (None at 0),
     # filled as prefill chunks run; None once they went out with the request's first chunk
     prompt_logprobs: list[SampledToken | None] | None = None
+    # The prompt's images, in prompt order, each over its run of image tokens (m3sdk.images)
+    images: tuple[PromptImage, ...] = ()
     _seq: int = field(default_factory=lambda: next(_arrival_seq))
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from m3sdk.attention.base import AttentionMetadata
 from m3sdk.cache.kv_pool import KVPool
 from m3sdk.cache.manager import CacheManager
 from m3sdk.graphs import DecodeGraphs
+from m3sdk.images import ImagePrompts
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 from m3sdk.scheduler.base import StepPlan
 from m3sdk.staging import to_device
@@ -38,12 +39,14 @@ class StepMirror(Protocol):
 
 class ModelRunner:
     def __init__(self, model: MiniMaxM3ForCausalLM, cache: CacheManager, device: torch.device,
-                 graphs: DecodeGraphs | None = None, mirror: StepMirror | None = None):
+                 graphs: DecodeGraphs | None = None, mirror: StepMirror | None = None,
+                 images: ImagePrompts | None = None):
         self.model = model
         self.cache = cache
         self.device = device
         self.graphs = graphs  # captured decode/verify steps (m3sdk/graphs.py), or None: every step eager
         self.mirror = mirror
+        self.images = images  # the vision encoder's side of image prompts, or None: a text-only engine
 
     def run(self, plan: StepPlan, carry: Carry | None = None, layer_hook: Callable[[int], None] | None = None
             ) -> torch.Tensor | None:
@@ -63,8 +66,11 @@ class ModelRunner:
         src: list[int] = []
         ids: list[int] = []
         counts, context_lens, tables, logits_rows = [], [], [], []
+        with_images = []
         for i, (request, n, samples) in enumerate(plan.scheduled):
             start = request.num_computed_tokens
+            if request.images:
+                with_images.append((request, start, n, len(ids)))
             ids += request.token_ids[start:start + n]
             if carry is not None and ids[-1] == PLACEHOLDER:  # tokens still on the device (see Carry)
                 m = 1
@@ -78,8 +84,9 @@ class ModelRunner:
             tables.append(self.cache.page_table(request))
             m = int(samples) if num_logits is None else num_logits[i]
             logits_rows.extend(range(len(ids) - m, len(ids)))
+        override = self.images.overrides(with_images) if with_images and self.images is not None else None
         key = None
-        if self.graphs is not None and logits_rows and layer_hook is None:
+        if self.graphs is not None and logits_rows and layer_hook is None and override is None:
             key = self.graphs.key(len(counts), max(counts), max(context_lens), max(map(len, tables)), aux_layers)
         if key is not None:
             return self._replay(key, ids, counts, context_lens, tables, logits_rows, dst, src, carry)
@@ -92,7 +99,8 @@ class ModelRunner:
         indices = to_device(logits_rows, torch.int64, self.device) if logits_rows else None
         if self.mirror is not None:
             self.mirror.mirror(input_ids, meta, self.cache.kv, indices, aux_layers)
-        hidden, logits, *aux = self.model(input_ids, meta, self.cache.kv, indices, aux_layers, layer_hook)
+        hidden, logits, *aux = self.model(input_ids, meta, self.cache.kv, indices, aux_layers, layer_hook,
+                                          embed_override=override)
         return logits, hidden, aux[0] if aux else None
 
     def _replay(self, key: tuple[int, int, int], ids: list[int], counts: list[int], context_lens: list[int],

@@ -21,8 +21,8 @@ def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch
     """`values` (a host list or tensor) as a tensor on `device` without blocking the host; a tensor already
     there is returned as it is."""
     device = torch.device(device)
-    if isinstance(values, torch.Tensor) and values.device == device and values.dtype == dtype:
-        return values
+    if isinstance(values, torch.Tensor) and values.device == device:
+        return values if values.dtype == dtype else values.to(dtype)
     t = torch.as_tensor(values, dtype=dtype)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)

@@ -100,8 +100,22 @@ def test_bad_input_is_a_400_with_the_engine_text(client):
         client.chat.completions.create(model="m3-tiny", messages=[{"role": "wizard", "content": "x"}])
     assert e.value.body["param"].startswith("messages")
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m3-tiny", messages=CHAT, logit_bias={"5": 10})
-    assert e.value.body["code"] == "unsupported_parameter" and "logit_bias" in e.value.message
+        client.chat.completions.create(model="m3-tiny", messages=CHAT, logit_bias={"x": 10})
+    assert e.value.body["param"] == "logit_bias"
+
+
+def test_logit_bias_and_min_tokens_reach_the_engine(client):
+    """A +100 bias on one token makes greedy decoding repeat it; min_tokens keeps a reply going past its stop."""
+    forced = client.completions.create(model="m3-tiny", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                       logit_bias={"120": 100}, logprobs=1)
+    assert len(forced.choices[0].logprobs.tokens) == 6 and len(set(forced.choices[0].logprobs.tokens)) == 1
+    free = client.completions.create(model="m3-tiny", prompt="Once upon a time", max_tokens=24, temperature=0)
+    stop = free.choices[0].text[2:4]
+    early = client.completions.create(model="m3-tiny", prompt="Once upon a time", max_tokens=24, temperature=0,
+                                      stop=[stop])
+    held = client.completions.create(model="m3-tiny", prompt="Once upon a time", max_tokens=24, temperature=0,
+                                     stop=[stop], extra_body={"min_tokens": 12})
+    assert early.usage.completion_tokens < 12 <= held.usage.completion_tokens
 
 
 def test_a_wrong_or_missing_key_is_a_401(server):

@@ -181,7 +181,9 @@ class PagedCacheManager:
         hashes = self._hashes.setdefault(request.request_id, [])
         tokens = request.token_ids
         for i in range(len(hashes), num_pages):
-            hashes.append(page_hash(hashes[-1] if hashes else ROOT_HASH, tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]))
+            lo, hi = i * PAGE_SIZE, (i + 1) * PAGE_SIZE
+            content = b"".join(im.digest for im in request.images if im.offset < hi and im.offset + im.num_tokens > lo)
+            hashes.append(page_hash(hashes[-1] if hashes else ROOT_HASH, tokens[lo:hi], content))
         return hashes
 
 

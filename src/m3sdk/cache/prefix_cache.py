@@ -17,9 +17,10 @@ from collections.abc import Sequence
 ROOT_HASH = b""
 
 
-def page_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    """Chained hash of one full page. 128-bit blake2b: a collision would silently serve wrong K/V."""
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+def page_hash(parent: bytes, token_ids: Sequence[int], content: bytes = b"") -> bytes:
+    """Chained hash of one full page. 128-bit blake2b: a collision would silently serve wrong K/V. `content`: the
+    digests of the images whose tokens the page holds (their token ids say nothing of the pixels)."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes() + content, digest_size=16).digest()
 
 
 class PrefixCache:

@@ -6,21 +6,27 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from m3sdk.cache import CACHE_MANAGERS
 from m3sdk.cache.kv_pool import KVCacheSpec
 from m3sdk.cache.manager import CacheManager, cache_budget_bytes, num_pages_for_budget
 from m3sdk.cache.page_pool import PAGE_SIZE, pages_for
-from m3sdk.config import EngineConfig
+from m3sdk.config import BUNDLED_MODELS, EngineConfig
 from m3sdk.core.engine_core import EngineCore
 from m3sdk.core.executor import Executor, OverlappedExecutor, SpeculativeExecutor
 from m3sdk.core.hooks import StepObserver
 from m3sdk.core.resolved import ResolvedConfig, resolve
 from m3sdk.core.warmup import warm_up
 from m3sdk.graphs import DecodeGraphs
+from m3sdk.images import ImagePrompts
+from m3sdk.model.config import ModelConfig
+from m3sdk.model.dummy import dummy_model
+from m3sdk.model.image_processor import ImageProcessor
 from m3sdk.model.loader import load_model
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
+from m3sdk.model.vision_loader import load_vision_encoder
 from m3sdk.observability import get_logger
 from m3sdk.runner import ModelRunner
 from m3sdk.sampler import Sampler
@@ -49,8 +55,11 @@ def build_core(config: EngineConfig, observers: Sequence[StepObserver] = ()) -> 
         if config.quantization != "none":
             raise ValueError("tensor_parallel_size > 1 does not support quantization yet (ranks load bf16 shards)")
         tp = TensorParallel.launch(rc.model_path, config.tensor_parallel_size, rc.device, rc.dtype,
-                                   rc.attention_backend, config.expert_parallel)
+                                   rc.attention_backend, config.expert_parallel, config.load_format, config.seed)
         model = tp.model
+    elif config.load_format == "dummy":
+        model = dummy_model(ModelConfig.from_pretrained(rc.model_path), rc.device, rc.dtype, rc.attention_backend,
+                            quantization=config.quantization, seed=config.seed)
     else:
         model = load_model(rc.model_path, rc.device, rc.dtype, rc.attention_backend,
                            quantization=config.quantization, progress=config.show_progress)
@@ -68,7 +77,7 @@ def build_core(config: EngineConfig, observers: Sequence[StepObserver] = ()) -> 
 def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParallel | None,
               observers: Sequence[StepObserver]) -> EngineCore:
     config = rc.engine
-    tokenizer = Tokenizer.from_pretrained(rc.model_path)
+    tokenizer = Tokenizer.from_pretrained(_tokenizer_path(rc))
     cache, max_model_len = _cache(rc, model)
     rc = dataclasses.replace(rc, max_model_len=max_model_len)
     factory = config.scheduler
@@ -83,7 +92,8 @@ def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParalle
             config=model.config, embed_tokens=model.embed_tokens, lm_head=model.lm_head,
             checkpoint=str(rc.model_path), device=rc.device, dtype=rc.dtype, model=model, kv_spec=cache.kv.spec,
             num_cache_pages=cache.num_pages, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len))
-    runner = ModelRunner(model, cache, rc.device, _graphs(rc, model, cache, tp, drafter), mirror=tp)
+    runner = ModelRunner(model, cache, rc.device, _graphs(rc, model, cache, tp, drafter), mirror=tp,
+                         images=_images(rc, tokenizer, tp))
     sampler = Sampler()
     if drafter is not None:
         executor: Executor = SpeculativeExecutor(runner, scheduler, sampler, Speculation(drafter, cache, sampler))
@@ -93,6 +103,25 @@ def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParalle
         executor = Executor(runner, scheduler, sampler)
     return EngineCore(rc, runner, scheduler, cache, tokenizer, executor, observers,
                       on_stop=[tp.shutdown] if tp is not None else [], tensor_parallel=tp)
+
+
+def _tokenizer_path(rc: ResolvedConfig) -> Path:
+    """The checkpoint's tokenizer; a config-only folder served with dummy weights borrows the bundled m3-tiny's
+    (its ids are valid inputs of any MiniMax-M3; generated ids past its vocabulary decode to no text)."""
+    if rc.engine.load_format == "dummy" and not (rc.model_path / "tokenizer.json").is_file():
+        log.info("no tokenizer.json beside the config: using the bundled m3-tiny tokenizer", model=str(rc.model_path))
+        return BUNDLED_MODELS["m3-tiny"]
+    return rc.model_path
+def _images(rc: ResolvedConfig, tokenizer: Tokenizer, tp: TensorParallel | None) -> ImagePrompts | None:
+    """Image prompts, when the checkpoint has a vision encoder and images are asked for (limit_images > 0); the
+    encoder runs on rank 0's device only, so tensor-parallel engines take text only for now."""
+    if rc.engine.limit_images == 0 or tp is not None:
+        return None
+    encoder = load_vision_encoder(rc.model_path, rc.device, rc.dtype)
+    if encoder is None:
+        return None
+    return ImagePrompts(ImageProcessor.from_pretrained(rc.model_path), encoder, tokenizer, rc.engine.limit_images,
+                        rc.device, rc.engine.image_fetcher)
 
 
 def _cache(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM) -> tuple[CacheManager, int]:

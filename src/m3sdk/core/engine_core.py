@@ -39,6 +39,7 @@ from m3sdk.tokenizer import TextStream, Tokenizer
 
 if TYPE_CHECKING:
     from m3sdk.core.resolved import ResolvedConfig
+    from m3sdk.images import PromptImage
     from m3sdk.parallel import TensorParallel
 
 log = get_logger("m3sdk.core")
@@ -59,6 +60,7 @@ class EngineCore:
         self.tensor_parallel = tensor_parallel  # the worker ranks, when tensor parallel
         self.max_model_len = config.max_model_len
         self.vocab_size = runner.model.config.vocab_size
+        self.images = runner.images  # image prompts (m3sdk.images), or None: this engine takes text only
         self.output = OutputProcessor(frozenset(tokenizer.eos_token_ids) | frozenset(runner.model.config.eos_token_ids),
                                       self._release)
         self._observers = list(observers)
@@ -98,7 +100,7 @@ class EngineCore:
             return self._grammars
 
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_total_tokens: int,
-                    priority: int = 0, index: int = 0) -> Request:
+                    priority: int = 0, index: int = 0, images: tuple[PromptImage, ...] = ()) -> Request:
         """A request (choice `index` of its prompt) with its seeded sampling state, its structured output's matcher
         (compiled here, in the caller's thread: InvalidRequestError if it does not compile) and incremental
         detokenizer attached."""
@@ -108,7 +110,11 @@ class EngineCore:
                 raise InvalidRequestError("structured_output is not supported with prefill_nodes (a prefill node "
                                           "samples the first token unconstrained)")
             grammar = self.grammars().grammar(params.structured_output)
-        request = Request(request_id, prompt_ids, params, max_total_tokens, priority, index=index)
+        if images and self._admission is not None:
+            raise InvalidRequestError("images are not supported with prefill_nodes yet")
+        if images and self.config.engine.speculative is not None:
+            raise InvalidRequestError("images are not supported with speculative decoding yet")
+        request = Request(request_id, prompt_ids, params, max_total_tokens, priority, index=index, images=images)
         # eos is never masked for a structured output: its grammar decides where it may end
         stops = () if params.ignore_eos or grammar is not None else sorted(self.output.eos_token_ids)
         request.sampling = SamplingState(params, prompt_ids, grammar=grammar,

@@ -77,6 +77,8 @@ class ModelConfig:
     # How the checkpoint stores its quantized linears (from quantization_config; the loader reads them as stored):
     # "none", "mxfp8" (MiniMaxAI/MiniMax-M3-MXFP8) or "mxfp4" (AMD Quark, amd/MiniMax-M3-MXFP4)
     quant_format: str = "none"
+    # std of the normal init of the linears and embeddings (only load_format="dummy" reads it)
+    initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
         problems = []
@@ -225,6 +227,7 @@ def _parse_text_config(text: dict[str, Any], outer: dict[str, Any], architecture
         architecture=architecture,
         checkpoint_dtype=str(dtype).removeprefix("torch."),
         quant_format=quant_format,
+        initializer_range=float(r.get("initializer_range", default=0.02)),
         **mlp,
         **index,
     )

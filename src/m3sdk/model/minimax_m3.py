@@ -133,14 +133,20 @@ class MiniMaxM3ForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
                 logits_indices: torch.Tensor | None = None, aux_layers: Sequence[int] = (),
-                layer_hook: Callable[[int], None] | None = None) -> tuple:
+                layer_hook: Callable[[int], None] | None = None,
+                embed_override: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple:
         """input_ids int64 [T] -> (final-normed hidden [T, hidden], float32 logits [N, vocab] at logits_indices).
+
+        `embed_override` = (rows [K], embeddings [K, hidden]): the input embeddings of those rows instead of their
+        tokens' (an image's tokens take the vision encoder's output, m3sdk.images).
 
         With `aux_layers` (EAGLE3 drafts read them), a third item: the hidden states entering those layers (id
         num_layers: the last layer's output, before the final norm), concatenated in the order given:
         [T, len(aux_layers) * hidden]. `layer_hook(i)` runs after layer i's attention (the engine's step observers)."""
         cos, sin = self.rotary(meta.positions)
         x = self.embed_tokens(input_ids)
+        if embed_override is not None:
+            x[embed_override[0]] = embed_override[1].to(x.dtype)
         aux = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:

@@ -169,12 +169,24 @@ def _pad_down(w: torch.Tensor, inter: int, hidden: int) -> torch.Tensor:
 def quantize_model(model: nn.Module, quantization: str) -> nn.Module:
     """Quantize `model` (a loaded MiniMaxM3ForCausalLM) in place, layer by layer (the bf16 weights of a layer
     are freed as it is done), and return it."""
+    fp8 = fp8_for(quantization, model.embed_tokens.weight.device)
+    for layer in model.layers:
+        quantize_layer(layer, quantization, fp8)
+    return model
+
+
+def fp8_for(quantization: str, device: torch.device) -> torch.dtype | None:
+    """The FP8 dtype `quantization` serves its linears in on `device` (None for "none"); a ValueError for an
+    unknown choice."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if quantization == "none":
-        return _serve_layouts(model)
-    fp8_dtype = current_arch(model.embed_tokens.weight.device).fp8_dtype
-    for layer in model.layers:
+    return None if quantization == "none" else current_arch(device).fp8_dtype
+
+
+@torch.no_grad()
+def quantize_layer(layer: nn.Module, quantization: str, fp8_dtype: torch.dtype | None) -> None:
+    """One decoder layer, loaded, into its served format (`fp8_for` gives `fp8_dtype`), in place."""
+    if quantization != "none":
         attn = layer.self_attn
         attn.qkv_proj = Fp8Linear(attn.qkv_proj, fp8_dtype)
         attn.o_proj = Fp8Linear(attn.o_proj, fp8_dtype)
@@ -190,11 +202,5 @@ def quantize_model(model: nn.Module, quantization: str) -> nn.Module:
             layer.mlp = QuantizedMoE.quantize(layer.mlp, "mxfp4")
         else:
             layer.mlp.shared_experts = Fp8DenseMLP(layer.mlp.shared_experts, fp8_dtype)
-    return _serve_layouts(model)
-
-
-def _serve_layouts(model: nn.Module) -> nn.Module:
-    for layer in model.layers:
-        if isinstance(layer.mlp, QuantizedMoE):
-            layer.mlp.serve_layout()
-    return model
+    if isinstance(layer.mlp, QuantizedMoE):
+        layer.mlp.serve_layout()

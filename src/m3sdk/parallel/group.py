@@ -42,7 +42,7 @@ from m3sdk.cache.kv_pool import KVPool
 from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
-from m3sdk.parallel.sharding import Shard, check_divisible, load_shard
+from m3sdk.parallel.sharding import Shard, check_divisible, load_rank
 
 HELLO, READY, ERROR, STEP, KV, STOP = "hello", "ready", "error", "step", "kv", "stop"
 GRAPHS, REPLAY = "graphs", "replay"  # build DecodeGraphs (its arguments); replay the graph of a step
@@ -108,8 +108,9 @@ class TensorParallel:
 
     @classmethod
     def launch(cls, path: str | Path, world: int, device: torch.device, dtype: torch.dtype, attn_backend: str,
-               expert_parallel: bool = True) -> TensorParallel:
-        """Start ranks 1..world-1, join the process group, load rank 0's shard; -> rank 0's handle."""
+               expert_parallel: bool = True, load_format: str = "auto", seed: int = 0) -> TensorParallel:
+        """Start ranks 1..world-1, join the process group, load rank 0's shard (`load_format` "dummy": make
+        every rank's random shard from `seed`); -> rank 0's handle."""
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process: one tensor-parallel "
                                "engine per process")
@@ -127,6 +128,7 @@ class TensorParallel:
                 spec = {"rank": rank, "world": world, "store_port": store.port, "fd": child.fileno(),
                         "model": str(path), "device": str(rank_device(device, rank)), "dtype": str(dtype),
                         "attn_backend": attn_backend, "expert_parallel": expert_parallel,
+                        "load_format": load_format, "seed": seed,
                         "threads": torch.get_num_threads()}
                 procs.append(subprocess.Popen([sys.executable, "-m", "m3sdk.parallel.worker", json.dumps(spec)],
                                               pass_fds=[child.fileno()], env=_worker_env()))
@@ -138,7 +140,7 @@ class TensorParallel:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0,
                                     world_size=world, timeout=timedelta(seconds=300),
                                     device_id=device if device.type == "cuda" else None)
-            model = load_shard(path, Shard(0, world, expert_parallel), device, dtype, attn_backend)
+            model = load_rank(path, Shard(0, world, expert_parallel), device, dtype, attn_backend, load_format, seed)
             _expect(conns, procs, READY)
         except BaseException:
             _stop(conns, procs)

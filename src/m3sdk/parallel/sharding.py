@@ -29,8 +29,10 @@ from safetensors import safe_open
 
 from m3sdk.errors import CheckpointError
 from m3sdk.model.config import ModelConfig
+from m3sdk.model.dummy import materialize
 from m3sdk.model.layers import SparseMoE, all_reduce, moe_experts, route
 from m3sdk.model.loader import check_tensors, detect_layout, expected_tensors, read_headers, tensor_files
+from m3sdk.model.memory import check_split
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 
 _CHUNK_BYTES = 64 << 20
@@ -62,19 +64,7 @@ class Shard:
 
 def check_divisible(config: ModelConfig, shard: Shard) -> None:
     """Every sharded count must split evenly over the ranks; say all that do not, at once."""
-    c, n = config, shard.world
-    counts = {"num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads}
-    if c.dense_layers:
-        counts["dense_intermediate_size"] = c.dense_intermediate_size
-    if c.moe_layers:
-        counts["shared_intermediate_size"] = c.shared_intermediate_size
-        if shard.expert_parallel:
-            counts["num_local_experts"] = c.num_experts
-        else:
-            counts["intermediate_size (per expert)"] = c.moe_intermediate_size
-    bad = [f"{k}={v}" for k, v in counts.items() if v % n]
-    if bad:
-        raise ValueError(f"tensor_parallel_size {n} must divide {', '.join(bad)}")
+    check_split(config, shard.world, shard.expert_parallel)
 
 
 def local_config(config: ModelConfig, shard: Shard) -> ModelConfig:
@@ -273,6 +263,31 @@ def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype
         rows = model.embed_tokens.weight[start:min(end, config.vocab_size)]
         model.lm_head.weight[:rows.shape[0]].copy_(rows)
     return model.eval()
+
+
+def dummy_shard(config: ModelConfig, shard: Shard, device: torch.device | str, dtype: torch.dtype,
+                attn_backend: str, seed: int) -> MiniMaxM3ForCausalLM:
+    """This rank's model with random weights (model/dummy.py), made on `device`: only its shard of each sharded
+    parameter (salted with the rank), the parameters held whole the same on every rank."""
+    model = materialize(build_local_model(config, shard, dtype, attn_backend), device, "none", seed,
+                        salt=lambda name: 0 if param_pieces(name, config, shard) is None else shard.rank + 1)
+    start, end = shard.span_ceil(config.vocab_size)
+    with torch.no_grad():
+        head = model.lm_head.weight
+        if config.tie_word_embeddings:  # the head is this rank's rows of the embeddings
+            rows = model.embed_tokens.weight[start:min(end, config.vocab_size)]
+            head[:rows.shape[0]].copy_(rows)
+        head[max(0, config.vocab_size - start):].zero_()  # the last rank's padding rows past the vocabulary
+    return model
+
+
+def load_rank(path: str | Path, shard: Shard, device: torch.device | str, dtype: torch.dtype, attn_backend: str,
+              load_format: str = "auto", seed: int = 0) -> MiniMaxM3ForCausalLM:
+    """This rank's model: its shard of the checkpoint at `path`, or with load_format "dummy" random weights
+    from `seed` for the config.json there."""
+    if load_format == "dummy":
+        return dummy_shard(ModelConfig.from_pretrained(path), shard, device, dtype, attn_backend, seed).eval()
+    return load_shard(path, shard, device, dtype, attn_backend)
 
 
 def _copy(source, src: tuple[slice, ...], dest: torch.Tensor) -> None:

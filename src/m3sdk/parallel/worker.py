@@ -33,7 +33,7 @@ from m3sdk.parallel.group import (
     step_numel,
     unpack_step,
 )
-from m3sdk.parallel.sharding import Shard, load_shard
+from m3sdk.parallel.sharding import Shard, load_rank
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
@@ -44,8 +44,8 @@ def serve(spec: dict, conn: Connection) -> None:
     conn.send((HELLO, None))
     init_distributed(spec["rank"], spec["world"], spec["store_port"], device)
     try:
-        model = load_shard(spec["model"], Shard(spec["rank"], spec["world"], spec["expert_parallel"]), device,
-                           _DTYPES[spec["dtype"]], spec["attn_backend"])
+        model = load_rank(spec["model"], Shard(spec["rank"], spec["world"], spec["expert_parallel"]), device,
+                          _DTYPES[spec["dtype"]], spec["attn_backend"], spec["load_format"], spec["seed"])
     except Exception:
         conn.send((ERROR, traceback.format_exc()))
         raise

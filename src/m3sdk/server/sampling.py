@@ -1,8 +1,8 @@
 """An OpenAI request's sampling fields -> SamplingParams, one per choice.
 
 n choices are n engine requests; with a seed, choice i samples with seed + i, so each choice is reproducible and
-the choices differ. Fields the engine cannot honour yet are refused (400) unless they ask for nothing: a
-logit_bias of {} or min_tokens 0 pass, a real bias does not, rather than being silently ignored.
+the choices differ. logit_bias keys are token ids as JSON strings (OpenAI's shape); a key that is not an integer is
+a 400 naming it.
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ from m3sdk.server.protocol import SamplingFields
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                     constraint: dict[str, Any] | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice (InvalidRequestError for values out of range, with the field's name)."""
-    if req.logit_bias:
-        raise not_supported("logit_bias")
-    if req.min_tokens:
-        raise not_supported("min_tokens")
     fields: dict[str, Any] = {"presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-                              "ignore_eos": req.ignore_eos}
+                              "ignore_eos": req.ignore_eos, "min_tokens": req.min_tokens}
+    if req.logit_bias:
+        fields["logit_bias"] = _logit_bias(req.logit_bias)
     optional = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
                 "repetition_penalty": req.repetition_penalty, "stop": req.stop, "stop_token_ids": req.stop_token_ids,
                 "max_tokens": max_tokens, "logprobs": logprobs, "structured_output": constraint}
@@ -33,6 +31,14 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
     if req.seed is None:
         return [base] * req.n
     return [base.replace(seed=req.seed + i) for i in range(req.n)]
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        bad = next(k for k in bias if not k.strip().lstrip("-").isdigit())
+        raise bad_request(f"logit_bias keys must be token ids, got {bad[:40]!r}", "logit_bias") from None
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

@@ -1,0 +1,148 @@
+"""Image prompts: each image of a prompt becomes a run of image tokens whose input embeddings come from the vision
+encoder instead of the token embedding table.
+
+Caller's thread (engine.py, before queueing): `ImagePrompts.prepare` decodes and preprocesses every image, checks
+their number, and expands each placeholder (the image token, once per image; `]<]image[>[` in a text prompt) into
+the image's run of image tokens, wrapped in the checkpoint's start/end-of-image tokens where its tokenizer has them
+(as transformers' MiniMaxM3VLProcessor does).
+
+Engine thread (runner.py): `ImagePrompts.overrides` gives, for the requests of one step, the rows of the step's
+tokens that are image tokens and their embeddings; a chunk that cuts through an image takes the slice of the
+image's embeddings at the chunk's positions. Embeddings are kept in an LRU cache keyed by image content, so an
+image is encoded once across chunks, preemptions and later requests that show it again; the images a step needs
+and the cache lacks are encoded in one batched encoder call.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from m3sdk.errors import InvalidRequestError
+from m3sdk.model.image_processor import Fetcher, ImageProcessor
+from m3sdk.model.vision import VisionEncoder
+from m3sdk.request import Request
+from m3sdk.staging import to_device
+from m3sdk.tokenizer import Tokenizer
+
+IMAGE_PLACEHOLDER = "]<]image[>["
+IMAGE_START = "]<]start of image[>["
+IMAGE_END = "]<]end of image[>["
+
+
+@dataclass(frozen=True, eq=False)
+class PromptImage:
+    """One image of a request: its tokens are prompt positions [offset, offset + num_tokens)."""
+
+    offset: int
+    num_tokens: int
+    digest: bytes  # content hash (m3sdk.model.image_processor): the prefix cache and the encoder cache key on it
+    pixels: torch.Tensor  # float32 on the host, [patches, patch_dim]
+    grid_thw: tuple[int, int, int]
+
+
+class ImagePrompts:
+    def __init__(self, processor: ImageProcessor, encoder: VisionEncoder, tokenizer: Tokenizer, limit: int,
+                 device: torch.device, fetcher: Fetcher | None = None, cache_tokens: int = 1 << 15):
+        self.processor = processor
+        self.encoder = encoder
+        self.tokenizer = tokenizer
+        self.limit = limit
+        self.device = device
+        self.fetcher = fetcher
+        self.image_token_id = encoder.config.image_token_id
+        start, end = tokenizer.token_to_id(IMAGE_START), tokenizer.token_to_id(IMAGE_END)
+        self._wrap = (start, end) if start is not None and end is not None else None
+        # encoder-output cache (engine thread only): digest -> [num_tokens, hidden] on the device, LRU first
+        self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._cache_tokens = cache_tokens
+        self._cached = 0
+        self.num_encoded = 0  # images run through the encoder (the cache's misses)
+
+    # -- caller's thread -----------------------------------------------------------------------------------------
+    def text_ids(self, text: str) -> list[int]:
+        """A text prompt's ids, each `]<]image[>[` one image token whatever the tokenizer makes of the string."""
+        pieces = text.split(IMAGE_PLACEHOLDER)
+        ids = self.tokenizer.encode(pieces[0]) if pieces[0] else []
+        for piece in pieces[1:]:
+            ids.append(self.image_token_id)
+            ids += self.tokenizer.encode(piece, add_special_tokens=False) if piece else []
+        return ids
+
+    def prepare(self, ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """(`ids` with each placeholder expanded to its image's tokens, the images) or InvalidRequestError."""
+        if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
+            raise InvalidRequestError(f"images must be a list, got {type(images).__name__}")
+        if len(images) > self.limit:
+            raise InvalidRequestError(f"{len(images)} images in one prompt; this engine takes at most {self.limit} "
+                                      "(limit_images)")
+        slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(slots) != len(images):
+            raise InvalidRequestError(f"the prompt holds {len(slots)} image placeholders ({IMAGE_PLACEHOLDER!r}, "
+                                      f"token {self.image_token_id}) for {len(images)} images: one per image")
+        processed = [self.processor.process(image, self.fetcher) for image in images]
+        out: list[int] = []
+        spans = []
+        last = 0
+        for slot, image in zip(slots, processed, strict=True):
+            out += ids[last:slot]
+            if self._wrap:
+                out.append(self._wrap[0])
+            spans.append(PromptImage(len(out), image.num_tokens, image.digest, image.pixels, image.grid_thw))
+            out += [self.image_token_id] * image.num_tokens
+            if self._wrap:
+                out.append(self._wrap[1])
+            last = slot + 1
+        out += ids[last:]
+        return out, tuple(spans)
+
+    # -- engine thread -------------------------------------------------------------------------------------------
+    def overrides(self, entries: Sequence[tuple[Request, int, int, int]]
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For entries (request, first position, number of tokens, first row in the step): (rows [K] int64 on the
+        device, embeddings [K, hidden]) of the step's image tokens, or None when the step has none."""
+        wanted = []
+        for request, start, n, row in entries:
+            for image in request.images:
+                lo, hi = max(start, image.offset), min(start + n, image.offset + image.num_tokens)
+                if lo < hi:
+                    wanted.append((image, lo - image.offset, hi - image.offset, row + lo - start))
+        if not wanted:
+            return None
+        embeds = self._embeddings([w[0] for w in wanted])
+        rows: list[int] = []
+        values = []
+        for image, a, b, row in wanted:
+            rows += range(row, row + b - a)
+            values.append(embeds[image.digest][a:b])
+        return to_device(rows, torch.int64, self.device), torch.cat(values)
+
+    def _embeddings(self, images: Sequence[PromptImage]) -> dict[bytes, torch.Tensor]:
+        out = {}
+        missing: dict[bytes, PromptImage] = {}
+        for image in images:
+            if image.digest in self._cache:
+                self._cache.move_to_end(image.digest)
+                out[image.digest] = self._cache[image.digest]
+            else:
+                missing[image.digest] = image
+        if missing:
+            todo = list(missing.values())
+            pixels = torch.cat([i.pixels for i in todo]).to(self.device, non_blocking=True)
+            encoded = self.encoder(pixels, [i.grid_thw for i in todo]).split([i.num_tokens for i in todo])
+            self.num_encoded += len(todo)
+            for image, e in zip(todo, encoded, strict=True):
+                out[image.digest] = e
+                self._remember(image.digest, e)
+        return out
+
+    def _remember(self, digest: bytes, embeds: torch.Tensor) -> None:
+        self._cache[digest] = embeds
+        self._cached += embeds.shape[0]
+        while self._cached > self._cache_tokens and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._cached -= old.shape[0]

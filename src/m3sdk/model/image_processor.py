@@ -1,0 +1,192 @@
+"""Images -> the vision encoder's input: decode, resize to sides that are multiples of patch*merge (28) within the
+checkpoint's pixel range, rescale to [0, 1], normalize with CLIP's mean/std, and cut into patches laid out
+merge-window-major, each patch repeated over the temporal patch (a still image is a 1-frame clip).
+
+Decoding needs Pillow (the `vision` extra): it reads every common format (PNG, JPEG, WebP, GIF, BMP) safely, which
+our own code should not attempt. Resizing is bicubic with antialiasing on the uint8 image, rounded back to uint8,
+as transformers' torchvision backend does, so pixels match its MiniMaxM3VLImageProcessor.
+
+Accepted image forms: a filesystem path (str or Path, or a `file://` URL), raw bytes, a `data:image/...;base64,`
+URL, or a PIL image. Remote (http/https) URLs are refused unless the application passes a `fetcher`. Every failure
+is an InvalidRequestError, raised on the caller's thread before anything is queued.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from m3sdk.errors import InvalidRequestError
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT_RATIO = 200
+# decoding guard: larger images are refused before their pixels are allocated (Pillow's own bomb limit is ~179M)
+MAX_DECODED_PIXELS = 64 * 1024 * 1024
+
+# bytes of a remote image, given its URL; the application's choice (no network access from the engine by default)
+Fetcher = Callable[[str], bytes]
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image ready for the encoder: `pixels` [t*h*w, C*T*ps*ps] float32 and its patch grid (t, h, w)."""
+
+    pixels: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    digest: bytes  # content hash of the pixels: keys the prefix cache and the encoder-output cache
+
+
+@dataclass(frozen=True)
+class ImageProcessor:
+    min_pixels: int = 4 * 28 * 28
+    max_pixels: int = 451584
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    mean: tuple[float, float, float] = CLIP_MEAN
+    std: tuple[float, float, float] = CLIP_STD
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ImageProcessor:
+        """The checkpoint's preprocessor_config.json (min/max pixels, patching, mean/std); defaults without one."""
+        file = Path(path) / "preprocessor_config.json"
+        if not file.is_file():
+            return cls()
+        raw: dict[str, Any] = json.loads(file.read_text())
+        size = raw.get("size") if isinstance(raw.get("size"), dict) else {}
+        default = cls()
+        return cls(
+            min_pixels=int(raw.get("min_pixels", size.get("shortest_edge", default.min_pixels))),
+            max_pixels=int(raw.get("max_pixels", size.get("longest_edge", default.max_pixels))),
+            patch_size=int(raw.get("patch_size", default.patch_size)),
+            temporal_patch_size=int(raw.get("temporal_patch_size", default.temporal_patch_size)),
+            merge_size=int(raw.get("merge_size", default.merge_size)),
+            mean=tuple(raw.get("image_mean", default.mean)),
+            std=tuple(raw.get("image_std", default.std)),
+        )
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    def target_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) after resizing: multiples of `factor`, pixel count within [min_pixels, max_pixels],
+        aspect ratio kept as closely as possible."""
+        if height <= 0 or width <= 0:
+            raise InvalidRequestError(f"image has zero size ({width}x{height})")
+        if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+            raise InvalidRequestError(f"image aspect ratio {width}x{height} exceeds {MAX_ASPECT_RATIO}:1")
+        f = self.factor
+        h, w = round(height / f) * f, round(width / f) * f
+        if h * w > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h, w = max(f, math.floor(height / beta / f) * f), max(f, math.floor(width / beta / f) * f)
+        elif h * w < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+        return h, w
+
+    def num_tokens(self, height: int, width: int) -> int:
+        h, w = self.target_size(height, width)
+        return (h // self.factor) * (w // self.factor)
+
+    def process(self, image: Any, fetcher: Fetcher | None = None) -> ProcessedImage:
+        """Decode `image` (see the module doc for the accepted forms) and turn it into the encoder's input."""
+        return self.process_array(decode_image(image, fetcher))
+
+    def process_array(self, rgb: torch.Tensor) -> ProcessedImage:
+        """`rgb`: uint8 [3, H, W] -> encoder input."""
+        height, width = rgb.shape[-2:]
+        h, w = self.target_size(height, width)
+        x = rgb[None].float()
+        if (h, w) != (height, width):
+            x = F.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)
+            x = x.round().clamp(0, 255)
+        mean = torch.tensor(self.mean).view(1, 3, 1, 1)
+        std = torch.tensor(self.std).view(1, 3, 1, 1)
+        x = (x / 255.0 - mean) / std
+        ps, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        gh, gw = h // ps, w // ps
+        x = x.reshape(1, 3, gh // m, m, ps, gw // m, m, ps).permute(0, 2, 5, 3, 6, 1, 4, 7)  # windows, then C, ps, ps
+        x = x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, t, -1, -1).reshape(gh * gw, 3 * t * ps * ps)
+        pixels = x.contiguous()
+        digest = _digest(rgb, (h, w))
+        return ProcessedImage(pixels, (1, gh, gw), gh * gw // (m * m), digest)
+
+
+def _digest(rgb: torch.Tensor, size: tuple[int, int]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((tuple(rgb.shape), size)).encode())
+    h.update(rgb.contiguous().numpy().tobytes())
+    return h.digest()
+
+
+def decode_image(image: Any, fetcher: Fetcher | None = None) -> torch.Tensor:
+    """Any accepted image form -> uint8 RGB [3, H, W]."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as e:
+        raise InvalidRequestError("images need Pillow: pip install 'm3sdk[vision]'") from e
+
+    if isinstance(image, Image.Image):
+        pil = image
+    else:
+        data = _image_bytes(image, fetcher)
+        try:
+            pil = Image.open(io.BytesIO(data))
+            if pil.width * pil.height > MAX_DECODED_PIXELS:
+                raise InvalidRequestError(f"image of {pil.width}x{pil.height} exceeds {MAX_DECODED_PIXELS} pixels")
+            pil.load()
+        except InvalidRequestError:
+            raise
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+            raise InvalidRequestError(f"image could not be decoded: {e}") from e
+    if pil.width == 0 or pil.height == 0:
+        raise InvalidRequestError(f"image has zero size ({pil.width}x{pil.height})")
+    if pil.width * pil.height > MAX_DECODED_PIXELS:
+        raise InvalidRequestError(f"image of {pil.width}x{pil.height} exceeds {MAX_DECODED_PIXELS} pixels")
+    rgb = pil.convert("RGB")
+    return torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(rgb.height, rgb.width, 3).permute(2, 0, 1)
+
+
+def _image_bytes(image: Any, fetcher: Fetcher | None) -> bytes:
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if isinstance(image, Path):
+        return _read_file(image)
+    if not isinstance(image, str):
+        raise InvalidRequestError(f"an image must be a path, bytes, a data URL or a PIL image, not {type(image)}")
+    if image.startswith("data:"):
+        header, sep, payload = image.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise InvalidRequestError("a data URL image must be base64: data:image/<type>;base64,<data>")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise InvalidRequestError(f"the data URL's base64 is invalid: {e}") from e
+    if image.startswith(("http://", "https://")):
+        if fetcher is None:
+            raise InvalidRequestError("remote image URLs are refused: pass image bytes, a path or a data URL, "
+                                      "or give the engine an image fetcher")
+        return fetcher(image)
+    return _read_file(Path(image.removeprefix("file://")))
+
+
+def _read_file(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise InvalidRequestError(f"image file {str(path)!r} cannot be read: {e.strerror or e}") from e

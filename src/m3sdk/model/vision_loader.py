@@ -1,0 +1,84 @@
+"""Load the vision encoder (m3sdk.model.vision) of a MiniMax-M3 VL checkpoint, from either name layout:
+
+  hf (transformers' save):  model.vision_tower.{embeddings.proj, pre_layrnorm, layers.N.*},
+                            model.multi_modal_projector.{linear_1, linear_2, merge_linear_1, merge_linear_2}
+  minimax (as published):   vision_tower.vision_model.{embeddings.patch_embedding, pre_layrnorm, encoder.layers.N.*},
+                            multi_modal_projector.{linear_1, linear_2}, patch_merge_mlp.{linear_1, linear_2}
+
+The encoder is small next to the text model (M3: ~0.6B parameters), so its tensors are read whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from m3sdk.errors import CheckpointError
+from m3sdk.model.loader import _MAX_LISTED, read_headers, tensor_files
+from m3sdk.model.vision import VisionConfig, VisionEncoder
+
+_HF = (("projector.", "model.multi_modal_projector."), ("", "model.vision_tower."))
+_MINIMAX = (("projector.merge_linear_", "patch_merge_mlp.linear_"), ("projector.", "multi_modal_projector."),
+            ("embeddings.proj.", "vision_tower.vision_model.embeddings.patch_embedding."),
+            ("layers.", "vision_tower.vision_model.encoder.layers."), ("", "vision_tower.vision_model."))
+
+
+def vision_config(path: str | Path) -> VisionConfig | None:
+    """The checkpoint's vision config, or None for a text-only checkpoint."""
+    source = Path(path) / "config.json"
+    try:
+        raw = json.loads(source.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{source}: unreadable ({e})") from e
+    return VisionConfig.from_dict(raw, str(source))
+
+
+def checkpoint_name(param: str, layout: str) -> str:
+    """The name of our parameter `param` in a checkpoint of `layout` ("hf" | "minimax")."""
+    for ours, theirs in _HF if layout == "hf" else _MINIMAX:
+        if param.startswith(ours):
+            return theirs + param[len(ours):]
+    raise AssertionError(param)  # the last rule's empty prefix matches everything
+
+
+def load_vision_encoder(path: str | Path, device: torch.device | str = "cpu",
+                        dtype: torch.dtype = torch.bfloat16) -> VisionEncoder | None:
+    """The checkpoint's vision encoder, ready on `device`; None when the checkpoint has no vision tower (a text-only
+    config, or a VL config whose vision tensors were left out)."""
+    path = Path(path)
+    config = vision_config(path)
+    if config is None:
+        return None
+    files = tensor_files(path)
+    layout = "minimax" if any(n.startswith("vision_tower.vision_model.") for n in files) else "hf"
+    if not any(n.startswith(("vision_tower.", "model.vision_tower.")) for n in files):
+        return None
+    with torch.device("meta"):
+        encoder = VisionEncoder(config)
+    params = dict(encoder.named_parameters())
+    names = {p: checkpoint_name(p, layout) for p in params}
+    shapes = read_headers({n: files[n] for n in names.values() if n in files})
+    problems = []
+    for param, name in names.items():
+        if name not in shapes:
+            problems.append(f"missing {name}")
+        elif tuple(shapes[name][0]) != tuple(params[param].shape):
+            problems.append(f"{name}: shape {tuple(shapes[name][0])}, expected {tuple(params[param].shape)}")
+    if problems:
+        more = f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        raise CheckpointError(f"{path}: incomplete vision encoder: " + "; ".join(problems[:_MAX_LISTED]) + more)
+    encoder.to_empty(device=device)
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for param, name in names.items():
+        by_file[files[name]].append(param)
+    tensors = dict(encoder.named_parameters())
+    with torch.no_grad():
+        for file, group in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for param in group:
+                    tensors[param].copy_(f.get_tensor(names[param]))
+    return encoder.to(dtype).eval()
