@@ -230,3 +230,24 @@ async def test_tokenizer_counts_as_the_engine_does_and_bad_values_are_refused():
     p = SamplingParams(n=3, seed=2**64 - 2, prompt_logprobs=2)
     assert [(c.n, c.seed, c.prompt_logprobs) for c in map(p.for_choice, range(3))] == [
         (1, 2**64 - 2, 2), (1, 2**64 - 1, None), (1, 0, None)]
+
+
+@pytest.mark.gpu
+async def test_on_a_gpu_with_graphs_and_overlap(device):
+    """The same properties where decode steps replay CUDA graphs and steps overlap (the GPU defaults): biases and
+    masks apply to the graph's logits, min_tokens settles its steps, choices share the prefill."""
+    async with engine(device=str(device), dtype="bfloat16") as e:
+        assert e._core.config.overlap and e._core.runner.graphs is not None
+        forced = await e.generate(PROMPT, temperature=0, max_tokens=20, logit_bias={EOS: 100}, min_tokens=7)
+        assert len(forced.token_ids) == 8 and forced.token_ids[-1] == EOS and EOS not in forced.token_ids[:-1]
+        token = e.tokenizer.encode(" fox", add_special_tokens=False)[-1]
+        biased = await e.generate(PROMPT, temperature=1.0, seed=1, max_tokens=16, ignore_eos=True,
+                                  logit_bias={token: 100.0})
+        assert biased.token_ids == [token] * 16
+        other = "Once upon a time, in a land far away, there lived a small and curious fox"  # not cached yet
+        p = len(e.tokenizer.encode(other))
+        before = e.stats()["prefill_tokens"]
+        three = await e.generate(other, n=3, temperature=1.0, seed=11, max_tokens=16, ignore_eos=True)
+        assert e.stats()["prefill_tokens"] - before == p + 2 * (p - (p - 1) // PAGE_SIZE * PAGE_SIZE)
+        assert len({c.text for c in three.outputs}) == 3
+        assert e.stats()["graph_steps"] > 0
