@@ -23,8 +23,8 @@ from m3sdk.server.errors import APIError, install_handlers
 from m3sdk.server.protocol import ErrorResponse, ModelCard, ModelList
 
 
-def _require_key(request: Request) -> None:
-    key = context(request).api_key
+async def _require_key(ctx: Annotated[ServerContext, Depends(context)], request: Request) -> None:
+    key = ctx.api_key
     if key is None:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
