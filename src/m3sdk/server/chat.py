@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from m3sdk.chat import AssistantDelta, join_deltas
+from m3sdk.chat import AssistantDelta, ToolCallDelta, join_deltas
 from m3sdk.chat.completion import ChatCompletionChunk as EngineChunk
 from m3sdk.params import SamplingParams
 from m3sdk.server.context import ServerContext, context, new_id
@@ -27,19 +27,13 @@ from m3sdk.server.logprobs import chat_logprobs
 from m3sdk.server.protocol import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatDelta,
-    ChatLogprobs,
     FunctionCall,
-    FunctionCallDelta,
     ToolCall,
-    ToolCallDelta,
 )
 from m3sdk.server.sampling import choose_max_tokens, sampling_params, structured_output
-from m3sdk.server.sse import STREAMED, EventStream, event
+from m3sdk.server.sse import STREAMED, ChunkEvents, EventStream
 
 router = APIRouter()
 
@@ -104,40 +98,58 @@ async def _whole(ctx: ServerContext, fan: FanOut, rid: str, model: str, n: int, 
     return ChatCompletion(id=rid, model=model, choices=choices, usage=usage_info([c.usage for c in last], n))
 
 
-def _wire_delta(delta: AssistantDelta) -> ChatDelta:
-    calls = [ToolCallDelta(index=c.index, id=c.id, type="function" if c.id is not None else None,
-                           function=FunctionCallDelta(name=c.name, arguments=c.arguments))
-             for c in delta.tool_calls]
-    return ChatDelta(content=delta.content, reasoning_content=delta.reasoning_content, tool_calls=calls or None)
+def _wire_delta(delta: AssistantDelta) -> dict[str, Any]:
+    """A parsed delta in the wire shape, None fields left out."""
+    out: dict[str, Any] = {}
+    if delta.content is not None:
+        out["content"] = delta.content
+    if delta.reasoning_content is not None:
+        out["reasoning_content"] = delta.reasoning_content
+    if delta.tool_calls:
+        out["tool_calls"] = [_wire_call(c) for c in delta.tool_calls]
+    return out
 
 
-def _step_choices(index: int, chunk: EngineChunk, logprobs: ChatLogprobs | None) -> list[ChatChunkChoice]:
+def _wire_call(call: ToolCallDelta) -> dict[str, Any]:
+    function = {k: v for k, v in (("name", call.name), ("arguments", call.arguments)) if v is not None}
+    if call.id is None:
+        return {"index": call.index, "function": function}
+    return {"index": call.index, "id": call.id, "type": "function", "function": function}
+
+
+def _step_choices(index: int, chunk: EngineChunk, logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
     """One engine step of a choice as stream choices: one per parsed delta; the step's logprobs ride on the first,
     its finish_reason on the last (an empty delta carries them when the parser held all text back)."""
     if not chunk.deltas and chunk.finish_reason is None and logprobs is None:
         return []
-    out = [ChatChunkChoice(index=index, delta=_wire_delta(d)) for d in chunk.deltas] or [
-        ChatChunkChoice(index=index, delta=ChatDelta())]
-    out[0].logprobs = logprobs
-    out[-1].finish_reason = chunk.finish_reason
+    out = [{"index": index, "delta": _wire_delta(d)} for d in chunk.deltas] or [{"index": index, "delta": {}}]
+    if logprobs is not None:
+        out[0]["logprobs"] = logprobs
+    if chunk.finish_reason is not None:
+        out[-1]["finish_reason"] = chunk.finish_reason
     return out
 
 
 async def _events(ctx: ServerContext, fan: FanOut, rid: str, model: str, n: int,
                   include_usage: bool) -> AsyncGenerator[bytes, None]:
+    """Every step that has arrived at a wake-up, as its events in one write."""
     tokenizer = ctx.engine.tokenizer
+    events = ChunkEvents(rid, "chat.completion.chunk", model)
     usages: list[Any] = [None] * n
     try:
-        for i in range(n):
-            role = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-            yield event(ChatCompletionChunk(id=rid, model=model, choices=[role]))
-        async for index, chunk in fan:
-            if chunk.finish_reason is not None:
-                usages[index] = chunk.usage
-            logprobs = chat_logprobs(tokenizer, chunk.logprobs) if chunk.logprobs is not None else None
-            for choice in _step_choices(index, chunk, logprobs):
-                yield event(ChatCompletionChunk(id=rid, model=model, choices=[choice]))
+        yield events.choices([{"index": i, "delta": {"role": "assistant", "content": ""}} for i in range(n)])
+        async for batch in fan.batches():
+            choices = []
+            for index, chunk in batch:
+                if chunk.finish_reason is not None:
+                    usages[index] = chunk.usage
+                logprobs = None
+                if chunk.logprobs is not None:
+                    logprobs = chat_logprobs(tokenizer, chunk.logprobs).model_dump(exclude_none=True)
+                choices += _step_choices(index, chunk, logprobs)
+            if choices:
+                yield events.choices(choices)
     finally:
         fan.close()
     if include_usage:
-        yield event(ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage_info(usages, n)))
+        yield events.usage(usage_info(usages, n))
