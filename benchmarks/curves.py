@@ -5,8 +5,9 @@ its TTFT / TPOT / ITL medians and p99s printed as a table, and a PNG of them bes
         [--output-len 128] [--prompts-per-stream 4] [--out DIR] [-- extra `m3sdk bench` options]
 
 Each point runs max(8, prompts-per-stream x concurrency) requests of random token ids (EOS ignored, greedy), so
-every point holds its concurrency for several waves. Writes OUT/curves.json (the bench's records), OUT/curves.md
-(the table) and OUT/curves.png (needs matplotlib: `pip install m3sdk[bench]`).
+every point holds its concurrency for several waves, after a warm-up of 2 x the largest concurrency at once.
+Writes OUT/curves.json (the bench's records), OUT/curves.md (the table) and OUT/curves.png (needs matplotlib:
+`pip install m3sdk[bench]`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def main() -> None:
     argv = [sys.executable, "-m", "m3sdk.cli", "bench", "--model", args.model, "--input-len", str(args.input_len),
             "--output-len", str(args.output_len), "--max-concurrency", ",".join(map(str, conc)),
             "--num-prompts", ",".join(map(str, counts)), "--max-num-seqs", str(max(conc)),
-            "--metric-percentiles", "50,99", "--json", str(records_path), *extra]
-    print("$", " ".join(argv[1:]), flush=True)
+            "--metric-percentiles", "50,99", "--num-warmups", str(2 * max(conc)), "--json", str(records_path),
+            *extra]
+    print("$ m3sdk", " ".join(argv[3:]), flush=True)
     subprocess.run(argv, check=True)
     records = json.loads(records_path.read_text())
     rows = curve_rows(records if isinstance(records, list) else [records])
