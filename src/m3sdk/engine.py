@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from m3sdk.chat import AssistantStreamParser, join_deltas, prompt_opens_reasoning
 from m3sdk.chat.completion import ChatCompletion, ChatCompletionChunk, chat_finish_reason
 from m3sdk.chat.constraints import chat_constraint
+from m3sdk.chat.image_parts import split_image_parts
 from m3sdk.config import EngineConfig
 from m3sdk.core import EngineCore, build_core
 from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
@@ -37,6 +38,8 @@ from m3sdk.tokenizer import Tokenizer
 # a text, token ids, chat messages, or an image prompt: {"prompt": text | "prompt_token_ids": ids, "images": [...]}
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]] | Mapping[str, Any]
 
+_NO_IMAGES = ("this engine takes no images: its checkpoint has no vision encoder, limit_images is 0, or it runs "
+              "tensor parallel")
 _DEAD = object()  # queued to every live request when the engine thread dies
 
 
@@ -228,6 +231,9 @@ class Engine:
         deltas) runs it."""
         core = self._running_core()
         constraint = chat_constraint(tools, tool_choice, response_format, parallel_tool_calls)
+        messages, images = split_image_parts(messages)
+        if images and core.images is None:
+            raise InvalidRequestError(_NO_IMAGES)
         prompt = core.tokenizer.apply_chat_template(messages, tools=None if tool_choice == "none" else tools,
                                                     chat_template_kwargs=chat_template_kwargs)
         in_reasoning = prompt_opens_reasoning(prompt)
@@ -242,7 +248,12 @@ class Engine:
             params = params.replace(structured_output=constraint)
         if params.n != 1:
             raise InvalidRequestError(f"a chat turn has one reply: n must be 1, got {params.n}")
-        ids = core.tokenizer.encode(prompt, add_special_tokens=False)
+        if images:
+            check_text("the rendered chat", prompt)
+            ids: Prompt = {"prompt_token_ids": core.images.text_ids(prompt, add_special_tokens=False),
+                           "images": images}
+        else:
+            ids = core.tokenizer.encode(prompt, add_special_tokens=False)
         requests = self._make_requests(ids, params, request_id, priority, {})
         parser = AssistantStreamParser(None if tool_choice == "none" else tools, starts_in_reasoning=in_reasoning)
         return self._parsed(requests, parser)
@@ -320,8 +331,7 @@ class Engine:
                                       f"got keys {sorted(prompt)}")
         images = prompt.get("images") or ()
         if images and core.images is None:
-            raise InvalidRequestError("this engine takes no images: its checkpoint has no vision encoder, "
-                                      "limit_images is 0, or it runs tensor parallel")
+            raise InvalidRequestError(_NO_IMAGES)
         text = prompt.get("prompt")
         if images and isinstance(text, str):
             check_text("the prompt", text)
