@@ -29,7 +29,8 @@ def split_image_parts(messages: Any) -> tuple[Any, list[Any]]:
     out = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
-        if isinstance(content, str | bytes) or not isinstance(content, Sequence) or not any(map(_is_image, content)):
+        listed = isinstance(content, Sequence) and not isinstance(content, str | bytes)
+        if not listed or not any(map(is_image_part, content)):
             out.append(message)
             continue
         where = f"messages[{i}]"
@@ -37,19 +38,20 @@ def split_image_parts(messages: Any) -> tuple[Any, list[Any]]:
             raise InvalidRequestError(f"{where}: image parts belong in user messages, not {message.get('role')!r}")
         parts = []
         for j, part in enumerate(content):
-            if _is_image(part):
-                images.append(_image_of(part, f"{where}.content[{j}]"))
+            if is_image_part(part):
+                images.append(image_of_part(part, f"{where}.content[{j}]"))
                 part = {"type": "text", "text": IMAGE_PLACEHOLDER}
             parts.append(part)
         out.append({**message, "content": parts})
     return (out if images else messages), images
 
 
-def _is_image(part: Any) -> bool:
+def is_image_part(part: Any) -> bool:
     return isinstance(part, Mapping) and part.get("type") in IMAGE_PART_TYPES
 
 
-def _image_of(part: Mapping[str, Any], where: str) -> Any:
+def image_of_part(part: Mapping[str, Any], where: str) -> Any:
+    """The image an image part refers to (a URL, a path, or an image object)."""
     kind = part["type"]
     if kind == "image_url":
         ref = part.get("image_url")

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions over Engine.chat_stream: messages and tools through the checkpoint's chat template,
-the reply split into content, reasoning and tool calls by the engine, n choices, streamed or whole.
+the reply split into content, reasoning and tool calls by the engine, n choices, streamed or whole. User messages
+may hold image parts (server/media.py says which images a client may name).
 
 A stream opens each choice with `delta.role`, then carries `delta.content`, `delta.reasoning_content` and
 `delta.tool_calls` (a call's index, id and name on its first delta, then its arguments' JSON), never the model's
@@ -24,6 +25,7 @@ from m3sdk.server.errors import bad_request
 from m3sdk.server.fanout import FanOut
 from m3sdk.server.generation import usage_info
 from m3sdk.server.logprobs import chat_logprobs
+from m3sdk.server.media import checked_media
 from m3sdk.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -53,7 +55,8 @@ def _logprobs(req: ChatCompletionRequest) -> int | None:
 def _streams(ctx: ServerContext, req: ChatCompletionRequest, params: Sequence[SamplingParams],
              rid: str) -> list[AsyncIterator[EngineChunk]]:
     """One engine chat stream per choice, validated here (InvalidRequestError before anything is queued)."""
-    messages = [m.model_dump(exclude_none=True, by_alias=True) for m in req.messages]
+    messages = checked_media([m.model_dump(exclude_none=True, by_alias=True) for m in req.messages],
+                             ctx.allowed_local_media_path)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     response_format = req.response_format.model_dump(exclude_none=True, by_alias=True) if req.response_format else None
     tool_choice = req.tool_choice if req.tool_choice is not None else "auto"
