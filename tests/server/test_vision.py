@@ -39,7 +39,7 @@ def media(tmp_path_factory):
 def client(tmp_path_factory, media):
     checkpoint = make_vl_checkpoint(tmp_path_factory.mktemp("vl"))
     srv = Server("--model", str(checkpoint), "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
-                 "--allowed-local-media-path", str(media))
+                 "--allowed-local-media-path", str(media), "--served-model-name", "m3-tiny-vl")
     yield openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0)
     out = srv.stop()
     assert "Traceback" not in out, out
@@ -52,7 +52,7 @@ def ask(url: str) -> list[dict]:
 
 
 def chat(client, messages, **kw):
-    return client.chat.completions.create(model="vl0", messages=messages, max_tokens=8, temperature=0, **kw)
+    return client.chat.completions.create(model="m3-tiny-vl", messages=messages, max_tokens=8, temperature=0, **kw)
 
 
 def test_an_image_part_by_data_url_and_by_allowed_file(client, media):
