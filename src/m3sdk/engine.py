@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from m3sdk.chat import AssistantStreamParser, join_deltas, prompt_opens_reasoning
 from m3sdk.chat.completion import ChatCompletion, ChatCompletionChunk, chat_finish_reason
 from m3sdk.chat.constraints import chat_constraint
-from m3sdk.chat.image_parts import split_image_parts
+from m3sdk.chat.image_parts import has_image_parts, split_image_parts
 from m3sdk.config import EngineConfig
 from m3sdk.core import EngineCore, build_core
 from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
@@ -168,8 +168,9 @@ class Engine:
                        request_id: str | None = None, priority: int = 0, **param_overrides: Any) -> Completion:
         """The whole completion, its `n` choices in `outputs`. Cancelling the awaiting task aborts the request."""
         chunks: dict[int, list[Chunk]] = {}
-        async with aclosing(self.stream(prompt, params, request_id=request_id, priority=priority,
-                                        **param_overrides)) as stream:
+        images = isinstance(prompt, Mapping) and bool(prompt.get("images"))
+        requests = await _off_loop(images, self._make_requests, prompt, params, request_id, priority, param_overrides)
+        async with aclosing(self._stream(requests)) as stream:
             async for chunk in stream:
                 chunks.setdefault(chunk.index, []).append(chunk)
         return Completion.of_chunks([chunks[i] for i in sorted(chunks)])
@@ -193,8 +194,10 @@ class Engine:
         ...}} constrains it to JSON. `parallel_tool_calls=False` allows one call per reply under "required".
         finish_reason is "tool_calls" when the reply ends after calling tools."""
         deltas, text = [], []
-        async with aclosing(self._chat(messages, tools, tool_choice, response_format, chat_template_kwargs,
-                                       parallel_tool_calls, params, request_id, priority, param_overrides)) as steps:
+        steps = await _off_loop(has_image_parts(messages), self._chat, messages, tools, tool_choice, response_format,
+                                chat_template_kwargs, parallel_tool_calls, params, request_id, priority,
+                                param_overrides)
+        async with aclosing(steps):
             async for chunk, step in steps:
                 text.append(chunk.text)
                 deltas += step
@@ -473,6 +476,12 @@ def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> Samplin
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
     return params.replace(**overrides) if overrides else params
+
+
+async def _off_loop(images: bool, build: Callable[..., Any], *args: Any) -> Any:
+    """build(*args): a request validated and made ready to queue; in a worker thread when its prompt has images,
+    whose decoding and resizing would otherwise stall every other request's stream on the event loop."""
+    return await anyio.to_thread.run_sync(build, *args) if images else build(*args)
 
 
 def _remote_prefill(config: EngineConfig, core: EngineCore) -> Any:

@@ -29,8 +29,7 @@ def split_image_parts(messages: Any) -> tuple[Any, list[Any]]:
     out = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, Mapping) else None
-        listed = isinstance(content, Sequence) and not isinstance(content, str | bytes)
-        if not listed or not any(map(is_image_part, content)):
+        if not _listed(content) or not any(map(is_image_part, content)):
             out.append(message)
             continue
         where = f"messages[{i}]"
@@ -44,6 +43,18 @@ def split_image_parts(messages: Any) -> tuple[Any, list[Any]]:
             parts.append(part)
         out.append({**message, "content": parts})
     return (out if images else messages), images
+
+
+def has_image_parts(messages: Any) -> bool:
+    """Whether any message's content holds an image part (cheap: nothing is checked)."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        return False
+    return any(isinstance(m, Mapping) and _listed(m.get("content")) and any(map(is_image_part, m["content"]))
+               for m in messages)
+
+
+def _listed(content: Any) -> bool:
+    return isinstance(content, Sequence) and not isinstance(content, str | bytes)
 
 
 def is_image_part(part: Any) -> bool:

@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from m3sdk.chat import AssistantDelta, join_deltas
 from m3sdk.chat.completion import ChatCompletionChunk as EngineChunk
+from m3sdk.chat.image_parts import is_image_part
 from m3sdk.params import SamplingParams
 from m3sdk.server.context import ServerContext, context, new_id
 from m3sdk.server.disconnect import cancelled_on_disconnect
@@ -73,7 +75,11 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: Annotated[Serv
     params = sampling_params(req, max_tokens=choose_max_tokens(req.max_completion_tokens, req.max_tokens),
                              logprobs=_logprobs(req), constraint=structured_output(req))
     rid = new_id("chatcmpl")
-    fan = FanOut(_streams(ctx, req, params, rid))
+    images = any(isinstance(m.content, list) and any(map(is_image_part, m.content)) for m in req.messages)
+    # images are decoded and resized as the streams are made: in a worker thread, not on the serving loop
+    streams = await anyio.to_thread.run_sync(_streams, ctx, req, params, rid) if images else _streams(
+        ctx, req, params, rid)
+    fan = FanOut(streams)
     await fan.admitted()
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
