@@ -42,6 +42,8 @@ async def test_chat_image_equals_generate_with_the_placeholder(vl):
     async with engine(vl, enable_prefix_caching=False) as e:
         tok = e.tokenizer
         done = await e.chat(ask(url_part(data_url(A))), **GREEDY)
+        tokens = [t.token_id async for c in e.chat_stream(ask(url_part(data_url(A))), logprobs=0, **GREEDY)
+                  for t in c.logprobs or []]
         # the byte-level test template renders "<role>content\n": the image part sits where its placeholder is
         ids = (tok.encode("<system>Be brief.\n<user>What is ", add_special_tokens=False) + [IMG]
                + tok.encode(" here?\n<assistant>", add_special_tokens=False))
@@ -53,7 +55,7 @@ async def test_chat_image_equals_generate_with_the_placeholder(vl):
                 + tok.encode(" here?\n<assistant>", add_special_tokens=False))
         ref2 = await e.generate({"prompt_token_ids": ids2, "images": [A, B]}, **GREEDY)
     assert done.usage.prompt_tokens == ref.usage.prompt_tokens == len(ids) - 1 + 20
-    assert done.text == ref.text and done.usage.completion_tokens == 8
+    assert tokens == ref.token_ids and done.text == ref.text and done.usage.completion_tokens == 8
     assert two.text == ref2.text and two.usage.prompt_tokens == ref2.usage.prompt_tokens
     assert two.text != done.text
 
