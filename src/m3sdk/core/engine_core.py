@@ -110,10 +110,6 @@ class EngineCore:
                 raise InvalidRequestError("structured_output is not supported with prefill_nodes (a prefill node "
                                           "samples the first token unconstrained)")
             grammar = self.grammars().grammar(params.structured_output)
-        if images and self._admission is not None:
-            raise InvalidRequestError("images are not supported with prefill_nodes yet")
-        if images and self.config.engine.speculative is not None:
-            raise InvalidRequestError("images are not supported with speculative decoding yet")
         request = Request(request_id, prompt_ids, params, max_total_tokens, priority, index=index, images=images)
         # eos is never masked for a structured output: its grammar decides where it may end
         stops = () if params.ignore_eos or grammar is not None else sorted(self.output.eos_token_ids)
