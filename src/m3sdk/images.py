@@ -18,16 +18,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from m3sdk.errors import InvalidRequestError
-from m3sdk.model.image_processor import Fetcher, ImageProcessor
-from m3sdk.model.vision import VisionEncoder
+from m3sdk.model.image_processor import Fetcher, ImageProcessor, ProcessedImage
 from m3sdk.request import Request
 from m3sdk.staging import to_device
 from m3sdk.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from m3sdk.model.vision import VisionEncoder
 
 IMAGE_PLACEHOLDER = "]<]image[>["
 IMAGE_START = "]<]start of image[>["
@@ -43,6 +45,7 @@ class PromptImage:
     digest: bytes  # content hash (m3sdk.model.image_processor): the prefix cache and the encoder cache key on it
     pixels: torch.Tensor  # float32 on the host, [patches, patch_dim]
     grid_thw: tuple[int, int, int]
+    data: bytes = b""  # the image file: what a prefill node gets (m3sdk.disagg)
 
 
 class ImagePrompts:
@@ -92,13 +95,33 @@ class ImagePrompts:
             out += ids[last:slot]
             if self._wrap:
                 out.append(self._wrap[0])
-            spans.append(PromptImage(len(out), image.num_tokens, image.digest, image.pixels, image.grid_thw))
+            spans.append(_prompt_image(len(out), image))
             out += [self.image_token_id] * image.num_tokens
             if self._wrap:
                 out.append(self._wrap[1])
             last = slot + 1
         out += ids[last:]
         return out, tuple(spans)
+
+    def place(self, ids: Sequence[int], images: Sequence[tuple[int, int, bytes, bytes]]) -> tuple[PromptImage, ...]:
+        """A prompt whose placeholders another engine expanded (a prefill node's): its images as (offset,
+        num_tokens, digest, image file), each checked to decode here to that many tokens and that digest, over
+        positions that hold the image token; InvalidRequestError otherwise."""
+        if len(images) > self.limit:
+            raise InvalidRequestError(f"{len(images)} images in one prompt; this engine takes at most {self.limit} "
+                                      "(limit_images)")
+        out = []
+        for k, (offset, num_tokens, digest, data) in enumerate(images):
+            if any(t != self.image_token_id for t in ids[offset:offset + num_tokens]):
+                raise InvalidRequestError(f"image {k}: positions [{offset}, {offset + num_tokens}) do not all hold "
+                                          f"the image token {self.image_token_id}")
+            image = self.processor.process(data, None)
+            if (image.num_tokens, image.digest) != (num_tokens, digest):
+                raise InvalidRequestError(f"image {k} decodes here to {image.num_tokens} tokens and digest "
+                                          f"{image.digest.hex()}, not {num_tokens} and {digest.hex()} (another "
+                                          "image processor configuration or decoder)")
+            out.append(_prompt_image(offset, image))
+        return tuple(out)
 
     # -- engine thread -------------------------------------------------------------------------------------------
     def overrides(self, entries: Sequence[tuple[Request, int, int, int]]
@@ -146,3 +169,7 @@ class ImagePrompts:
         while self._cached > self._cache_tokens and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
             self._cached -= old.shape[0]
+
+
+def _prompt_image(offset: int, image: ProcessedImage) -> PromptImage:
+    return PromptImage(offset, image.num_tokens, image.digest, image.pixels, image.grid_thw, image.data)

@@ -4,27 +4,18 @@ that mixes image and text requests, with 16-token chunks that cut through the 20
 the prompt, so the drafters' reads of the image positions change no token."""
 
 import asyncio
-import io
 import random
 
 import pytest
-import torch
 from conftest import add_mtp
-from oracle import ORACLE_IMAGE_TOKEN, make_vl_checkpoint
+from oracle import ORACLE_IMAGE_TOKEN, make_vl_checkpoint, random_png
 
 from m3sdk import Engine
 from m3sdk.model import ModelConfig
 
-Image = pytest.importorskip("PIL.Image")
+pytest.importorskip("PIL.Image")
 IMG = ORACLE_IMAGE_TOKEN
 MAX_TOKENS = 12
-
-
-def png(h: int, w: int, seed: int) -> bytes:
-    rgb = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-    buf = io.BytesIO()
-    Image.frombytes("RGB", (w, h), rgb.numpy().tobytes()).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def prompts() -> list:
@@ -33,7 +24,7 @@ def prompts() -> list:
     rng = random.Random(0)
     phrase = [rng.randrange(3, 250) for _ in range(5)]
     text = [rng.randrange(3, 250) for _ in range(10)]
-    a, b, c = png(100, 150, 0), png(60, 90, 1), png(100, 150, 2)
+    a, b, c = random_png(100, 150, 0), random_png(60, 90, 1), random_png(100, 150, 2)
     return [
         {"prompt_token_ids": text + [IMG] + phrase * 3, "images": [a]},
         text[:6] + phrase * 3,

@@ -28,6 +28,7 @@ from m3sdk.core.hooks import Handover
 from m3sdk.disagg import wire
 from m3sdk.disagg.client import PrefillClient, RemotePrefillResult
 from m3sdk.disagg.compat import CompatInfo, model_fingerprint
+from m3sdk.disagg.messages import WireImage
 from m3sdk.errors import PrefillNodeError
 from m3sdk.observability import get_logger
 from m3sdk.request import FinishReason, Request, RequestStatus
@@ -79,6 +80,11 @@ class RemotePrefill:
         if not (self.client.has_healthy_node or self.fallback == "error"):
             states = "; ".join(f"{node}: {state}" for node, state in self.client.node_states().items())
             return self._local(request, f"no healthy prefill node ({states})")
+        # the node decodes and encodes the images itself: their files travel (this side's encoder never runs)
+        images = [WireImage(i.offset, i.num_tokens, i.digest, i.data) for i in request.images]
+        image_bytes = sum(len(i.data) for i in images)
+        if images and self.fallback == "local" and not self.client.takes_images(image_bytes):
+            return self._local(request, f"no healthy prefill node takes images ({image_bytes} bytes)")
         # a remote prefill fills every page of the prompt at once
         if not self.cache.allocate(request, request.num_tokens - cached, prefix):
             return self._local(request, "too few free KV pages for the whole prompt")  # the scheduler queues it
@@ -87,7 +93,7 @@ class RemotePrefill:
         request.num_cached_tokens = min(cached, request.num_prompt_tokens)
         rid = request.request_id
         future = self.client.submit(rid, request.prompt_token_ids, request.params, self.cache.page_table(request),
-                                    len(prefix), self.timeout_s)
+                                    len(prefix), self.timeout_s, images)
         self._jobs[rid] = (request, future)
         future.add_done_callback(lambda _: (self._done.put(rid), self._wake()))
         return True

@@ -1,0 +1,120 @@
+"""Image prompts through prefill nodes running the real engine in other processes (127.0.0.1), on the tiny VL
+checkpoint: the node decodes and encodes the images it is sent (the decode side's encoder never runs) and the
+greedy tokens equal colocated ones; two prompts that differ only in their image share no image page on either
+side; a node without a vision encoder refuses images (INVALID_ARGUMENT), and the decode side then prefills them
+itself (prefill_fallback "local") or fails them with a clear error ("error")."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+pytest.importorskip("ucxx")
+pytest.importorskip("PIL.Image")
+
+import grpc  # noqa: E402
+from disagg_helpers import spawn_engine_node, stop_node  # noqa: E402
+from oracle import ORACLE_IMAGE_TOKEN, make_vl_checkpoint, random_png  # noqa: E402
+
+from m3sdk import Engine, SamplingParams  # noqa: E402
+from m3sdk.disagg import loop  # noqa: E402
+from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb  # noqa: E402
+from m3sdk.disagg.messages import pack_token_ids, sampling_to_proto  # noqa: E402
+from m3sdk.errors import PrefillNodeError  # noqa: E402
+
+IMG = ORACLE_IMAGE_TOKEN
+MAX_TOKENS = 10
+A, B, C = random_png(100, 150, 0), random_png(60, 90, 1), random_png(100, 150, 2)  # 20, 6 and 20 image tokens
+TEXT = [(7 * i) % 240 + 3 for i in range(20)]  # page 0: text only; page 1 starts with 4 text tokens, then the image
+TAIL = [(11 * i) % 240 + 3 for i in range(30)]
+ONE_A = {"prompt_token_ids": TEXT + [IMG] + TAIL, "images": [A]}  # 70 tokens
+ONE_C = {"prompt_token_ids": TEXT + [IMG] + TAIL, "images": [C]}  # the same ids, another image
+TWO = {"prompt_token_ids": TAIL + [IMG] + TEXT[:5] + [IMG] + TEXT, "images": [B, A]}
+PLAIN = TAIL + TEXT + TAIL[:10]
+
+
+@pytest.fixture(scope="module")
+def vl_checkpoint(tmp_path_factory):
+    return make_vl_checkpoint(tmp_path_factory.mktemp("vl-disagg"))
+
+
+async def generate(engine: Engine, prompt):
+    return await engine.generate(prompt, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def colocated(vl_checkpoint):
+    async def run():
+        async with Engine(model=str(vl_checkpoint), device="cpu", kv_cache_memory=8 << 20,
+                          enable_prefix_caching=False) as engine:
+            return [(await generate(engine, p)).token_ids for p in (ONE_A, ONE_C, TWO, PLAIN)]
+    return asyncio.run(run())
+
+
+def decode_engine(checkpoint, nodes, **kwargs) -> Engine:
+    return Engine(model=str(checkpoint), device="cpu", kv_cache_memory=8 << 20, prefill_nodes=nodes,
+                  remote_prefill_min_tokens=32, **kwargs)
+
+
+async def test_image_prompts_through_a_node_match_colocated(vl_checkpoint, colocated):
+    proc, address = spawn_engine_node(vl_checkpoint)
+    try:
+        async with decode_engine(vl_checkpoint, [address], prefill_fallback="error") as engine:
+            free = engine.stats()["pages_free"]
+            one_a = await generate(engine, ONE_A)
+            one_c = await generate(engine, ONE_C)
+            # a batch of image and text prompts, the images in other orders and sizes
+            both = await asyncio.gather(*(generate(engine, p) for p in (TWO, PLAIN)))
+            stats = engine.stats()
+            assert engine._running_core().images.num_encoded == 0  # the node encoded every image
+            assert engine.stats()["pages_free"] == free
+        assert [one_a.token_ids, one_c.token_ids, *(c.token_ids for c in both)] == colocated
+        assert (stats["remote_prefills"], stats["remote_prefill_fallbacks"]) == (4, 0)
+        # the same ids with another image: only the text page is shared (on the node too, or its tokens would
+        # be image A's)
+        assert one_c.usage.cached_prompt_tokens == 16
+    finally:
+        stop_node(proc)
+
+
+def prefill_with_image(client) -> grpc.StatusCode:
+    """A Prefill call carrying an image, straight to the client's first node: its status code."""
+    ids = TEXT + [IMG] * 20 + TAIL
+    request = pb.PrefillRequest(
+        request_id="raw-image", compat_hash=client.compat.digest, token_ids=pack_token_ids(ids),
+        sampling=sampling_to_proto(SamplingParams(temperature=0.0)),
+        transport_port=1, transfer_id=1, num_cached_pages=0, dst_pages=list(range(5)), layers_per_group=1,
+        max_message_bytes=1 << 20, deadline_unix_s=time.time() + 30,
+        images=[pb.PromptImage(offset=20, num_tokens=20, digest=bytes(16), data=A)])
+
+    async def call():
+        try:
+            await client._nodes[0].stub.Prefill(request, timeout=10)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details()
+        return grpc.StatusCode.OK, ""
+    return loop.run(call())
+
+
+async def test_a_node_without_a_vision_encoder_refuses_images(vl_checkpoint, colocated):
+    proc, address = spawn_engine_node(vl_checkpoint, limit_images=0)
+    try:
+        async with decode_engine(vl_checkpoint, [address]) as engine:
+            code, details = prefill_with_image(engine._admission.client)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "takes no images" in details
+            # prefilled here, with this side's encoder; a text prompt still goes to the node
+            assert (await generate(engine, ONE_A)).token_ids == colocated[0]
+            assert (await generate(engine, PLAIN)).token_ids == colocated[3]
+            stats = engine.stats()
+            assert (stats["remote_prefills"], stats["remote_prefill_fallbacks"]) == (1, 1)
+            assert engine._running_core().images.num_encoded == 1
+        async with decode_engine(vl_checkpoint, [address], prefill_fallback="error") as engine:
+            free = engine.stats()["pages_free"]
+            with pytest.raises(PrefillNodeError, match="no vision encoder"):
+                await generate(engine, ONE_A)
+            assert engine.stats()["pages_free"] == free
+            assert (await generate(engine, PLAIN)).token_ids == colocated[3]
+    finally:
+        stop_node(proc)
