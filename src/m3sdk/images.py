@@ -49,15 +49,19 @@ class PromptImage:
 
 
 class ImagePrompts:
-    def __init__(self, processor: ImageProcessor, encoder: VisionEncoder, tokenizer: Tokenizer, limit: int,
-                 device: torch.device, fetcher: Fetcher | None = None, cache_tokens: int = 1 << 15):
+    """`encoder` None: this engine computes no image token itself (the decode side of prefill nodes that encode
+    the images, m3sdk.disagg): `prepare` still expands and hashes its images, and `encodes` tells the core."""
+
+    def __init__(self, processor: ImageProcessor, encoder: VisionEncoder | None, tokenizer: Tokenizer, limit: int,
+                 device: torch.device, image_token_id: int, fetcher: Fetcher | None = None,
+                 cache_tokens: int = 1 << 15):
         self.processor = processor
         self.encoder = encoder
         self.tokenizer = tokenizer
         self.limit = limit
         self.device = device
         self.fetcher = fetcher
-        self.image_token_id = encoder.config.image_token_id
+        self.image_token_id = image_token_id
         start, end = tokenizer.token_to_id(IMAGE_START), tokenizer.token_to_id(IMAGE_END)
         self._wrap = (start, end) if start is not None and end is not None else None
         # encoder-output cache (engine thread only): digest -> [num_tokens, hidden] on the device, LRU first
@@ -144,6 +148,10 @@ class ImagePrompts:
             values.append(embeds[image.digest][a:b])
         return to_device(rows, torch.int64, self.device), torch.cat(values)
 
+    @property
+    def encodes(self) -> bool:
+        return self.encoder is not None
+
     def _embeddings(self, images: Sequence[PromptImage]) -> dict[bytes, torch.Tensor]:
         out = {}
         missing: dict[bytes, PromptImage] = {}
@@ -154,6 +162,8 @@ class ImagePrompts:
             else:
                 missing[image.digest] = image
         if missing:
+            if self.encoder is None:  # the core never schedules an image token here (EngineCore.new_request)
+                raise RuntimeError("image tokens scheduled on an engine without a vision encoder")
             todo = list(missing.values())
             pixels = torch.cat([i.pixels for i in todo]).to(self.device, non_blocking=True)
             encoded = self.encoder(pixels, [i.grid_thw for i in todo]).split([i.num_tokens for i in todo])
@@ -169,6 +179,11 @@ class ImagePrompts:
         while self._cached > self._cache_tokens and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
             self._cached -= old.shape[0]
+
+
+def computes_images(request: Request, start: int) -> bool:
+    """Whether computing the request's prompt from position `start` on computes image tokens."""
+    return any(image.offset + image.num_tokens > start for image in request.images)
 
 
 def _prompt_image(offset: int, image: ProcessedImage) -> PromptImage:

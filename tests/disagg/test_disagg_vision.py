@@ -1,8 +1,8 @@
 """Image prompts through prefill nodes running the real engine in other processes (127.0.0.1), on the tiny VL
-checkpoint: the node decodes and encodes the images it is sent (the decode side's encoder never runs) and the
-greedy tokens equal colocated ones; two prompts that differ only in their image share no image page on either
-side; a node without a vision encoder refuses images (INVALID_ARGUMENT), and the decode side then prefills them
-itself (prefill_fallback "local") or fails them with a clear error ("error")."""
+checkpoint: the node decodes and encodes the images it is sent (the decode side's encoder never runs; with
+prefill_fallback "error" it loads none) and the greedy tokens equal colocated ones; two prompts that differ only in
+their image share no image page on either side; a node without a vision encoder refuses images (INVALID_ARGUMENT),
+and the decode side then prefills them itself (prefill_fallback "local") or fails them with a clear error."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from m3sdk import Engine, SamplingParams  # noqa: E402
 from m3sdk.disagg import loop  # noqa: E402
 from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb  # noqa: E402
 from m3sdk.disagg.messages import pack_token_ids, sampling_to_proto  # noqa: E402
-from m3sdk.errors import PrefillNodeError  # noqa: E402
+from m3sdk.errors import InvalidRequestError, PrefillNodeError  # noqa: E402
 
 IMG = ORACLE_IMAGE_TOKEN
 MAX_TOKENS = 10
@@ -33,6 +33,7 @@ ONE_A = {"prompt_token_ids": TEXT + [IMG] + TAIL, "images": [A]}  # 70 tokens
 ONE_C = {"prompt_token_ids": TEXT + [IMG] + TAIL, "images": [C]}  # the same ids, another image
 TWO = {"prompt_token_ids": TAIL + [IMG] + TEXT[:5] + [IMG] + TEXT, "images": [B, A]}
 PLAIN = TAIL + TEXT + TAIL[:10]
+SHORT = {"prompt_token_ids": [9, IMG, 10, 11], "images": [B]}  # 9 tokens: under remote_prefill_min_tokens
 
 
 @pytest.fixture(scope="module")
@@ -49,29 +50,37 @@ def colocated(vl_checkpoint):
     async def run():
         async with Engine(model=str(vl_checkpoint), device="cpu", kv_cache_memory=8 << 20,
                           enable_prefix_caching=False) as engine:
-            return [(await generate(engine, p)).token_ids for p in (ONE_A, ONE_C, TWO, PLAIN)]
+            return [(await generate(engine, p)).token_ids for p in (ONE_A, ONE_C, TWO, PLAIN, SHORT)]
     return asyncio.run(run())
 
 
 def decode_engine(checkpoint, nodes, **kwargs) -> Engine:
-    return Engine(model=str(checkpoint), device="cpu", kv_cache_memory=8 << 20, prefill_nodes=nodes,
-                  remote_prefill_min_tokens=32, **kwargs)
+    return Engine(**{**dict(model=str(checkpoint), device="cpu", kv_cache_memory=8 << 20, prefill_nodes=nodes,
+                            remote_prefill_min_tokens=32), **kwargs})
 
 
 async def test_image_prompts_through_a_node_match_colocated(vl_checkpoint, colocated):
     proc, address = spawn_engine_node(vl_checkpoint)
     try:
+        async with decode_engine(vl_checkpoint, [address]) as engine:
+            assert (await generate(engine, ONE_A)).token_ids == colocated[0]
+            assert engine.stats()["remote_prefills"] == 1
+            assert engine._running_core().images.num_encoded == 0  # the node encoded the image
+        # with prefill_fallback "error" the decode side loads no vision encoder: the nodes compute every image
+        # token, a short image prompt's too
         async with decode_engine(vl_checkpoint, [address], prefill_fallback="error") as engine:
+            assert engine._running_core().images.encoder is None
             free = engine.stats()["pages_free"]
             one_a = await generate(engine, ONE_A)
             one_c = await generate(engine, ONE_C)
             # a batch of image and text prompts, the images in other orders and sizes
-            both = await asyncio.gather(*(generate(engine, p) for p in (TWO, PLAIN)))
+            more = await asyncio.gather(*(generate(engine, p) for p in (TWO, PLAIN, SHORT)))
             stats = engine.stats()
-            assert engine._running_core().images.num_encoded == 0  # the node encoded every image
+            with pytest.raises(InvalidRequestError, match="no vision encoder"):
+                await engine.generate(SHORT, max_tokens=2, logit_bias={5: 1.0})
             assert engine.stats()["pages_free"] == free
-        assert [one_a.token_ids, one_c.token_ids, *(c.token_ids for c in both)] == colocated
-        assert (stats["remote_prefills"], stats["remote_prefill_fallbacks"]) == (4, 0)
+        assert [one_a.token_ids, one_c.token_ids, *(c.token_ids for c in more)] == colocated
+        assert (stats["remote_prefills"], stats["remote_prefill_fallbacks"]) == (5, 0)
         # the same ids with another image: only the text page is shared (on the node too, or its tokens would
         # be image A's)
         assert one_c.usage.cached_prompt_tokens == 16
@@ -109,6 +118,7 @@ async def test_a_node_without_a_vision_encoder_refuses_images(vl_checkpoint, col
             assert (await generate(engine, PLAIN)).token_ids == colocated[3]
             stats = engine.stats()
             assert (stats["remote_prefills"], stats["remote_prefill_fallbacks"]) == (1, 1)
+            assert engine._running_core().images.encodes
             assert engine._running_core().images.num_encoded == 1
         async with decode_engine(vl_checkpoint, [address], prefill_fallback="error") as engine:
             free = engine.stats()["pages_free"]
@@ -116,5 +126,35 @@ async def test_a_node_without_a_vision_encoder_refuses_images(vl_checkpoint, col
                 await generate(engine, ONE_A)
             assert engine.stats()["pages_free"] == free
             assert (await generate(engine, PLAIN)).token_ids == colocated[3]
+    finally:
+        stop_node(proc)
+
+
+async def test_without_an_encoder_image_prompts_queue_for_the_node_and_a_preempted_one_fails(vl_checkpoint,
+                                                                                            colocated):
+    """A decode engine without a vision encoder, two job slots (max_num_seqs) and a KV cache of 16 pages: image
+    prompts wait for a slot and their pages, never prefilled here; one preempted while decoding (its recompute
+    would need the encoder) ends with PrefillNodeError, and the others are unchanged."""
+    proc, address = spawn_engine_node(vl_checkpoint)
+    try:
+        async with decode_engine(vl_checkpoint, [address], prefill_fallback="error") as engine:
+            page = engine._running_core().cache.kv.spec.bytes_per_page
+        async with decode_engine(vl_checkpoint, [address], prefill_fallback="error", kv_cache_memory=16 * page,
+                                 max_num_seqs=2, max_num_batched_tokens=64) as engine:
+            assert engine.stats()["pages_total"] == 16
+            prompts = [ONE_A, ONE_C, ONE_A, SHORT, ONE_C]
+            done = await asyncio.gather(*(engine.generate(p, temperature=0.0, max_tokens=40, ignore_eos=True)
+                                          for p in prompts), return_exceptions=True)
+            failed = [d for d in done if isinstance(d, BaseException)]
+            assert all(isinstance(d, PrefillNodeError) and "preempted" in str(d) for d in failed), failed
+            assert 0 < len(failed) < len(prompts) and engine.stats()["preemptions"] >= len(failed)
+            want = [colocated[0], colocated[1], colocated[0], colocated[4], colocated[1]]
+            for d, w in zip(done, want, strict=True):
+                if not isinstance(d, BaseException):
+                    assert d.token_ids[:MAX_TOKENS] == w
+            stats = engine.stats()
+            assert stats["remote_prefills"] == len(prompts) and stats["remote_prefill_fallbacks"] == 0
+            assert (await generate(engine, ONE_C)).token_ids == colocated[1]  # still serving
+            assert engine.stats()["pages_free"] == 16  # no page leaked by the queue, the failures or the node
     finally:
         stop_node(proc)
