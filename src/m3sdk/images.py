@@ -45,7 +45,7 @@ class PromptImage:
     digest: bytes  # content hash (m3sdk.model.image_processor): the prefix cache and the encoder cache key on it
     pixels: torch.Tensor  # float32 on the host, [patches, patch_dim]
     grid_thw: tuple[int, int, int]
-    data: bytes = b""  # the image file: what a prefill node gets (m3sdk.disagg)
+    data: bytes = b""  # the image file (with ImagePrompts.keep_files): what a prefill node gets (m3sdk.disagg)
 
 
 class ImagePrompts:
@@ -54,7 +54,7 @@ class ImagePrompts:
 
     def __init__(self, processor: ImageProcessor, encoder: VisionEncoder | None, tokenizer: Tokenizer, limit: int,
                  device: torch.device, image_token_id: int, fetcher: Fetcher | None = None,
-                 cache_tokens: int = 1 << 15):
+                 cache_tokens: int = 1 << 15, keep_files: bool = False):
         self.processor = processor
         self.encoder = encoder
         self.tokenizer = tokenizer
@@ -62,6 +62,7 @@ class ImagePrompts:
         self.device = device
         self.fetcher = fetcher
         self.image_token_id = image_token_id
+        self.keep_files = keep_files  # each PromptImage carries its image file (for prefill nodes)
         start, end = tokenizer.token_to_id(IMAGE_START), tokenizer.token_to_id(IMAGE_END)
         self._wrap = (start, end) if start is not None and end is not None else None
         # encoder-output cache (engine thread only): digest -> [num_tokens, hidden] on the device, LRU first
@@ -91,7 +92,7 @@ class ImagePrompts:
         if len(slots) != len(images):
             raise InvalidRequestError(f"the prompt holds {len(slots)} image placeholders ({IMAGE_PLACEHOLDER!r}, "
                                       f"token {self.image_token_id}) for {len(images)} images: one per image")
-        processed = [self.processor.process(image, self.fetcher) for image in images]
+        processed = [self.processor.process(image, self.fetcher, self.keep_files) for image in images]
         out: list[int] = []
         spans = []
         last = 0

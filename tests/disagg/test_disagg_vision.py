@@ -158,3 +158,22 @@ async def test_without_an_encoder_image_prompts_queue_for_the_node_and_a_preempt
             assert engine.stats()["pages_free"] == 16  # no page leaked by the queue, the failures or the node
     finally:
         stop_node(proc)
+
+
+def test_a_pil_image_travels_as_png_with_its_digest():
+    """What a node gets for a PIL image (its RGB as PNG) decodes there to the same pixels and digest; bytes travel
+    as given; without keep_file nothing is encoded."""
+    import io
+
+    from PIL import Image
+
+    from m3sdk.model.image_processor import ImageProcessor
+
+    proc = ImageProcessor()
+    rgba = Image.open(io.BytesIO(A)).convert("RGBA")
+    kept = proc.process(rgba, keep_file=True)
+    assert kept.data.startswith(b"\x89PNG") and kept.digest == proc.process(rgba).digest
+    there = proc.process(kept.data)
+    assert (there.digest, there.num_tokens) == (kept.digest, kept.num_tokens)
+    assert there.pixels.equal(kept.pixels)
+    assert proc.process(A, keep_file=True).data == A and proc.process(rgba).data == b""

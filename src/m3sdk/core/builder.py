@@ -134,7 +134,7 @@ def _images(rc: ResolvedConfig, tokenizer: Tokenizer, tp: TensorParallel | None)
             return None
         token = encoder.config.image_token_id
     return ImagePrompts(ImageProcessor.from_pretrained(rc.model_path), encoder, tokenizer, config.limit_images,
-                        rc.device, token, config.image_fetcher)
+                        rc.device, token, config.image_fetcher, keep_files=bool(config.prefill_nodes))
 
 
 def _cache(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM) -> tuple[CacheManager, int]:

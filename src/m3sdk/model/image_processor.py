@@ -47,7 +47,7 @@ class ProcessedImage:
     grid_thw: tuple[int, int, int]
     num_tokens: int
     digest: bytes  # content hash of the pixels: keys the prefix cache and the encoder-output cache
-    data: bytes = b""  # the image file (a PIL image given: as PNG), for a prefill node to decode the same pixels
+    data: bytes = b""  # the image file (a PIL image given: as PNG) when asked for, for a prefill node to decode
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,11 @@ class ImageProcessor:
         h, w = self.target_size(height, width)
         return (h // self.factor) * (w // self.factor)
 
-    def process(self, image: Any, fetcher: Fetcher | None = None) -> ProcessedImage:
-        """Decode `image` (see the module doc for the accepted forms) and turn it into the encoder's input."""
+    def process(self, image: Any, fetcher: Fetcher | None = None, keep_file: bool = False) -> ProcessedImage:
+        """Decode `image` (see the module doc for the accepted forms) and turn it into the encoder's input;
+        `keep_file`: with the image file too (a PIL image encoded as PNG), for a prefill node."""
+        if not keep_file:
+            return self.process_array(decode_image(image, fetcher))
         data = image_file(image, fetcher)
         return self.process_array(decode_image(data), data)
 
