@@ -70,6 +70,9 @@ async def test_image_prompts_through_a_node_match_colocated(vl_checkpoint, coloc
         # token, a short image prompt's too
         async with decode_engine(vl_checkpoint, [address], prefill_fallback="error") as engine:
             assert engine._running_core().images.encoder is None
+            # an image that does not decode on the node as the caller says is refused before it computes
+            code, details = prefill_with_image(engine._admission.client)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "decodes here" in details, details
             free = engine.stats()["pages_free"]
             one_a = await generate(engine, ONE_A)
             one_c = await generate(engine, ONE_C)
@@ -88,14 +91,15 @@ async def test_image_prompts_through_a_node_match_colocated(vl_checkpoint, coloc
         stop_node(proc)
 
 
-def prefill_with_image(client) -> grpc.StatusCode:
-    """A Prefill call carrying an image, straight to the client's first node: its status code."""
+def prefill_with_image(client) -> tuple[grpc.StatusCode, str]:
+    """A Prefill call carrying image A under a digest of zeros, straight to the client's first node: its status
+    code and details."""
     ids = TEXT + [IMG] * 20 + TAIL
     request = pb.PrefillRequest(
         request_id="raw-image", compat_hash=client.compat.digest, token_ids=pack_token_ids(ids),
         sampling=sampling_to_proto(SamplingParams(temperature=0.0)),
-        transport_port=1, transfer_id=1, num_cached_pages=0, dst_pages=list(range(5)), layers_per_group=1,
-        max_message_bytes=1 << 20, deadline_unix_s=time.time() + 30,
+        transport_port=client.transport.port, transfer_id=1, num_cached_pages=0, dst_pages=list(range(5)),
+        layers_per_group=1, max_message_bytes=1 << 20, deadline_unix_s=time.time() + 30,
         images=[pb.PromptImage(offset=20, num_tokens=20, digest=bytes(16), data=A)])
 
     async def call():
