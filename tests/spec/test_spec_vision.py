@@ -11,6 +11,8 @@ from conftest import add_mtp
 from oracle import ORACLE_IMAGE_TOKEN, make_vl_checkpoint, random_png
 
 from m3sdk import Engine
+from m3sdk.core import resolved
+from m3sdk.graphs import DecodeGraphs
 from m3sdk.model import ModelConfig
 
 pytest.importorskip("PIL.Image")
@@ -77,3 +79,35 @@ async def test_image_prompts_with_speculation_and_the_prefix_cache(vl_spec_check
     assert [c.token_ids for c in outs] == [reference[0]] * 2
     assert outs[1].usage.cached_prompt_tokens == 32
 
+
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+async def test_image_prompts_with_the_gpus_graph_wiring(vl_spec_checkpoint, eagle3_head, reference, monkeypatch,
+                                                        method):
+    """With the GPU's graph wiring (on the CPU each graph step runs eagerly on its static buffers): decode and verify
+    steps go through the graphs' static inputs (steps with image tokens run eagerly), drafts reach the verify
+    forward on the device and the drafter's read is launched behind it; the tokens are unchanged."""
+    monkeypatch.setattr(resolved, "cuda_graphs_wanted", lambda config, device, backend: True)
+    monkeypatch.setattr(DecodeGraphs, "supported", staticmethod(lambda model: True))
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "eagle3":
+        spec["model"] = str(eagle3_head)
+    out, stats = await run(vl_spec_checkpoint, speculative=spec)
+    assert out == reference
+    assert stats["graph_steps"] > 0 and stats["spec_drafted_tokens"] > 0
+    assert stats["pages_free"] == stats["pages_total"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "mtp"])
+async def test_image_prompts_with_speculation_and_graphs_on_the_gpu(vl_spec_checkpoint, eagle3_head, method):
+    """The same on CUDA: decode and verify steps replay graphs (steps with image tokens run eagerly), and so do the
+    EAGLE3 drafter's fixed-shape reads."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "eagle3":
+        spec["model"] = str(eagle3_head)
+    reference, _ = await run(vl_spec_checkpoint, device="cuda")
+    out, stats = await run(vl_spec_checkpoint, device="cuda", speculative=spec)
+    assert out == reference
+    assert stats["graph_steps"] > 0 and stats["spec_drafted_tokens"] > 0
