@@ -182,10 +182,5 @@ class ImagePrompts:
             self._cached -= old.shape[0]
 
 
-def computes_images(request: Request, start: int) -> bool:
-    """Whether computing the request's prompt from position `start` on computes image tokens."""
-    return any(image.offset + image.num_tokens > start for image in request.images)
-
-
 def _prompt_image(offset: int, image: ProcessedImage) -> PromptImage:
     return PromptImage(offset, image.num_tokens, image.digest, image.pixels, image.grid_thw, image.data)
