@@ -126,9 +126,11 @@ class VisionAttention(nn.Module):
         k = _rotate(self.k_proj(x).view(n, self.heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.heads, self.head_dim)
         outs = []
+        # one image at a time, each [1, heads, patches, head_dim]: SDPA's flash and memory-efficient kernels take
+        # 4-D inputs only (3-D ones fall back to the math kernel, which materializes every score)
         for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
-            outs.append(F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
-                        .transpose(0, 1))
+            qi, ki, vi = (t.transpose(0, 1)[None] for t in (qi, ki, vi))
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi)[0].transpose(0, 1))
         return self.out_proj(torch.cat(outs).reshape(n, -1))
 
 
