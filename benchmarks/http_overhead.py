@@ -10,6 +10,8 @@ the server as a subprocess, never both at once) and warms up at every concurrenc
 are m3sdk.bench's (vLLM's names), timed where the client sees each delta: the embedded engine's chunk on its
 event loop, the server's SSE event in an httpx client in this process. On Linux the HTTP rows also give the
 CPU time of the server's event-loop thread per streamed token (/proc: its main thread; the engine has its own).
+`client busy`: the share of the run the measuring loop in this process spent on the CPU (in the embedded mode
+that loop also runs the engine's side of the streams); near 100 % the client, not the target, sets the latencies.
 """
 
 from __future__ import annotations
@@ -72,8 +74,11 @@ async def measure(target: Target, args: argparse.Namespace, vocab: int, server_p
         await run_load(target, warm, greedy, max_concurrency=conc)
         requests = random_requests(n, args.input_len, args.output_len, 0.0, vocab, k)
         cpu = main_thread_cpu_s(server_pid) if server_pid else 0.0
+        client = time.thread_time()
         results, duration = await run_load(target, requests, greedy, max_concurrency=conc)
         out[conc] = compute_metrics(results, duration, percentiles=(99,))
+        # how busy the measuring loop was: near 100 %, the client, not the target, sets the latencies
+        out[conc]["client_loop_busy"] = (time.thread_time() - client) / duration
         if server_pid:  # the server loop's CPU time per streamed token (wall-clock free: a loaded machine aside)
             cpu = main_thread_cpu_s(server_pid) - cpu
             out[conc]["loop_cpu_us_per_token"] = 1e6 * cpu / max(1, out[conc]["total_output_tokens"])
@@ -122,13 +127,14 @@ def main() -> None:
     vocab = ModelConfig.from_pretrained(EngineConfig(model=args.model).model_path()).vocab_size
     modes = {"embedded": embedded, "http": through_http}
     runs = {mode: asyncio.run(modes[mode](args, overrides, vocab)) for mode in args.modes.split(",")}
-    header = f"{'conc':>5} {'mode':<9}" + "".join(f"{k:>20}" for k in KEYS) + f"{'loop us/tok':>12}"
+    header = f"{'conc':>5} {'mode':<9}" + "".join(f"{k:>20}" for k in KEYS) + f"{'loop us/tok':>12}{'client busy':>14}"
     print(header)
     for conc in next(iter(runs.values())):
         for mode in runs:
             m = runs[mode][conc]
-            loop = f"{m['loop_cpu_us_per_token']:>12.1f}" if "loop_cpu_us_per_token" in m else ""
-            print(f"{conc:>5} {mode:<9}" + "".join(f"{m[k]:>20.2f}" for k in KEYS) + loop)
+            loop = f"{m['loop_cpu_us_per_token']:>12.1f}" if "loop_cpu_us_per_token" in m else f"{'':>12}"
+            print(f"{conc:>5} {mode:<9}" + "".join(f"{m[k]:>20.2f}" for k in KEYS) + loop
+                  + f"{100 * m['client_loop_busy']:>13.0f}%")
             if args.out is not None:
                 with open(args.out, "a") as f:
                     f.write(json.dumps({"mode": mode, "concurrency": conc, "engine": overrides, "input_len":
