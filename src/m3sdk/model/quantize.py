@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from m3sdk.config import QUANTIZATIONS
-from m3sdk.model.layers import DenseMLP, Fp8Activation, SparseMoE
+from m3sdk.model.layers import DenseMLP, Fp8Activation, RowParallelLinear, SparseMoE, all_reduce, local_routes
 from m3sdk_kernels.arch import current_arch
 from m3sdk_kernels.experts import Experts, quantize_experts, serving_layout
 from m3sdk_kernels.formats import MX_BLOCK, quantize_fp8_weight
@@ -55,11 +55,14 @@ def _row_aligned(w: torch.Tensor) -> torch.Tensor:
 
 class Fp8Linear(nn.Module):
     """y = x @ W.T with W in FP8 (per-output-channel scales) and x quantized per token, here or already by the
-    norm before it (an `Fp8Activation`)."""
+    norm before it (an `Fp8Activation`). A RowParallelLinear that reduces keeps doing so: its rank's W holds its
+    slice of the inputs, scaled per output row over that slice (and x per token over it), and the partial
+    products are all-reduced."""
 
     def __init__(self, linear: nn.Linear, fp8_dtype: torch.dtype):
         super().__init__()
         self.out_dtype = linear.weight.dtype
+        self.reduce = linear.reduce if isinstance(linear, RowParallelLinear) else False
         w_q, w_scale = quantize_fp8_weight(linear.weight.detach(), fp8_dtype)
         self.register_buffer("weight", _row_aligned(w_q))
         self.register_buffer("weight_scale", w_scale)
@@ -67,9 +70,11 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         linear = fp8_linear if self.weight.is_cuda else fp8_linear_ref
         if isinstance(x, Fp8Activation):
-            return linear(x.data, self.weight, self.weight_scale, x.scale, out_dtype=self.out_dtype)
-        flat = x.reshape(-1, x.shape[-1])
-        return linear(flat, self.weight, self.weight_scale, out_dtype=x.dtype).reshape(*x.shape[:-1], -1)
+            y = linear(x.data, self.weight, self.weight_scale, x.scale, out_dtype=self.out_dtype)
+        else:
+            flat = x.reshape(-1, x.shape[-1])
+            y = linear(flat, self.weight, self.weight_scale, out_dtype=x.dtype).reshape(*x.shape[:-1], -1)
+        return all_reduce(y, self.reduce)
 
 
 class Fp8DenseMLP(nn.Module):
@@ -93,19 +98,23 @@ class Fp8DenseMLP(nn.Module):
         else:
             h, h_scale = swiglu_quantize_fp8_ref(flat, self.alpha, self.limit, down.weight.dtype)
             y = fp8_gemm_ref(h, h_scale, down.weight, down.weight_scale, out_dtype=down.out_dtype)
-        return y.reshape(*gate_up.shape[:-1], -1)
+        return all_reduce(y.reshape(*gate_up.shape[:-1], -1), down.reduce)
 
 
 class QuantizedMoE(nn.Module):
     """SparseMoE with its routed experts and shared expert stacked into one `Experts` (shared last): the router
     kernel appends the shared expert (id E, weight 1) to each token's routed choice, scaled by the routing factor.
-    The stack's tensors are buffers, so `to`/`to_empty` move them and the loader can read a checkpoint into them."""
+    The stack's tensors are buffers, so `to`/`to_empty` move them and the loader can read a checkpoint into them.
+    Under tensor parallel it keeps the SparseMoE's split: the stack holds this rank's experts (expert parallel:
+    whole experts from `first_expert`, routes to the others weigh 0) or its slice of every expert's width, and its
+    slice of the shared expert; the output is this rank's partial sum, all-reduced when `reduce`."""
 
     def __init__(self, moe: SparseMoE, experts: Experts):
         super().__init__()
-        if experts.num_experts != moe.router_weight.shape[0] + 1:
+        if experts.num_experts != moe.w_down.shape[0] + 1:
             raise ValueError("the stack holds the routed experts and the shared expert last")
         self.top_k, self.scaling, self.alpha, self.limit = moe.top_k, moe.scaling, moe.alpha, moe.limit
+        self.reduce, self.first_expert = moe.reduce, moe.first_expert
         self.router_weight = moe.router_weight
         self.e_score_correction_bias = moe.e_score_correction_bias
         self.fmt = experts.fmt
@@ -141,12 +150,17 @@ class QuantizedMoE(nn.Module):
         logits = nn.functional.linear(x.to(self.router_weight.dtype), self.router_weight).float()
         router, moe = (route, fused_moe) if x.is_cuda else (route_ref, fused_moe_ref)
         weights, ids = router(logits, self.e_score_correction_bias, self.top_k, self.scaling, shared=True)
+        routed = self.down.shape[0] - 1
+        if routed != logits.shape[1]:  # expert parallel: this rank's experts, and the shared one last
+            ids, weights = local_routes(ids, weights, self.first_expert, routed, shared=logits.shape[1])
         hidden = x.shape[-1]
         padded = self.down.shape[1]  # the stack's hidden size, padded to the MX block
         if padded == hidden:
-            return moe(x, ids, weights, self.experts, self.alpha, self.limit)
-        out = moe(nn.functional.pad(x, (0, padded - hidden)), ids, weights, self.experts, self.alpha, self.limit)
-        return out[:, :hidden]
+            out = moe(x, ids, weights, self.experts, self.alpha, self.limit)
+        else:
+            out = moe(nn.functional.pad(x, (0, padded - hidden)), ids, weights, self.experts, self.alpha,
+                      self.limit)[:, :hidden].contiguous()  # the all-reduce works in place on whole rows
+        return all_reduce(out, self.reduce)
 
 
 def _pad_gate_up(w: torch.Tensor, inter: int, hidden: int) -> torch.Tensor:

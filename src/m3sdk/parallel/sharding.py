@@ -30,10 +30,11 @@ from safetensors import safe_open
 from m3sdk.errors import CheckpointError
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.dummy import materialize
-from m3sdk.model.layers import SparseMoE, all_reduce, moe_experts, route
+from m3sdk.model.layers import SparseMoE, all_reduce, local_routes, moe_experts, route
 from m3sdk.model.loader import check_tensors, detect_layout, expected_tensors, read_headers, tensor_files
 from m3sdk.model.memory import check_split
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
+from m3sdk.model.quantize import quantize_model
 
 _CHUNK_BYTES = 64 << 20
 # one collective into one tensor: torch 2.13's name (the device's torch 2.11 has only all_gather_into_tensor)
@@ -171,20 +172,18 @@ class ExpertParallelMoE(SparseMoE):
 
     def __init__(self, config: ModelConfig, shard: Shard, dtype: torch.dtype):
         c = config
-        self.first_expert, end = shard.span(c.num_experts)
-        super().__init__(c.hidden_size, end - self.first_expert, c.moe_intermediate_size,
+        first, end = shard.span(c.num_experts)
+        super().__init__(c.hidden_size, end - first, c.moe_intermediate_size,
                          c.shared_intermediate_size // shard.world, c.num_experts_per_tok, c.routed_scaling_factor,
-                         c.swiglu_alpha, c.swiglu_limit, dtype, reduce=True)
+                         c.swiglu_alpha, c.swiglu_limit, dtype, reduce=True, first_expert=first)
         self.router_weight = torch.nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = torch.nn.Parameter(torch.empty(c.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_experts(x)
         weights, ids = route(x, self.router_weight, self.e_score_correction_bias, self.top_k)
-        local = ids - self.first_expert
-        mine = (local >= 0) & (local < self.w_gate_up.shape[0])
-        routed = moe_experts(x, torch.where(mine, local, 0), torch.where(mine, weights, 0.0), self.w_gate_up,
-                             self.w_down, self.alpha, self.limit)
+        ids, weights = local_routes(ids, weights, self.first_expert, self.w_gate_up.shape[0])
+        routed = moe_experts(x, ids, weights, self.w_gate_up, self.w_down, self.alpha, self.limit)
         return all_reduce(routed * self.scaling + shared, self.reduce)
 
 
@@ -228,8 +227,10 @@ def build_local_model(config: ModelConfig, shard: Shard, dtype: torch.dtype, att
 
 
 def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype: torch.dtype,
-               attn_backend: str) -> MiniMaxM3ForCausalLM:
-    """Read this rank's part of the checkpoint at `path` into its model (no rank reads a whole sharded tensor)."""
+               attn_backend: str, quantization: str = "none") -> MiniMaxM3ForCausalLM:
+    """Read this rank's part of the checkpoint at `path` into its model (no rank reads a whole sharded tensor),
+    then put it into the served format of `quantization` (model/quantize.py) on the rank: shard first, then
+    quantize, so each rank's scales cover its own slice."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     if config.quant_format != "none":
@@ -262,14 +263,15 @@ def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype
         start, end = shard.span_ceil(config.vocab_size)
         rows = model.embed_tokens.weight[start:min(end, config.vocab_size)]
         model.lm_head.weight[:rows.shape[0]].copy_(rows)
-    return model.eval()
+    return quantize_model(model, quantization).eval()
 
 
 def dummy_shard(config: ModelConfig, shard: Shard, device: torch.device | str, dtype: torch.dtype,
-                attn_backend: str, seed: int) -> MiniMaxM3ForCausalLM:
+                attn_backend: str, seed: int, quantization: str = "none") -> MiniMaxM3ForCausalLM:
     """This rank's model with random weights (model/dummy.py), made on `device`: only its shard of each sharded
-    parameter (salted with the rank), the parameters held whole the same on every rank."""
-    model = materialize(build_local_model(config, shard, dtype, attn_backend), device, "none", seed,
+    parameter (salted with the rank), the parameters held whole the same on every rank; each layer put into the
+    served format of `quantization` as it is made (so the rank's scales are those of its own random slice)."""
+    model = materialize(build_local_model(config, shard, dtype, attn_backend), device, quantization, seed,
                         salt=lambda name: 0 if param_pieces(name, config, shard) is None else shard.rank + 1)
     start, end = shard.span_ceil(config.vocab_size)
     with torch.no_grad():
@@ -282,12 +284,13 @@ def dummy_shard(config: ModelConfig, shard: Shard, device: torch.device | str, d
 
 
 def load_rank(path: str | Path, shard: Shard, device: torch.device | str, dtype: torch.dtype, attn_backend: str,
-              load_format: str = "auto", seed: int = 0) -> MiniMaxM3ForCausalLM:
-    """This rank's model: its shard of the checkpoint at `path`, or with load_format "dummy" random weights
-    from `seed` for the config.json there."""
+              load_format: str = "auto", seed: int = 0, quantization: str = "none") -> MiniMaxM3ForCausalLM:
+    """This rank's model in the served format of `quantization`: its shard of the checkpoint at `path`, or with
+    load_format "dummy" random weights from `seed` for the config.json there."""
     if load_format == "dummy":
-        return dummy_shard(ModelConfig.from_pretrained(path), shard, device, dtype, attn_backend, seed).eval()
-    return load_shard(path, shard, device, dtype, attn_backend)
+        config = ModelConfig.from_pretrained(path)
+        return dummy_shard(config, shard, device, dtype, attn_backend, seed, quantization).eval()
+    return load_shard(path, shard, device, dtype, attn_backend, quantization)
 
 
 def _copy(source, src: tuple[slice, ...], dest: torch.Tensor) -> None:
