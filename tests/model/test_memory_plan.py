@@ -1,5 +1,6 @@
-"""plan_memory: the weight bytes a rank holds, as the loaders make them (m3-tiny: bf16 / FP8 / MXFP4, one rank and
-tensor-parallel shards), KV bytes from the cache's own spec, and the full MiniMax-M3 config's published size."""
+"""plan_memory: the weight bytes a rank holds, as the loaders make them (m3-tiny: bf16 / FP8 / FP8 experts / MXFP4,
+one rank and tensor-parallel shards; quantized shards: tests/parallel/test_tensor_parallel_quantized.py), KV bytes
+from the cache's own spec, and the full MiniMax-M3 config's published size."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def held_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
-@pytest.mark.parametrize("quantization", ["none", "fp8", "mxfp4"])
+@pytest.mark.parametrize("quantization", ["none", "fp8", "fp8_experts", "mxfp4"])
 def test_weights_are_what_a_load_holds(quantization):
     model = dummy_model(TINY, "cpu", torch.bfloat16, quantization=quantization)
     assert plan_memory(TINY, quantization=quantization).weight_bytes_per_rank == held_bytes(model)
@@ -43,6 +44,8 @@ def test_minimax_m3_size():
     assert abs(bf16 / (2 * plan.total_params) - 1) < 0.01  # everything bf16 but the fp32 router
     mxfp4 = plan_memory(M3, quantization="mxfp4").weight_bytes_per_rank
     assert 225e9 < mxfp4 < 245e9  # MXFP4 experts, FP8 attention: about 235 GB
+    fp8 = plan_memory(M3, quantization="fp8_experts").weight_bytes_per_rank
+    assert 425e9 < fp8 < 445e9  # FP8 experts too: about 430 GB (four GPUs)
 
 
 def test_kv_and_what_fits_on_two_gpus():

@@ -52,7 +52,7 @@ def _experts(moe: QuantizedMoE, inter: int, shared: int) -> dict[str, torch.Tens
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
-@pytest.mark.parametrize("quantization", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_experts", "mxfp4"])
 def test_each_rank_quantizes_its_own_shard(quantization, expert_parallel):
     config = ModelConfig.from_pretrained(TINY)
     floats = dict(load_model(TINY, "cpu", torch.float32).named_parameters())
@@ -98,7 +98,7 @@ def test_each_rank_quantizes_its_own_shard(quantization, expert_parallel):
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
-@pytest.mark.parametrize("quantization", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_experts", "mxfp4"])
 def test_dummy_ranks_make_their_shard_in_the_served_format(quantization, expert_parallel):
     """Each rank holds just the bytes memory.py plans for it, in the served format; the values are finite and
     follow from the seed alone."""
@@ -114,13 +114,15 @@ def test_dummy_ranks_make_their_shard_in_the_served_format(quantization, expert_
         assert len(_fp8_linears(made[0])) == 2 * config.num_layers + len(config.dense_layers) * 2 + (
             2 * len(config.moe_layers) if quantization == "fp8" else 0)
         moes = [m for m in made[0].modules() if isinstance(m, QuantizedMoE)]
-        assert len(moes) == (len(config.moe_layers) if quantization == "mxfp4" else 0)
+        assert len(moes) == (0 if quantization == "fp8" else len(config.moe_layers))
+        assert all(m.fmt == {"fp8_experts": "fp8"}.get(quantization, quantization) for m in moes)
         for name, t in tensors[0].items():
             assert torch.equal(t, tensors[1][name]), name  # the same seed: the same bytes
             if t.dtype.is_floating_point and t.dtype.itemsize > 1:
                 assert torch.isfinite(t).all(), name
         assert any(not torch.equal(t, tensors[2][n]) for n, t in tensors[0].items() if "norm" not in n)
-        for m in moes:  # realistic MXFP4 scales: N(0, 0.02) weights put each 32-block's amax near 2^-5
+        # realistic MXFP4 scales: N(0, 0.02) weights put each 32-block's amax near 2^-5
+        for m in moes if quantization == "mxfp4" else ():
             assert 118 <= int(m.gate_up_scale.float().median()) <= 124
 
 
@@ -139,12 +141,12 @@ def unquantized_logprobs():
     return asyncio.run(_run(TINY, 1))[1]
 
 
-@pytest.mark.parametrize("quantization", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_experts", "mxfp4"])
 def test_two_ranks_serve_quantized_weights(quantization, unquantized_logprobs):
     """Over 2 ranks, expert parallel on and off, the quantized model is as close to the unquantized one as the
     one-rank quantized model is (mean |logprob error| over 109 prompt tokens within 1.2x of it: a rank that lost
-    its all-reduce, misrouted an expert or mis-sliced a block is off by whole nats), and from the one-rank
-    quantized model by no more than that error."""
+    its all-reduce, misrouted an expert or mis-sliced a block is off by 10x that), and differs from the one-rank
+    quantized model by what two independent quantization noises of that size differ by."""
     torch.set_num_threads(1)
     _, logprobs = asyncio.run(_run(TINY, 4, quantization=quantization))
     one_rank_error = (logprobs - unquantized_logprobs).abs().mean()
@@ -153,7 +155,8 @@ def test_two_ranks_serve_quantized_weights(quantization, unquantized_logprobs):
         tp_tokens, tp_logprobs = asyncio.run(_run(TINY, 4, quantization=quantization, tensor_parallel_size=2,
                                                   expert_parallel=expert_parallel))
         assert (tp_logprobs - unquantized_logprobs).abs().mean() < 1.2 * one_rank_error
-        assert (tp_logprobs - logprobs).abs().mean() < one_rank_error * 1.2
+        # two quantizations' independent noise: their difference is up to sqrt(2) x either one's error
+        assert (tp_logprobs - logprobs).abs().mean() < 1.5 * one_rank_error
         assert all(len(t) == 4 for t in tp_tokens)
 
 

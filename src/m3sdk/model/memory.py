@@ -5,8 +5,9 @@ Computed from the config alone (no weights, no device), with the widths each ten
 (parallel/sharding.py's split: heads, MLP widths and the vocabulary 1/N; the routed experts 1/N of them with
 expert parallel, else 1/N of each expert's width; the embeddings, norms and the router whole) and the storage of
 the served formats (model/quantize.py): bf16 (the model dtype), FP8 linears (1 byte + a float32 scale per output
-row), MXFP4 experts (half a byte + one E8M0 byte per 32, the shared expert stacked after the routed ones, both
-padded to one intermediate width), MX experts a checkpoint stores stay as stored.
+row), expert stacks (the shared expert stacked after the routed ones, both padded to one intermediate width):
+MXFP4 (half a byte + one E8M0 byte per 32) or FP8 (1 byte + a float32 scale per row); MX experts a checkpoint
+stores stay as stored.
 The KV cache budget is the engine's: `gpu_memory_fraction` of the memory left after the weights (the rest covers
 the CUDA context, activations and graphs).
 """
@@ -21,6 +22,7 @@ import torch
 from m3sdk.attention.base import PAGE_SIZE
 from m3sdk.cache.kv_pool import KVCacheSpec
 from m3sdk.model.config import ModelConfig
+from m3sdk.model.quantize import EXPERT_FORMATS, STACK_ALIGN
 
 _MX_BLOCK = 32
 _MX_BYTES = {"mxfp4": 0.5 + 1 / _MX_BLOCK, "mxfp8": 1 + 1 / _MX_BLOCK}  # per weight, E8M0 scales included
@@ -155,7 +157,7 @@ def _weight_bytes(c: ModelConfig, n: int, expert_parallel: bool, quantization: s
     routed = c.num_experts // n if expert_parallel else c.num_experts
     inter = c.moe_intermediate_size if expert_parallel else c.moe_intermediate_size // n
     shared = c.shared_intermediate_size // n
-    expert_format = c.quant_format if c.quant_format != "none" else quantization if quantization == "mxfp4" else None
+    expert_format = c.quant_format if c.quant_format != "none" else EXPERT_FORMATS.get(quantization)
     for i in range(c.num_layers):
         qkv, o = _attention_widths(c, i)
         index_k = c.index_head_dim if c.is_sparse(i) else 0
@@ -170,10 +172,14 @@ def _weight_bytes(c: ModelConfig, n: int, expert_parallel: bool, quantization: s
             parts["experts"] += routed * 3 * h * inter * size
             parts["shared"] += linear(2 * shared, h) + linear(h, shared)
             continue
-        # one MX stack: the routed experts, then the shared expert, padded to one width and the hidden size to 32
-        width = -(-max(inter, shared) // _MX_BLOCK) * _MX_BLOCK
-        padded_h = -(-h // _MX_BLOCK) * _MX_BLOCK
-        per_expert = int(3 * padded_h * width * _MX_BYTES[expert_format])
+        # one stack: the routed experts, then the shared expert, padded to one width (and MX: the hidden size to 32)
+        inter_block, hidden_block = STACK_ALIGN[expert_format]
+        width = -(-max(inter, shared) // inter_block) * inter_block
+        padded_h = -(-h // hidden_block) * hidden_block
+        if expert_format == "fp8":  # a float32 scale per row of gate_up [2W, H] and of down [H, W]
+            per_expert = 3 * padded_h * width + 4 * (2 * width + padded_h)
+        else:
+            per_expert = int(3 * padded_h * width * _MX_BYTES[expert_format])
         parts["experts"] += routed * per_expert
         parts["shared"] += per_expert
     return parts

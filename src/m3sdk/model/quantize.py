@@ -8,8 +8,11 @@
 - "mxfp4": "fp8", plus the routed experts in MXFP4 (E2M1, one E8M0 scale per 32 inputs) with the shared expert
            stacked after them in the same format, so one fused MoE launch pair serves both (AMD's published MXFP4
            checkpoint quantizes the shared experts too).
+- "fp8_experts": "fp8", plus the routed experts and the shared expert stacked the same way in FP8 (one scale per
+           output row; the fused MoE kernels quantize their activations per token, the intermediate per 64
+           columns: the stack's width is padded to 64).
 Experts a checkpoint stores in an MX format (the loader builds their QuantizedMoE) stay as stored under every
-choice; "mxfp4" refuses MXFP8 experts rather than requantize them.
+choice; "mxfp4" and "fp8_experts" refuse stored experts of another format rather than requantize them.
 Any width the architecture allows is served by zero padding at load, which changes no output: FP8 weight rows
 start 16 bytes apart (the GEMM reads them by TMA; the padding is storage only), and the MXFP4 stack pads the
 routed and the shared expert to one intermediate width and the hidden size to the MX block of 32 (padded
@@ -26,7 +29,7 @@ from torch import nn
 from m3sdk.config import QUANTIZATIONS
 from m3sdk.model.layers import DenseMLP, Fp8Activation, RowParallelLinear, SparseMoE, all_reduce, local_routes
 from m3sdk_kernels.arch import current_arch
-from m3sdk_kernels.experts import Experts, quantize_experts, serving_layout
+from m3sdk_kernels.experts import FP8_ACT_GROUP, Experts, quantize_experts, serving_layout
 from m3sdk_kernels.formats import MX_BLOCK, quantize_fp8_weight
 from m3sdk_kernels.moe import fused_moe
 from m3sdk_kernels.quant import fp8_gemm, fp8_linear, swiglu_quantize_fp8
@@ -34,6 +37,9 @@ from m3sdk_kernels.reference import fp8_gemm_ref, fp8_linear_ref, fused_moe_ref,
 from m3sdk_kernels.router import route
 
 _EXPERT_TENSORS = ("gate_up", "down", "gate_up_scale", "down_scale", "gate_up_row", "down_row")
+EXPERT_FORMATS = {"mxfp4": "mxfp4", "fp8_experts": "fp8"}  # quantization -> the format of its expert stack
+# what the stack's (intermediate, hidden) widths are padded to, by format
+STACK_ALIGN = {"mxfp4": (MX_BLOCK, MX_BLOCK), "mxfp8": (MX_BLOCK, MX_BLOCK), "fp8": (FP8_ACT_GROUP, 1)}
 _ROW_ALIGN_BYTES = 16  # TMA: every stride of a described tensor is a multiple of 16 bytes
 
 
@@ -127,9 +133,9 @@ class QuantizedMoE(nn.Module):
         the hidden size to the format's block where they differ from it (the outputs are the same)."""
         shared = moe.shared_experts
         hidden = moe.w_down.shape[1]
-        block = MX_BLOCK if fmt in ("mxfp4", "mxfp8") else 1
-        inter = _round_up(max(moe.w_down.shape[2], shared.down_proj.weight.shape[1]), block)
-        padded_hidden = _round_up(hidden, block)
+        inter_block, hidden_block = STACK_ALIGN[fmt]
+        inter = _round_up(max(moe.w_down.shape[2], shared.down_proj.weight.shape[1]), inter_block)
+        padded_hidden = _round_up(hidden, hidden_block)
         gate_up = torch.cat([_pad_gate_up(w, inter, padded_hidden)
                              for w in (moe.w_gate_up, shared.gate_up_proj.weight[None])])
         down = torch.cat([_pad_down(w, inter, padded_hidden) for w in (moe.w_down, shared.down_proj.weight[None])])
@@ -209,11 +215,12 @@ def quantize_layer(layer: nn.Module, quantization: str, fp8_dtype: torch.dtype |
             layer.mlp = Fp8DenseMLP(layer.mlp, fp8_dtype)
             layer.mlp_input_fp8 = fp8_dtype  # MoE layers keep bf16: the router and the experts read it too
         elif isinstance(layer.mlp, QuantizedMoE):  # stored quantized by the checkpoint: served as stored
-            if quantization == "mxfp4" and layer.mlp.fmt != "mxfp4":
-                raise ValueError(f"quantization='mxfp4' would requantize the checkpoint's {layer.mlp.fmt} experts; "
-                                 "use 'fp8' or 'none' (the stored experts are served as they are)")
-        elif quantization == "mxfp4":
-            layer.mlp = QuantizedMoE.quantize(layer.mlp, "mxfp4")
+            if quantization in EXPERT_FORMATS and layer.mlp.fmt != EXPERT_FORMATS[quantization]:
+                raise ValueError(f"quantization={quantization!r} would requantize the checkpoint's "
+                                 f"{layer.mlp.fmt} experts; use 'fp8' or 'none' (the stored experts are served as "
+                                 "they are)")
+        elif quantization in EXPERT_FORMATS:
+            layer.mlp = QuantizedMoE.quantize(layer.mlp, EXPERT_FORMATS[quantization])
         else:
             layer.mlp.shared_experts = Fp8DenseMLP(layer.mlp.shared_experts, fp8_dtype)
     if isinstance(layer.mlp, QuantizedMoE):
