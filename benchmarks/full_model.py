@@ -8,7 +8,8 @@ token against its roofline, the prefill of an 8K prompt, tokens/s per GPU.
   keeps the real widths and takes N layers in the model's proportion of dense to MoE layers (at least one
   dense: layer 0 of M3 is one), so a slice runs on one GPU as a check of the script and the kernels.
 - Weights: load_format="dummy" (model/dummy.py), made on each GPU already sharded and in the served format of
-  --quantization ("mxfp4": MXFP4 experts + FP8 attention / dense MLP; "fp8": FP8 linears, bf16 experts; "none").
+  --quantization ("mxfp4": MXFP4 experts + FP8 attention / dense MLP; "fp8_experts": FP8 experts too; "fp8":
+  FP8 linears, bf16 experts; "none").
   The load time is the whole: worker start, process group, every rank's generation and quantization.
 - Read rate: `gpu_timing.read_rates` on each of the --tp GPUs, before the load, in this run.
 - Decode (TPOT): the engine's captured decode step (CUDA graph, mirrored to the workers as the engine mirrors
@@ -45,7 +46,7 @@ from serving import fill_cache, staged_replay
 
 from m3sdk.attention.base import PAGE_SIZE, AttentionMetadata
 from m3sdk.cache.kv_pool import KVCacheSpec, KVPool
-from m3sdk.config import BUNDLED_MODELS, EngineConfig
+from m3sdk.config import BUNDLED_MODELS, QUANTIZATIONS, EngineConfig
 from m3sdk.graphs import DecodeGraphs
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.layers import route
@@ -193,7 +194,7 @@ def main() -> None:
     p.add_argument("--model", type=Path, default=BUNDLED_MODELS["minimax-m3"], help="a folder with config.json")
     p.add_argument("--tp", type=int, default=2, help="GPUs (tensor_parallel_size)")
     p.add_argument("--expert-parallel", action="store_true", help="whole experts per GPU")
-    p.add_argument("--quantization", default="mxfp4", choices=("none", "fp8", "mxfp4"))
+    p.add_argument("--quantization", default="mxfp4", choices=QUANTIZATIONS)
     p.add_argument("--kv-cache-dtype", default="fp8", choices=("fp8", "bf16"), help="KV and index keys")
     p.add_argument("--num-layers", type=int, help="the first layers only (real widths): a one-GPU check")
     p.add_argument("--concurrency", default="1,4,16,64")
