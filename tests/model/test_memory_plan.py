@@ -28,12 +28,16 @@ def test_weights_are_what_a_load_holds(quantization):
     assert plan_memory(TINY, quantization=quantization).weight_bytes_per_rank == held_bytes(model)
 
 
-@pytest.mark.parametrize("expert_parallel", [True, False])
-def test_weights_per_rank_are_what_a_shard_holds(expert_parallel):
-    for rank in range(2):
-        model = dummy_shard(TINY, Shard(rank, 2, expert_parallel), "cpu", torch.bfloat16, "torch", seed=0)
-        plan = plan_memory(TINY, tensor_parallel_size=2, expert_parallel=expert_parallel)
+@pytest.mark.parametrize(("world", "expert_parallel", "quantization"),
+                         [(2, True, "none"), (2, False, "none"), (4, False, "mxfp4"), (4, True, "fp8_experts")])
+def test_weights_per_rank_are_what_a_shard_holds(world, expert_parallel, quantization):
+    """4 ranks: more than m3-tiny's 2 KV heads (replicated), and an expert width of 16 (the stack pads it)."""
+    plan = plan_memory(TINY, tensor_parallel_size=world, expert_parallel=expert_parallel, quantization=quantization)
+    for rank in range(world):
+        model = dummy_shard(TINY, Shard(rank, world, expert_parallel), "cpu", torch.bfloat16, "torch", seed=0,
+                            quantization=quantization)
         assert plan.weight_bytes_per_rank == held_bytes(model)
+        assert model.config.num_kv_heads == 2 // min(world, 2)
 
 
 def test_minimax_m3_size():
@@ -63,5 +67,11 @@ def test_kv_and_what_fits_on_two_gpus():
 
 
 def test_ranks_must_split_the_heads():
-    with pytest.raises(ValueError, match="tensor_parallel_size 8 must divide num_key_value_heads=4"):
-        plan_memory(M3, tensor_parallel_size=8)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide num_attention_heads=64, .*"
+                                         r"num_key_value_heads=4 \(or be a multiple of it\)"):
+        plan_memory(M3, tensor_parallel_size=3)
+    # 8 ranks over 4 KV heads: each caches the one its 8 query heads attend with (and its index head)
+    plan = plan_memory(M3, tensor_parallel_size=8, expert_parallel=True, quantization="fp8_experts",
+                       kv_cache_dtype="fp8", device_memory=141 * 10**9)
+    assert plan.kv_bytes_per_token == 60 * (2 * 128 + 2 * 4) + 57 * 128
+    assert plan.fits

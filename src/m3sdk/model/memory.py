@@ -88,9 +88,9 @@ def plan_memory(config: ModelConfig, *, tensor_parallel_size: int = 1, expert_pa
     check_split(config, n, expert_parallel)
     parts = _weight_bytes(config, n, expert_parallel, quantization, dtype.itemsize)
     weights = sum(parts.values())
-    index_heads = config.index_n_heads // n if config.sparse_layers else config.index_n_heads
-    local = dataclasses.replace(config, num_heads=config.num_heads // n, num_kv_heads=config.num_kv_heads // n,
-                                index_n_heads=index_heads)
+    index_heads = local_heads(config.index_n_heads, n) if config.sparse_layers else config.index_n_heads
+    local = dataclasses.replace(config, num_heads=config.num_heads // n,
+                                num_kv_heads=local_heads(config.num_kv_heads, n), index_n_heads=index_heads)
     spec = KVCacheSpec.for_model(local, 1, kv_dtype=kv_cache_dtype, index_dtype=index_cache_dtype or kv_cache_dtype,
                                  model_dtype=dtype)
     page = spec.bytes_per_page
@@ -110,14 +110,23 @@ def _pages_per_sequence(context: int) -> int:
     return -(-context // PAGE_SIZE) + 1  # the engine keeps one spare page per sequence (core/builder.py)
 
 
+def local_heads(total: int, n: int) -> int:
+    """KV (or index) heads a rank of `n` holds: 1/N of them, or, where there are fewer heads than ranks, the one
+    its query heads attend with (replicated over N / total ranks: `check_split` wants N a multiple of them)."""
+    return total // n if total >= n else 1
+
+
 def check_split(c: ModelConfig, n: int, expert_parallel: bool) -> None:
-    """Every count tensor parallel splits must divide by the `n` ranks; a ValueError names all that do not."""
-    counts = {"num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+    """Every count tensor parallel splits must divide by the `n` ranks (the KV and index heads may instead be
+    replicated: `n` a multiple of them); a ValueError names all that do not."""
+    counts = {"num_attention_heads": c.num_heads,
               "dense_intermediate_size": c.dense_intermediate_size if c.dense_layers else 0,
               "shared_intermediate_size": c.shared_intermediate_size if c.moe_layers else 0,
               "num_local_experts" if expert_parallel else "intermediate_size (per expert)":
                   (c.num_experts if expert_parallel else c.moe_intermediate_size) if c.moe_layers else 0}
     bad = [f"{k}={v}" for k, v in counts.items() if v % n]
+    replicable = {"num_key_value_heads": c.num_kv_heads, "index_n_heads": c.index_n_heads if c.sparse_layers else n}
+    bad += [f"{k}={v} (or be a multiple of it)" for k, v in replicable.items() if v % n and n % v]
     if n < 1 or bad:
         raise ValueError(f"tensor_parallel_size {n} must divide {', '.join(bad)}")
 
@@ -127,6 +136,14 @@ def _attention_widths(c: ModelConfig, layer: int) -> tuple[int, int]:
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     index = c.index_n_heads * c.index_head_dim + c.index_head_dim if c.is_sparse(layer) else 0
     return q + 2 * kv + index, q
+
+
+def _local_qkv_rows(c: ModelConfig, layer: int, n: int) -> int:
+    """Rows of the packed q|k|v|index_q|index_k projection a rank of `n` holds (the index key whole)."""
+    rows = (c.num_heads // n + 2 * local_heads(c.num_kv_heads, n)) * c.head_dim
+    if c.is_sparse(layer):
+        rows += (local_heads(c.index_n_heads, n) + 1) * c.index_head_dim
+    return rows
 
 
 def _param_count(c: ModelConfig, experts: int, head: bool = True) -> int:
@@ -162,7 +179,7 @@ def _weight_bytes(c: ModelConfig, n: int, expert_parallel: bool, quantization: s
         qkv, o = _attention_widths(c, i)
         index_k = c.index_head_dim if c.is_sparse(i) else 0
         norms = (2 * h + 2 * c.head_dim + 2 * index_k) * size
-        parts["attention"] += linear((qkv - index_k) // n + index_k, h) + linear(h, o // n) + norms
+        parts["attention"] += linear(_local_qkv_rows(c, i, n), h) + linear(h, o // n) + norms
         if not c.is_moe(i):
             dense = c.dense_intermediate_size // n
             parts["dense_mlp"] += linear(2 * dense, h) + linear(h, dense)

@@ -3,7 +3,9 @@
 A rank of N holds (docs/serving.md):
 - attention: query heads [r*Hq/N, (r+1)*Hq/N) and KV heads [r*Hkv/N, ...) of the packed qkv projection (so GQA
   groups stay whole), the index-query heads of its KV groups (index head j selects for KV group j), the single
-  index-key head whole; o_proj's input columns of its query heads (row parallel: partial sums);
+  index-key head whole; o_proj's input columns of its query heads (row parallel: partial sums). With more ranks
+  than KV heads (N a multiple of Hkv), each rank holds the one KV head (and index head) its query heads attend
+  with, replicated over N / Hkv ranks, and caches it;
 - dense MLP and shared expert: gate rows and up rows of its 1/N of the intermediate, down_proj's matching columns;
 - routed experts: whole experts [r*E/N, (r+1)*E/N) with `expert_parallel`, else 1/N of every expert's
   intermediate (like the dense MLP);
@@ -32,7 +34,7 @@ from m3sdk.model.config import ModelConfig
 from m3sdk.model.dummy import materialize
 from m3sdk.model.layers import SparseMoE, all_reduce, local_routes, moe_experts, route
 from m3sdk.model.loader import check_tensors, detect_layout, expected_tensors, read_headers, tensor_files
-from m3sdk.model.memory import check_split
+from m3sdk.model.memory import check_split, local_heads
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
 from m3sdk.model.quantize import quantize_model
 
@@ -73,8 +75,8 @@ def local_config(config: ModelConfig, shard: Shard) -> ModelConfig:
     check_divisible(config, shard)
     n = shard.world
     return dataclasses.replace(
-        config, num_heads=config.num_heads // n, num_kv_heads=config.num_kv_heads // n,
-        index_n_heads=config.index_n_heads // n if config.sparse_layers else config.index_n_heads,
+        config, num_heads=config.num_heads // n, num_kv_heads=local_heads(config.num_kv_heads, n),
+        index_n_heads=local_heads(config.index_n_heads, n) if config.sparse_layers else config.index_n_heads,
         dense_intermediate_size=config.dense_intermediate_size // n,
         shared_intermediate_size=config.shared_intermediate_size // n,
         moe_intermediate_size=config.moe_intermediate_size // (1 if shard.expert_parallel else n))
@@ -83,6 +85,15 @@ def local_config(config: ModelConfig, shard: Shard) -> ModelConfig:
 def _split(total: int, shard: Shard, full_offset: int, local_offset: int) -> Piece:
     start, end = shard.span(total)
     return full_offset + start, full_offset + end, local_offset
+
+
+def _heads(count: int, width: int, shard: Shard, full_offset: int, local_offset: int) -> Piece:
+    """This rank's heads of `count` heads `width` wide: 1/N of them, or where N exceeds them (a multiple of them)
+    the one of its query heads' group, replicated over N / count ranks."""
+    if count >= shard.world:
+        return _split(count * width, shard, full_offset, local_offset)
+    head = shard.rank * count // shard.world
+    return full_offset + head * width, full_offset + (head + 1) * width, local_offset
 
 
 def _gate_up(inter: int, shard: Shard) -> list[Piece]:
@@ -102,14 +113,16 @@ def param_pieces(name: str, config: ModelConfig, shard: Shard) -> tuple[int, lis
         return None
     layer, rest = int(parts[1]), ".".join(parts[2:])
     if rest == "self_attn.qkv_proj.weight":
-        d, n = c.head_dim, shard.world
+        d, n, w = c.head_dim, shard.world, c.index_head_dim
         q, kv = c.num_heads * d, c.num_kv_heads * d
-        pieces = [_split(q, shard, 0, 0), _split(kv, shard, q, q // n), _split(kv, shard, q + kv, q // n + kv // n)]
+        kv_local = local_heads(c.num_kv_heads, n) * d
+        pieces = [_split(q, shard, 0, 0), _heads(c.num_kv_heads, d, shard, q, q // n),
+                  _heads(c.num_kv_heads, d, shard, q + kv, q // n + kv_local)]
         if c.is_sparse(layer):
-            iq = c.index_n_heads * c.index_head_dim
-            local = q // n + 2 * kv // n
-            pieces += [_split(iq, shard, q + 2 * kv, local),
-                       (q + 2 * kv + iq, q + 2 * kv + iq + c.index_head_dim, local + iq // n)]  # index key: whole
+            iq = c.index_n_heads * w
+            local = q // n + 2 * kv_local
+            index_key = (q + 2 * kv + iq, q + 2 * kv + iq + w, local + local_heads(c.index_n_heads, n) * w)  # whole
+            pieces += [_heads(c.index_n_heads, w, shard, q + 2 * kv, local), index_key]
         return 0, pieces
     if rest == "self_attn.o_proj.weight":
         return 1, [_split(c.num_heads * c.head_dim, shard, 0, 0)]
@@ -269,7 +282,8 @@ def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype
 def dummy_shard(config: ModelConfig, shard: Shard, device: torch.device | str, dtype: torch.dtype,
                 attn_backend: str, seed: int, quantization: str = "none") -> MiniMaxM3ForCausalLM:
     """This rank's model with random weights (model/dummy.py), made on `device`: only its shard of each sharded
-    parameter (salted with the rank), the parameters held whole the same on every rank; each layer put into the
+    parameter (salted with the rank: replicated KV heads differ between their ranks, which holds no meaning for
+    random weights), the parameters held whole the same on every rank; each layer put into the
     served format of `quantization` as it is made (so the rank's scales are those of its own random slice)."""
     model = materialize(build_local_model(config, shard, dtype, attn_backend), device, quantization, seed,
                         salt=lambda name: 0 if param_pieces(name, config, shard) is None else shard.rank + 1)
