@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from m3sdk.model.layers import SparseMoE, all_reduce, local_routes, moe_experts,
 from m3sdk.model.loader import check_tensors, detect_layout, expected_tensors, read_headers, tensor_files
 from m3sdk.model.memory import check_split, local_heads
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
-from m3sdk.model.quantize import quantize_model
+from m3sdk.model.quantize import fp8_for, quantize_layer
 
 _CHUNK_BYTES = 64 << 20
 # one collective into one tensor: torch 2.13's name (the device's torch 2.11 has only all_gather_into_tensor)
@@ -242,8 +243,9 @@ def build_local_model(config: ModelConfig, shard: Shard, dtype: torch.dtype, att
 def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype: torch.dtype,
                attn_backend: str, quantization: str = "none") -> MiniMaxM3ForCausalLM:
     """Read this rank's part of the checkpoint at `path` into its model (no rank reads a whole sharded tensor),
-    then put it into the served format of `quantization` (model/quantize.py) on the rank: shard first, then
-    quantize, so each rank's scales cover its own slice."""
+    in the served format of `quantization` (model/quantize.py): shard first, then quantize on the rank, so each
+    rank's scales cover its own slice. Allocated part by part (embeddings, head, norm, then layer by layer), each
+    layer quantized before the next is read: the peak is the served shard plus one float layer."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     if config.quant_format != "none":
@@ -254,29 +256,45 @@ def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype
     expected = expected_tensors(config, layout, prefix, lm_head, shapes)
     with torch.device("meta"):
         full = MiniMaxM3ForCausalLM(config, dtype=dtype, attn_backend=attn_backend)
-    full_params = dict(full.named_parameters())
-    check_tensors(shapes, expected, full_params, path)  # the whole checkpoint against the whole model's shapes
+    full_shapes = {name: tuple(p.shape) for name, p in full.named_parameters()}
+    check_tensors(shapes, expected, dict(full.named_parameters()), path)  # the whole checkpoint, whole shapes
+    by_part: dict[str, list[str]] = defaultdict(list)  # "layers.i" or "" (the rest) -> its checkpoint tensors
+    for name, target in expected.items():
+        parts = target.param.split(".")
+        by_part[".".join(parts[:2]) if parts[0] == "layers" else ""].append(name)
 
     model = build_local_model(config, shard, dtype, attn_backend)
-    model.to_empty(device=device)
+    handles: dict[Path, object] = {}
+
+    def read(part: torch.nn.Module, prefix: str, names: list[str]) -> None:
+        params = {f"{prefix}{n}": p for n, p in part.named_parameters()}
+        for name in names:
+            target = expected[name]
+            plan = copy_plan(target.index, full_shapes[target.param],
+                             param_pieces(target.param, config, shard))
+            if not plan:
+                continue
+            if files[name] not in handles:
+                handles[files[name]] = safe_open(files[name], framework="pt")
+            source = handles[files[name]].get_slice(name)
+            for src, local in plan:
+                _copy(source, src, params[target.param][local])
+
+    for name, part in model.named_children():
+        if name != "layers":
+            part.to_empty(device=device)
     model.lm_head.weight.zero_()  # the last rank's padding rows past the vocabulary
-    params = dict(model.named_parameters())
-    handles = {}
-    for name, target in expected.items():
-        pieces = param_pieces(target.param, config, shard)
-        plan = copy_plan(target.index, tuple(full_params[target.param].shape), pieces)
-        if not plan:
-            continue
-        if files[name] not in handles:
-            handles[files[name]] = safe_open(files[name], framework="pt")
-        source = handles[files[name]].get_slice(name)
-        for src, local in plan:
-            _copy(source, src, params[target.param][local])
+    read(model, "", by_part[""])
     if config.tie_word_embeddings:  # the head is this rank's rows of the embeddings
         start, end = shard.span_ceil(config.vocab_size)
         rows = model.embed_tokens.weight[start:min(end, config.vocab_size)]
         model.lm_head.weight[:rows.shape[0]].copy_(rows)
-    return quantize_model(model, quantization).eval()
+    fp8 = fp8_for(quantization, torch.device(device))
+    for i, layer in enumerate(model.layers):
+        layer.to_empty(device=device)
+        read(layer, f"layers.{i}.", by_part[f"layers.{i}"])
+        quantize_layer(layer, quantization, fp8)
+    return model.eval()
 
 
 def dummy_shard(config: ModelConfig, shard: Shard, device: torch.device | str, dtype: torch.dtype,
