@@ -22,7 +22,7 @@ from m3sdk.speculative.registry import DRAFTERS
 # minimax-m3: the real architecture's config.json alone (no weights): for load_format="dummy" and memory planning
 BUNDLED_MODELS = {name: Path(__file__).parent / "assets" / name for name in ("m3-tiny", "minimax-m3")}
 
-QUANTIZATIONS = ("none", "fp8", "mxfp4")  # m3sdk/model/quantize.py
+QUANTIZATIONS = ("none", "fp8", "fp8_experts", "mxfp4")  # m3sdk/model/quantize.py
 LOAD_FORMATS = ("auto", "dummy")  # dummy: m3sdk/model/dummy.py
 DTYPES = ("float32", "bfloat16")
 CACHE_DTYPES = ("auto", "bf16", "fp8", "fp32")
@@ -196,7 +196,8 @@ class EngineConfig:
     # Replay decode and verify steps from captured CUDA graphs; None: on for a CUDA device with the triton backend.
     cuda_graphs: bool | None = None
     # Weights quantized at load (m3sdk/model/quantize.py): "fp8" = FP8 W8A8 attention, dense MLPs and shared
-    # experts; "mxfp4" = that plus MXFP4 routed experts. Experts a checkpoint stores quantized stay as stored.
+    # experts; "fp8_experts" = that plus FP8 routed experts; "mxfp4" = "fp8" plus MXFP4 routed experts. Experts a
+    # checkpoint stores quantized stay as stored.
     quantization: str = "none"
     # "auto": the checkpoint's weights; "dummy": random weights from `seed` for the model's config.json alone, made
     # on the device in the served format (each tensor-parallel rank makes only its shard): nothing else is read.

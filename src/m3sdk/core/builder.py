@@ -52,10 +52,9 @@ def build_core(config: EngineConfig, observers: Sequence[StepObserver] = ()) -> 
         if config.speculative is not None and config.speculative.method != "ngram":
             raise ValueError("tensor_parallel_size > 1 supports speculative='ngram' only (drafters read the "
                              "target's weights, which are sharded)")
-        if config.quantization != "none":
-            raise ValueError("tensor_parallel_size > 1 does not support quantization yet (ranks load bf16 shards)")
         tp = TensorParallel.launch(rc.model_path, config.tensor_parallel_size, rc.device, rc.dtype,
-                                   rc.attention_backend, config.expert_parallel, config.load_format, config.seed)
+                                   rc.attention_backend, config.expert_parallel, config.load_format, config.seed,
+                                   config.quantization)
         model = tp.model
     elif config.load_format == "dummy":
         model = dummy_model(ModelConfig.from_pretrained(rc.model_path), rc.device, rc.dtype, rc.attention_backend,
