@@ -230,6 +230,8 @@ class SpeculativeExecutor(Executor):
         self.spec.propose(self.scheduler.live_requests())
         plan = self.scheduler.schedule()
         self.spec.scheduled(plan)
+        if not plan:  # the engine may now wait for work: that wait is no step's cost
+            self.spec.depth.idle()
         return plan
 
     def launch(self, plan: StepPlan, layer_hook: LayerHook | None) -> None:
@@ -241,8 +243,8 @@ class SpeculativeExecutor(Executor):
     def release(self, request: Request) -> None:
         self.spec.release(request)
 
-    def reset(self) -> None:  # its acceptance counters too (the warm-up's random prompts draft badly)
-        self.spec = Speculation(self.spec.drafter, self.spec.cache, self.sampler)
+    def reset(self) -> None:  # its acceptance too (the warm-up's random prompts draft badly); the costs stay
+        self.spec = Speculation(self.spec.drafter, self.spec.cache, self.sampler, self.spec.depth.after_warm_up())
 
     def stats(self) -> dict[str, object]:
         return self.spec.stats()
