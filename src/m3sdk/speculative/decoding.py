@@ -143,8 +143,8 @@ class Speculation:
                                              layer_hook=layer_hook)
         step = Launched(plan, num_logits, spec, logits, hidden, aux, carry,
                         prompt=prompt.launch(logits) if prompt is not None else None)
-        if (self.read_behind_verify and self.next_depth > 0 and carry is not None and len(pending) == len(plan.scheduled)
-                and _greedy(pending)):
+        if (self.read_behind_verify and self.next_depth > 0 and carry is not None
+                and len(pending) == len(plan.scheduled) and _greedy(pending)):
             self._read_unverified(step)
         return step
 
