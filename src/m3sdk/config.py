@@ -119,7 +119,9 @@ class SchedulingConfig:
     scheduler: str | Callable[..., Any] = "continuous"
     # Overlap host scheduling with the device step (docs/engine.md): while step N runs, schedule and launch step
     # N+1 from N's tokens still on the device; the host's bookkeeping of N (append, stop checks, streaming) lags
-    # one step. None: on for a CUDA device. Off with speculative decoding (its drafts need the host's tokens).
+    # one step. None: on a CUDA device each decode step overlaps or reads the step before first, whichever measured
+    # the shorter step at its batch size (core/overlap.py: on a model as small as m3-tiny reading first can win);
+    # off on a CPU. True: every step overlaps. Off with speculative decoding (its drafts need the host's tokens).
     overlap_scheduling: bool | None = None
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ from m3sdk.config import BUNDLED_MODELS, EngineConfig
 from m3sdk.core.engine_core import EngineCore
 from m3sdk.core.executor import Executor, OverlappedExecutor, SpeculativeExecutor
 from m3sdk.core.hooks import StepObserver
+from m3sdk.core.overlap import OverlapChoice
 from m3sdk.core.resolved import ResolvedConfig, resolve
 from m3sdk.core.warmup import warm_up
 from m3sdk.graphs import DecodeGraphs, batch_buckets
@@ -105,8 +106,9 @@ def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParalle
                            config.speculative.adaptive)
         executor: Executor = SpeculativeExecutor(runner, scheduler, sampler,
                                                  Speculation(drafter, cache, sampler, depth))
-    elif rc.overlap:
-        executor = OverlappedExecutor(runner, scheduler, sampler)
+    elif rc.overlap:  # by default each step overlaps or reads first, whichever measured faster (core/overlap.py)
+        choice = OverlapChoice(batch_buckets(config.max_num_seqs)) if config.overlap_scheduling is None else None
+        executor = OverlappedExecutor(runner, scheduler, sampler, choice)
     else:
         executor = Executor(runner, scheduler, sampler)
     return EngineCore(rc, runner, scheduler, cache, tokenizer, executor, observers,

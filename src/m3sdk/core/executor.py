@@ -15,6 +15,7 @@ An `InFlight` is a step launched whose results the host has not read: `resolve()
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -22,6 +23,7 @@ import torch
 
 from m3sdk.core.hooks import LayerHook
 from m3sdk.core.output import Emitted
+from m3sdk.core.overlap import OverlapChoice
 from m3sdk.prompt_logprobs import PendingPromptLogprobs, widen_for_prompt_logprobs
 from m3sdk.request import Request
 from m3sdk.runner import PLACEHOLDER, Carry, ModelRunner
@@ -166,10 +168,15 @@ class OverlappedExecutor(Executor):
     `Scheduler.update` for N+1, so the pages it commits to the prefix cache hash real tokens. A request that
     finished at N was scheduled in N+1 too: that token is dropped (its pages are freed at once; N+1's late writes
     into them come before any later step's on the same stream). When N+1 samples a row with a structured output,
-    its sampling is launched in `commit`, after N's tokens were accepted (its bitmask needs them)."""
+    its sampling is launched in `commit`, after N's tokens were accepted (its bitmask needs them).
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler):
+    With a `choice` (core/overlap.py), a step may read N's tokens first instead (`settle`), whichever kind
+    measured the shorter period at its batch size; without one, every step overlaps."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
+                 choice: OverlapChoice | None = None):
         super().__init__(runner, scheduler, sampler)
+        self.choice = choice
         self._prev: SampledStep | None = None  # step N, launched before the step now being scheduled
         # step N+1 whose forward is launched and whose sampling waits for N's tokens (structured outputs)
         self._unsampled: tuple[SampledStep, torch.Tensor] | None = None
@@ -180,13 +187,26 @@ class OverlappedExecutor(Executor):
 
     def settle(self) -> list[Emitted]:
         self._prev, self.in_flight = self.in_flight, None
-        if self._prev is not None and not all(_lag_safe(r) for r in self._prev.rows):
-            prev, self._prev = self._prev, None  # their next draw reads the host's tokens: settle them first
+        if self._prev is None:
+            return []
+        # their next draw reads the host's tokens, or reading first measured faster here: settle them first
+        if not all(_lag_safe(r) for r in self._prev.rows) or (
+                self.choice is not None and not self.choice.overlap(len(self._prev.rows))):
+            prev, self._prev = self._prev, None
             return prev.resolve()
         return []
 
+    def schedule(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        if not plan and self.choice is not None:  # the engine may now wait for work: no step's cost
+            self.choice.idle()
+        return plan
+
     def launch(self, plan: StepPlan, layer_hook: LayerHook | None) -> None:
         rows = [sc.request for sc in plan.scheduled if sc.samples]
+        if self.choice is not None:
+            self.choice.launched(time.perf_counter(), len(rows), self._prev is not None,
+                                 all(sc.samples and sc.num_new_tokens == 1 for sc in plan.scheduled))
         if self._prev is None or all(r.sampling.grammar is None for r in rows):
             self.in_flight = self._sampled(plan, self._prev, layer_hook, placeholders=True)
             return
@@ -198,6 +218,9 @@ class OverlappedExecutor(Executor):
     def collect(self) -> list[Emitted]:
         prev, self._prev = self._prev, None
         return prev.resolve() if prev is not None else []
+
+    def stats(self) -> dict[str, object]:
+        return self.choice.stats() if self.choice is not None else {}
 
     def commit(self) -> None:
         if self._unsampled is not None:

@@ -17,16 +17,10 @@ measured again only when it is chosen again, which a change in acceptance can br
 
 from __future__ import annotations
 
-import bisect
-import statistics
-from collections import deque
 from collections.abc import Sequence
 
-# periods kept per (batch bucket, depth): their median is the cost (a Triton compile or a stalled step is one
-# outlier among them)
-COST_WINDOW = 16
-# periods measured before a depth's cost at a batch bucket is trusted
-MIN_SAMPLES = 4
+from m3sdk.step_costs import MIN_SAMPLES, StepCosts
+
 # each verify row's weight in the acceptance decays by this per verify row after it (about the last 200 rows count)
 ACCEPTANCE_DECAY = 0.995
 # the acceptance prior: each draft accepted with this probability given its predecessors were, worth this many rows
@@ -74,29 +68,6 @@ class Acceptance:
         return out
 
 
-class StepCosts:
-    """Measured step periods per (batch bucket, depth)."""
-
-    def __init__(self, k_max: int, buckets: Sequence[int]):
-        self.buckets = list(buckets)
-        self.periods = {(b, k): deque(maxlen=COST_WINDOW) for b in self.buckets for k in range(k_max + 1)}
-
-    def bucket(self, batch: int) -> int:
-        i = bisect.bisect_left(self.buckets, batch)
-        return self.buckets[min(i, len(self.buckets) - 1)]
-
-    def add(self, batch: int, depth: int, seconds: float) -> None:
-        self.periods[(self.bucket(batch), depth)].append(seconds)
-
-    def samples(self, batch: int, depth: int) -> int:
-        return len(self.periods[(self.bucket(batch), depth)])
-
-    def cost(self, batch: int, depth: int) -> float:
-        """The median measured period (0.0: none measured)."""
-        p = self.periods[(self.bucket(batch), depth)]
-        return statistics.median(p) if p else 0.0
-
-
 class DraftDepth:
     """The depth of each step (`choose`) and what it learns from each step (`launched`, `verified`).
 
@@ -108,7 +79,7 @@ class DraftDepth:
     def __init__(self, k_max: int, buckets: Sequence[int], adaptive: bool = True):
         self.k_max, self.adaptive = k_max, adaptive
         self.acceptance = Acceptance(k_max)
-        self.costs = StepCosts(k_max, buckets)
+        self.costs = StepCosts(k_max + 1, buckets)
         self._last: tuple[float, int, int, bool] | None = None  # the previous launch: time, batch, depth, counts
         self.chosen = [0] * (k_max + 1)  # steps launched at each depth (stats)
 
