@@ -175,7 +175,9 @@ class Speculation:
             row += m
         emitted: dict[str, list[SampledToken]] = {}
         if plain_rows:
-            sampled = self.sampler.sample(logits[plain_rows], [r.sampling for r in plain_reqs])
+            # (a step of plain rows only, a depth-0 step's, samples every logits row: no gather)
+            rows = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
+            sampled = self.sampler.sample(rows, [r.sampling for r in plain_reqs])
             emitted.update((r.request_id, [t]) for r, t in zip(plain_reqs, sampled, strict=True))
         if verify_reqs:
             # (a step of verify rows only reads every logits row: no gather)
