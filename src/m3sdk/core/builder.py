@@ -43,9 +43,11 @@ if TYPE_CHECKING:
 
 log = get_logger("m3sdk.core")
 
-# a speculating engine captures graphs of one page per sequence (joins) when their logits take at most this much
-# each (m3-tiny at 64 sequences: 8 MiB; a 200K vocabulary: 0.8 GiB, left out)
-TAIL_GRAPH_LOGITS_BYTES = 256 << 20
+# a speculating engine captures graphs of these query lengths for steps where requests join (a prefix-cache hit's
+# last page, a short prompt) when their logits take at most this much each (m3-tiny at 64 sequences: 8 and 32 MiB;
+# a 200K vocabulary: 0.8 GiB and more, left out)
+JOIN_QUERY_LENS = (PAGE_SIZE, 4 * PAGE_SIZE)
+JOIN_GRAPH_LOGITS_BYTES = 256 << 20
 
 
 def build_core(config: EngineConfig, observers: Sequence[StepObserver] = ()) -> EngineCore:
@@ -163,9 +165,9 @@ def _cache(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM) -> tuple[CacheManage
 def _graphs(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, cache: CacheManager, tp: TensorParallel | None,
             drafter: SpeculativeDecoder | None) -> DecodeGraphs | None:
     """Captured decode (1 token) and, with a drafter, verify steps that return the aux states the drafter reads:
-    1 + k tokens for every depth k an adaptive engine may choose (1 + k_max alone for a fixed one), and one page's
-    worth (a joining request's prefix-cache tail: a step where one joins stays a graph step); the drafter's own
-    steps too. Under tensor parallel the workers capture and replay the same graphs in lockstep
+    1 + k tokens for every depth k an adaptive engine may choose (1 + k_max alone for a fixed one), and one and four
+    pages' worth (a joining request's prefix-cache tail or short prompt: a step where one joins stays a graph
+    step); the drafter's own steps too. Under tensor parallel the workers capture and replay the same graphs in lockstep
     (parallel/graphs.py)."""
     if not (rc.cuda_graphs and DecodeGraphs.supported(model)):
         return None
@@ -173,9 +175,10 @@ def _graphs(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, cache: CacheManager
     if drafter is not None:
         k = drafter.num_speculative_tokens
         query_lens = (*range(1, k + 2),) if rc.engine.speculative.adaptive else (1, 1 + k)
-        tail_logits = rc.engine.max_num_seqs * PAGE_SIZE * model.config.vocab_size * 4  # float32 logits per graph
-        if tail_logits <= TAIL_GRAPH_LOGITS_BYTES:
-            query_lens += (PAGE_SIZE,)
+        # joins: a prefix-cache tail (one page) or a short prompt (up to four) with the running rows, where the
+        # graph's float32 logits stay small
+        query_lens += tuple(q for q in JOIN_QUERY_LENS if q > 1 + k and
+                            rc.engine.max_num_seqs * q * model.config.vocab_size * 4 <= JOIN_GRAPH_LOGITS_BYTES)
     args = (model, cache.kv, rc.engine.max_num_seqs, rc.max_model_len, rc.device)
     kwargs = dict(query_lens=query_lens, aux_layers=drafter.aux_layers if drafter else ())
     if tp is None:
