@@ -115,13 +115,17 @@ class ModelRunner:
         logit_rows = [rows[r] for r in logits_rows] if padded else logits_rows
         carried = [rows[r] for r in dst] if padded else dst
         whole = logit_rows == list(range(len(ids)))  # every token's logits, in row order: a prefix of the rows
-        extra = carried + src + (rows or []) + ([] if whole else logit_rows)
+        # (an overlapped decode step whose batch kept its order: row i takes the step before's token i, one copy)
+        aligned = bool(dst) and carried == src == list(range(len(src)))
+        extra = ([] if aligned else carried + src) + (rows or []) + ([] if whole else logit_rows)
         lists = self.graphs.stage(key, ids, counts, context_lens, tables, extra)
-        if dst:
-            d = len(dst)
+        d = len(dst)
+        if aligned:
+            self.graphs.input_ids[:d].copy_(carry.tokens[:d])
+        elif dst:
             self.graphs.input_ids.index_copy_(0, lists[:d], carry.tokens.index_select(0, lists[d:2 * d]))
         hidden, logits, *aux = self.graphs.replay(key)
-        at = 2 * len(dst)
+        at = 0 if aligned else 2 * d
         if padded:
             order = lists[at:at + len(rows)]
             at += len(rows)
