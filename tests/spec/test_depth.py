@@ -21,6 +21,15 @@ def test_best_depth_picks_a_middle_depth_and_skips_unknown_costs():
     assert best_depth([1.0, 1.9, 2.5, 2.9], [1.0, 0.0, 2.6, 3.0]) == 0  # depth 1 unknown
 
 
+def test_best_depth_keeps_the_running_depth_within_the_margin():
+    tokens, costs = [1.0, 1.9, 2.7, 3.4], [1.0, 1.6, 2.5, 3.3]  # rates 1.0, 1.19, 1.08, 1.03
+    assert best_depth(tokens, costs) == 1
+    assert best_depth(tokens, costs, keep=3, margin=0.03) == 1  # 13 % behind: switch
+    assert best_depth(tokens, costs, keep=1, margin=0.03) == 1
+    assert best_depth([1.0, 1.9], [1.0, 1.87], keep=0, margin=0.03) == 0  # 1.6 % behind: stay
+    assert best_depth([1.0, 1.9], [1.0, 1.87], keep=0, margin=0.0) == 1
+
+
 def test_acceptance_starts_at_its_prior_and_follows_the_rows():
     a = Acceptance(3, prior=0.5, prior_rows=4)
     assert a.expected_tokens() == pytest.approx([1, 1.5, 1.75, 1.875])

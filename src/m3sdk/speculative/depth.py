@@ -26,15 +26,21 @@ ACCEPTANCE_DECAY = 0.995
 # the acceptance prior: each draft accepted with this probability given its predecessors were, worth this many rows
 PRIOR_ACCEPTANCE = 0.7
 PRIOR_ROWS = 8.0
+# the depth running stays while its tokens per second are within this share of the best depth's
+KEEP_MARGIN = 0.03
 
 
-def best_depth(expected_tokens: Sequence[float], costs: Sequence[float]) -> int:
+def best_depth(expected_tokens: Sequence[float], costs: Sequence[float], keep: int | None = None,
+               margin: float = KEEP_MARGIN) -> int:
     """The depth k that emits the most tokens per second: argmax of expected_tokens[k] / costs[k] (ties: the
-    shallower; a cost of 0 or less counts as unknown and is skipped)."""
+    shallower; a cost of 0 or less counts as unknown and is skipped). `keep` (the depth now running) stays while
+    it is within `margin` of the best: a switch costs a step (the drafter's contexts restart after plain steps)."""
     best, rate = 0, -1.0
     for k, (tokens, cost) in enumerate(zip(expected_tokens, costs, strict=True)):
         if cost > 0 and tokens / cost > rate * (1 + 1e-9):
             best, rate = k, tokens / cost
+    if keep is not None and costs[keep] > 0 and expected_tokens[keep] / costs[keep] >= (1 - margin) * rate:
+        return keep
     return best
 
 
@@ -82,6 +88,7 @@ class DraftDepth:
         self.costs = StepCosts(k_max + 1, buckets)
         self._last: tuple[float, int, int, bool] | None = None  # the previous launch: time, batch, depth, counts
         self.chosen = [0] * (k_max + 1)  # steps launched at each depth (stats)
+        self._running: dict[int, int] = {}  # batch bucket -> the depth it chose last (kept within KEEP_MARGIN)
 
     def choose(self, batch: int) -> int:
         """The depth for a step of `batch` decoding requests."""
@@ -93,7 +100,10 @@ class DraftDepth:
         plain, deepest = self.costs.cost(batch, 0), self.costs.cost(batch, self.k_max)
         costs = [self.costs.cost(batch, k) if self.costs.samples(batch, k) >= MIN_SAMPLES
                  else plain + (deepest - plain) * k / self.k_max for k in range(self.k_max + 1)]
-        return best_depth(self.acceptance.expected_tokens(), costs)
+        bucket = self.costs.bucket(batch)
+        depth = self._running[bucket] = best_depth(self.acceptance.expected_tokens(), costs,
+                                                   self._running.get(bucket))
+        return depth
 
     def launched(self, now: float, batch: int, depth: int, next_depth: int, clean: bool) -> None:
         """A step of `batch` decoding rows verifying up to `depth` drafts each was launched at `now`; it drafted
