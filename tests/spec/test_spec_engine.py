@@ -122,7 +122,7 @@ async def test_greedy_identical_whatever_depth_each_step_takes(spec_checkpoint, 
     depth mid-way, and resuming drafting after plain steps): greedy output equals the output without speculation,
     and every page is free at the end."""
     rng = random.Random(3)
-    monkeypatch.setattr(DraftDepth, "choose", lambda self, batch: rng.randrange(self.k_max + 1))
+    monkeypatch.setattr(DraftDepth, "choose", sticky_random_depth(rng))
     spec = {"method": method, "num_speculative_tokens": 3}
     if method == "eagle3":
         spec["model"] = str(eagle3_head)
@@ -130,6 +130,20 @@ async def test_greedy_identical_whatever_depth_each_step_takes(spec_checkpoint, 
     assert out == reference
     by_depth = stats["spec_steps_by_depth"]
     assert len(by_depth) == 4 and all(n > 0 for n in by_depth)
+    # depth-0 steps ran as the plain overlapped executor's
+    assert stats["overlap_steps"] > 0
     assert stats["spec_drafted_tokens"] > 0 and stats["pages_free"] == stats["pages_total"]
     if method == "ngram":  # (the random heads' drafts are seldom right)
         assert stats["spec_accepted_tokens"] > 0
+
+
+def sticky_random_depth(rng: random.Random):
+    """A `DraftDepth.choose` that keeps its depth for a few steps, then draws another from 0 .. k."""
+    depth = [None]
+
+    def choose(self, batch: int) -> int:
+        if depth[0] is None or rng.random() < 0.35:
+            depth[0] = rng.randrange(self.k_max + 1)
+        return depth[0]
+
+    return choose

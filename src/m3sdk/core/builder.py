@@ -104,10 +104,16 @@ def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParalle
                          images=_images(rc, tokenizer, tp))
     sampler = Sampler()
     if drafter is not None:
-        depth = DraftDepth(drafter.num_speculative_tokens, batch_buckets(config.max_num_seqs),
-                           config.speculative.adaptive)
+        buckets = batch_buckets(config.max_num_seqs)
+        depth = DraftDepth(drafter.num_speculative_tokens, buckets, config.speculative.adaptive)
+        # depth-0 steps as a plain engine's (overlapped or read first, measured), unless overlap is switched off
+        plain = None
+        if config.speculative.adaptive and config.overlap_scheduling is not False:
+            plain = OverlappedExecutor(runner, scheduler, sampler,
+                                       OverlapChoice(buckets) if config.overlap_scheduling is None else None,
+                                       tuple(drafter.aux_layers))
         executor: Executor = SpeculativeExecutor(runner, scheduler, sampler,
-                                                 Speculation(drafter, cache, sampler, depth))
+                                                 Speculation(drafter, cache, sampler, depth), plain)
     elif rc.overlap:  # by default each step overlaps or reads first, whichever measured faster (core/overlap.py)
         choice = OverlapChoice(batch_buckets(config.max_num_seqs)) if config.overlap_scheduling is None else None
         executor = OverlappedExecutor(runner, scheduler, sampler, choice)

@@ -86,8 +86,11 @@ class VerifyStep:
 class Executor:
     """The plain one: launch, then read the step at once."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler):
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, aux_layers: tuple[int, ...] = ()):
         self.runner, self.scheduler, self.sampler = runner, scheduler, sampler
+        # layers whose inputs every forward also returns: a speculating engine's plain steps ask for its drafter's,
+        # so they replay the graphs captured with them
+        self.aux_layers = aux_layers
         self.in_flight: InFlight | None = None
 
     @property
@@ -135,9 +138,9 @@ class Executor:
                  ) -> tuple[torch.Tensor | None, PendingPromptLogprobs | None]:
         """The plan's forward: logits of its sampling rows, and the prompt logprobs it computes, launched."""
         if not any(sc.request.needs_prompt_logprobs for sc in plan.scheduled):
-            return self.runner.run(plan, carry, layer_hook), None
+            return self.runner.forward(plan, aux_layers=self.aux_layers, carry=carry, layer_hook=layer_hook)[0], None
         num_logits, prompt = widen_for_prompt_logprobs(plan, [int(sc.samples) for sc in plan.scheduled])
-        logits = self.runner.forward(plan, num_logits, carry=carry, layer_hook=layer_hook)[0]
+        logits = self.runner.forward(plan, num_logits, self.aux_layers, carry=carry, layer_hook=layer_hook)[0]
         # each sampling entry's last row
         ends = list(itertools.accumulate(num_logits))
         sample_rows = [end - 1 for sc, end in zip(plan.scheduled, ends, strict=True) if sc.samples]
@@ -174,8 +177,8 @@ class OverlappedExecutor(Executor):
     measured the shorter period at its batch size; without one, every step overlaps."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
-                 choice: OverlapChoice | None = None):
-        super().__init__(runner, scheduler, sampler)
+                 choice: OverlapChoice | None = None, aux_layers: tuple[int, ...] = ()):
+        super().__init__(runner, scheduler, sampler, aux_layers)
         self.choice = choice
         self._prev: SampledStep | None = None  # step N, launched before the step now being scheduled
         # step N+1 whose forward is launched and whose sampling waits for N's tokens (structured outputs)
@@ -234,19 +237,34 @@ class OverlappedExecutor(Executor):
 class SpeculativeExecutor(Executor):
     """Each step finishes the verify step the one before launched (its tokens are accepted, which decides who
     finished), then proposes, schedules and launches the next: the core emits the finished step's deltas and reads
-    its inbox while the device runs the new one (spec/decoding.py has the step's stages)."""
+    its inbox while the device runs the new one (spec/decoding.py has the step's stages).
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, spec: Speculation):
+    Where the draft depth is 0 (speculative/depth.py) and a `plain` executor is given, the steps are that
+    overlapped executor's: plain decode steps, each launched before the one before is read where that measured
+    faster, as a plain engine's. When drafting resumes, the plain step in flight is read first."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, spec: Speculation,
+                 plain: OverlappedExecutor | None = None):
         super().__init__(runner, scheduler, sampler)
-        self.spec = spec
+        self.spec, self.plain = spec, plain
+        self._plain_now = False  # this step runs through `plain`
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None or (self.plain is not None and self.plain.busy)
 
     def settle(self) -> list[Emitted]:
+        emitted: list[Emitted] = []
         step, self.in_flight = self.in_flight, None
-        if step is None:
-            return []
-        emitted = step.resolve()
-        self.scheduler.update(step.plan)
-        self.spec.finish_step()
+        if step is not None:
+            emitted = step.resolve()
+            self.scheduler.update(step.plan)
+            self.spec.finish_step()
+        self._plain_now = self.plain is not None and self.spec.next_depth == 0
+        if self.plain is not None and self.plain.busy:
+            emitted += self.plain.settle()
+            if not self._plain_now:  # drafting resumes: the drafter proposes from the host's tokens
+                emitted += self.plain.collect()
         return emitted
 
     def schedule(self) -> StepPlan:
@@ -258,10 +276,18 @@ class SpeculativeExecutor(Executor):
         return plan
 
     def launch(self, plan: StepPlan, layer_hook: LayerHook | None) -> None:
-        self.in_flight = VerifyStep(self.spec.launch(plan, self.runner, layer_hook), self.spec)
+        if self._plain_now:
+            self.spec.launched_plain(plan)
+            self.plain.launch(plan, layer_hook)
+        else:
+            self.in_flight = VerifyStep(self.spec.launch(plan, self.runner, layer_hook), self.spec)
 
     def collect(self) -> list[Emitted]:
-        return []
+        return self.plain.collect() if self._plain_now else []
+
+    def commit(self) -> None:
+        if self._plain_now:
+            self.plain.commit()
 
     def release(self, request: Request) -> None:
         self.spec.release(request)
@@ -270,4 +296,4 @@ class SpeculativeExecutor(Executor):
         self.spec = Speculation(self.spec.drafter, self.spec.cache, self.sampler, self.spec.depth.after_warm_up())
 
     def stats(self) -> dict[str, object]:
-        return self.spec.stats()
+        return {**self.spec.stats(), **(self.plain.stats() if self.plain is not None else {})}

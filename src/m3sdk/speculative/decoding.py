@@ -132,9 +132,7 @@ class Speculation:
             decoding += samples
             depth = max(depth, n - 1) if is_spec else depth
             clean = clean and samples and (is_spec or n == 1)
-        # the next step's depth, for the rows decoding after this one (joins and finishes show at its propose)
-        self.next_depth = self.depth.choose(decoding)
-        self.depth.launched(time.perf_counter(), decoding, depth, self.next_depth, clean)
+        self._launched(decoding, depth, clean)
         carry = self._carry(pending)
         prompt = None
         if any(sc.request.needs_prompt_logprobs for sc in plan.scheduled):  # (prefill entries: never speculating)
@@ -147,6 +145,17 @@ class Speculation:
                 and len(pending) == len(plan.scheduled) and _greedy(pending)):
             self._read_unverified(step)
         return step
+
+    def launched_plain(self, plan: StepPlan) -> None:
+        """A depth-0 step launched by the engine's plain executor: what `launch` learns and decides of a step."""
+        self._launched(sum(s.samples for s in plan.scheduled), 0,
+                       all(s.samples and s.num_new_tokens == 1 for s in plan.scheduled))
+
+    def _launched(self, decoding: int, depth: int, clean: bool) -> None:
+        """The next step's depth, for the rows decoding after this one (joins and finishes show at its propose),
+        and this step's launch on the chooser's clock."""
+        self.next_depth = self.depth.choose(decoding)
+        self.depth.launched(time.perf_counter(), decoding, depth, self.next_depth, clean)
 
     def _read_unverified(self, step: Launched) -> None:
         """A step of greedy verify rows only, each verifying drafts still on the device: the drafter's read of it
