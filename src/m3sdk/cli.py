@@ -298,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--receiver-timeout", type=float, metavar="S",
                       help="seconds the decode side has to take the pages once the first token is computed "
                            "(default: 10)")
+    node.add_argument("--max-image-bytes", type=int, metavar="B",
+                      help="image file bytes one prefill may carry; 0 refuses images (default: 64 MiB; 0 without a "
+                           "vision encoder)")
     engine_options(node)
     return parser
 

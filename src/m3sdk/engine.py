@@ -468,7 +468,8 @@ def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> Samplin
 def _remote_prefill(config: EngineConfig, core: EngineCore) -> Any:
     from m3sdk.disagg.remote import RemotePrefill  # the optional `ucx` extra
 
-    return RemotePrefill.from_config(config, core.cache, core.vocab_size, core.wake)
+    return RemotePrefill.from_config(config, core.cache, core.vocab_size, core.wake,
+                                     encodes_images=core.images is None or core.images.encodes)
 
 
 def _drain(channel: _Channel) -> list[Chunk | object]:

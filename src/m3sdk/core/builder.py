@@ -27,7 +27,7 @@ from m3sdk.model.dummy import dummy_model
 from m3sdk.model.image_processor import ImageProcessor
 from m3sdk.model.loader import load_model
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
-from m3sdk.model.vision_loader import load_vision_encoder
+from m3sdk.model.vision_loader import load_vision_encoder, vision_config
 from m3sdk.observability import get_logger
 from m3sdk.runner import ModelRunner
 from m3sdk.sampler import Sampler
@@ -130,16 +130,29 @@ def _tokenizer_path(rc: ResolvedConfig) -> Path:
         log.info("no tokenizer.json beside the config: using the bundled m3-tiny tokenizer", model=str(rc.model_path))
         return BUNDLED_MODELS["m3-tiny"]
     return rc.model_path
+
+
 def _images(rc: ResolvedConfig, tokenizer: Tokenizer, tp: TensorParallel | None) -> ImagePrompts | None:
     """Image prompts, when the checkpoint has a vision encoder and images are asked for (limit_images > 0); the
-    encoder runs on rank 0's device only, so tensor-parallel engines take text only for now."""
+    encoder runs on rank 0's device only, so tensor-parallel engines take text only for now. A decode engine with
+    prefill_nodes and prefill_fallback "error" loads no encoder: its prefill nodes compute every image token."""
     if rc.engine.limit_images == 0 or tp is not None:
         return None
-    encoder = load_vision_encoder(rc.model_path, rc.device, rc.dtype)
-    if encoder is None:
-        return None
-    return ImagePrompts(ImageProcessor.from_pretrained(rc.model_path), encoder, tokenizer, rc.engine.limit_images,
-                        rc.device, rc.engine.image_fetcher)
+    config = rc.engine
+    encoder = None
+    if config.prefill_nodes and config.prefill_fallback == "error":
+        # a decode engine whose image prompts only prefill nodes compute: they encode the images, it needs no encoder
+        vision = vision_config(rc.model_path)
+        if vision is None:
+            return None
+        token = vision.image_token_id
+    else:
+        encoder = load_vision_encoder(rc.model_path, rc.device, rc.dtype)
+        if encoder is None:
+            return None
+        token = encoder.config.image_token_id
+    return ImagePrompts(ImageProcessor.from_pretrained(rc.model_path), encoder, tokenizer, config.limit_images,
+                        rc.device, token, config.image_fetcher, keep_files=bool(config.prefill_nodes))
 
 
 def _cache(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM) -> tuple[CacheManager, int]:
