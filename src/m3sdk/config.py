@@ -121,7 +121,8 @@ class SchedulingConfig:
     # N+1 from N's tokens still on the device; the host's bookkeeping of N (append, stop checks, streaming) lags
     # one step. None: on a CUDA device each decode step overlaps or reads the step before first, whichever measured
     # the shorter step at its batch size (core/overlap.py: on a model as small as m3-tiny reading first can win);
-    # off on a CPU. True: every step overlaps. Off with speculative decoding (its drafts need the host's tokens).
+    # off on a CPU. True: every step overlaps. A speculating engine's drafting steps never overlap (its drafts need
+    # the host's tokens); its depth-0 steps follow this setting (False: never overlapped).
     overlap_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
