@@ -201,9 +201,14 @@ class OverlappedExecutor(Executor):
 
     def schedule(self) -> StepPlan:
         plan = self.scheduler.schedule()
-        if not plan and self.choice is not None:  # the engine may now wait for work: no step's cost
-            self.choice.idle()
+        if not plan:
+            self.idle()
         return plan
+
+    def idle(self) -> None:
+        """The engine may now wait for work, or run other steps: the period running now is no step's cost."""
+        if self.choice is not None:
+            self.choice.idle()
 
     def launch(self, plan: StepPlan, layer_hook: LayerHook | None) -> None:
         rows = [sc.request for sc in plan.scheduled if sc.samples]
@@ -273,14 +278,18 @@ class SpeculativeExecutor(Executor):
         self.spec.scheduled(plan)
         if not plan:  # the engine may now wait for work: that wait is no step's cost
             self.spec.depth.idle()
+            if self.plain is not None:
+                self.plain.idle()
         return plan
 
     def launch(self, plan: StepPlan, layer_hook: LayerHook | None) -> None:
         if self._plain_now:
             self.spec.launched_plain(plan)
             self.plain.launch(plan, layer_hook)
-        else:
-            self.in_flight = VerifyStep(self.spec.launch(plan, self.runner, layer_hook), self.spec)
+            return
+        if self.plain is not None:
+            self.plain.idle()
+        self.in_flight = VerifyStep(self.spec.launch(plan, self.runner, layer_hook), self.spec)
 
     def collect(self) -> list[Emitted]:
         return self.plain.collect() if self._plain_now else []
