@@ -48,12 +48,13 @@ class ModelRunner:
         self.mirror = mirror
         self.images = images  # the vision encoder's side of image prompts, or None: a text-only engine
 
-    def run(self, plan: StepPlan, carry: Carry | None = None, layer_hook: Callable[[int], None] | None = None
-            ) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, carry: Carry | None = None, layer_hook: Callable[[int], None] | None = None,
+            aux_layers: Sequence[int] = ()) -> torch.Tensor | None:
         """Write every scheduled token's K/V (and index keys) and return float32 logits [N, vocab], one row per
         request that samples, in plan order (None when none samples, e.g. all are mid-prefill chunks).
-        `carry`: the overlapped step's tokens still on the device (see `Carry`)."""
-        return self.forward(plan, carry=carry, layer_hook=layer_hook)[0]
+        `carry`: the overlapped step's tokens still on the device (see `Carry`); `aux_layers`: computed and
+        dropped (a speculating engine's plain steps name its drafter's, so they replay its graphs)."""
+        return self.forward(plan, aux_layers=aux_layers, carry=carry, layer_hook=layer_hook)[0]
 
     def forward(self, plan: StepPlan, num_logits: Sequence[int] | None = None, aux_layers: Sequence[int] = (),
                 carry: Carry | None = None, layer_hook: Callable[[int], None] | None = None

@@ -138,7 +138,7 @@ class Executor:
                  ) -> tuple[torch.Tensor | None, PendingPromptLogprobs | None]:
         """The plan's forward: logits of its sampling rows, and the prompt logprobs it computes, launched."""
         if not any(sc.request.needs_prompt_logprobs for sc in plan.scheduled):
-            return self.runner.forward(plan, aux_layers=self.aux_layers, carry=carry, layer_hook=layer_hook)[0], None
+            return self.runner.run(plan, carry, layer_hook, self.aux_layers), None
         num_logits, prompt = widen_for_prompt_logprobs(plan, [int(sc.samples) for sc in plan.scheduled])
         logits = self.runner.forward(plan, num_logits, self.aux_layers, carry=carry, layer_hook=layer_hook)[0]
         # each sampling entry's last row
