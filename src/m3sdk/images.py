@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from m3sdk.chat.image_parts import IMAGE_PLACEHOLDER
 from m3sdk.errors import InvalidRequestError
 from m3sdk.model.image_processor import Fetcher, ImageProcessor, ProcessedImage
 from m3sdk.request import Request
@@ -31,7 +32,6 @@ from m3sdk.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from m3sdk.model.vision import VisionEncoder
 
-IMAGE_PLACEHOLDER = "]<]image[>["
 IMAGE_START = "]<]start of image[>["
 IMAGE_END = "]<]end of image[>["
 
@@ -70,12 +70,13 @@ class ImagePrompts:
         self._cache_tokens = cache_tokens
         self._cached = 0
         self.num_encoded = 0  # images run through the encoder (the cache's misses)
+        self.num_encoder_tokens = 0  # the patches of those images
 
     # -- caller's thread -----------------------------------------------------------------------------------------
-    def text_ids(self, text: str) -> list[int]:
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's ids, each `]<]image[>[` one image token whatever the tokenizer makes of the string."""
         pieces = text.split(IMAGE_PLACEHOLDER)
-        ids = self.tokenizer.encode(pieces[0]) if pieces[0] else []
+        ids = self.tokenizer.encode(pieces[0], add_special_tokens=add_special_tokens) if pieces[0] else []
         for piece in pieces[1:]:
             ids.append(self.image_token_id)
             ids += self.tokenizer.encode(piece, add_special_tokens=False) if piece else []
@@ -129,6 +130,14 @@ class ImagePrompts:
         return tuple(out)
 
     # -- engine thread -------------------------------------------------------------------------------------------
+    def encoder_tokens(self, image: PromptImage) -> int:
+        """The encoder's tokens to embed `image` (its patches, t*h*w), or 0 when its output is cached: what it costs
+        a step's budget (scheduler.base.EncoderWork)."""
+        if image.digest in self._cache:
+            return 0
+        t, h, w = image.grid_thw
+        return t * h * w
+
     def overrides(self, entries: Sequence[tuple[Request, int, int, int]]
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For entries (request, first position, number of tokens, first row in the step): (rows [K] int64 on the
@@ -169,6 +178,7 @@ class ImagePrompts:
             pixels = torch.cat([i.pixels for i in todo]).to(self.device, non_blocking=True)
             encoded = self.encoder(pixels, [i.grid_thw for i in todo]).split([i.num_tokens for i in todo])
             self.num_encoded += len(todo)
+            self.num_encoder_tokens += pixels.shape[0]
             for image, e in zip(todo, encoded, strict=True):
                 out[image.digest] = e
                 self._remember(image.digest, e)

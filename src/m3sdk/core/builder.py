@@ -91,7 +91,8 @@ def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParalle
     factory = config.scheduler
     if isinstance(factory, str):
         factory = SCHEDULERS.get(factory)
-    scheduler = factory(cache, config)
+    images = _images(rc, tokenizer, tp)
+    scheduler = factory(cache, config, images)
     log.info("engine built", model=str(rc.model_path), device=str(rc.device), dtype=str(rc.dtype),
              pages=cache.num_pages, max_model_len=max_model_len)
     drafter = None
@@ -101,7 +102,7 @@ def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParalle
             checkpoint=str(rc.model_path), device=rc.device, dtype=rc.dtype, model=model, kv_spec=cache.kv.spec,
             num_cache_pages=cache.num_pages, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len))
     runner = ModelRunner(model, cache, rc.device, _graphs(rc, model, cache, tp, drafter), mirror=tp,
-                         images=_images(rc, tokenizer, tp))
+                         images=images)
     sampler = Sampler()
     if drafter is not None:
         buckets = batch_buckets(config.max_num_seqs)

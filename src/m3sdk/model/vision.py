@@ -51,7 +51,7 @@ class VisionConfig:
         vision = raw.get("vision_config")
         if not vision:
             return None
-        text = raw.get("text_config") or {}
+        text = raw.get("text_config") or raw  # a VL wrapper's text_config, or a flat config's own fields
         try:
             rope = vision.get("rope_parameters") or {}
             return cls(

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions over Engine.chat_stream: messages and tools through the checkpoint's chat template,
-the reply split into content, reasoning and tool calls by the engine, n choices, streamed or whole.
+the reply split into content, reasoning and tool calls by the engine, n choices, streamed or whole. User messages
+may hold image parts (server/media.py says which images a client may name).
 
 A stream opens each choice with `delta.role`, then carries `delta.content`, `delta.reasoning_content` and
 `delta.tool_calls` (a call's index, id and name on its first delta, then its arguments' JSON), never the model's
@@ -12,11 +13,13 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from m3sdk.chat import AssistantDelta, join_deltas
 from m3sdk.chat.completion import ChatCompletionChunk as EngineChunk
+from m3sdk.chat.image_parts import is_image_part
 from m3sdk.params import SamplingParams
 from m3sdk.server.context import ServerContext, context, new_id
 from m3sdk.server.disconnect import cancelled_on_disconnect
@@ -24,6 +27,7 @@ from m3sdk.server.errors import bad_request
 from m3sdk.server.fanout import FanOut
 from m3sdk.server.generation import usage_info
 from m3sdk.server.logprobs import chat_logprobs
+from m3sdk.server.media import checked_media
 from m3sdk.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -53,7 +57,8 @@ def _logprobs(req: ChatCompletionRequest) -> int | None:
 def _streams(ctx: ServerContext, req: ChatCompletionRequest, params: Sequence[SamplingParams],
              rid: str) -> list[AsyncIterator[EngineChunk]]:
     """One engine chat stream per choice, validated here (InvalidRequestError before anything is queued)."""
-    messages = [m.model_dump(exclude_none=True, by_alias=True) for m in req.messages]
+    messages = checked_media([m.model_dump(exclude_none=True, by_alias=True) for m in req.messages],
+                             ctx.allowed_local_media_path)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     response_format = req.response_format.model_dump(exclude_none=True, by_alias=True) if req.response_format else None
     tool_choice = req.tool_choice if req.tool_choice is not None else "auto"
@@ -70,7 +75,11 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: Annotated[Serv
     params = sampling_params(req, max_tokens=choose_max_tokens(req.max_completion_tokens, req.max_tokens),
                              logprobs=_logprobs(req), constraint=structured_output(req))
     rid = new_id("chatcmpl")
-    fan = FanOut(_streams(ctx, req, params, rid))
+    images = any(isinstance(m.content, list) and any(map(is_image_part, m.content)) for m in req.messages)
+    # images are decoded and resized as the streams are made: in a worker thread, not on the serving loop
+    streams = await anyio.to_thread.run_sync(_streams, ctx, req, params, rid) if images else _streams(
+        ctx, req, params, rid)
+    fan = FanOut(streams)
     await fan.admitted()
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
