@@ -34,7 +34,10 @@ class SpecConfig:
     `"ngram"`, `"eagle3"`, `"eagle3:/path/to/head"`, `"mtp"`, or None (off)."""
 
     method: str
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = 3  # the most drafts a step verifies per request
+    # the drafts per step chosen from 0 .. num_speculative_tokens by the batch, acceptance and measured step costs
+    # (speculative/depth.py); False: always num_speculative_tokens
+    adaptive: bool = True
     model: str | None = None  # draft checkpoint (eagle3); None: the head bundled with the target, if any
     prompt_lookup_max: int = 4  # ngram: longest suffix to match
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
@@ -45,6 +48,8 @@ class SpecConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(f"num_speculative_tokens must be an int in [1, 16], got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
@@ -114,7 +119,10 @@ class SchedulingConfig:
     scheduler: str | Callable[..., Any] = "continuous"
     # Overlap host scheduling with the device step (docs/engine.md): while step N runs, schedule and launch step
     # N+1 from N's tokens still on the device; the host's bookkeeping of N (append, stop checks, streaming) lags
-    # one step. None: on for a CUDA device. Off with speculative decoding (its drafts need the host's tokens).
+    # one step. None: on a CUDA device each decode step overlaps or reads the step before first, whichever measured
+    # the shorter step at its batch size (core/overlap.py: on a model as small as m3-tiny reading first can win);
+    # off on a CPU. True: every step overlaps. A speculating engine's drafting steps never overlap (its drafts need
+    # the host's tokens); its depth-0 steps follow this setting (False: never overlapped).
     overlap_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
