@@ -212,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--kv-cache-dtype", choices=CACHE_DTYPES, default="auto",
                        help="KV cache element type (default: auto = the model dtype)")
         g.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                       help="quantize weights at load: fp8 attention and MLPs, mxfp4 also the experts "
-                            "(default: none)")
+                       help="quantize weights at load: fp8 attention and MLPs, fp8_experts also the experts "
+                            "in fp8, mxfp4 the experts in mxfp4 (default: none)")
         g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                        help="dummy: random weights for the model's config.json alone, made on the device (for "
                             "memory and speed runs without a checkpoint; default: auto = the checkpoint's)")
