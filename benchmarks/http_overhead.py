@@ -12,6 +12,7 @@ event loop, the server's SSE event in an httpx client in this process. On Linux 
 CPU time of the server's event-loop thread per streamed token (/proc: its main thread; the engine has its own).
 `client busy`: the share of the run the measuring loop in this process spent on the CPU (in the embedded mode
 that loop also runs the engine's side of the streams); near 100 % the client, not the target, sets the latencies.
+--client-procs N spreads the HTTP streams over N client processes (then `client busy` is the busiest one's).
 """
 
 from __future__ import annotations
@@ -19,21 +20,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
 
 from m3sdk import Engine, SamplingParams
-from m3sdk.bench import EngineTarget, Target, compute_metrics, random_requests, run_load
+from m3sdk.bench import BenchRequest, EngineTarget, RequestResult, Target, compute_metrics, random_requests, run_load
 from m3sdk.bench_http import HTTPTarget
 from m3sdk.config import EngineConfig
 from m3sdk.model.config import ModelConfig
 
+GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "output_throughput")
 
 
@@ -47,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engine-arg", action="append", default=[], metavar="NAME=JSON")
     p.add_argument("--modes", default="embedded,http", help="which to run (both for the comparison)")
     p.add_argument("--out", type=Path, help="append one JSON line per (mode, concurrency)")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="HTTP clients in this many processes, each with its share of the streams (one httpx loop "
+                        "saturates near 64 streams)")
     return p.parse_args()
 
 
@@ -66,22 +73,62 @@ def main_thread_cpu_s(pid: int) -> float:
 
 async def measure(target: Target, args: argparse.Namespace, vocab: int, server_pid: int | None = None
                   ) -> dict[int, dict]:
-    greedy = SamplingParams(temperature=0, ignore_eos=True)
     out = {}
     for k, conc in enumerate(int(c) for c in args.concurrency.split(",")):
         n = args.num_prompts or max(16, 4 * conc)
         warm = random_requests(min(n, 2 * conc), args.input_len, args.output_len, 0.0, vocab, 1000 + k)
-        await run_load(target, warm, greedy, max_concurrency=conc)
+        await run_load(target, warm, GREEDY, max_concurrency=conc)
         requests = random_requests(n, args.input_len, args.output_len, 0.0, vocab, k)
         cpu = main_thread_cpu_s(server_pid) if server_pid else 0.0
         client = time.thread_time()
-        results, duration = await run_load(target, requests, greedy, max_concurrency=conc)
+        results, duration = await run_load(target, requests, GREEDY, max_concurrency=conc)
         out[conc] = compute_metrics(results, duration, percentiles=(99,))
         # how busy the measuring loop was: near 100 %, the client, not the target, sets the latencies
         out[conc]["client_loop_busy"] = (time.thread_time() - client) / duration
         if server_pid:  # the server loop's CPU time per streamed token (wall-clock free: a loaded machine aside)
             cpu = main_thread_cpu_s(server_pid) - cpu
             out[conc]["loop_cpu_us_per_token"] = 1e6 * cpu / max(1, out[conc]["total_output_tokens"])
+    return out
+
+
+def client_share(base: str, requests: list[BenchRequest], conc: int, start_at: float
+                 ) -> tuple[list[RequestResult], float, float, float]:
+    """One client process's share of a run, started at wall time `start_at` with its siblings:
+    -> (results, start, end, busy share of its loop)."""
+    async def run() -> tuple[list[RequestResult], float, float, float]:
+        async with HTTPTarget(base) as target:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            t0, cpu = time.time(), time.thread_time()
+            results, _ = await run_load(target, requests, GREEDY, max_concurrency=conc)
+            t1 = time.time()
+            return results, t0, t1, (time.thread_time() - cpu) / (t1 - t0)
+    return asyncio.run(run())
+
+
+def measure_procs(base: str, args: argparse.Namespace, vocab: int, server_pid: int | None) -> dict[int, dict]:
+    """`measure` with the streams spread over --client-procs processes (requests dealt round-robin)."""
+    procs = args.client_procs
+    out = {}
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        def run(requests: list[BenchRequest], conc: int) -> tuple[list[RequestResult], float, float]:
+            start_at = time.time() + 2.0  # every process has its client open by then
+            shares = [pool.submit(client_share, base, requests[i::procs], max(1, conc // procs), start_at)
+                      for i in range(procs)]
+            parts = [f.result() for f in shares]
+            results = [r for part in parts for r in part[0]]
+            return results, max(p[2] for p in parts) - min(p[1] for p in parts), max(p[3] for p in parts)
+
+        for k, conc in enumerate(int(c) for c in args.concurrency.split(",")):
+            n = args.num_prompts or max(16, 4 * conc)
+            run(random_requests(min(n, 2 * conc), args.input_len, args.output_len, 0.0, vocab, 1000 + k), conc)
+            requests = random_requests(n, args.input_len, args.output_len, 0.0, vocab, k)
+            cpu = main_thread_cpu_s(server_pid) if server_pid else 0.0
+            results, duration, busy = run(requests, conc)
+            out[conc] = compute_metrics(results, duration, percentiles=(99,))
+            out[conc]["client_loop_busy"] = busy  # the busiest client process
+            if server_pid:
+                cpu = main_thread_cpu_s(server_pid) - cpu
+                out[conc]["loop_cpu_us_per_token"] = 1e6 * cpu / max(1, out[conc]["total_output_tokens"])
     return out
 
 
@@ -114,8 +161,11 @@ async def through_http(args: argparse.Namespace, overrides: dict, vocab: int) ->
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"m3sdk serve did not come up (exit {server.poll()})")
             await asyncio.sleep(0.5)
+        pid = server.pid if sys.platform == "linux" else None
+        if args.client_procs > 1:
+            return await asyncio.to_thread(measure_procs, base + "/v1", args, vocab, pid)
         async with HTTPTarget(base + "/v1") as target:
-            return await measure(target, args, vocab, server.pid if sys.platform == "linux" else None)
+            return await measure(target, args, vocab, pid)
     finally:
         server.terminate()
         server.wait(timeout=60)
