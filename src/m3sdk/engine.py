@@ -2,7 +2,7 @@
 own thread; the caller's event loop only validates and moves requests in, and deltas out.
 
 Requests go in through the core's thread-safe inbox. Deltas come back once per step, scheduled onto the event loop
-from the engine thread without waiting for it (`_LoopHandle`), into one memory stream per request. Leaving a
+from the engine thread without waiting for it (`_LoopHandle`), into one channel per request. Leaving a
 stream early, cancelling the awaiting task, or `abort()` ends the request in the core and frees its pages. If the
 engine thread dies, every waiter gets EngineDeadError at once. (Over 450 lines: generate, stream, chat and abort
 share the loop-side state here, the channels and orphans, which has one owner.)
@@ -11,16 +11,15 @@ share the loop-side state here, the channels and orphans, which has one owner.)
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
 import anyio
 import sniffio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from prometheus_client import CollectorRegistry
 
 from m3sdk.chat import AssistantStreamParser, join_deltas, prompt_opens_reasoning
@@ -63,24 +62,40 @@ class _LoopHandle:
 
 class _Channel:
     """One request's deltas (all its choices'), from the loop's dispatch to its waiter. `ids`: the engine's request
-    id of each choice (the application's id for a single choice, suffixed "/index" for several)."""
+    id of each choice (the application's id for a single choice, suffixed "/index" for several).
+
+    A queue and an event rather than an anyio memory stream: a stream's receive passes a checkpoint (one more loop
+    pass) and registers a waiter before it waits, for every delta; with many streams that doubled the loop's work
+    per step. Here a waiter that finds a delta takes it at once, and one that waits is woken by a plain event."""
 
     def __init__(self, request_id: str, ids: list[str]) -> None:
         self.request_id = request_id
         self.ids = ids
-        self.send: MemoryObjectSendStream[Chunk | object]
-        self.receive: MemoryObjectReceiveStream[Chunk | object]
-        self.send, self.receive = anyio.create_memory_object_stream(math.inf)
+        self._items: deque[Chunk | object] = deque()
+        self._arrived: anyio.Event | None = None  # while the waiter waits: set by the next put
 
     def put(self, item: Chunk | object) -> None:
-        self.send.send_nowait(item)
+        self._items.append(item)
+        if self._arrived is not None:
+            self._arrived.set()
 
     def empty(self) -> bool:
-        return self.receive.statistics().current_buffer_used == 0
+        return not self._items
+
+    def get_nowait(self) -> Chunk | object:
+        return self._items.popleft()
+
+    async def get(self) -> Chunk | object:
+        while not self._items:
+            self._arrived = anyio.Event()
+            try:
+                await self._arrived.wait()
+            finally:
+                self._arrived = None
+        return self._items.popleft()
 
     def close(self) -> None:
-        self.send.close()
-        self.receive.close()
+        self._items.clear()
 
 
 class Engine:
@@ -388,9 +403,9 @@ class Engine:
         backlog: list[Chunk | object] = []
         try:
             while len(ended) < len(requests):
-                item = backlog.pop(0) if backlog else await channel.receive.receive()
+                item = backlog.pop(0) if backlog else await channel.get()
                 while not channel.empty():
-                    backlog.append(channel.receive.receive_nowait())
+                    backlog.append(channel.get_nowait())
                 if item is not _DEAD and item.finish_reason is None and backlog:
                     # Under load several steps' deltas wait here: hand each choice's over as one chunk.
                     if _DEAD in backlog:
@@ -475,7 +490,7 @@ def _drain(channel: _Channel) -> list[Chunk | object]:
     """What waits in a channel its waiter left."""
     items = []
     while not channel.empty():
-        items.append(channel.receive.receive_nowait())
+        items.append(channel.get_nowait())
     return items
 
 
