@@ -1,6 +1,7 @@
 """Node kills: a prefill node (the real engine, a process of its own) killed with SIGKILL again and again in the
 middle of its prefills and transfers, and restarted on the same port, under a decode Engine whose requests have
-deadlines. Every request must complete within its deadline with the greedy tokens of a colocated Engine.
+deadlines. Every request must complete within its deadline with the greedy tokens (and finish reason) of a
+colocated Engine.
 
     .venv/bin/python benchmarks/node_kills.py [--model m3-tiny|PATH] [--kills 100] [--batch 4] [--timeout 30]
                                               [--delay 0.4] [--max-minutes M] [--out DIR]
@@ -62,7 +63,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     batches = prompts(args.kills, args.batch)
     settings = dict(model=args.model, device="cpu", kv_cache_memory=KV_CACHE)
     async with Engine(**settings) as local:
-        reference = [[c.token_ids for c in await asyncio.gather(
+        reference = [[(c.token_ids, c.finish_reason) for c in await asyncio.gather(
             *(local.generate(p, temperature=0.0, max_tokens=MAX_TOKENS) for p in batch))] for batch in batches]
     rng = random.Random(1)
     out = None
@@ -92,15 +93,16 @@ async def main_async(args: argparse.Namespace) -> dict:
                 row = dict(round=k, kill_at_s=round(kill_at, 3),
                            fallbacks=after["remote_prefill_fallbacks"] - before.get("remote_prefill_fallbacks", 0),
                            remote=after["remote_prefills"] - before.get("remote_prefills", 0),
-                           misses=sum(c.finish_reason != "length" or s > args.timeout for c, s in results),
-                           mismatches=sum(c.token_ids != ref for (c, _), ref in zip(results, reference[k],
-                                                                                  strict=True)),
+                           misses=sum(c.finish_reason == "timeout" or s > args.timeout for c, s in results),
+                           mismatches=sum((c.token_ids, c.finish_reason) != ref
+                                          for (c, _), ref in zip(results, reference[k], strict=True)),
                            slowest_s=round(max(s for _, s in results), 2), leaked_pages=await settle(engine, free))
                 worst = max(worst, row["slowest_s"])
                 tally["kills"] += 1
                 tally["hits"] += row["fallbacks"] > 0
                 tally["requests"] += len(batch)
-                tally["completed"] += sum(c.finish_reason == "length" for c, _ in results)
+                tally["completed"] += sum(c.finish_reason in ("length", "stop") and s <= args.timeout
+                                          for c, s in results)
                 tally["deadline_misses"] += row["misses"]
                 tally["mismatches"] += row["mismatches"]
                 tally["leaked_pages"] = max(tally["leaked_pages"], row["leaked_pages"])
