@@ -10,6 +10,8 @@ generation throughput, as one JSON line. The target is p99 <= 5 ms.
 On Linux it also reads the loop thread's run-queue wait (/proc/self/task/<tid>/schedstat) around each tick:
 the part of the lag when the thread was ready but the OS ran something else (other processes on a shared
 machine). `own_lag_ms_*` is the lag without that part: what this process (the GIL, the loop's own work) costs.
+`loop_cpu_ms_per_step` is the CPU time of the loop's thread during generation (the ticker's included) per engine
+step: the loop's own work, which other processes on the machine do not change.
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ async def main(args: argparse.Namespace) -> dict:
         lags: list[tuple[float, float]] = []
         stop = asyncio.Event()
         tick = asyncio.create_task(ticker(args.interval_ms / 1e3, lags, stop))
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         tokens = await asyncio.gather(*(consume(engine, p, args.max_tokens, i) for i, p in enumerate(prompts)))
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
         stop.set()
         await tick
         steps = engine.stats()["steps"]
@@ -91,7 +93,7 @@ async def main(args: argparse.Namespace) -> dict:
         "idle_lag_ms_p50": round(statistics.median(idle_ms), 3),
         "idle_lag_ms_p99": round(percentile(idle_ms, 0.99), 3),
         "tokens": sum(tokens), "seconds": round(elapsed, 2), "tokens_per_s": round(sum(tokens) / elapsed, 1),
-        "steps": steps,
+        "steps": steps, "loop_cpu_ms_per_step": round(cpu * 1e3 / max(1, steps), 3),
     }
 
 

@@ -11,6 +11,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import signal
+import time
 
 import torch
 
@@ -162,8 +163,6 @@ def hold_until_first_group_sent(backend) -> None:
     """Make the last layer of a forward that completes a prompt wait until that transfer's first message was
     sent (its first group of layers): a node that pushed only after the whole forward would wait forever, so past
     20 s the hook raises, the node's engine dies and the decode side sees the prefill fail."""
-    import time
-
     def before_last_layer(module, args):
         for job in backend._step:
             deadline = time.monotonic() + 20
@@ -183,3 +182,13 @@ def spawn_engine_node(checkpoint, delay_s: float = 0.0, corrupt_index_keys: bool
     `fail_at_tokens`, its engine thread dies on a prompt of that many tokens. `options`: EngineConfig fields."""
     return _spawn(_serve_engine, str(checkpoint), delay_s, corrupt_index_keys, hold_last_layer, fail_at_tokens,
                   kv_cache_memory, listen, options)
+
+
+async def wait_healthy(engine, timeout: float = 60.0) -> None:
+    """Until `engine`'s remote-prefill client holds a node for healthy again (its heartbeat took it back)."""
+    client = engine._admission.client
+    deadline = time.monotonic() + timeout
+    while not client.has_healthy_node:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the restarted node was not taken back: {client.node_states()}")
+        await asyncio.sleep(0.2)

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("ucxx")
 
-from disagg_helpers import spawn_engine_node, stop_node  # noqa: E402
+from disagg_helpers import spawn_engine_node, stop_node, wait_healthy  # noqa: E402
 
 from m3sdk import Engine  # noqa: E402
 
@@ -23,14 +23,6 @@ MAX_TOKENS, TIMEOUT = 6, 30.0
 async def generate_all(engine: Engine, batch: int) -> list:
     return await asyncio.gather(*(engine.generate(p, temperature=0.0, max_tokens=MAX_TOKENS, timeout=TIMEOUT)
                                   for p in BATCHES[batch]))
-
-
-async def wait_healthy(engine: Engine, timeout: float = 60.0) -> None:
-    client = engine._admission.client
-    deadline = time.monotonic() + timeout
-    while not client.has_healthy_node:
-        assert time.monotonic() < deadline, f"the restarted node was not taken back: {client.node_states()}"
-        await asyncio.sleep(0.2)
 
 
 async def test_node_killed_mid_transfer_and_restarted(engine_checkpoint):

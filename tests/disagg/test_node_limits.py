@@ -1,12 +1,13 @@
 """The prefill node as an adversary meets it (real node processes on loopback): limits reported by Handshake and
-enforced (in-flight orders, deadlines cut to the node's, a receiver that does not read), errors bounded in size,
-Abort scoped to the caller, no listening beyond loopback without a token or TLS, and on the real engine: a prompt
-its KV cache cannot hold refused at once (the decode side falls back), a dead engine reported by Health and
-ending the node process."""
+enforced (in-flight orders, deadlines cut to the node's, a receiver that does not read), Health answered while a
+push to a closed or unanswering port is pending, errors bounded in size, Abort scoped to the caller, no listening
+beyond loopback without a token or TLS, and on the real engine: a prompt its KV cache cannot hold refused at once
+(the decode side falls back), a dead engine reported by Health and ending the node process."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -137,6 +138,56 @@ def test_a_receiver_that_does_not_read_frees_the_slot_within_receiver_timeout(qu
     assert time.monotonic() - t0 < 8.0  # the caller's deadline was 60 s
     status, _, health = run(call(quick_node, "Health", pb.HealthRequest()))
     assert status == grpc.StatusCode.OK and health.running == 0 and health.serving
+
+
+def unanswered_port() -> tuple[int, list[socket.socket]]:
+    """A port whose listener's backlog is full: a connection to it is neither refused nor accepted (SYNs dropped).
+    Returns the port and the sockets to keep open."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port, held = listener.getsockname()[1], [listener]
+    for _ in range(3):
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(("127.0.0.1", port))
+        held.append(s)
+    return port, held
+
+
+def test_health_answers_while_a_push_to_a_closed_port_is_pending():
+    # a send on a UCX endpoint whose connection was refused never ends and wedged the node's loop for good
+    proc, address = spawn_node(receiver_timeout_s=1.0)
+    unanswered, held = unanswered_port()
+
+    async def scenario(port: int, name: str):
+        assert (await call(address, "Health", pb.HealthRequest()))[0] == grpc.StatusCode.OK  # channel warm
+        t0 = time.monotonic()
+        job = asyncio.ensure_future(call(address, "Prefill", prefill_request(name, list(range(1, 40)), port, 30)))
+        waits, end = [], t0 + 6.0
+        while time.monotonic() < end:  # while the push is pending, and after it ended: the node keeps answering
+            if job.done():
+                end = min(end, time.monotonic() + 1.0)
+            t = time.monotonic()
+            status, details, _ = await call(address, "Health", pb.HealthRequest(), timeout=1.0)
+            waits.append(time.monotonic() - t)
+            assert status == grpc.StatusCode.OK, (status, details, waits)
+            await asyncio.sleep(0.1)
+        prefill = await job
+        return prefill, time.monotonic() - t0, await call(address, "Health", pb.HealthRequest(), timeout=1.0)
+
+    try:
+        for port, name, why in ((closed_port(), "closed", "accepted no connection"),
+                                (unanswered, "unanswered", "")):
+            (status, details, _), took, (health_status, _, health) = run(scenario(port, name))
+            assert status == grpc.StatusCode.UNAVAILABLE and why in details, (name, status, details)
+            assert took < 8.0, (name, took)  # the caller's deadline was 30 s
+            assert health_status == grpc.StatusCode.OK and health.serving and health.running == 0
+    finally:
+        for s in held:
+            s.close()
+        stop_node(proc)
 
 
 def test_deadlines_are_cut_in_flight_is_capped_and_abort_is_the_callers_own(slow_node, idle_port):

@@ -15,6 +15,13 @@ UCXXConnectionResetError), and what UCX cannot see (a peer that dies with nothin
 gRPC heartbeats of client.py and server.py catch. ucxx's create_listener/create_endpoint always enable error
 handling, so the binding layer (`ucxx._lib.libucxx`, ucx_api.api) is used directly here.
 
+What UCX does not survive without peer error handling is a send on an endpoint whose connection was refused: the
+send never fails, UCX's progress thread retries it forever (a core spinning, no transfer of the process moving
+again) and the next post blocks its caller, the disagg loop, on the request's lock; every gRPC call of the node
+then goes unanswered. So an endpoint is created only after a plain TCP connection to the decode side's port was
+accepted within `connect_timeout` (asynchronously, on the loop): a closed port or a host that does not answer
+fails the push at once with TransportError.
+
 Every coroutine here runs on the disagg loop (loop.py).
 """
 
@@ -51,7 +58,7 @@ class UcxTransport:
     name = "ucx"
 
     def __init__(self, options: dict[str, str] | None = None, window: int = 4, drain_timeout: float = 5.0,
-                 pool_bytes: int = 512 << 20, in_place: bool = True):
+                 pool_bytes: int = 512 << 20, in_place: bool = True, connect_timeout: float = 2.0):
         ucx_api.set_environment()
         # ucxx pins UCX_MAX_RNDV_RAILS to 1; 2 lets a TCP rendezvous use both loopback and eth0 lanes
         self.options = {"MAX_RNDV_RAILS": "2", **(options or {})}
@@ -60,6 +67,7 @@ class UcxTransport:
         # both sides, each message one UCX message
         self.in_place = in_place
         self.drain_timeout = drain_timeout
+        self.connect_timeout = connect_timeout  # seconds a decode side's port has to accept a TCP connection
         self.pool = BufferPool(pool_bytes)
         self._gathers = DeviceWaits()
         self._listener: Any = None
@@ -120,12 +128,19 @@ class UcxTransport:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(ucxx.recv(bytearray(nbytes), tag), self.drain_timeout)
 
-    def _endpoint(self, host: str, port: int) -> Any:
-        # one endpoint per decode side, shared by its transfers; it connects in the background, and a refused
-        # connection fails the first send (UCXXNotConnectedError)
+    async def _endpoint(self, host: str, port: int) -> Any:
+        # one endpoint per decode side, shared by its transfers; created once the port accepted a TCP connection
+        # (module docstring: a send on a refused endpoint never ends)
         key = (host, port)
         if key not in self._endpoints:
-            self._endpoints[key] = ucx_api.api().UCXEndpoint.create(ucx_api.worker(), host, port, False)
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.connect_timeout)
+            except (OSError, TimeoutError) as e:
+                raise TransportError(f"decode transport {host}:{port} accepted no connection within "
+                                     f"{self.connect_timeout:.1f} s: {e!r}") from e
+            writer.close()
+            if key not in self._endpoints:  # another push to it may have created it meanwhile
+                self._endpoints[key] = ucx_api.api().UCXEndpoint.create(ucx_api.worker(), host, port, False)
         return self._endpoints[key]
 
     def _drop(self, host: str, port: int) -> None:
@@ -137,9 +152,12 @@ class UcxTransport:
     async def push(self, host: str, port: int, outbox: Outbox) -> None:
         plan = outbox.plan
         try:
-            ep = self._endpoint(host, port)
-        except Exception as e:
-            raise TransportError(f"cannot connect to decode transport {host}:{port}: {e!r}") from e
+            ep = await self._endpoint(host, port)
+        except BaseException as e:
+            outbox.released.set()  # nothing was sent: the producer's pages are free now
+            if isinstance(e, Exception) and not isinstance(e, TransportError):
+                raise TransportError(f"cannot connect to decode transport {host}:{port}: {e!r}") from e
+            raise
         in_flight: deque[tuple[asyncio.Future, torch.Tensor | InPlace]] = deque()
         task, abandoned = asyncio.current_task(), []
 
