@@ -213,7 +213,7 @@ class DecodeGraphs:
                 held = 0
             if (new := len(pages) - held) > 0:
                 out[k:k + new, 0] = np.arange(i * width + held, i * width + len(pages))
-                out[k:k + new, 1] = pages[held:]
+                out[k:k + new, 1] = np.asarray(pages[held:], dtype=np.int32)
                 k += new
             self._rows[i] = (pages, len(pages))
         return k

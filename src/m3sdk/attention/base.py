@@ -51,7 +51,7 @@ class AttentionMetadata:
         # entries past a sequence's pages are unspecified by the contract: 0 (a real page)
         table = np.zeros((len(page_tables), width), dtype=np.int32)
         for i, pages in enumerate(page_tables):
-            table[i, :len(pages)] = pages
+            table[i, :len(pages)] = np.asarray(pages, dtype=np.int32)
         return cls(
             positions=to_device(positions, torch.int64, device),
             slot_mapping=to_device(slots, torch.int64, device),
