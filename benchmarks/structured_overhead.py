@@ -1,5 +1,6 @@
 """Step-time cost of structured outputs: decode at batch 1, 16 and 64 with half the requests (rounded up) constrained
-by a JSON schema, against the same batch unconstrained, on one loaded engine (arms alternate, --repeats times).
+by a JSON schema, against the same batch unconstrained, on one loaded engine (arms alternate in order,
+--repeats times, each on fresh prompts after a warm-up at its batch).
 
     PYTHONPATH=src python benchmarks/structured_overhead.py [--model DIR] [--max-tokens 64] [--prompt-tokens 64]
 
@@ -49,6 +50,10 @@ async def run(engine: Engine, prompts: list[list[int]], constrained: int, max_to
             "early": sum(c.finish_reason != "length" for c in done)}
 
 
+def prompts(rng: random.Random, vocab: int, length: int, batch: int) -> list[list[int]]:
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the bundled m3-tiny)")
@@ -69,11 +74,16 @@ async def main() -> None:
               "| ended early |\n|---|---|---|---|---|---|---|---|")
         for batch in args.batches:
             constrained = (batch + 1) // 2
+            def fresh() -> list[list[int]]:
+                return prompts(rng, vocab, args.prompt_tokens, batch)  # noqa: B023 (called in this iteration only)
+
+            await run(engine, fresh(), 0, 8)  # a warm-up of both arms at this batch
+            await run(engine, fresh(), constrained, 8)
             plain, mixed = [], []
-            for _ in range(args.repeats):
-                prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)] for _ in range(batch)]
-                plain.append(await run(engine, prompts, 0, args.max_tokens))
-                mixed.append(await run(engine, prompts, constrained, args.max_tokens))
+            for repeat in range(args.repeats):  # fresh prompts for every arm (no prefix hits); the order alternates
+                arms = [(plain, 0), (mixed, constrained)]
+                for results, n in arms if repeat % 2 == 0 else arms[::-1]:
+                    results.append(await run(engine, fresh(), n, args.max_tokens))
             p = {k: statistics.median(r[k] for r in plain) for k in ("tpot_ms", "step_ms")}
             m = {k: statistics.median(r[k] for r in mixed) for k in ("tpot_ms", "step_ms")}
             early = sum(r["early"] for r in mixed)
