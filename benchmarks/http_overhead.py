@@ -2,13 +2,16 @@
 /v1/completions, the official-client path) against the embedded Engine, at several fixed concurrencies.
 
     PYTHONPATH=src python benchmarks/http_overhead.py [--model DIR] [--concurrency 1,16,64] [--input-len 256]
-        [--output-len 64] [--num-prompts N] [--engine-arg NAME=JSON ...] [--out results.jsonl]
+        [--output-len 64] [--num-prompts N] [--engine-arg NAME=JSON ...] [--modes embedded,http] [--out FILE]
 
 Both modes get the same engine settings (--engine-arg, as `m3sdk bench` / `m3sdk serve` take them) and the same
 prompts (random token ids, EOS ignored); each mode loads its own engine (the embedded one in this process, then
 the server as a subprocess, never both at once) and warms up at every concurrency before it is measured. Metrics
 are m3sdk.bench's (vLLM's names), timed where the client sees each delta: the embedded engine's chunk on its
-event loop, the server's SSE event in an httpx client in this process.
+event loop, the server's SSE event in an httpx client in this process. On Linux the HTTP rows also give the
+CPU time of the server's event-loop thread per streamed token (/proc: its main thread; the engine has its own).
+`client busy`: the share of the run the measuring loop in this process spent on the CPU (in the embedded mode
+that loop also runs the engine's side of the streams); near 100 % the client, not the target, sets the latencies.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, help="per point (default: 4 x concurrency, at least 16)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="NAME=JSON")
+    p.add_argument("--modes", default="embedded,http", help="which to run (both for the comparison)")
     p.add_argument("--out", type=Path, help="append one JSON line per (mode, concurrency)")
     return p.parse_args()
 
@@ -54,7 +58,14 @@ def engine_overrides(args: argparse.Namespace) -> dict:
     return out
 
 
-async def measure(target: Target, args: argparse.Namespace, vocab: int) -> dict[int, dict]:
+def main_thread_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process's main thread: the server's event loop, not its engine thread."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(target: Target, args: argparse.Namespace, vocab: int, server_pid: int | None = None
+                  ) -> dict[int, dict]:
     greedy = SamplingParams(temperature=0, ignore_eos=True)
     out = {}
     for k, conc in enumerate(int(c) for c in args.concurrency.split(",")):
@@ -62,8 +73,15 @@ async def measure(target: Target, args: argparse.Namespace, vocab: int) -> dict[
         warm = random_requests(min(n, 2 * conc), args.input_len, args.output_len, 0.0, vocab, 1000 + k)
         await run_load(target, warm, greedy, max_concurrency=conc)
         requests = random_requests(n, args.input_len, args.output_len, 0.0, vocab, k)
+        cpu = main_thread_cpu_s(server_pid) if server_pid else 0.0
+        client = time.thread_time()
         results, duration = await run_load(target, requests, greedy, max_concurrency=conc)
         out[conc] = compute_metrics(results, duration, percentiles=(99,))
+        # how busy the measuring loop was: near 100 %, the client, not the target, sets the latencies
+        out[conc]["client_loop_busy"] = (time.thread_time() - client) / duration
+        if server_pid:  # the server loop's CPU time per streamed token (wall-clock free: a loaded machine aside)
+            cpu = main_thread_cpu_s(server_pid) - cpu
+            out[conc]["loop_cpu_us_per_token"] = 1e6 * cpu / max(1, out[conc]["total_output_tokens"])
     return out
 
 
@@ -97,7 +115,7 @@ async def through_http(args: argparse.Namespace, overrides: dict, vocab: int) ->
                 raise RuntimeError(f"m3sdk serve did not come up (exit {server.poll()})")
             await asyncio.sleep(0.5)
         async with HTTPTarget(base + "/v1") as target:
-            return await measure(target, args, vocab)
+            return await measure(target, args, vocab, server.pid if sys.platform == "linux" else None)
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -107,22 +125,27 @@ def main() -> None:
     args = parse_args()
     overrides = engine_overrides(args)
     vocab = ModelConfig.from_pretrained(EngineConfig(model=args.model).model_path()).vocab_size
-    runs = {"embedded": asyncio.run(embedded(args, overrides, vocab)),
-            "http": asyncio.run(through_http(args, overrides, vocab))}
-    header = f"{'conc':>5} {'mode':<9}" + "".join(f"{k:>20}" for k in KEYS)
+    modes = {"embedded": embedded, "http": through_http}
+    runs = {mode: asyncio.run(modes[mode](args, overrides, vocab)) for mode in args.modes.split(",")}
+    header = f"{'conc':>5} {'mode':<9}" + "".join(f"{k:>20}" for k in KEYS) + f"{'loop us/tok':>12}{'client busy':>14}"
     print(header)
-    for conc in runs["embedded"]:
-        for mode in ("embedded", "http"):
+    for conc in next(iter(runs.values())):
+        for mode in runs:
             m = runs[mode][conc]
-            print(f"{conc:>5} {mode:<9}" + "".join(f"{m[k]:>20.2f}" for k in KEYS))
+            loop = f"{m['loop_cpu_us_per_token']:>12.1f}" if "loop_cpu_us_per_token" in m else f"{'':>12}"
+            print(f"{conc:>5} {mode:<9}" + "".join(f"{m[k]:>20.2f}" for k in KEYS) + loop
+                  + f"{100 * m['client_loop_busy']:>13.0f}%")
             if args.out is not None:
                 with open(args.out, "a") as f:
                     f.write(json.dumps({"mode": mode, "concurrency": conc, "engine": overrides, "input_len":
                                         args.input_len, "output_len": args.output_len, **m}) + "\n")
+        if len(runs) < 2:
+            continue
         e, h = runs["embedded"][conc], runs["http"][conc]
+        loop = f"; server loop CPU {h['loop_cpu_us_per_token']:.0f} us/token" if "loop_cpu_us_per_token" in h else ""
         print(f"{conc:>5} {'http adds':<9} TTFT {h['median_ttft_ms'] - e['median_ttft_ms']:+.2f} ms (median), "
               f"ITL {100 * (h['median_itl_ms'] / e['median_itl_ms'] - 1):+.1f} % (median), "
-              f"throughput {100 * (h['output_throughput'] / e['output_throughput'] - 1):+.1f} %")
+              f"throughput {100 * (h['output_throughput'] / e['output_throughput'] - 1):+.1f} %{loop}")
 
 
 if __name__ == "__main__":

@@ -225,10 +225,8 @@ def step_decode(args) -> None:
     if tp_size > 1:  # rank 0 here, ranks 1.. in worker processes that mirror every forward and graph replay
         from m3sdk.parallel import MirroredGraphs, TensorParallel
 
-        if args.quantization != "none":
-            raise SystemExit("decode --tp > 1 runs bf16 weights only (tensor parallel loads bf16 shards)")
         tp = TensorParallel.launch(args.slice, tp_size, dev, torch.bfloat16, "triton", args.expert_parallel,
-                                   args.load_format)
+                                   args.load_format, quantization=args.quantization)
         model, dev = tp.model, torch.device("cuda", 0)
     elif args.load_format == "dummy":
         from m3sdk.model.config import ModelConfig

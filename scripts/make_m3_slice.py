@@ -17,7 +17,10 @@ Tensors are drawn on --device (a GPU makes the ~20 GB of a 1 + 1 slice quick) an
 time per shard, a few shards at once on a GPU, so host memory peaks at a few of the largest tensor (an expert
 stack: 9.7 GB at full width).
 
-    python scripts/make_m3_slice.py /tmp/m3-slice --dense 1 --sparse 3 [--device cuda] [--set hidden_size=256 ...]
+`--vision` adds MiniMax-M3's vision tower at its real width (~0.6 B parameters, random) and its config, with a
+preprocessor_config.json whose pixel range reaches the tower's image_size (2016 x 2016).
+
+    python scripts/make_m3_slice.py /tmp/m3-slice --dense 1 --sparse 3 [--device cuda] [--vision] [--set ...]
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from m3sdk.model.config import ModelConfig  # noqa: E402
 from m3sdk.model.loader import expected_tensors  # noqa: E402
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM  # noqa: E402
+from m3sdk.model.vision import VisionEncoder  # noqa: E402
+from m3sdk.model.vision_loader import checkpoint_name, vision_config  # noqa: E402
 
 BOS, EOS = "]~!b[", "[e~["
 CHAT_TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}{{- ']~b]' + m['role'] + '\\n' + m['content'] + "
@@ -148,24 +153,47 @@ def write_tokenizer(out: Path, vocab_size: int, bos_id: int, eos_id: int) -> Non
                                                            "chat_template": CHAT_TEMPLATE}, indent=1))
 
 
+def vision_plan(out: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Give the slice MiniMax-M3's vision tower: its vision_config (from the bundled minimax-m3 config) in config.json,
+    a preprocessor_config.json whose pixel range reaches the tower's image_size, and the tower's tensors to write
+    (transformers' names, bf16)."""
+    real = json.loads((ROOT / "src" / "m3sdk" / "assets" / "minimax-m3" / "config.json").read_text())
+    raw = json.loads((out / "config.json").read_text())
+    raw.update({k: real[k] for k in ("vision_config", "image_token_index", "video_token_index",
+                                     "projector_hidden_size")})
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    side = real["vision_config"]["image_size"]
+    (out / "preprocessor_config.json").write_text(json.dumps(
+        {"min_pixels": 4 * 28 * 28, "max_pixels": side * side, "patch_size": 14, "temporal_patch_size": 2,
+         "merge_size": 2}))
+    with torch.device("meta"):
+        encoder = VisionEncoder(vision_config(out))
+    return {checkpoint_name(n, "hf"): (tuple(p.shape), torch.bfloat16) for n, p in encoder.named_parameters()}
+
+
 def make_slice(out: Path, dense: int = 1, sparse: int = 3, seed: int = 0, device: str = "cpu",
-               max_position_embeddings: int = 524288, overrides: dict | None = None, workers: int = 3) -> Path:
+               max_position_embeddings: int = 524288, overrides: dict | None = None, workers: int = 3,
+               vision: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     config = slice_config(dense, sparse, max_position_embeddings, overrides or {})
     config.save_pretrained(out)
     model_config = ModelConfig.from_pretrained(out)
     plan = tensor_plan(model_config)
-    # one shard per layer, the embeddings and head in a shard of their own
+    if vision:
+        plan.update(vision_plan(out))
+    # one shard per layer, the embeddings and head in a shard of their own, the vision tower in one
     groups: dict[str, list[str]] = {}
     for name in plan:
         key = name.split(".")[2] if name.startswith("model.layers.") else "io"
+        key = "vision" if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) else key
         groups.setdefault(key, []).append(name)
     weight_map = {}
     files = {key: f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i, key in enumerate(groups)}
 
     def write(key: str) -> None:
         write_shard(out / files[key], groups[key], plan, seed, device)
-        print(f"  {files[key]}: {'layer ' + key if key != 'io' else 'embeddings + lm_head'} "
+        what = {"io": "embeddings + lm_head", "vision": "vision tower"}.get(key, f"layer {key}")
+        print(f"  {files[key]}: {what} "
               f"({len(groups[key])} tensors)", flush=True)
 
     # Shards are independent: on a GPU several are drawn, copied to the host and written at once (the copies and
@@ -197,11 +225,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-position-embeddings", type=int, default=524288)
+    p.add_argument("--vision", action="store_true", help="add MiniMax-M3's vision tower (real width, random)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a config field (e.g. hidden_size=256 for a small test slice)")
     args = p.parse_args()
     overrides = {k: _value(v) for k, _, v in (s.partition("=") for s in args.set)}
-    make_slice(args.out, args.dense, args.sparse, args.seed, args.device, args.max_position_embeddings, overrides)
+    make_slice(args.out, args.dense, args.sparse, args.seed, args.device, args.max_position_embeddings, overrides,
+               vision=args.vision)
     print(f"wrote {args.out}")
 
 

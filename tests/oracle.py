@@ -266,3 +266,15 @@ def load_vl_oracle(path: Path):
 
     return MiniMaxM3SparseForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
                                                                    attn_implementation="eager").eval()
+
+
+def random_png(h: int, w: int, seed: int) -> bytes:
+    """A PNG file of random RGB pixels (needs Pillow)."""
+    import io
+
+    from PIL import Image
+
+    rgb = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    buf = io.BytesIO()
+    Image.frombytes("RGB", (w, h), rgb.numpy().tobytes()).save(buf, format="PNG")
+    return buf.getvalue()

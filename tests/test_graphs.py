@@ -252,13 +252,14 @@ def test_engine_takes_the_graphs_for_every_decode_and_verify_step(monkeypatch, c
     spec_eager, _, _ = asyncio.run(go(speculative="eagle3"))
     monkeypatch.setattr(resolved, "cuda_graphs_wanted", lambda config, device, backend: True)
     monkeypatch.setattr(DecodeGraphs, "supported", staticmethod(lambda model: True))
-    for kw, eager in (({}, plain), ({"speculative": "eagle3"}, spec_eager)):
+    for kw, eager in (({}, plain), ({"overlap_scheduling": True}, plain), ({"speculative": "eagle3"}, spec_eager)):
         out, stats, drafter = asyncio.run(go(**kw))
         assert out == eager == plain
-        # a step holding a prompt runs eagerly; with one request at a time that is one step per prompt
+        # a step holding a prompt runs eagerly, but for a speculating engine, whose 30-token prompts fit its
+        # four-page join graph; with one request at a time that is one step per prompt
         assert stats["graph_steps"] > 0.5 * stats["steps"]
         if concurrency == 1:
-            assert stats["graph_steps"] == stats["steps"] - len(prompts)
+            assert stats["graph_steps"] == stats["steps"] - (0 if drafter is not None else len(prompts))
         if drafter is not None:
             assert sum(r.calls for r in drafter._read_graphs.values()) > 0
             assert sum(r.calls for r in drafter._graphs.values()) > 0

@@ -163,9 +163,13 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
     except ImportError as e:
         raise ValueError(f"m3sdk serve needs the server extra: pip install 'm3sdk[server]' ({e})") from e
     api_key = args.api_key or os.environ.get("M3SDK_API_KEY") or None
+    media = args.allowed_local_media_path
+    if media is not None and not os.path.isdir(media):
+        raise ValueError(f"--allowed-local-media-path {media!r} is not a folder")
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(serve(config, host=args.host, port=args.port, api_key=api_key,
-                         model_names=args.served_model_name, log_level=args.log_level))
+                         model_names=args.served_model_name, log_level=args.log_level,
+                         allowed_local_media_path=media))
 
 
 def _serve_prefill_node(args: argparse.Namespace) -> None:
@@ -208,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--kv-cache-dtype", choices=CACHE_DTYPES, default="auto",
                        help="KV cache element type (default: auto = the model dtype)")
         g.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                       help="quantize weights at load: fp8 attention and MLPs, mxfp4 also the experts "
-                            "(default: none)")
+                       help="quantize weights at load: fp8 attention and MLPs, fp8_experts also the experts "
+                            "in fp8, mxfp4 the experts in mxfp4 (default: none)")
         g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                        help="dummy: random weights for the model's config.json alone, made on the device (for "
                             "memory and speed runs without a checkpoint; default: auto = the checkpoint's)")
@@ -273,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "else none)")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="names clients give as 'model' (default: the checkpoint folder's name)")
+    serve.add_argument("--allowed-local-media-path", metavar="DIR",
+                       help="let clients name image files under DIR in image parts (default: none; data URLs only)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="the server's log verbosity on stderr (default: %(default)s)")
     engine_options(serve)
@@ -298,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--receiver-timeout", type=float, metavar="S",
                       help="seconds the decode side has to take the pages once the first token is computed "
                            "(default: 10)")
+    node.add_argument("--max-image-bytes", type=int, metavar="B",
+                      help="image file bytes one prefill may carry; 0 refuses images (default: 64 MiB; 0 without a "
+                           "vision encoder)")
     engine_options(node)
     return parser
 

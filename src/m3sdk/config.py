@@ -22,7 +22,7 @@ from m3sdk.speculative.registry import DRAFTERS
 # minimax-m3: the real architecture's config.json alone (no weights): for load_format="dummy" and memory planning
 BUNDLED_MODELS = {name: Path(__file__).parent / "assets" / name for name in ("m3-tiny", "minimax-m3")}
 
-QUANTIZATIONS = ("none", "fp8", "mxfp4")  # m3sdk/model/quantize.py
+QUANTIZATIONS = ("none", "fp8", "fp8_experts", "mxfp4")  # m3sdk/model/quantize.py
 LOAD_FORMATS = ("auto", "dummy")  # dummy: m3sdk/model/dummy.py
 DTYPES = ("float32", "bfloat16")
 CACHE_DTYPES = ("auto", "bf16", "fp8", "fp32")
@@ -34,7 +34,10 @@ class SpecConfig:
     `"ngram"`, `"eagle3"`, `"eagle3:/path/to/head"`, `"mtp"`, or None (off)."""
 
     method: str
-    num_speculative_tokens: int = 3
+    num_speculative_tokens: int = 3  # the most drafts a step verifies per request
+    # the drafts per step chosen from 0 .. num_speculative_tokens by the batch, acceptance and measured step costs
+    # (speculative/depth.py); False: always num_speculative_tokens
+    adaptive: bool = True
     model: str | None = None  # draft checkpoint (eagle3); None: the head bundled with the target, if any
     prompt_lookup_max: int = 4  # ngram: longest suffix to match
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
@@ -45,6 +48,8 @@ class SpecConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(f"num_speculative_tokens must be an int in [1, 16], got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
@@ -114,7 +119,10 @@ class SchedulingConfig:
     scheduler: str | Callable[..., Any] = "continuous"
     # Overlap host scheduling with the device step (docs/engine.md): while step N runs, schedule and launch step
     # N+1 from N's tokens still on the device; the host's bookkeeping of N (append, stop checks, streaming) lags
-    # one step. None: on for a CUDA device. Off with speculative decoding (its drafts need the host's tokens).
+    # one step. None: on a CUDA device each decode step overlaps or reads the step before first, whichever measured
+    # the shorter step at its batch size (core/overlap.py: on a model as small as m3-tiny reading first can win);
+    # off on a CPU. True: every step overlaps. A speculating engine's drafting steps never overlap (its drafts need
+    # the host's tokens); its depth-0 steps follow this setting (False: never overlapped).
     overlap_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
@@ -196,7 +204,8 @@ class EngineConfig:
     # Replay decode and verify steps from captured CUDA graphs; None: on for a CUDA device with the triton backend.
     cuda_graphs: bool | None = None
     # Weights quantized at load (m3sdk/model/quantize.py): "fp8" = FP8 W8A8 attention, dense MLPs and shared
-    # experts; "mxfp4" = that plus MXFP4 routed experts. Experts a checkpoint stores quantized stay as stored.
+    # experts; "fp8_experts" = that plus FP8 routed experts; "mxfp4" = "fp8" plus MXFP4 routed experts. Experts a
+    # checkpoint stores quantized stay as stored.
     quantization: str = "none"
     # "auto": the checkpoint's weights; "dummy": random weights from `seed` for the model's config.json alone, made
     # on the device in the served format (each tensor-parallel rank makes only its shard): nothing else is read.

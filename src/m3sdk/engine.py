@@ -2,7 +2,7 @@
 own thread; the caller's event loop only validates and moves requests in, and deltas out.
 
 Requests go in through the core's thread-safe inbox. Deltas come back once per step, scheduled onto the event loop
-from the engine thread without waiting for it (`_LoopHandle`), into one memory stream per request. Leaving a
+from the engine thread without waiting for it (`_LoopHandle`), into one channel per request. Leaving a
 stream early, cancelling the awaiting task, or `abort()` ends the request in the core and frees its pages. If the
 engine thread dies, every waiter gets EngineDeadError at once. (Over 450 lines: generate, stream, chat and abort
 share the loop-side state here, the channels and orphans, which has one owner.)
@@ -11,21 +11,21 @@ share the loop-side state here, the channels and orphans, which has one owner.)
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
 import anyio
 import sniffio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from prometheus_client import CollectorRegistry
 
 from m3sdk.chat import AssistantStreamParser, join_deltas, prompt_opens_reasoning
 from m3sdk.chat.completion import ChatCompletion, ChatCompletionChunk, chat_finish_reason
 from m3sdk.chat.constraints import chat_constraint
+from m3sdk.chat.image_parts import has_image_parts, split_image_parts
 from m3sdk.config import EngineConfig
 from m3sdk.core import EngineCore, build_core
 from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
@@ -37,13 +37,15 @@ from m3sdk.tokenizer import Tokenizer
 # a text, token ids, chat messages, or an image prompt: {"prompt": text | "prompt_token_ids": ids, "images": [...]}
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]] | Mapping[str, Any]
 
+_NO_IMAGES = ("this engine takes no images: its checkpoint has no vision encoder, limit_images is 0, or it runs "
+              "tensor parallel")
 _DEAD = object()  # queued to every live request when the engine thread dies
 
 
 class _LoopHandle:
     """The running event loop as another thread reaches it: `call_soon(fn)` runs fn there soon and returns at once
     (asyncio's call_soon_threadsafe, trio's run_sync_soon; anyio's from_thread would wait for the loop). Raises
-    RuntimeError once the loop has ended."""
+    RuntimeError once the loop has ended. `new_event()`: an event of the loop's own library."""
 
     def __init__(self) -> None:
         if sniffio.current_async_library() == "trio":
@@ -51,11 +53,13 @@ class _LoopHandle:
 
             self.key: object = trio.lowlevel.current_trio_token()
             self.call_soon: Callable[[Callable[[], None]], None] = self.key.run_sync_soon
+            self.new_event: Callable[[], Any] = trio.Event
         else:
             import asyncio
 
             self.key = asyncio.get_running_loop()
             self.call_soon = self.key.call_soon_threadsafe
+            self.new_event = asyncio.Event
 
     def is_current(self) -> bool:
         return _LoopHandle().key is self.key
@@ -63,24 +67,38 @@ class _LoopHandle:
 
 class _Channel:
     """One request's deltas (all its choices'), from the loop's dispatch to its waiter. `ids`: the engine's request
-    id of each choice (the application's id for a single choice, suffixed "/index" for several)."""
+    id of each choice (the application's id for a single choice, suffixed "/index" for several).
 
-    def __init__(self, request_id: str, ids: list[str]) -> None:
+    A deque, and the loop's own event while the waiter waits: `get` returns at once when a delta is there. (An
+    anyio memory stream costs a checkpoint, that is a whole extra loop turn, and an async-backend lookup per
+    delta: with 64 streams behind an HTTP server that was a third of the event loop's time.)"""
+
+    def __init__(self, request_id: str, ids: list[str], new_event: Callable[[], Any]) -> None:
         self.request_id = request_id
         self.ids = ids
-        self.send: MemoryObjectSendStream[Chunk | object]
-        self.receive: MemoryObjectReceiveStream[Chunk | object]
-        self.send, self.receive = anyio.create_memory_object_stream(math.inf)
+        self._items: deque[Chunk | object] = deque()
+        self._new_event = new_event
+        self._waiter: Any = None  # the event the waiter awaits, while it does
 
     def put(self, item: Chunk | object) -> None:
-        self.send.send_nowait(item)
+        self._items.append(item)
+        if self._waiter is not None:
+            self._waiter.set()
+
+    async def get(self) -> Chunk | object:
+        while not self._items:
+            self._waiter = self._new_event()
+            try:
+                await self._waiter.wait()
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def get_nowait(self) -> Chunk | object:
+        return self._items.popleft()
 
     def empty(self) -> bool:
-        return self.receive.statistics().current_buffer_used == 0
-
-    def close(self) -> None:
-        self.send.close()
-        self.receive.close()
+        return not self._items
 
 
 class Engine:
@@ -165,8 +183,9 @@ class Engine:
                        request_id: str | None = None, priority: int = 0, **param_overrides: Any) -> Completion:
         """The whole completion, its `n` choices in `outputs`. Cancelling the awaiting task aborts the request."""
         chunks: dict[int, list[Chunk]] = {}
-        async with aclosing(self.stream(prompt, params, request_id=request_id, priority=priority,
-                                        **param_overrides)) as stream:
+        images = isinstance(prompt, Mapping) and bool(prompt.get("images"))
+        requests = await _off_loop(images, self._make_requests, prompt, params, request_id, priority, param_overrides)
+        async with aclosing(self._stream(requests)) as stream:
             async for chunk in stream:
                 chunks.setdefault(chunk.index, []).append(chunk)
         return Completion.of_chunks([chunks[i] for i in sorted(chunks)])
@@ -190,8 +209,10 @@ class Engine:
         ...}} constrains it to JSON. `parallel_tool_calls=False` allows one call per reply under "required".
         finish_reason is "tool_calls" when the reply ends after calling tools."""
         deltas, text = [], []
-        async with aclosing(self._chat(messages, tools, tool_choice, response_format, chat_template_kwargs,
-                                       parallel_tool_calls, params, request_id, priority, param_overrides)) as steps:
+        steps = await _off_loop(has_image_parts(messages), self._chat, messages, tools, tool_choice, response_format,
+                                chat_template_kwargs, parallel_tool_calls, params, request_id, priority,
+                                param_overrides)
+        async with aclosing(steps):
             async for chunk, step in steps:
                 text.append(chunk.text)
                 deltas += step
@@ -228,6 +249,9 @@ class Engine:
         deltas) runs it."""
         core = self._running_core()
         constraint = chat_constraint(tools, tool_choice, response_format, parallel_tool_calls)
+        messages, images = split_image_parts(messages)
+        if images and core.images is None:
+            raise InvalidRequestError(_NO_IMAGES)
         prompt = core.tokenizer.apply_chat_template(messages, tools=None if tool_choice == "none" else tools,
                                                     chat_template_kwargs=chat_template_kwargs)
         in_reasoning = prompt_opens_reasoning(prompt)
@@ -242,7 +266,12 @@ class Engine:
             params = params.replace(structured_output=constraint)
         if params.n != 1:
             raise InvalidRequestError(f"a chat turn has one reply: n must be 1, got {params.n}")
-        ids = core.tokenizer.encode(prompt, add_special_tokens=False)
+        if images:
+            check_text("the rendered chat", prompt)
+            ids: Prompt = {"prompt_token_ids": core.images.text_ids(prompt, add_special_tokens=False),
+                           "images": images}
+        else:
+            ids = core.tokenizer.encode(prompt, add_special_tokens=False)
         requests = self._make_requests(ids, params, request_id, priority, {})
         parser = AssistantStreamParser(None if tool_choice == "none" else tools, starts_in_reasoning=in_reasoning)
         return self._parsed(requests, parser)
@@ -320,8 +349,7 @@ class Engine:
                                       f"got keys {sorted(prompt)}")
         images = prompt.get("images") or ()
         if images and core.images is None:
-            raise InvalidRequestError("this engine takes no images: its checkpoint has no vision encoder, "
-                                      "limit_images is 0, or it runs tensor parallel")
+            raise InvalidRequestError(_NO_IMAGES)
         text = prompt.get("prompt")
         if images and isinstance(text, str):
             check_text("the prompt", text)
@@ -375,7 +403,7 @@ class Engine:
             raise EngineOverloadedError(f"{len(self._channels)} requests are live (max_num_seqs "
                                         f"{self.config.max_num_seqs} + max_waiting_requests "
                                         f"{self.config.max_waiting_requests}); retry later")
-        channel = _Channel(rid, ids)
+        channel = _Channel(rid, ids, self._loop.new_event)
         self._requests[rid] = channel
         self._channels.update(dict.fromkeys(ids, channel))
         core.submit(*requests)
@@ -388,9 +416,9 @@ class Engine:
         backlog: list[Chunk | object] = []
         try:
             while len(ended) < len(requests):
-                item = backlog.pop(0) if backlog else await channel.receive.receive()
+                item = backlog.pop(0) if backlog else await channel.get()
                 while not channel.empty():
-                    backlog.append(channel.receive.receive_nowait())
+                    backlog.append(channel.get_nowait())
                 if item is not _DEAD and item.finish_reason is None and backlog:
                     # Under load several steps' deltas wait here: hand each choice's over as one chunk.
                     if _DEAD in backlog:
@@ -422,7 +450,6 @@ class Engine:
                     if request.index not in ended and not request.is_finished:
                         self._orphans[request.request_id] = self._orphans.get(request.request_id, 0) + 1
                         self._core.abort(request.request_id)
-            channel.close()
 
     # -- deltas out (called in the engine thread) -------------------------------------------------------
 
@@ -465,17 +492,24 @@ def _params(params: SamplingParams | None, overrides: dict[str, Any]) -> Samplin
     return params.replace(**overrides) if overrides else params
 
 
+async def _off_loop(images: bool, build: Callable[..., Any], *args: Any) -> Any:
+    """build(*args): a request validated and made ready to queue; in a worker thread when its prompt has images,
+    whose decoding and resizing would otherwise stall every other request's stream on the event loop."""
+    return await anyio.to_thread.run_sync(build, *args) if images else build(*args)
+
+
 def _remote_prefill(config: EngineConfig, core: EngineCore) -> Any:
     from m3sdk.disagg.remote import RemotePrefill  # the optional `ucx` extra
 
-    return RemotePrefill.from_config(config, core.cache, core.vocab_size, core.wake)
+    return RemotePrefill.from_config(config, core.cache, core.vocab_size, core.wake,
+                                     encodes_images=core.images is None or core.images.encodes)
 
 
 def _drain(channel: _Channel) -> list[Chunk | object]:
     """What waits in a channel its waiter left."""
     items = []
     while not channel.empty():
-        items.append(channel.receive.receive_nowait())
+        items.append(channel.get_nowait())
     return items
 
 

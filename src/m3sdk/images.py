@@ -18,18 +18,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from m3sdk.chat.image_parts import IMAGE_PLACEHOLDER
 from m3sdk.errors import InvalidRequestError
-from m3sdk.model.image_processor import Fetcher, ImageProcessor
-from m3sdk.model.vision import VisionEncoder
+from m3sdk.model.image_processor import Fetcher, ImageProcessor, ProcessedImage
 from m3sdk.request import Request
 from m3sdk.staging import to_device
 from m3sdk.tokenizer import Tokenizer
 
-IMAGE_PLACEHOLDER = "]<]image[>["
+if TYPE_CHECKING:
+    from m3sdk.model.vision import VisionEncoder
+
 IMAGE_START = "]<]start of image[>["
 IMAGE_END = "]<]end of image[>["
 
@@ -43,18 +45,24 @@ class PromptImage:
     digest: bytes  # content hash (m3sdk.model.image_processor): the prefix cache and the encoder cache key on it
     pixels: torch.Tensor  # float32 on the host, [patches, patch_dim]
     grid_thw: tuple[int, int, int]
+    data: bytes = b""  # the image file (with ImagePrompts.keep_files): what a prefill node gets (m3sdk.disagg)
 
 
 class ImagePrompts:
-    def __init__(self, processor: ImageProcessor, encoder: VisionEncoder, tokenizer: Tokenizer, limit: int,
-                 device: torch.device, fetcher: Fetcher | None = None, cache_tokens: int = 1 << 15):
+    """`encoder` None: this engine computes no image token itself (the decode side of prefill nodes that encode
+    the images, m3sdk.disagg): `prepare` still expands and hashes its images, and `encodes` tells the core."""
+
+    def __init__(self, processor: ImageProcessor, encoder: VisionEncoder | None, tokenizer: Tokenizer, limit: int,
+                 device: torch.device, image_token_id: int, fetcher: Fetcher | None = None,
+                 cache_tokens: int = 1 << 15, keep_files: bool = False):
         self.processor = processor
         self.encoder = encoder
         self.tokenizer = tokenizer
         self.limit = limit
         self.device = device
         self.fetcher = fetcher
-        self.image_token_id = encoder.config.image_token_id
+        self.image_token_id = image_token_id
+        self.keep_files = keep_files  # each PromptImage carries its image file (for prefill nodes)
         start, end = tokenizer.token_to_id(IMAGE_START), tokenizer.token_to_id(IMAGE_END)
         self._wrap = (start, end) if start is not None and end is not None else None
         # encoder-output cache (engine thread only): digest -> [num_tokens, hidden] on the device, LRU first
@@ -62,12 +70,13 @@ class ImagePrompts:
         self._cache_tokens = cache_tokens
         self._cached = 0
         self.num_encoded = 0  # images run through the encoder (the cache's misses)
+        self.num_encoder_tokens = 0  # the patches of those images
 
     # -- caller's thread -----------------------------------------------------------------------------------------
-    def text_ids(self, text: str) -> list[int]:
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's ids, each `]<]image[>[` one image token whatever the tokenizer makes of the string."""
         pieces = text.split(IMAGE_PLACEHOLDER)
-        ids = self.tokenizer.encode(pieces[0]) if pieces[0] else []
+        ids = self.tokenizer.encode(pieces[0], add_special_tokens=add_special_tokens) if pieces[0] else []
         for piece in pieces[1:]:
             ids.append(self.image_token_id)
             ids += self.tokenizer.encode(piece, add_special_tokens=False) if piece else []
@@ -84,7 +93,7 @@ class ImagePrompts:
         if len(slots) != len(images):
             raise InvalidRequestError(f"the prompt holds {len(slots)} image placeholders ({IMAGE_PLACEHOLDER!r}, "
                                       f"token {self.image_token_id}) for {len(images)} images: one per image")
-        processed = [self.processor.process(image, self.fetcher) for image in images]
+        processed = [self.processor.process(image, self.fetcher, self.keep_files) for image in images]
         out: list[int] = []
         spans = []
         last = 0
@@ -92,7 +101,7 @@ class ImagePrompts:
             out += ids[last:slot]
             if self._wrap:
                 out.append(self._wrap[0])
-            spans.append(PromptImage(len(out), image.num_tokens, image.digest, image.pixels, image.grid_thw))
+            spans.append(_prompt_image(len(out), image))
             out += [self.image_token_id] * image.num_tokens
             if self._wrap:
                 out.append(self._wrap[1])
@@ -100,7 +109,35 @@ class ImagePrompts:
         out += ids[last:]
         return out, tuple(spans)
 
+    def place(self, ids: Sequence[int], images: Sequence[tuple[int, int, bytes, bytes]]) -> tuple[PromptImage, ...]:
+        """A prompt whose placeholders another engine expanded (a prefill node's): its images as (offset,
+        num_tokens, digest, image file), each checked to decode here to that many tokens and that digest, over
+        positions that hold the image token; InvalidRequestError otherwise."""
+        if len(images) > self.limit:
+            raise InvalidRequestError(f"{len(images)} images in one prompt; this engine takes at most {self.limit} "
+                                      "(limit_images)")
+        out = []
+        for k, (offset, num_tokens, digest, data) in enumerate(images):
+            if any(t != self.image_token_id for t in ids[offset:offset + num_tokens]):
+                raise InvalidRequestError(f"image {k}: positions [{offset}, {offset + num_tokens}) do not all hold "
+                                          f"the image token {self.image_token_id}")
+            image = self.processor.process(data, None)
+            if (image.num_tokens, image.digest) != (num_tokens, digest):
+                raise InvalidRequestError(f"image {k} decodes here to {image.num_tokens} tokens and digest "
+                                          f"{image.digest.hex()}, not {num_tokens} and {digest.hex()} (another "
+                                          "image processor configuration or decoder)")
+            out.append(_prompt_image(offset, image))
+        return tuple(out)
+
     # -- engine thread -------------------------------------------------------------------------------------------
+    def encoder_tokens(self, image: PromptImage) -> int:
+        """The encoder's tokens to embed `image` (its patches, t*h*w), or 0 when its output is cached: what it costs
+        a step's budget (scheduler.base.EncoderWork)."""
+        if image.digest in self._cache:
+            return 0
+        t, h, w = image.grid_thw
+        return t * h * w
+
     def overrides(self, entries: Sequence[tuple[Request, int, int, int]]
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For entries (request, first position, number of tokens, first row in the step): (rows [K] int64 on the
@@ -121,6 +158,10 @@ class ImagePrompts:
             values.append(embeds[image.digest][a:b])
         return to_device(rows, torch.int64, self.device), torch.cat(values)
 
+    @property
+    def encodes(self) -> bool:
+        return self.encoder is not None
+
     def _embeddings(self, images: Sequence[PromptImage]) -> dict[bytes, torch.Tensor]:
         out = {}
         missing: dict[bytes, PromptImage] = {}
@@ -131,10 +172,13 @@ class ImagePrompts:
             else:
                 missing[image.digest] = image
         if missing:
+            if self.encoder is None:  # the core never schedules an image token here (EngineCore.new_request)
+                raise RuntimeError("image tokens scheduled on an engine without a vision encoder")
             todo = list(missing.values())
             pixels = torch.cat([i.pixels for i in todo]).to(self.device, non_blocking=True)
             encoded = self.encoder(pixels, [i.grid_thw for i in todo]).split([i.num_tokens for i in todo])
             self.num_encoded += len(todo)
+            self.num_encoder_tokens += pixels.shape[0]
             for image, e in zip(todo, encoded, strict=True):
                 out[image.digest] = e
                 self._remember(image.digest, e)
@@ -146,3 +190,7 @@ class ImagePrompts:
         while self._cached > self._cache_tokens and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
             self._cached -= old.shape[0]
+
+
+def _prompt_image(offset: int, image: ProcessedImage) -> PromptImage:
+    return PromptImage(offset, image.num_tokens, image.digest, image.pixels, image.grid_thw, image.data)

@@ -97,7 +97,7 @@ def run_prefill_node(args: Any, engine_overrides: dict[str, Any]) -> None:
     check_listen(args.listen)  # before the model loads: a port in use fails at once
     flags = dict(max_prompt_tokens=args.max_prompt_tokens, max_in_flight=args.max_in_flight,
                  max_deadline_s=args.max_deadline, max_message_bytes=args.max_message_bytes,
-                 receiver_timeout_s=args.receiver_timeout)
+                 receiver_timeout_s=args.receiver_timeout, max_image_bytes=args.max_image_bytes)
     limits = Limits(**{name: value for name, value in flags.items() if value is not None})
     backend = EngineBackend(EngineConfig(**engine_overrides))
     try:

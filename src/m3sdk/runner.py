@@ -48,12 +48,13 @@ class ModelRunner:
         self.mirror = mirror
         self.images = images  # the vision encoder's side of image prompts, or None: a text-only engine
 
-    def run(self, plan: StepPlan, carry: Carry | None = None, layer_hook: Callable[[int], None] | None = None
-            ) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, carry: Carry | None = None, layer_hook: Callable[[int], None] | None = None,
+            aux_layers: Sequence[int] = ()) -> torch.Tensor | None:
         """Write every scheduled token's K/V (and index keys) and return float32 logits [N, vocab], one row per
         request that samples, in plan order (None when none samples, e.g. all are mid-prefill chunks).
-        `carry`: the overlapped step's tokens still on the device (see `Carry`)."""
-        return self.forward(plan, carry=carry, layer_hook=layer_hook)[0]
+        `carry`: the overlapped step's tokens still on the device (see `Carry`); `aux_layers`: computed and
+        dropped (a speculating engine's plain steps name its drafter's, so they replay its graphs)."""
+        return self.forward(plan, aux_layers=aux_layers, carry=carry, layer_hook=layer_hook)[0]
 
     def forward(self, plan: StepPlan, num_logits: Sequence[int] | None = None, aux_layers: Sequence[int] = (),
                 carry: Carry | None = None, layer_hook: Callable[[int], None] | None = None
@@ -115,13 +116,17 @@ class ModelRunner:
         logit_rows = [rows[r] for r in logits_rows] if padded else logits_rows
         carried = [rows[r] for r in dst] if padded else dst
         whole = logit_rows == list(range(len(ids)))  # every token's logits, in row order: a prefix of the rows
-        extra = carried + src + (rows or []) + ([] if whole else logit_rows)
+        # (an overlapped decode step whose batch kept its order: row i takes the step before's token i, one copy)
+        aligned = bool(dst) and carried == src == list(range(len(src)))
+        extra = ([] if aligned else carried + src) + (rows or []) + ([] if whole else logit_rows)
         lists = self.graphs.stage(key, ids, counts, context_lens, tables, extra)
-        if dst:
-            d = len(dst)
+        d = len(dst)
+        if aligned:
+            self.graphs.input_ids[:d].copy_(carry.tokens[:d])
+        elif dst:
             self.graphs.input_ids.index_copy_(0, lists[:d], carry.tokens.index_select(0, lists[d:2 * d]))
         hidden, logits, *aux = self.graphs.replay(key)
-        at = 2 * len(dst)
+        at = 0 if aligned else 2 * d
         if padded:
             order = lists[at:at + len(rows)]
             at += len(rows)

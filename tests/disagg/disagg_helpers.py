@@ -58,6 +58,7 @@ class PatternBackend:
 
     holds_pages = True
     max_prompt_tokens = 1 << 20
+    takes_images = False
 
     def __init__(self, kv_dtype: str, layout: str, delay_s: float = 0.0):
         self.spec = spec(kv_dtype, layout)
@@ -117,7 +118,7 @@ def stop_node(proc: mp.Process) -> None:
 
 
 def _serve_engine(conn, checkpoint: str, delay_s: float, corrupt_index_keys: bool, hold_last_layer: bool,
-                  fail_at_tokens: int, kv_cache_memory: int, listen: str) -> None:
+                  fail_at_tokens: int, kv_cache_memory: int, listen: str, options: dict) -> None:
     torch.set_num_threads(1)
     from m3sdk.config import EngineConfig
     from m3sdk.disagg.backend import EngineBackend
@@ -139,7 +140,7 @@ def _serve_engine(conn, checkpoint: str, delay_s: float, corrupt_index_keys: boo
                                                         dtype=torch.uint8)
             super()._pack(job, messages)
 
-    config = EngineConfig(model=checkpoint, device="cpu", kv_cache_memory=kv_cache_memory)
+    config = EngineConfig(model=checkpoint, device="cpu", kv_cache_memory=kv_cache_memory, **options)
     backend = Backend(config)
     if hold_last_layer:
         hold_until_first_group_sent(backend)
@@ -176,9 +177,9 @@ def hold_until_first_group_sent(backend) -> None:
 
 def spawn_engine_node(checkpoint, delay_s: float = 0.0, corrupt_index_keys: bool = False,
                       hold_last_layer: bool = False, fail_at_tokens: int = 0,
-                      kv_cache_memory: int = 8 << 20, listen: str = "127.0.0.1:0") -> tuple[mp.Process, str]:
+                      kv_cache_memory: int = 8 << 20, listen: str = "127.0.0.1:0", **options) -> tuple[mp.Process, str]:
     """A prefill node running the real engine on `checkpoint`; index keys garbled in transit if asked; with
     `hold_last_layer`, a forward cannot finish before its transfers' first group of layers was sent; with
-    `fail_at_tokens`, its engine thread dies on a prompt of that many tokens."""
+    `fail_at_tokens`, its engine thread dies on a prompt of that many tokens. `options`: EngineConfig fields."""
     return _spawn(_serve_engine, str(checkpoint), delay_s, corrupt_index_keys, hold_last_layer, fail_at_tokens,
-                  kv_cache_memory, listen)
+                  kv_cache_memory, listen, options)

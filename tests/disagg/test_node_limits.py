@@ -15,15 +15,16 @@ import pytest
 
 pytest.importorskip("ucxx")
 
-from disagg_helpers import TOKEN, PatternBackend, compat, spawn_engine_node, spawn_node, stop_node  # noqa: E402
+from disagg_helpers import TOKEN, VOCAB, PatternBackend, compat, spawn_engine_node, spawn_node, stop_node  # noqa: E402
 
 from m3sdk import Engine  # noqa: E402
 from m3sdk.disagg import loop  # noqa: E402
 from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb  # noqa: E402
 from m3sdk.disagg._proto.m3sdk_disagg_pb2_grpc import PrefillNodeStub  # noqa: E402
 from m3sdk.disagg.compat import PROTOCOL_VERSION, CompatInfo, model_fingerprint  # noqa: E402
-from m3sdk.disagg.messages import pack_token_ids, sampling_to_proto  # noqa: E402
+from m3sdk.disagg.messages import Limits, check_prefill, pack_token_ids, sampling_to_proto  # noqa: E402
 from m3sdk.disagg.server import MAX_DETAILS  # noqa: E402
+from m3sdk.disagg.wire import WireError  # noqa: E402
 from m3sdk.node import PrefillNode  # noqa: E402
 from m3sdk.params import SamplingParams  # noqa: E402
 
@@ -92,12 +93,39 @@ def test_handshake_reports_the_limits_and_errors_stay_small(quick_node):
     assert status == grpc.StatusCode.OK
     assert (reply.max_prompt_tokens, reply.max_in_flight, reply.max_deadline_s, reply.receiver_timeout_s) == \
         (4096, 5, 30.0, 1.0)
+    assert reply.max_image_bytes == 0  # its backend has no vision encoder
     # a field the refusal quotes, far larger than gRPC's metadata allows: the status still arrives, cut
     huge = pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat=compat().to_proto(),
                                transports=["x" * 90_000])
     status, details, _ = run(call(quick_node, "Handshake", huge))
     assert status == grpc.StatusCode.FAILED_PRECONDITION and "transport" in details
     assert len(details.encode()) <= MAX_DETAILS
+
+
+def test_image_spans_and_bytes_are_checked_before_anything_runs():
+    tokens = [5] * 20 + [250] * 20 + [6] * 10
+    image = dict(offset=20, num_tokens=20, digest=bytes(16), data=b"x" * 100)
+
+    def check(max_image_bytes: int = 1000, **changes):
+        request = prefill_request("img", tokens, 1000)
+        request.images.append(pb.PromptImage(**{**image, **changes}))
+        return check_prefill(request, Limits(max_prompt_tokens=4096, max_image_bytes=max_image_bytes),
+                             compat().digest, VOCAB, 4)
+
+    (got,) = check().images
+    assert (got.offset, got.num_tokens, got.data) == (20, 20, b"x" * 100)
+    for limit, changes, match in [(0, {}, "takes no images"), (99, {}, "max_image_bytes of 99"),
+                                  (1000, dict(offset=40, num_tokens=11), "within the 50-token prompt"),
+                                  (1000, dict(num_tokens=0), "within"), (1000, dict(digest=b"short"), "digest"),
+                                  (1000, dict(data=b""), "digest")]:
+        with pytest.raises(WireError, match=match):
+            check(limit, **changes)
+    two = prefill_request("img", tokens, 1000)
+    two.images.extend([pb.PromptImage(**image), pb.PromptImage(**{**image, "offset": 30})])  # overlapping spans
+    with pytest.raises(WireError, match="apart"):
+        check_prefill(two, Limits(max_image_bytes=1000), compat().digest, VOCAB, 4)
+    # a node's calls may carry its image bytes: gRPC's size cap grows with them
+    assert Limits(max_image_bytes=0).max_call_bytes < Limits().max_call_bytes - Limits().max_image_bytes
 
 
 def test_a_receiver_that_does_not_read_frees_the_slot_within_receiver_timeout(quick_node, idle_port):

@@ -155,12 +155,6 @@ async def test_text_only_engine_refuses_images(vl_checkpoint):
         assert len(await greedy(e, [5, 6, 7])) == MAX_TOKENS
 
 
-async def test_images_with_speculation_are_refused(vl_checkpoint):
-    async with engine(vl_checkpoint, speculative="ngram") as e:
-        with pytest.raises(InvalidRequestError, match="speculative decoding"):
-            await e.generate({"prompt_token_ids": ONE, "images": [A]}, max_tokens=2)
-
-
 async def test_preemption_recomputes_image_tokens(vl_checkpoint):
     """Six image prompts in a cache of 8 pages: requests are preempted and their images' tokens recomputed."""
     prompts = [{"prompt_token_ids": [3 + i] + ONE, "images": [A if i % 2 else C]} for i in range(6)]

@@ -8,8 +8,11 @@ import random
 
 import pytest
 
+import m3sdk.engine as engine_module
 from m3sdk import Engine
 from m3sdk.core import EngineCore, build_core, warm_up
+from m3sdk.core.executor import OverlappedExecutor
+from m3sdk.core.overlap import OverlapChoice
 from m3sdk.request import Request
 from m3sdk.runner import PLACEHOLDER
 from m3sdk.sampler import SamplingState
@@ -207,3 +210,60 @@ async def test_overlap_on_the_gpu_gives_the_synchronous_tokens(monkeypatch):
             assert_all_pages_free(e)
         runs.append([c.token_ids for c in done])
     assert runs[1] == runs[0]
+
+
+async def test_steps_that_overlap_or_read_first_in_any_order_give_the_synchronous_outputs(engine_checkpoint,
+                                                                                          monkeypatch):
+    """The default on a GPU (`OverlapChoice`): each step overlaps or reads the step before first, whichever
+    measured faster; drawn at random here, greedy rows (logprobs, a stop string, early finishes) and a penalized
+    one give the synchronous loop's outputs, and every page ends free."""
+    async with engine(engine_checkpoint, False) as e:
+        ref = await e.generate(prompts(0)[2], temperature=0, max_tokens=20, ignore_eos=True)
+    stop = ref.text[6:8]
+    kinds = [dict(max_tokens=24), dict(max_tokens=3), dict(max_tokens=20, stop=[stop]),
+             dict(max_tokens=30, logprobs=2), dict(max_tokens=4, repetition_penalty=1.3), dict(max_tokens=17)]
+
+    async def run(overlap: bool) -> tuple[list[tuple], dict]:
+        async with engine(engine_checkpoint, overlap) as e:
+            done = await asyncio.gather(*[e.generate(p, temperature=0, ignore_eos=True, **k)
+                                          for p, k in zip(prompts(0), kinds, strict=True)])
+            assert_all_pages_free(e)
+            return [outcome(c) for c in done], e.stats()
+
+    sync, _ = await run(False)
+    rng = random.Random(5)
+    monkeypatch.setattr(OverlapChoice, "overlap", lambda self, batch: rng.random() < 0.5)
+    real = build_core
+
+    def with_choice(config, observers=()):
+        core = real(config, observers)
+        ex = core.executor
+        core.executor = OverlappedExecutor(ex.runner, ex.scheduler, ex.sampler, OverlapChoice([1, 2, 4, 8]))
+        return core
+
+    monkeypatch.setattr(engine_module, "build_core", with_choice)
+    mixed, stats = await run(True)
+    assert mixed == sync
+    assert stats["overlap_steps"] > 3 and stats["read_first_steps"] > 3
+
+
+def test_overlap_choice_follows_the_measured_periods():
+    """Both kinds are measured at a batch bucket (overlap first), then the shorter median period wins; periods of
+    steps with a prefill chunk, across a switch of kind or across an idle wait do not count."""
+    for read_first, overlapped, want in ((0.4, 0.6, False), (0.6, 0.4, True)):
+        choice, now, seen = OverlapChoice([1, 8]), 0.0, []
+        for _ in range(40):
+            kind = choice.overlap(8)
+            choice.launched(now, 8, kind, clean=True)
+            now += overlapped if kind else read_first
+            seen.append(kind)
+        assert seen[0] is True and False in seen[:12]
+        assert seen[-20:] == [want] * 20
+        assert choice.overlap(1) is True  # batch 1 not measured yet: overlap first
+    choice = OverlapChoice([4])
+    choice.launched(0.0, 4, True, clean=False)
+    choice.launched(1.0, 4, True, clean=True)
+    choice.idle()
+    choice.launched(9.0, 4, True, clean=True)
+    choice.launched(10.0, 4, False, clean=True)
+    assert choice.costs.samples(4, 1) == choice.costs.samples(4, 0) == 0

@@ -16,15 +16,16 @@ from m3sdk.parallel.sharding import param_pieces
 PROMPTS = [list(range(3 + i, 40 + 9 * i)) for i in range(3)] + [list(range(21, 40)) * 2]
 
 
-@pytest.mark.parametrize("expert_parallel", [True, False])
+@pytest.mark.parametrize(("world", "expert_parallel"), [(2, True), (2, False), (4, False)])
 @pytest.mark.parametrize("layout", ["hf", "minimax"])
-def test_rank_weights_are_slices_of_the_checkpoint(layout, expert_parallel, oracle_checkpoint,
+def test_rank_weights_are_slices_of_the_checkpoint(layout, world, expert_parallel, oracle_checkpoint,
                                                    oracle_checkpoint_minimax):
+    """world 4 > the 2 KV (and index) heads: ranks 0, 1 hold KV head 0, ranks 2, 3 KV head 1."""
     path = oracle_checkpoint if layout == "hf" else oracle_checkpoint_minimax  # minimax: one tensor per expert
     full = dict(load_model(path, "cpu", torch.float32).named_parameters())
     covered = {name: torch.zeros(p.shape, dtype=torch.bool) for name, p in full.items()}
-    for rank in range(2):
-        shard = Shard(rank, 2, expert_parallel)
+    for rank in range(world):
+        shard = Shard(rank, world, expert_parallel)
         local = dict(load_shard(path, shard, "cpu", torch.float32, "torch").named_parameters())
         assert local.keys() == full.keys()
         for name, param in local.items():
@@ -103,6 +104,14 @@ def test_graph_steps_replay_in_lockstep(engine_checkpoint, single_rank_tokens):
     assert tokens == single_rank_tokens
     assert (1, False) in replays and (4, True) in replays  # decode steps, and verify steps with padded rows
     assert [p.returncode for p in procs] == [0]
+
+
+def test_four_ranks_replicate_the_kv_heads(engine_checkpoint, single_rank_tokens):
+    """4 ranks over 4 query heads and 2 KV heads: each KV head (and its index head) on two ranks."""
+    torch.set_num_threads(1)
+    tokens, procs, _ = asyncio.run(_greedy(engine_checkpoint, tensor_parallel_size=4))
+    assert tokens == single_rank_tokens
+    assert [p.returncode for p in procs] == [0, 0, 0]
 
 
 def test_ranks_must_divide_the_heads(engine_checkpoint):

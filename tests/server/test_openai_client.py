@@ -86,6 +86,19 @@ def test_completions_text_and_token_prompts(client):
         for c in chunk.choices:
             streamed[c.index] += c.text
     assert streamed == [c.text for c in whole.choices]
+    # streamed logprobs: every token once, its text offset counting the choice's text before it
+    tokens, offsets, texts = [[], []], [[], []], ["", ""]
+    for chunk in client.completions.create(model="m3-tiny", prompt=["Once upon a time", "It was"], max_tokens=8,
+                                           temperature=0, logprobs=2, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                assert c.logprobs.text_offset[0] == len(texts[c.index])
+                tokens[c.index] += c.logprobs.tokens
+                offsets[c.index] += c.logprobs.text_offset
+            texts[c.index] += c.text
+    assert texts == streamed and [len(t) for t in tokens] == [8, 8]
+    assert ["".join(t) for t in tokens] == texts
+    assert all(o == [sum(map(len, t[:i])) for i in range(8)] for o, t in zip(offsets, tokens, strict=True))
     ids = client.completions.create(model="m3-tiny", prompt=[0, 100, 200, 300], max_tokens=3)
     assert ids.usage.prompt_tokens == 4 and ids.usage.completion_tokens == 3
 

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from oracle import write_byte_tokenizer
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from m3sdk.model import ModelConfig
@@ -32,10 +33,15 @@ def add_mtp(path, model_config, seed=0):
         tensors["mtp.layers.0.transformer_layer." + name.removeprefix(f"layers.{last}.")] = \
             torch.randn(shape, generator=g) * (0.3 if name.endswith("norm.weight") else 0.1)
     save_file(tensors, str(path / "mtp.safetensors"))
-    index = json.loads((path / "model.safetensors.index.json").read_text())
-    index["weight_map"].pop("mtp.layers.0.eh_proj.weight")
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        index = json.loads(index_file.read_text())
+        index["weight_map"].pop("mtp.layers.0.eh_proj.weight", None)
+    else:  # one shard (a checkpoint transformers saved whole): an index over it and the new one
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            index = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), "model.safetensors")}
     index["weight_map"].update(dict.fromkeys(tensors, "mtp.safetensors"))
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    index_file.write_text(json.dumps(index))
     return path
 
 

@@ -7,10 +7,12 @@ import random
 import pytest
 
 from m3sdk import Engine
+from m3sdk.cache.page_pool import PAGE_SIZE
 from m3sdk.core import resolved
 from m3sdk.graphs import DecodeGraphs
 from m3sdk.speculative.chain import ChainDrafter
 from m3sdk.speculative.decoding import Speculation
+from m3sdk.speculative.depth import DraftDepth
 
 PROMPTS = ["It was a truth well known in the neighbourhood that", "Emma could not help feeling that her friend"]
 
@@ -142,3 +144,57 @@ async def test_streams_left_while_a_verify_step_runs_leave_nothing_behind(monkey
         assert got == want if c == 99 else got[:c] == want[:c]
     assert stats["pages_free"] == stats["pages_total"] and stats["running"] == stats["waiting"] == 0
     assert not drafter._seqs and len(drafter.pool.free) == drafter.pool.slots
+
+
+async def test_any_depth_per_step_and_joins_through_graphs_change_no_greedy_token(monkeypatch):
+    """With the GPU's graph wiring and each step's depth drawn at random from 0 .. k (a depth-0 step replays the
+    plain decode graph and runs no drafter; requests switch depth mid-way): greedy output equals plain decoding;
+    short prompts are prefilled through the four-page graph, requests whose prompts are prefix-cache hits join
+    running ones through the one-page graph (their 16-token tail), and every page is free at the end."""
+    monkeypatch.setattr(resolved, "cuda_graphs_wanted", lambda config, device, backend: True)
+    monkeypatch.setattr(DecodeGraphs, "supported", staticmethod(lambda model: True))
+    rng = random.Random(1)
+    monkeypatch.setattr(DraftDepth, "choose", sticky_random_depth(rng))
+    replayed, replay = [], DecodeGraphs.replay
+
+    def counted(self, key):
+        replayed.append(key[2])
+        return replay(self, key)
+
+    monkeypatch.setattr(DecodeGraphs, "replay", counted)
+    long = [" ".join([p] * 4) for p in PROMPTS]
+
+    async def go(**overrides):
+        async with Engine(device="cpu", max_num_seqs=4, **overrides) as e:
+            first = await asyncio.gather(*[e.generate(p, max_tokens=8, temperature=0, ignore_eos=True)
+                                           for p in long])
+
+            async def later(p, after):
+                await asyncio.sleep(after)
+                return await e.generate(p, max_tokens=16, temperature=0, ignore_eos=True)
+
+            done = await asyncio.gather(e.generate(PROMPTS[0], max_tokens=40, temperature=0, ignore_eos=True),
+                                        later(long[0], 0.3), later(long[1], 0.6))
+            return [c.token_ids for c in first + done], e.stats()
+
+    plain, _ = await go()
+    replayed.clear()
+    spec, stats = await go(speculative="eagle3")
+    assert spec == plain
+    # depth-0 steps ran as the plain overlapped executor's
+    assert stats["overlap_steps"] > 0
+    assert all(n > 0 for n in stats["spec_steps_by_depth"]) and stats["spec_accepted_tokens"] > 0
+    assert {1, PAGE_SIZE, 4 * PAGE_SIZE} <= set(replayed) and len({2, 3, 4} & set(replayed)) >= 2
+    assert stats["pages_free"] == stats["pages_total"]
+
+
+def sticky_random_depth(rng: random.Random):
+    """A `DraftDepth.choose` that keeps its depth for a few steps, then draws another from 0 .. k."""
+    depth = [None]
+
+    def choose(self, batch: int) -> int:
+        if depth[0] is None or rng.random() < 0.35:
+            depth[0] = rng.randrange(self.k_max + 1)
+        return depth[0]
+
+    return choose

@@ -13,6 +13,7 @@ from m3sdk.config import EngineConfig
 from m3sdk.core import build_core
 from m3sdk.request import Request
 from m3sdk.sampler import SamplingState
+from m3sdk.speculative.depth import DraftDepth
 from m3sdk.tokenizer import TextStream
 
 MAX_TOKENS = 20
@@ -112,3 +113,37 @@ async def test_token_budget_that_cuts_drafts(spec_checkpoint, reference):
     out, stats = await greedy(spec_checkpoint, prompts(0), max_num_batched_tokens=8,
                               speculative={"method": "ngram", "num_speculative_tokens": 3})
     assert out == reference and stats["spec_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "ngram", "mtp"])
+async def test_greedy_identical_whatever_depth_each_step_takes(spec_checkpoint, eagle3_head, reference, method,
+                                                               monkeypatch):
+    """Each step's depth drawn at random from 0 .. k (0: a plain step, the drafter not run; a request switching
+    depth mid-way, and resuming drafting after plain steps): greedy output equals the output without speculation,
+    and every page is free at the end."""
+    rng = random.Random(3)
+    monkeypatch.setattr(DraftDepth, "choose", sticky_random_depth(rng))
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "eagle3":
+        spec["model"] = str(eagle3_head)
+    out, stats = await greedy(spec_checkpoint, prompts(0), speculative=spec)
+    assert out == reference
+    by_depth = stats["spec_steps_by_depth"]
+    assert len(by_depth) == 4 and all(n > 0 for n in by_depth)
+    # depth-0 steps ran as the plain overlapped executor's
+    assert stats["overlap_steps"] > 0
+    assert stats["spec_drafted_tokens"] > 0 and stats["pages_free"] == stats["pages_total"]
+    if method == "ngram":  # (the random heads' drafts are seldom right)
+        assert stats["spec_accepted_tokens"] > 0
+
+
+def sticky_random_depth(rng: random.Random):
+    """A `DraftDepth.choose` that keeps its depth for a few steps, then draws another from 0 .. k."""
+    depth = [None]
+
+    def choose(self, batch: int) -> int:
+        if depth[0] is None or rng.random() < 0.35:
+            depth[0] = rng.randrange(self.k_max + 1)
+        return depth[0]
+
+    return choose

@@ -104,7 +104,7 @@ def _text(content: Any, where: str) -> str:
                 parts.append(part["text"])
             else:
                 raise InvalidRequestError(f"{where}.content: only text parts ({{'type': 'text', 'text': str}}) "
-                                          f"are supported, got {part!r:.80}")
+                                          f"are supported here (image parts: Engine.chat), got {part!r:.80}")
         return "".join(parts)
     raise InvalidRequestError(f"{where}.content must be a str or a list of text parts, got {type(content).__name__}")
 

@@ -17,22 +17,24 @@ from m3sdk.config import BUNDLED_MODELS, EngineConfig
 from m3sdk.core.engine_core import EngineCore
 from m3sdk.core.executor import Executor, OverlappedExecutor, SpeculativeExecutor
 from m3sdk.core.hooks import StepObserver
+from m3sdk.core.overlap import OverlapChoice
 from m3sdk.core.resolved import ResolvedConfig, resolve
 from m3sdk.core.warmup import warm_up
-from m3sdk.graphs import DecodeGraphs
+from m3sdk.graphs import DecodeGraphs, batch_buckets
 from m3sdk.images import ImagePrompts
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.dummy import dummy_model
 from m3sdk.model.image_processor import ImageProcessor
 from m3sdk.model.loader import load_model
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
-from m3sdk.model.vision_loader import load_vision_encoder
+from m3sdk.model.vision_loader import load_vision_encoder, vision_config
 from m3sdk.observability import get_logger
 from m3sdk.runner import ModelRunner
 from m3sdk.sampler import Sampler
 from m3sdk.scheduler import SCHEDULERS
 from m3sdk.speculative.base import SpeculativeDecoder, TargetInfo, build_drafter
 from m3sdk.speculative.decoding import Speculation
+from m3sdk.speculative.depth import DraftDepth
 from m3sdk.tokenizer import Tokenizer
 from m3sdk_kernels.arch import fp8_dtype
 
@@ -40,6 +42,12 @@ if TYPE_CHECKING:
     from m3sdk.parallel import TensorParallel
 
 log = get_logger("m3sdk.core")
+
+# a speculating engine captures graphs of these query lengths for steps where requests join (a prefix-cache hit's
+# last page, a short prompt) when their logits take at most this much each (m3-tiny at 64 sequences: 8 and 32 MiB;
+# a 200K vocabulary: 0.8 GiB and more, left out)
+JOIN_QUERY_LENS = (PAGE_SIZE, 4 * PAGE_SIZE)
+JOIN_GRAPH_LOGITS_BYTES = 256 << 20
 
 
 def build_core(config: EngineConfig, observers: Sequence[StepObserver] = ()) -> EngineCore:
@@ -52,10 +60,9 @@ def build_core(config: EngineConfig, observers: Sequence[StepObserver] = ()) -> 
         if config.speculative is not None and config.speculative.method != "ngram":
             raise ValueError("tensor_parallel_size > 1 supports speculative='ngram' only (drafters read the "
                              "target's weights, which are sharded)")
-        if config.quantization != "none":
-            raise ValueError("tensor_parallel_size > 1 does not support quantization yet (ranks load bf16 shards)")
         tp = TensorParallel.launch(rc.model_path, config.tensor_parallel_size, rc.device, rc.dtype,
-                                   rc.attention_backend, config.expert_parallel, config.load_format, config.seed)
+                                   rc.attention_backend, config.expert_parallel, config.load_format, config.seed,
+                                   config.quantization)
         model = tp.model
     elif config.load_format == "dummy":
         model = dummy_model(ModelConfig.from_pretrained(rc.model_path), rc.device, rc.dtype, rc.attention_backend,
@@ -83,7 +90,8 @@ def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParalle
     factory = config.scheduler
     if isinstance(factory, str):
         factory = SCHEDULERS.get(factory)
-    scheduler = factory(cache, config)
+    images = _images(rc, tokenizer, tp)
+    scheduler = factory(cache, config, images)
     log.info("engine built", model=str(rc.model_path), device=str(rc.device), dtype=str(rc.dtype),
              pages=cache.num_pages, max_model_len=max_model_len)
     drafter = None
@@ -93,12 +101,22 @@ def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParalle
             checkpoint=str(rc.model_path), device=rc.device, dtype=rc.dtype, model=model, kv_spec=cache.kv.spec,
             num_cache_pages=cache.num_pages, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len))
     runner = ModelRunner(model, cache, rc.device, _graphs(rc, model, cache, tp, drafter), mirror=tp,
-                         images=_images(rc, tokenizer, tp))
+                         images=images)
     sampler = Sampler()
     if drafter is not None:
-        executor: Executor = SpeculativeExecutor(runner, scheduler, sampler, Speculation(drafter, cache, sampler))
-    elif rc.overlap:
-        executor = OverlappedExecutor(runner, scheduler, sampler)
+        buckets = batch_buckets(config.max_num_seqs)
+        depth = DraftDepth(drafter.num_speculative_tokens, buckets, config.speculative.adaptive)
+        # depth-0 steps as a plain engine's (overlapped or read first, measured), unless overlap is switched off
+        plain = None
+        if config.speculative.adaptive and config.overlap_scheduling is not False:
+            plain = OverlappedExecutor(runner, scheduler, sampler,
+                                       OverlapChoice(buckets) if config.overlap_scheduling is None else None,
+                                       tuple(drafter.aux_layers))
+        executor: Executor = SpeculativeExecutor(runner, scheduler, sampler,
+                                                 Speculation(drafter, cache, sampler, depth), plain)
+    elif rc.overlap:  # by default each step overlaps or reads first, whichever measured faster (core/overlap.py)
+        choice = OverlapChoice(batch_buckets(config.max_num_seqs)) if config.overlap_scheduling is None else None
+        executor = OverlappedExecutor(runner, scheduler, sampler, choice)
     else:
         executor = Executor(runner, scheduler, sampler)
     return EngineCore(rc, runner, scheduler, cache, tokenizer, executor, observers,
@@ -112,16 +130,29 @@ def _tokenizer_path(rc: ResolvedConfig) -> Path:
         log.info("no tokenizer.json beside the config: using the bundled m3-tiny tokenizer", model=str(rc.model_path))
         return BUNDLED_MODELS["m3-tiny"]
     return rc.model_path
+
+
 def _images(rc: ResolvedConfig, tokenizer: Tokenizer, tp: TensorParallel | None) -> ImagePrompts | None:
     """Image prompts, when the checkpoint has a vision encoder and images are asked for (limit_images > 0); the
-    encoder runs on rank 0's device only, so tensor-parallel engines take text only for now."""
+    encoder runs on rank 0's device only, so tensor-parallel engines take text only for now. A decode engine with
+    prefill_nodes and prefill_fallback "error" loads no encoder: its prefill nodes compute every image token."""
     if rc.engine.limit_images == 0 or tp is not None:
         return None
-    encoder = load_vision_encoder(rc.model_path, rc.device, rc.dtype)
-    if encoder is None:
-        return None
-    return ImagePrompts(ImageProcessor.from_pretrained(rc.model_path), encoder, tokenizer, rc.engine.limit_images,
-                        rc.device, rc.engine.image_fetcher)
+    config = rc.engine
+    encoder = None
+    if config.prefill_nodes and config.prefill_fallback == "error":
+        # a decode engine whose image prompts only prefill nodes compute: they encode the images, it needs no encoder
+        vision = vision_config(rc.model_path)
+        if vision is None:
+            return None
+        token = vision.image_token_id
+    else:
+        encoder = load_vision_encoder(rc.model_path, rc.device, rc.dtype)
+        if encoder is None:
+            return None
+        token = encoder.config.image_token_id
+    return ImagePrompts(ImageProcessor.from_pretrained(rc.model_path), encoder, tokenizer, config.limit_images,
+                        rc.device, token, config.image_fetcher, keep_files=bool(config.prefill_nodes))
 
 
 def _cache(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM) -> tuple[CacheManager, int]:
@@ -152,14 +183,23 @@ def _cache(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM) -> tuple[CacheManage
 
 def _graphs(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, cache: CacheManager, tp: TensorParallel | None,
             drafter: SpeculativeDecoder | None) -> DecodeGraphs | None:
-    """Captured decode (1 token) and, with a drafter, verify (1 + k tokens) steps that return the aux states the
-    drafter reads; the drafter's own steps too. Under tensor parallel the workers capture and replay the same
-    graphs in lockstep (parallel/graphs.py)."""
+    """Captured decode (1 token) and, with a drafter, verify steps that return the aux states the drafter reads:
+    1 + k tokens for every depth k an adaptive engine may choose (1 + k_max alone for a fixed one), and one and four
+    pages' worth (a joining request's prefix-cache tail or short prompt: a step where one joins stays a graph
+    step); the drafter's own steps too. Under tensor parallel the workers capture and replay the same graphs in lockstep
+    (parallel/graphs.py)."""
     if not (rc.cuda_graphs and DecodeGraphs.supported(model)):
         return None
-    k = drafter.num_speculative_tokens if drafter is not None else 0
+    query_lens: tuple[int, ...] = (1,)
+    if drafter is not None:
+        k = drafter.num_speculative_tokens
+        query_lens = (*range(1, k + 2),) if rc.engine.speculative.adaptive else (1, 1 + k)
+        # joins: a prefix-cache tail (one page) or a short prompt (up to four) with the running rows, where the
+        # graph's float32 logits stay small
+        query_lens += tuple(q for q in JOIN_QUERY_LENS if q > 1 + k and
+                            rc.engine.max_num_seqs * q * model.config.vocab_size * 4 <= JOIN_GRAPH_LOGITS_BYTES)
     args = (model, cache.kv, rc.engine.max_num_seqs, rc.max_model_len, rc.device)
-    kwargs = dict(query_lens=(1, 1 + k), aux_layers=drafter.aux_layers if drafter else ())
+    kwargs = dict(query_lens=query_lens, aux_layers=drafter.aux_layers if drafter else ())
     if tp is None:
         graphs = DecodeGraphs(*args, **kwargs)
     else:

@@ -27,7 +27,7 @@ from m3sdk.cache.manager import CacheManager
 from m3sdk.core.executor import Executor
 from m3sdk.core.hooks import Admission, Emit, FinishListener, OnDead, StepObserver
 from m3sdk.core.output import OutputProcessor
-from m3sdk.errors import EngineDeadError, InvalidRequestError
+from m3sdk.errors import EngineDeadError, InvalidRequestError, PrefillNodeError
 from m3sdk.observability import get_logger
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, FinishReason, Request
@@ -110,16 +110,16 @@ class EngineCore:
                 raise InvalidRequestError("structured_output is not supported with prefill_nodes (a prefill node "
                                           "samples the first token unconstrained)")
             grammar = self.grammars().grammar(params.structured_output)
-        if images and self._admission is not None:
-            raise InvalidRequestError("images are not supported with prefill_nodes yet")
-        if images and self.config.engine.speculative is not None:
-            raise InvalidRequestError("images are not supported with speculative decoding yet")
         request = Request(request_id, prompt_ids, params, max_total_tokens, priority, index=index, images=images)
         # eos is never masked for a structured output: its grammar decides where it may end
         stops = () if params.ignore_eos or grammar is not None else sorted(self.output.eos_token_ids)
         request.sampling = SamplingState(params, prompt_ids, grammar=grammar,
                                          min_tokens_ids=tuple(dict.fromkeys([*stops, *params.stop_token_ids])))
         request.text = TextStream(self.tokenizer, params, prompt_ids)
+        if images and not self.images.encodes and not _prefilled_remotely(request):
+            raise InvalidRequestError("this engine has no vision encoder (its prefill nodes encode the images), and "
+                                      "prefill nodes compute no prompt logprobs, logit_bias or min_tokens: an image "
+                                      "prompt cannot use them here")
         return request
 
     # -- any thread --------------------------------------------------------------------------------------
@@ -194,6 +194,8 @@ class EngineCore:
         self._add_held_choices()
         self._enter("schedule")
         plan = ex.schedule()
+        if plan.preempted and self.images is not None and not self.images.encodes:
+            self._fail_recomputes(plan.preempted)
         if plan:
             self._counters["steps"] += 1
             self._counters["prefill_tokens"] += sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
@@ -348,11 +350,17 @@ class EngineCore:
 
     def _add(self, request: Request) -> None:
         self._counters["prompt_tokens"] += request.num_prompt_tokens
-        # a prefill node samples the first token without logit_bias or min_tokens and computes no prompt logprobs:
-        # such a request is prefilled here
-        remote = not (request.sampling.adjusts_logits or request.needs_prompt_logprobs)
-        if self._admission is None or not remote or not self._admission.admit(request):
+        if self._admission is None or not _prefilled_remotely(request) or not self._admission.admit(request):
             self.scheduler.add(request)
+
+    def _fail_recomputes(self, preempted: list[Request]) -> None:
+        """Preempted image requests of an engine without a vision encoder end with an error: recomputing their
+        prompt here would compute image tokens (their chunks go out with this step's)."""
+        for request in preempted:
+            if request.images:
+                self._pending.append(self.output.finish(request, "abort", error=PrefillNodeError(
+                    "the request was preempted for KV pages, and recomputing its image tokens needs a vision encoder, "
+                    "which this engine leaves to its prefill nodes (prefill_fallback 'error')")))
 
     def _add_held_choices(self) -> None:
         """The choices whose first choice's prompt is computed (its pages committed to the prefix cache), or which
@@ -424,3 +432,9 @@ class EngineCore:
             **self.executor.stats(),
             **(self._admission.stats() if self._admission is not None else {}),
         }
+
+
+def _prefilled_remotely(request: Request) -> bool:
+    """Whether a prefill node may compute the request's prompt: it samples the first token without logit_bias or
+    min_tokens and computes no prompt logprobs (such a request is prefilled here)."""
+    return not (request.sampling.adjusts_logits or request.needs_prompt_logprobs)

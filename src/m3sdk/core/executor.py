@@ -15,6 +15,7 @@ An `InFlight` is a step launched whose results the host has not read: `resolve()
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -22,6 +23,7 @@ import torch
 
 from m3sdk.core.hooks import LayerHook
 from m3sdk.core.output import Emitted
+from m3sdk.core.overlap import OverlapChoice
 from m3sdk.prompt_logprobs import PendingPromptLogprobs, widen_for_prompt_logprobs
 from m3sdk.request import Request
 from m3sdk.runner import PLACEHOLDER, Carry, ModelRunner
@@ -84,8 +86,11 @@ class VerifyStep:
 class Executor:
     """The plain one: launch, then read the step at once."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler):
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, aux_layers: tuple[int, ...] = ()):
         self.runner, self.scheduler, self.sampler = runner, scheduler, sampler
+        # layers whose inputs every forward also returns: a speculating engine's plain steps ask for its drafter's,
+        # so they replay the graphs captured with them
+        self.aux_layers = aux_layers
         self.in_flight: InFlight | None = None
 
     @property
@@ -133,9 +138,9 @@ class Executor:
                  ) -> tuple[torch.Tensor | None, PendingPromptLogprobs | None]:
         """The plan's forward: logits of its sampling rows, and the prompt logprobs it computes, launched."""
         if not any(sc.request.needs_prompt_logprobs for sc in plan.scheduled):
-            return self.runner.run(plan, carry, layer_hook), None
+            return self.runner.run(plan, carry, layer_hook, self.aux_layers), None
         num_logits, prompt = widen_for_prompt_logprobs(plan, [int(sc.samples) for sc in plan.scheduled])
-        logits = self.runner.forward(plan, num_logits, carry=carry, layer_hook=layer_hook)[0]
+        logits = self.runner.forward(plan, num_logits, self.aux_layers, carry=carry, layer_hook=layer_hook)[0]
         # each sampling entry's last row
         ends = list(itertools.accumulate(num_logits))
         sample_rows = [end - 1 for sc, end in zip(plan.scheduled, ends, strict=True) if sc.samples]
@@ -166,10 +171,15 @@ class OverlappedExecutor(Executor):
     `Scheduler.update` for N+1, so the pages it commits to the prefix cache hash real tokens. A request that
     finished at N was scheduled in N+1 too: that token is dropped (its pages are freed at once; N+1's late writes
     into them come before any later step's on the same stream). When N+1 samples a row with a structured output,
-    its sampling is launched in `commit`, after N's tokens were accepted (its bitmask needs them)."""
+    its sampling is launched in `commit`, after N's tokens were accepted (its bitmask needs them).
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler):
-        super().__init__(runner, scheduler, sampler)
+    With a `choice` (core/overlap.py), a step may read N's tokens first instead (`settle`), whichever kind
+    measured the shorter period at its batch size; without one, every step overlaps."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
+                 choice: OverlapChoice | None = None, aux_layers: tuple[int, ...] = ()):
+        super().__init__(runner, scheduler, sampler, aux_layers)
+        self.choice = choice
         self._prev: SampledStep | None = None  # step N, launched before the step now being scheduled
         # step N+1 whose forward is launched and whose sampling waits for N's tokens (structured outputs)
         self._unsampled: tuple[SampledStep, torch.Tensor] | None = None
@@ -180,13 +190,31 @@ class OverlappedExecutor(Executor):
 
     def settle(self) -> list[Emitted]:
         self._prev, self.in_flight = self.in_flight, None
-        if self._prev is not None and not all(_lag_safe(r) for r in self._prev.rows):
-            prev, self._prev = self._prev, None  # their next draw reads the host's tokens: settle them first
+        if self._prev is None:
+            return []
+        # their next draw reads the host's tokens, or reading first measured faster here: settle them first
+        if not all(_lag_safe(r) for r in self._prev.rows) or (
+                self.choice is not None and not self.choice.overlap(len(self._prev.rows))):
+            prev, self._prev = self._prev, None
             return prev.resolve()
         return []
 
+    def schedule(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        if not plan:
+            self.idle()
+        return plan
+
+    def idle(self) -> None:
+        """The engine may now wait for work, or run other steps: the period running now is no step's cost."""
+        if self.choice is not None:
+            self.choice.idle()
+
     def launch(self, plan: StepPlan, layer_hook: LayerHook | None) -> None:
         rows = [sc.request for sc in plan.scheduled if sc.samples]
+        if self.choice is not None:
+            self.choice.launched(time.perf_counter(), len(rows), self._prev is not None,
+                                 all(sc.samples and sc.num_new_tokens == 1 for sc in plan.scheduled))
         if self._prev is None or all(r.sampling.grammar is None for r in rows):
             self.in_flight = self._sampled(plan, self._prev, layer_hook, placeholders=True)
             return
@@ -198,6 +226,9 @@ class OverlappedExecutor(Executor):
     def collect(self) -> list[Emitted]:
         prev, self._prev = self._prev, None
         return prev.resolve() if prev is not None else []
+
+    def stats(self) -> dict[str, object]:
+        return self.choice.stats() if self.choice is not None else {}
 
     def commit(self) -> None:
         if self._unsampled is not None:
@@ -211,38 +242,67 @@ class OverlappedExecutor(Executor):
 class SpeculativeExecutor(Executor):
     """Each step finishes the verify step the one before launched (its tokens are accepted, which decides who
     finished), then proposes, schedules and launches the next: the core emits the finished step's deltas and reads
-    its inbox while the device runs the new one (spec/decoding.py has the step's stages)."""
+    its inbox while the device runs the new one (spec/decoding.py has the step's stages).
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, spec: Speculation):
+    Where the draft depth is 0 (speculative/depth.py) and a `plain` executor is given, the steps are that
+    overlapped executor's: plain decode steps, each launched before the one before is read where that measured
+    faster, as a plain engine's. When drafting resumes, the plain step in flight is read first."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler, spec: Speculation,
+                 plain: OverlappedExecutor | None = None):
         super().__init__(runner, scheduler, sampler)
-        self.spec = spec
+        self.spec, self.plain = spec, plain
+        self._plain_now = False  # this step runs through `plain`
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None or (self.plain is not None and self.plain.busy)
 
     def settle(self) -> list[Emitted]:
+        emitted: list[Emitted] = []
         step, self.in_flight = self.in_flight, None
-        if step is None:
-            return []
-        emitted = step.resolve()
-        self.scheduler.update(step.plan)
-        self.spec.finish_step()
+        if step is not None:
+            emitted = step.resolve()
+            self.scheduler.update(step.plan)
+            self.spec.finish_step()
+        self._plain_now = self.plain is not None and self.spec.next_depth == 0
+        if self.plain is not None and self.plain.busy:
+            emitted += self.plain.settle()
+            if not self._plain_now:  # drafting resumes: the drafter proposes from the host's tokens
+                emitted += self.plain.collect()
         return emitted
 
     def schedule(self) -> StepPlan:
         self.spec.propose(self.scheduler.live_requests())
         plan = self.scheduler.schedule()
         self.spec.scheduled(plan)
+        if not plan:  # the engine may now wait for work: that wait is no step's cost
+            self.spec.depth.idle()
+            if self.plain is not None:
+                self.plain.idle()
         return plan
 
     def launch(self, plan: StepPlan, layer_hook: LayerHook | None) -> None:
+        if self._plain_now:
+            self.spec.launched_plain(plan)
+            self.plain.launch(plan, layer_hook)
+            return
+        if self.plain is not None:
+            self.plain.idle()
         self.in_flight = VerifyStep(self.spec.launch(plan, self.runner, layer_hook), self.spec)
 
     def collect(self) -> list[Emitted]:
-        return []
+        return self.plain.collect() if self._plain_now else []
+
+    def commit(self) -> None:
+        if self._plain_now:
+            self.plain.commit()
 
     def release(self, request: Request) -> None:
         self.spec.release(request)
 
-    def reset(self) -> None:  # its acceptance counters too (the warm-up's random prompts draft badly)
-        self.spec = Speculation(self.spec.drafter, self.spec.cache, self.sampler)
+    def reset(self) -> None:  # its acceptance too (the warm-up's random prompts draft badly); the costs stay
+        self.spec = Speculation(self.spec.drafter, self.spec.cache, self.sampler, self.spec.depth.after_warm_up())
 
     def stats(self) -> dict[str, object]:
-        return self.spec.stats()
+        return {**self.spec.stats(), **(self.plain.stats() if self.plain is not None else {})}

@@ -28,6 +28,7 @@ from m3sdk.disagg.compat import CompatInfo, model_fingerprint
 from m3sdk.disagg.messages import PrefillOrder
 from m3sdk.disagg.outbox import Outbox
 from m3sdk.disagg.server import FirstToken
+from m3sdk.errors import InvalidRequestError
 from m3sdk.observability import get_logger
 from m3sdk.request import Chunk, FinishReason, Request
 from m3sdk.scheduler.base import StepPlan
@@ -67,13 +68,21 @@ class EngineBackend:
         self.vocab_size = self.core.vocab_size
         # the prompt and its first token within max_model_len, which the core keeps within its KV cache
         self.max_prompt_tokens = self.core.max_model_len - 1
+        self.takes_images = self.core.images is not None
         self._dead: BaseException | None = None
         self.rows = wire.page_rows(self.core.cache.kv)
         self.core.start(self._emit, self._on_dead, finish_listeners=[self._on_finish])
 
     async def prefill(self, order: PrefillOrder, outbox: Outbox) -> FirstToken:
         ids = order.token_ids
-        request = self.core.new_request(order.request_id, ids, order.params, len(ids) + 1)
+        images = ()
+        if order.images:
+            if self.core.images is None:  # (the servicer refuses images first: its max_image_bytes is 0)
+                raise InvalidRequestError("this node takes no images")
+            # decoding and resizing off the loop; each image must come out as the decode side's did
+            images = await asyncio.to_thread(self.core.images.place, ids, [
+                (i.offset, i.num_tokens, i.digest, i.data) for i in order.images])
+        request = self.core.new_request(order.request_id, ids, order.params, len(ids) + 1, images=images)
         groups: dict[int, list[wire.MessageSpec]] = {}
         for msg in outbox.plan.messages:
             groups.setdefault(msg.layers[-1], []).append(msg)

@@ -28,7 +28,7 @@ from m3sdk.disagg import loop
 from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb
 from m3sdk.disagg._proto import m3sdk_disagg_pb2_grpc as pb_grpc
 from m3sdk.disagg.compat import PROTOCOL_VERSION, CompatInfo
-from m3sdk.disagg.messages import check_reply, pack_token_ids, sampling_to_proto
+from m3sdk.disagg.messages import WireImage, check_reply, images_to_proto, pack_token_ids, sampling_to_proto
 from m3sdk.disagg.server import TOKEN_HEADER
 from m3sdk.disagg.transport import KVTransport, Receive, TransportError, build_transport
 from m3sdk.disagg.wire import MAX_TRANSFER_ID, TransferPlan, WireError, long_runs
@@ -68,6 +68,7 @@ class _Node:
     error: str = "not contacted yet"
     remote_running: int = 0
     max_prompt_tokens: int = 0  # from its handshake: a longer prompt goes elsewhere (or falls back) at once
+    max_image_bytes: int = 0  # likewise for a prompt's image files (0: it takes no images)
     slow_beats: int = 0  # heartbeats in a row that timed out
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set when it stops answering; then replaced
     jobs: set[asyncio.Task] = field(default_factory=set)
@@ -119,15 +120,21 @@ class PrefillClient:
     def has_healthy_node(self) -> bool:
         return any(n.healthy for n in self._nodes)
 
+    def takes_images(self, num_bytes: int) -> bool:
+        """Whether a healthy node takes a prompt's images of `num_bytes` bytes."""
+        return any(n.healthy and 0 < num_bytes <= n.max_image_bytes for n in self._nodes)
+
     def node_states(self) -> dict[str, str]:
         return {n.target: "healthy" if n.healthy else n.error for n in self._nodes}
 
     def submit(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, pages: Sequence[int],
-               num_cached_pages: int, timeout_s: float) -> Future[RemotePrefillResult]:
-        """Prefill `token_ids` remotely into `pages` (the request's page table; the first `num_cached_pages`
-        already hold valid K/V here and are not sent). The future fails with PrefillNodeError."""
+               num_cached_pages: int, timeout_s: float, images: Sequence[WireImage] = ()
+               ) -> Future[RemotePrefillResult]:
+        """Prefill `token_ids` (with their `images`) remotely into `pages` (the request's page table; the first
+        `num_cached_pages` already hold valid K/V here and are not sent). The future fails with
+        PrefillNodeError."""
         return loop.submit(self._submit(request_id, list(token_ids), params, list(pages), num_cached_pages,
-                                        timeout_s))
+                                        timeout_s, tuple(images)))
 
     def cancel_async(self, request_id: str) -> Future[None]:
         """Abort a job; once the future is done, its pages are no longer written. Unknown ids are a no-op."""
@@ -159,7 +166,7 @@ class PrefillClient:
         if reply.protocol_version != PROTOCOL_VERSION or diff:
             raise PrefillNodeError(f"prefill node {node.target} is incompatible (decode != node): "
                                    + "; ".join(diff or [f"protocol {PROTOCOL_VERSION} != {reply.protocol_version}"]))
-        node.max_prompt_tokens = reply.max_prompt_tokens
+        node.max_prompt_tokens, node.max_image_bytes = reply.max_prompt_tokens, reply.max_image_bytes
         node.healthy, node.error = True, ""
 
     async def _heartbeat(self, node: _Node) -> None:
@@ -194,7 +201,7 @@ class PrefillClient:
         node.down.set()  # fails its jobs at once
         node.down = asyncio.Event()
 
-    def _pick(self, num_tokens: int) -> _Node:
+    def _pick(self, num_tokens: int, image_bytes: int) -> _Node:
         healthy = [n for n in self._nodes if n.healthy]
         if not healthy:
             raise PrefillNodeError("no healthy prefill node: " + "; ".join(
@@ -203,23 +210,30 @@ class PrefillClient:
         if not fits:
             raise PrefillNodeError(f"no prefill node takes a {num_tokens}-token prompt: " + "; ".join(
                 f"{n.target}: max_prompt_tokens {n.max_prompt_tokens}" for n in healthy))
+        if image_bytes:
+            fits = [n for n in fits if image_bytes <= n.max_image_bytes]
+            if not fits:
+                raise PrefillNodeError(f"no prefill node takes images of {image_bytes} bytes: " + "; ".join(
+                    f"{n.target}: max_image_bytes {n.max_image_bytes}"
+                    + (" (no vision encoder)" if not n.max_image_bytes else "") for n in healthy))
         return min(fits, key=lambda n: (len(n.jobs) + n.remote_running, len(n.jobs)))
 
     async def _submit(self, request_id: str, token_ids: list[int], params: SamplingParams, pages: list[int],
-                      num_cached_pages: int, timeout_s: float) -> RemotePrefillResult:
-        node = self._pick(len(token_ids))
+                      num_cached_pages: int, timeout_s: float, images: tuple[WireImage, ...]) -> RemotePrefillResult:
+        node = self._pick(len(token_ids), sum(len(i.data) for i in images))
         task = asyncio.current_task()
         self._jobs[request_id] = task
         node.jobs.add(task)
         try:
-            return await self._job(node, request_id, token_ids, params, pages, num_cached_pages, timeout_s)
+            return await self._job(node, request_id, token_ids, params, pages, num_cached_pages, timeout_s, images)
         finally:
             node.jobs.discard(task)
             if self._jobs.get(request_id) is task:
                 del self._jobs[request_id]
 
     async def _job(self, node: _Node, request_id: str, token_ids: list[int], params: SamplingParams,
-                   pages: list[int], num_cached_pages: int, timeout_s: float) -> RemotePrefillResult:
+                   pages: list[int], num_cached_pages: int, timeout_s: float, images: tuple[WireImage, ...]
+                   ) -> RemotePrefillResult:
         start = time.monotonic()
         deadline = start + timeout_s
         send_pages = pages[num_cached_pages:]
@@ -236,7 +250,8 @@ class PrefillClient:
                 sampling=sampling_to_proto(params), transport_port=self.transport.port,
                 transfer_id=plan.transfer_id, num_cached_pages=num_cached_pages, dst_pages=send_pages,
                 layers_per_group=self.layers_per_group, max_message_bytes=message_bytes,
-                deadline_unix_s=time.time() + timeout_s, message_per_piece=plan.pieces)
+                deadline_unix_s=time.time() + timeout_s, message_per_piece=plan.pieces,
+                images=images_to_proto(images))
         except ValueError as e:  # e.g. a seed outside uint64
             raise PrefillNodeError(f"request {request_id!r} cannot be sent to a prefill node: {e}") from e
         call = node.stub.Prefill(request, timeout=timeout_s, metadata=self._metadata)

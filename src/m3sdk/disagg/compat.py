@@ -14,8 +14,9 @@ from m3sdk.disagg._proto import m3sdk_disagg_pb2 as pb
 from m3sdk_kernels.layout import PAGE_SIZE
 
 # 2: PrefillRequest.message_per_piece (a node of 1 would ignore it and send whole messages); 3: a group's pages are
-# cut into messages evenly (wire.TransferPlan.build: a peer of 2 cuts them differently), token ids as 4-byte integers
-PROTOCOL_VERSION = 3
+# cut into messages evenly (wire.TransferPlan.build: a peer of 2 cuts them differently), token ids as 4-byte integers;
+# 4: PrefillRequest.images (a node of 3 would ignore them and compute the image tokens' ids as text)
+PROTOCOL_VERSION = 4
 
 
 def _dtype_name(dtype: object) -> str:

@@ -40,12 +40,16 @@ class Limits:
     # once the first token is computed, the decode side must have taken every page within this many seconds:
     # a receiver that does not read (a closed transport port, a stalled process) frees the node's slot then
     receiver_timeout_s: float = 10.0
+    # the image files one prefill may carry, in bytes; 0: no images (the node lowers it to 0 without a vision
+    # encoder, PrefillServicer)
+    max_image_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt_tokens", "max_message_bytes", "max_in_flight"):
+        for name in ("max_prompt_tokens", "max_message_bytes", "max_in_flight", "max_image_bytes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Limits.{name} must be an int >= 1, got {value!r}")
+            least = 0 if name == "max_image_bytes" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"Limits.{name} must be an int >= {least}, got {value!r}")
         if self.max_message_bytes < MIN_MESSAGE_BYTES:
             raise ValueError(f"Limits.max_message_bytes must be >= {MIN_MESSAGE_BYTES}")
         for name in ("max_deadline_s", "receiver_timeout_s"):
@@ -55,8 +59,24 @@ class Limits:
 
     @property
     def max_call_bytes(self) -> int:
-        # token ids of 4 bytes and page ids (varints of at most 5 bytes) per token at most, plus small fixed fields
-        return 9 * self.max_prompt_tokens + (64 << 10)
+        # token ids of 4 bytes and page ids (varints of at most 5 bytes) per token at most, the image files with
+        # their offsets and digests (well under 64 bytes an image, at most one image a token), small fixed fields
+        images = self.max_image_bytes + 64 * self.max_prompt_tokens if self.max_image_bytes else 0
+        return 9 * self.max_prompt_tokens + images + (64 << 10)
+
+
+DIGEST_BYTES = 16  # m3sdk.model.image_processor's content hash
+
+
+@dataclass(frozen=True)
+class WireImage:
+    """One image of a Prefill call, checked against the prompt: its tokens are positions [offset, offset +
+    num_tokens); `data` is the image file the node decodes."""
+
+    offset: int
+    num_tokens: int
+    digest: bytes
+    data: bytes
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,7 @@ class PrefillOrder:
     max_message_bytes: int
     deadline: float  # time.time() seconds
     pieces: bool = False  # each message as one transport message per piece (wire.TransferPlan.pieces)
+    images: tuple[WireImage, ...] = ()
 
     @property
     def num_pages(self) -> int:
@@ -147,13 +168,37 @@ def check_prefill(req: pb.PrefillRequest, limits: Limits, compat_hash: str, voca
                         f"got {req.max_message_bytes}")
     if not math.isfinite(req.deadline_unix_s) or not now < req.deadline_unix_s:
         raise WireError("deadline_unix_s must be a time in the future")
+    images = _check_images(req.images, n, limits.max_image_bytes) if req.images else ()
     return PrefillOrder(request_id=req.request_id, token_ids=token_ids,
                         params=_sampling_from_proto(req.sampling), transport_port=req.transport_port,
                         transfer_id=req.transfer_id, num_cached_pages=req.num_cached_pages,
                         dst_pages=dst_pages, layers_per_group=req.layers_per_group,
                         max_message_bytes=req.max_message_bytes,
                         deadline=min(req.deadline_unix_s, now + limits.max_deadline_s),
-                        pieces=req.message_per_piece)
+                        pieces=req.message_per_piece, images=images)
+
+
+def _check_images(images: Sequence[pb.PromptImage], num_tokens: int, max_bytes: int) -> tuple[WireImage, ...]:
+    """The images' spans in prompt order, apart, within the prompt; their files within `max_bytes` (whether each
+    span holds image tokens, and the files decode to as many tokens and the same digest, the backend checks)."""
+    if not max_bytes:
+        raise WireError("this node takes no images (it has no vision encoder, or max_image_bytes is 0)")
+    size = sum(len(i.data) for i in images)
+    if size > max_bytes:
+        raise WireError(f"images of {size} bytes exceed the node's max_image_bytes of {max_bytes}")
+    end = 0
+    for k, image in enumerate(images):
+        if image.offset < end or image.num_tokens < 1 or image.offset + image.num_tokens > num_tokens:
+            raise WireError(f"image {k}: tokens [{image.offset}, {image.offset + image.num_tokens}) must be in "
+                            f"prompt order, apart and within the {num_tokens}-token prompt")
+        if len(image.digest) != DIGEST_BYTES or not image.data:
+            raise WireError(f"image {k}: a {DIGEST_BYTES}-byte digest and the image's bytes are needed")
+        end = image.offset + image.num_tokens
+    return tuple(WireImage(i.offset, i.num_tokens, i.digest, i.data) for i in images)
+
+
+def images_to_proto(images: Sequence[WireImage]) -> list[pb.PromptImage]:
+    return [pb.PromptImage(offset=i.offset, num_tokens=i.num_tokens, digest=i.digest, data=i.data) for i in images]
 
 
 def _is_logprob(x: float) -> bool:

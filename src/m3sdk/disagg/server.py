@@ -35,6 +35,7 @@ from m3sdk.disagg.compat import PROTOCOL_VERSION, CompatInfo
 from m3sdk.disagg.messages import Limits, PrefillOrder, check_prefill
 from m3sdk.disagg.outbox import Outbox
 from m3sdk.disagg.transport import KVTransport, TransportError
+from m3sdk.errors import InvalidRequestError
 from m3sdk.observability import get_logger
 
 log = get_logger("m3sdk.disagg.server")
@@ -63,10 +64,13 @@ class PrefillBackend(Protocol):
     # it keeps the pages it packed unchanged until `outbox.wait_released` returned: they may be sent in place
     holds_pages: bool
     max_prompt_tokens: int  # the longest prompt its KV cache can ever hold (with the first token's room)
+    takes_images: bool  # it has a vision encoder: PrefillOrder.images are decoded and encoded there
+
 
     async def prefill(self, order: PrefillOrder, outbox: Outbox) -> FirstToken:
-        """Run the prompt and pack every message of `outbox.plan` into `outbox` (the pages the order names, as
-        soon as they are computed); cancelling the call aborts it and frees what it holds."""
+        """Run the prompt (its images decoded and checked first: InvalidRequestError when they do not match the
+        prompt) and pack every message of `outbox.plan` into `outbox` (the pages the order names, as soon as they
+        are computed); cancelling the call aborts it and frees what it holds."""
 
     def pages(self) -> tuple[int, int]:
         """(free, total) pages of its KV cache."""
@@ -104,9 +108,11 @@ def _caller(context: grpc.aio.ServicerContext) -> str:
 class PrefillServicer(pb_grpc.PrefillNodeServicer):
     def __init__(self, backend: PrefillBackend, transport: KVTransport, limits: Limits, node_id: str):
         self.backend, self.transport, self.node_id = backend, transport, node_id
-        # no prompt the KV cache can never hold: the scheduler would wait on it forever
+        # no prompt the KV cache can never hold: the scheduler would wait on it forever; no images without an
+        # encoder
         self.limits = dataclasses.replace(limits, max_prompt_tokens=min(limits.max_prompt_tokens,
-                                                                        backend.max_prompt_tokens))
+                                                                        backend.max_prompt_tokens),
+                                          max_image_bytes=limits.max_image_bytes if backend.takes_images else 0)
         self.compat_hash = backend.compat.digest
         self.draining = False
         # (caller, request id) -> (work, prompt tokens)
@@ -143,7 +149,8 @@ class PrefillServicer(pb_grpc.PrefillNodeServicer):
                                  transport=self.transport.name, max_prompt_tokens=limits.max_prompt_tokens,
                                  max_message_bytes=limits.max_message_bytes, node_id=self.node_id,
                                  max_in_flight=limits.max_in_flight, max_deadline_s=limits.max_deadline_s,
-                                 receiver_timeout_s=limits.receiver_timeout_s)
+                                 receiver_timeout_s=limits.receiver_timeout_s,
+                                 max_image_bytes=limits.max_image_bytes)
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillReply:
         if why := self._failure():
@@ -175,6 +182,8 @@ class PrefillServicer(pb_grpc.PrefillNodeServicer):
             raise  # the caller went away: cancel the work below
         except TimeoutError:
             await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed on the node")
+        except InvalidRequestError as e:  # its images do not match its prompt here
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (TransportError, wire.WireError) as e:
             await _abort(context, grpc.StatusCode.UNAVAILABLE, f"pushing pages failed: {e}")
         except RuntimeError as e:  # the backend could not compute it (aborted in the engine, engine died)

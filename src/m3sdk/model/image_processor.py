@@ -47,6 +47,7 @@ class ProcessedImage:
     grid_thw: tuple[int, int, int]
     num_tokens: int
     digest: bytes  # content hash of the pixels: keys the prefix cache and the encoder-output cache
+    data: bytes = b""  # the image file (a PIL image given: as PNG) when asked for, for a prefill node to decode
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,16 @@ class ImageProcessor:
         h, w = self.target_size(height, width)
         return (h // self.factor) * (w // self.factor)
 
-    def process(self, image: Any, fetcher: Fetcher | None = None) -> ProcessedImage:
-        """Decode `image` (see the module doc for the accepted forms) and turn it into the encoder's input."""
-        return self.process_array(decode_image(image, fetcher))
+    def process(self, image: Any, fetcher: Fetcher | None = None, keep_file: bool = False) -> ProcessedImage:
+        """Decode `image` (see the module doc for the accepted forms) and turn it into the encoder's input;
+        `keep_file`: with the image file too (a PIL image encoded as PNG), for a prefill node."""
+        if not keep_file:
+            return self.process_array(decode_image(image, fetcher))
+        data = image_file(image, fetcher)
+        return self.process_array(decode_image(data), data)
 
-    def process_array(self, rgb: torch.Tensor) -> ProcessedImage:
-        """`rgb`: uint8 [3, H, W] -> encoder input."""
+    def process_array(self, rgb: torch.Tensor, data: bytes = b"") -> ProcessedImage:
+        """`rgb`: uint8 [3, H, W] -> encoder input (`data`: the file it was decoded from)."""
         height, width = rgb.shape[-2:]
         h, w = self.target_size(height, width)
         x = rgb[None]
@@ -124,7 +129,7 @@ class ImageProcessor:
         x = x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, t, -1, -1).reshape(gh * gw, 3 * t * ps * ps)
         pixels = x.contiguous()
         digest = _digest(rgb, (h, w))
-        return ProcessedImage(pixels, (1, gh, gw), gh * gw // (m * m), digest)
+        return ProcessedImage(pixels, (1, gh, gw), gh * gw // (m * m), digest, data)
 
 
 def _digest(rgb: torch.Tensor, size: tuple[int, int]) -> bytes:
@@ -160,6 +165,24 @@ def decode_image(image: Any, fetcher: Fetcher | None = None) -> torch.Tensor:
         raise InvalidRequestError(f"image of {pil.width}x{pil.height} exceeds {MAX_DECODED_PIXELS} pixels")
     rgb = pil.convert("RGB")
     return torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8).view(rgb.height, rgb.width, 3).permute(2, 0, 1)
+
+
+def image_file(image: Any, fetcher: Fetcher | None = None) -> bytes:
+    """The bytes of an image file: as given (bytes, a path, a data URL, a fetched URL), or a PIL image's RGB as
+    PNG (lossless: decoding it gives the same pixels, hence the same digest)."""
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise InvalidRequestError("images need Pillow: pip install 'm3sdk[vision]'") from e
+    if not isinstance(image, Image.Image):
+        return _image_bytes(image, fetcher)
+    if image.width * image.height > MAX_DECODED_PIXELS:
+        raise InvalidRequestError(f"image of {image.width}x{image.height} exceeds {MAX_DECODED_PIXELS} pixels")
+    if image.width == 0 or image.height == 0:
+        raise InvalidRequestError(f"image has zero size ({image.width}x{image.height})")
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
 
 
 def _image_bytes(image: Any, fetcher: Fetcher | None) -> bytes:

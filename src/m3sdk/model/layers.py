@@ -120,6 +120,20 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int)
     return weights / weights.sum(dim=-1, keepdim=True), ids
 
 
+def local_routes(ids: torch.Tensor, weights: torch.Tensor, first: int, count: int,
+                 shared: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routes over all experts -> routes over the `count` experts from id `first` that this rank holds: pairs
+    routed elsewhere get weight 0 on local expert 0, so the expert kernels see fixed shapes (no host sync, CUDA-graph
+    safe); the router's shared-expert column (id `shared`) goes to local id `count` (the stack's last expert)."""
+    local = ids - first
+    mine = (local >= 0) & (local < count)
+    if shared is not None:
+        is_shared = ids == shared
+        local = torch.where(is_shared, count, local)
+        mine = mine | is_shared
+    return torch.where(mine, local, 0), torch.where(mine, weights, 0.0)
+
+
 @functools.cache
 def fused_moe_fits(hidden: int, inter: int) -> bool:
     """Whether m3sdk_kernels' fused MoE tiles bf16 experts of these widths (`moe_unsupported`; m3-tiny's 256 / 64
@@ -177,13 +191,15 @@ def _moe_experts_dense(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weight
 class SparseMoE(nn.Module):
     """Routed experts (top-k of E, sigmoid router with bias, scaled) plus one always-on shared expert. `reduce`:
     both are this rank's partial sums (a slice of every expert's width, or whole experts of its own), added
-    first and all-reduced once."""
+    first and all-reduced once. `first_expert`: the router id of the first expert held (expert parallel: this
+    rank's first of its whole experts; the router always scores all of them)."""
 
     def __init__(self, hidden: int, num_experts: int, inter: int, shared_inter: int, top_k: int, scaling: float,
-                 alpha: float, limit: float, dtype: torch.dtype, reduce: bool = False):
+                 alpha: float, limit: float, dtype: torch.dtype, reduce: bool = False, first_expert: int = 0):
         super().__init__()
         self.top_k, self.scaling, self.alpha, self.limit = top_k, scaling, alpha, limit
         self.reduce = reduce
+        self.first_expert = first_expert
         # router in fp32: its logits pick experts, and bf16 rounding flips near-ties
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))

@@ -75,7 +75,8 @@ class Target:
 def load_model(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
                attn_backend: str = "torch", quantization: str = "none", progress: bool = False) -> MiniMaxM3ForCausalLM:
     """Read config.json and the safetensors weights of `path` into a ready model on `device` in `dtype`;
-    `quantization` ("none" | "fp8" | "mxfp4", see m3sdk.model.quantize) is applied once the weights are in.
+    `quantization` ("none" | "fp8" | "fp8_experts" | "mxfp4", see m3sdk.model.quantize) is applied once the
+    weights are in.
     `progress` draws a bar on stderr (the CLI's choice: an embedded engine stays silent)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)

@@ -5,8 +5,9 @@ Computed from the config alone (no weights, no device), with the widths each ten
 (parallel/sharding.py's split: heads, MLP widths and the vocabulary 1/N; the routed experts 1/N of them with
 expert parallel, else 1/N of each expert's width; the embeddings, norms and the router whole) and the storage of
 the served formats (model/quantize.py): bf16 (the model dtype), FP8 linears (1 byte + a float32 scale per output
-row), MXFP4 experts (half a byte + one E8M0 byte per 32, the shared expert stacked after the routed ones, both
-padded to one intermediate width), MX experts a checkpoint stores stay as stored.
+row), expert stacks (the shared expert stacked after the routed ones, both padded to one intermediate width):
+MXFP4 (half a byte + one E8M0 byte per 32) or FP8 (1 byte + a float32 scale per row); MX experts a checkpoint
+stores stay as stored.
 The KV cache budget is the engine's: `gpu_memory_fraction` of the memory left after the weights (the rest covers
 the CUDA context, activations and graphs).
 """
@@ -21,6 +22,7 @@ import torch
 from m3sdk.attention.base import PAGE_SIZE
 from m3sdk.cache.kv_pool import KVCacheSpec
 from m3sdk.model.config import ModelConfig
+from m3sdk.model.quantize import EXPERT_FORMATS, STACK_ALIGN
 
 _MX_BLOCK = 32
 _MX_BYTES = {"mxfp4": 0.5 + 1 / _MX_BLOCK, "mxfp8": 1 + 1 / _MX_BLOCK}  # per weight, E8M0 scales included
@@ -86,9 +88,9 @@ def plan_memory(config: ModelConfig, *, tensor_parallel_size: int = 1, expert_pa
     check_split(config, n, expert_parallel)
     parts = _weight_bytes(config, n, expert_parallel, quantization, dtype.itemsize)
     weights = sum(parts.values())
-    index_heads = config.index_n_heads // n if config.sparse_layers else config.index_n_heads
-    local = dataclasses.replace(config, num_heads=config.num_heads // n, num_kv_heads=config.num_kv_heads // n,
-                                index_n_heads=index_heads)
+    index_heads = local_heads(config.index_n_heads, n) if config.sparse_layers else config.index_n_heads
+    local = dataclasses.replace(config, num_heads=config.num_heads // n,
+                                num_kv_heads=local_heads(config.num_kv_heads, n), index_n_heads=index_heads)
     spec = KVCacheSpec.for_model(local, 1, kv_dtype=kv_cache_dtype, index_dtype=index_cache_dtype or kv_cache_dtype,
                                  model_dtype=dtype)
     page = spec.bytes_per_page
@@ -108,14 +110,23 @@ def _pages_per_sequence(context: int) -> int:
     return -(-context // PAGE_SIZE) + 1  # the engine keeps one spare page per sequence (core/builder.py)
 
 
+def local_heads(total: int, n: int) -> int:
+    """KV (or index) heads a rank of `n` holds: 1/N of them, or, where there are fewer heads than ranks, the one
+    its query heads attend with (replicated over N / total ranks: `check_split` wants N a multiple of them)."""
+    return total // n if total >= n else 1
+
+
 def check_split(c: ModelConfig, n: int, expert_parallel: bool) -> None:
-    """Every count tensor parallel splits must divide by the `n` ranks; a ValueError names all that do not."""
-    counts = {"num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+    """Every count tensor parallel splits must divide by the `n` ranks (the KV and index heads may instead be
+    replicated: `n` a multiple of them); a ValueError names all that do not."""
+    counts = {"num_attention_heads": c.num_heads,
               "dense_intermediate_size": c.dense_intermediate_size if c.dense_layers else 0,
               "shared_intermediate_size": c.shared_intermediate_size if c.moe_layers else 0,
               "num_local_experts" if expert_parallel else "intermediate_size (per expert)":
                   (c.num_experts if expert_parallel else c.moe_intermediate_size) if c.moe_layers else 0}
     bad = [f"{k}={v}" for k, v in counts.items() if v % n]
+    replicable = {"num_key_value_heads": c.num_kv_heads, "index_n_heads": c.index_n_heads if c.sparse_layers else n}
+    bad += [f"{k}={v} (or be a multiple of it)" for k, v in replicable.items() if v % n and n % v]
     if n < 1 or bad:
         raise ValueError(f"tensor_parallel_size {n} must divide {', '.join(bad)}")
 
@@ -125,6 +136,14 @@ def _attention_widths(c: ModelConfig, layer: int) -> tuple[int, int]:
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     index = c.index_n_heads * c.index_head_dim + c.index_head_dim if c.is_sparse(layer) else 0
     return q + 2 * kv + index, q
+
+
+def _local_qkv_rows(c: ModelConfig, layer: int, n: int) -> int:
+    """Rows of the packed q|k|v|index_q|index_k projection a rank of `n` holds (the index key whole)."""
+    rows = (c.num_heads // n + 2 * local_heads(c.num_kv_heads, n)) * c.head_dim
+    if c.is_sparse(layer):
+        rows += (local_heads(c.index_n_heads, n) + 1) * c.index_head_dim
+    return rows
 
 
 def _param_count(c: ModelConfig, experts: int, head: bool = True) -> int:
@@ -155,12 +174,12 @@ def _weight_bytes(c: ModelConfig, n: int, expert_parallel: bool, quantization: s
     routed = c.num_experts // n if expert_parallel else c.num_experts
     inter = c.moe_intermediate_size if expert_parallel else c.moe_intermediate_size // n
     shared = c.shared_intermediate_size // n
-    expert_format = c.quant_format if c.quant_format != "none" else quantization if quantization == "mxfp4" else None
+    expert_format = c.quant_format if c.quant_format != "none" else EXPERT_FORMATS.get(quantization)
     for i in range(c.num_layers):
         qkv, o = _attention_widths(c, i)
         index_k = c.index_head_dim if c.is_sparse(i) else 0
         norms = (2 * h + 2 * c.head_dim + 2 * index_k) * size
-        parts["attention"] += linear((qkv - index_k) // n + index_k, h) + linear(h, o // n) + norms
+        parts["attention"] += linear(_local_qkv_rows(c, i, n), h) + linear(h, o // n) + norms
         if not c.is_moe(i):
             dense = c.dense_intermediate_size // n
             parts["dense_mlp"] += linear(2 * dense, h) + linear(h, dense)
@@ -170,10 +189,14 @@ def _weight_bytes(c: ModelConfig, n: int, expert_parallel: bool, quantization: s
             parts["experts"] += routed * 3 * h * inter * size
             parts["shared"] += linear(2 * shared, h) + linear(h, shared)
             continue
-        # one MX stack: the routed experts, then the shared expert, padded to one width and the hidden size to 32
-        width = -(-max(inter, shared) // _MX_BLOCK) * _MX_BLOCK
-        padded_h = -(-h // _MX_BLOCK) * _MX_BLOCK
-        per_expert = int(3 * padded_h * width * _MX_BYTES[expert_format])
+        # one stack: the routed experts, then the shared expert, padded to one width (and MX: the hidden size to 32)
+        inter_block, hidden_block = STACK_ALIGN[expert_format]
+        width = -(-max(inter, shared) // inter_block) * inter_block
+        padded_h = -(-h // hidden_block) * hidden_block
+        if expert_format == "fp8":  # a float32 scale per row of gate_up [2W, H] and of down [H, W]
+            per_expert = 3 * padded_h * width + 4 * (2 * width + padded_h)
+        else:
+            per_expert = int(3 * padded_h * width * _MX_BYTES[expert_format])
         parts["experts"] += routed * per_expert
         parts["shared"] += per_expert
     return parts

@@ -8,8 +8,11 @@
 - "mxfp4": "fp8", plus the routed experts in MXFP4 (E2M1, one E8M0 scale per 32 inputs) with the shared expert
            stacked after them in the same format, so one fused MoE launch pair serves both (AMD's published MXFP4
            checkpoint quantizes the shared experts too).
+- "fp8_experts": "fp8", plus the routed experts and the shared expert stacked the same way in FP8 (one scale per
+           output row; the fused MoE kernels quantize their activations per token, the intermediate per 64
+           columns: the stack's width is padded to 64).
 Experts a checkpoint stores in an MX format (the loader builds their QuantizedMoE) stay as stored under every
-choice; "mxfp4" refuses MXFP8 experts rather than requantize them.
+choice; "mxfp4" and "fp8_experts" refuse stored experts of another format rather than requantize them.
 Any width the architecture allows is served by zero padding at load, which changes no output: FP8 weight rows
 start 16 bytes apart (the GEMM reads them by TMA; the padding is storage only), and the MXFP4 stack pads the
 routed and the shared expert to one intermediate width and the hidden size to the MX block of 32 (padded
@@ -24,9 +27,9 @@ import torch
 from torch import nn
 
 from m3sdk.config import QUANTIZATIONS
-from m3sdk.model.layers import DenseMLP, Fp8Activation, SparseMoE
+from m3sdk.model.layers import DenseMLP, Fp8Activation, RowParallelLinear, SparseMoE, all_reduce, local_routes
 from m3sdk_kernels.arch import current_arch
-from m3sdk_kernels.experts import Experts, quantize_experts, serving_layout
+from m3sdk_kernels.experts import FP8_ACT_GROUP, Experts, quantize_experts, serving_layout
 from m3sdk_kernels.formats import MX_BLOCK, quantize_fp8_weight
 from m3sdk_kernels.moe import fused_moe
 from m3sdk_kernels.quant import fp8_gemm, fp8_linear, swiglu_quantize_fp8
@@ -34,6 +37,9 @@ from m3sdk_kernels.reference import fp8_gemm_ref, fp8_linear_ref, fused_moe_ref,
 from m3sdk_kernels.router import route
 
 _EXPERT_TENSORS = ("gate_up", "down", "gate_up_scale", "down_scale", "gate_up_row", "down_row")
+EXPERT_FORMATS = {"mxfp4": "mxfp4", "fp8_experts": "fp8"}  # quantization -> the format of its expert stack
+# what the stack's (intermediate, hidden) widths are padded to, by format
+STACK_ALIGN = {"mxfp4": (MX_BLOCK, MX_BLOCK), "mxfp8": (MX_BLOCK, MX_BLOCK), "fp8": (FP8_ACT_GROUP, 1)}
 _ROW_ALIGN_BYTES = 16  # TMA: every stride of a described tensor is a multiple of 16 bytes
 
 
@@ -55,11 +61,14 @@ def _row_aligned(w: torch.Tensor) -> torch.Tensor:
 
 class Fp8Linear(nn.Module):
     """y = x @ W.T with W in FP8 (per-output-channel scales) and x quantized per token, here or already by the
-    norm before it (an `Fp8Activation`)."""
+    norm before it (an `Fp8Activation`). A RowParallelLinear that reduces keeps doing so: its rank's W holds its
+    slice of the inputs, scaled per output row over that slice (and x per token over it), and the partial
+    products are all-reduced."""
 
     def __init__(self, linear: nn.Linear, fp8_dtype: torch.dtype):
         super().__init__()
         self.out_dtype = linear.weight.dtype
+        self.reduce = linear.reduce if isinstance(linear, RowParallelLinear) else False
         w_q, w_scale = quantize_fp8_weight(linear.weight.detach(), fp8_dtype)
         self.register_buffer("weight", _row_aligned(w_q))
         self.register_buffer("weight_scale", w_scale)
@@ -67,9 +76,11 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         linear = fp8_linear if self.weight.is_cuda else fp8_linear_ref
         if isinstance(x, Fp8Activation):
-            return linear(x.data, self.weight, self.weight_scale, x.scale, out_dtype=self.out_dtype)
-        flat = x.reshape(-1, x.shape[-1])
-        return linear(flat, self.weight, self.weight_scale, out_dtype=x.dtype).reshape(*x.shape[:-1], -1)
+            y = linear(x.data, self.weight, self.weight_scale, x.scale, out_dtype=self.out_dtype)
+        else:
+            flat = x.reshape(-1, x.shape[-1])
+            y = linear(flat, self.weight, self.weight_scale, out_dtype=x.dtype).reshape(*x.shape[:-1], -1)
+        return all_reduce(y, self.reduce)
 
 
 class Fp8DenseMLP(nn.Module):
@@ -93,19 +104,23 @@ class Fp8DenseMLP(nn.Module):
         else:
             h, h_scale = swiglu_quantize_fp8_ref(flat, self.alpha, self.limit, down.weight.dtype)
             y = fp8_gemm_ref(h, h_scale, down.weight, down.weight_scale, out_dtype=down.out_dtype)
-        return y.reshape(*gate_up.shape[:-1], -1)
+        return all_reduce(y.reshape(*gate_up.shape[:-1], -1), down.reduce)
 
 
 class QuantizedMoE(nn.Module):
     """SparseMoE with its routed experts and shared expert stacked into one `Experts` (shared last): the router
     kernel appends the shared expert (id E, weight 1) to each token's routed choice, scaled by the routing factor.
-    The stack's tensors are buffers, so `to`/`to_empty` move them and the loader can read a checkpoint into them."""
+    The stack's tensors are buffers, so `to`/`to_empty` move them and the loader can read a checkpoint into them.
+    Under tensor parallel it keeps the SparseMoE's split: the stack holds this rank's experts (expert parallel:
+    whole experts from `first_expert`, routes to the others weigh 0) or its slice of every expert's width, and its
+    slice of the shared expert; the output is this rank's partial sum, all-reduced when `reduce`."""
 
     def __init__(self, moe: SparseMoE, experts: Experts):
         super().__init__()
-        if experts.num_experts != moe.router_weight.shape[0] + 1:
+        if experts.num_experts != moe.w_down.shape[0] + 1:
             raise ValueError("the stack holds the routed experts and the shared expert last")
         self.top_k, self.scaling, self.alpha, self.limit = moe.top_k, moe.scaling, moe.alpha, moe.limit
+        self.reduce, self.first_expert = moe.reduce, moe.first_expert
         self.router_weight = moe.router_weight
         self.e_score_correction_bias = moe.e_score_correction_bias
         self.fmt = experts.fmt
@@ -118,9 +133,9 @@ class QuantizedMoE(nn.Module):
         the hidden size to the format's block where they differ from it (the outputs are the same)."""
         shared = moe.shared_experts
         hidden = moe.w_down.shape[1]
-        block = MX_BLOCK if fmt in ("mxfp4", "mxfp8") else 1
-        inter = _round_up(max(moe.w_down.shape[2], shared.down_proj.weight.shape[1]), block)
-        padded_hidden = _round_up(hidden, block)
+        inter_block, hidden_block = STACK_ALIGN[fmt]
+        inter = _round_up(max(moe.w_down.shape[2], shared.down_proj.weight.shape[1]), inter_block)
+        padded_hidden = _round_up(hidden, hidden_block)
         gate_up = torch.cat([_pad_gate_up(w, inter, padded_hidden)
                              for w in (moe.w_gate_up, shared.gate_up_proj.weight[None])])
         down = torch.cat([_pad_down(w, inter, padded_hidden) for w in (moe.w_down, shared.down_proj.weight[None])])
@@ -141,12 +156,17 @@ class QuantizedMoE(nn.Module):
         logits = nn.functional.linear(x.to(self.router_weight.dtype), self.router_weight).float()
         router, moe = (route, fused_moe) if x.is_cuda else (route_ref, fused_moe_ref)
         weights, ids = router(logits, self.e_score_correction_bias, self.top_k, self.scaling, shared=True)
+        routed = self.down.shape[0] - 1
+        if routed != logits.shape[1]:  # expert parallel: this rank's experts, and the shared one last
+            ids, weights = local_routes(ids, weights, self.first_expert, routed, shared=logits.shape[1])
         hidden = x.shape[-1]
         padded = self.down.shape[1]  # the stack's hidden size, padded to the MX block
         if padded == hidden:
-            return moe(x, ids, weights, self.experts, self.alpha, self.limit)
-        out = moe(nn.functional.pad(x, (0, padded - hidden)), ids, weights, self.experts, self.alpha, self.limit)
-        return out[:, :hidden]
+            out = moe(x, ids, weights, self.experts, self.alpha, self.limit)
+        else:
+            out = moe(nn.functional.pad(x, (0, padded - hidden)), ids, weights, self.experts, self.alpha,
+                      self.limit)[:, :hidden].contiguous()  # the all-reduce works in place on whole rows
+        return all_reduce(out, self.reduce)
 
 
 def _pad_gate_up(w: torch.Tensor, inter: int, hidden: int) -> torch.Tensor:
@@ -195,11 +215,12 @@ def quantize_layer(layer: nn.Module, quantization: str, fp8_dtype: torch.dtype |
             layer.mlp = Fp8DenseMLP(layer.mlp, fp8_dtype)
             layer.mlp_input_fp8 = fp8_dtype  # MoE layers keep bf16: the router and the experts read it too
         elif isinstance(layer.mlp, QuantizedMoE):  # stored quantized by the checkpoint: served as stored
-            if quantization == "mxfp4" and layer.mlp.fmt != "mxfp4":
-                raise ValueError(f"quantization='mxfp4' would requantize the checkpoint's {layer.mlp.fmt} experts; "
-                                 "use 'fp8' or 'none' (the stored experts are served as they are)")
-        elif quantization == "mxfp4":
-            layer.mlp = QuantizedMoE.quantize(layer.mlp, "mxfp4")
+            if quantization in EXPERT_FORMATS and layer.mlp.fmt != EXPERT_FORMATS[quantization]:
+                raise ValueError(f"quantization={quantization!r} would requantize the checkpoint's "
+                                 f"{layer.mlp.fmt} experts; use 'fp8' or 'none' (the stored experts are served as "
+                                 "they are)")
+        elif quantization in EXPERT_FORMATS:
+            layer.mlp = QuantizedMoE.quantize(layer.mlp, EXPERT_FORMATS[quantization])
         else:
             layer.mlp.shared_experts = Fp8DenseMLP(layer.mlp.shared_experts, fp8_dtype)
     if isinstance(layer.mlp, QuantizedMoE):

@@ -51,7 +51,7 @@ class VisionConfig:
         vision = raw.get("vision_config")
         if not vision:
             return None
-        text = raw.get("text_config") or {}
+        text = raw.get("text_config") or raw  # a VL wrapper's text_config, or a flat config's own fields
         try:
             rope = vision.get("rope_parameters") or {}
             return cls(
@@ -126,9 +126,11 @@ class VisionAttention(nn.Module):
         k = _rotate(self.k_proj(x).view(n, self.heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(n, self.heads, self.head_dim)
         outs = []
+        # one image at a time, each [1, heads, patches, head_dim]: SDPA's flash and memory-efficient kernels take
+        # 4-D inputs only (3-D ones fall back to the math kernel, which materializes every score)
         for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
-            outs.append(F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
-                        .transpose(0, 1))
+            qi, ki, vi = (t.transpose(0, 1)[None] for t in (qi, ki, vi))
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi)[0].transpose(0, 1))
         return self.out_proj(torch.cat(outs).reshape(n, -1))
 
 

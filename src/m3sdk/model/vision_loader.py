@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from m3sdk.errors import CheckpointError
-from m3sdk.model.loader import _MAX_LISTED, read_headers, tensor_files
+from m3sdk.model.loader import _MAX_LISTED, INDEX_FILE, SINGLE_FILE, read_headers, tensor_files
 from m3sdk.model.vision import VisionConfig, VisionEncoder
 
 _HF = (("projector.", "model.multi_modal_projector."), ("", "model.vision_tower."))
@@ -56,11 +56,11 @@ def _present(name: str, files: Mapping[str, object]) -> str:
 def load_vision_encoder(path: str | Path, device: torch.device | str = "cpu",
                         dtype: torch.dtype = torch.bfloat16) -> VisionEncoder | None:
     """The checkpoint's vision encoder, ready on `device`; None when the checkpoint has no vision tower (a text-only
-    config, or a VL config whose vision tensors were left out)."""
+    config, a VL config whose vision tensors were left out, or a config-only folder)."""
     path = Path(path)
     config = vision_config(path)
-    if config is None:
-        return None
+    if config is None or not any((path / f).is_file() for f in (INDEX_FILE, SINGLE_FILE)):
+        return None  # text only, or a config without weights (served with dummy text weights)
     files = tensor_files(path)
     layout = "minimax" if any(n.startswith("vision_tower.vision_model.") for n in files) else "hf"
     if not any(n.startswith(("vision_tower.", "model.vision_tower.")) for n in files):

@@ -108,9 +108,11 @@ class TensorParallel:
 
     @classmethod
     def launch(cls, path: str | Path, world: int, device: torch.device, dtype: torch.dtype, attn_backend: str,
-               expert_parallel: bool = True, load_format: str = "auto", seed: int = 0) -> TensorParallel:
+               expert_parallel: bool = True, load_format: str = "auto", seed: int = 0,
+               quantization: str = "none") -> TensorParallel:
         """Start ranks 1..world-1, join the process group, load rank 0's shard (`load_format` "dummy": make
-        every rank's random shard from `seed`); -> rank 0's handle."""
+        every rank's random shard from `seed`), every rank's in the served format of `quantization`; -> rank 0's
+        handle."""
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialized in this process: one tensor-parallel "
                                "engine per process")
@@ -128,7 +130,7 @@ class TensorParallel:
                 spec = {"rank": rank, "world": world, "store_port": store.port, "fd": child.fileno(),
                         "model": str(path), "device": str(rank_device(device, rank)), "dtype": str(dtype),
                         "attn_backend": attn_backend, "expert_parallel": expert_parallel,
-                        "load_format": load_format, "seed": seed,
+                        "load_format": load_format, "seed": seed, "quantization": quantization,
                         "threads": torch.get_num_threads()}
                 procs.append(subprocess.Popen([sys.executable, "-m", "m3sdk.parallel.worker", json.dumps(spec)],
                                               pass_fds=[child.fileno()], env=_worker_env()))
@@ -140,7 +142,8 @@ class TensorParallel:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0,
                                     world_size=world, timeout=timedelta(seconds=300),
                                     device_id=device if device.type == "cuda" else None)
-            model = load_rank(path, Shard(0, world, expert_parallel), device, dtype, attn_backend, load_format, seed)
+            model = load_rank(path, Shard(0, world, expert_parallel), device, dtype, attn_backend, load_format, seed,
+                              quantization)
             _expect(conns, procs, READY)
         except BaseException:
             _stop(conns, procs)

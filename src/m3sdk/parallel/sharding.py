@@ -3,7 +3,9 @@
 A rank of N holds (docs/serving.md):
 - attention: query heads [r*Hq/N, (r+1)*Hq/N) and KV heads [r*Hkv/N, ...) of the packed qkv projection (so GQA
   groups stay whole), the index-query heads of its KV groups (index head j selects for KV group j), the single
-  index-key head whole; o_proj's input columns of its query heads (row parallel: partial sums);
+  index-key head whole; o_proj's input columns of its query heads (row parallel: partial sums). With more ranks
+  than KV heads (N a multiple of Hkv), each rank holds the one KV head (and index head) its query heads attend
+  with, replicated over N / Hkv ranks, and caches it;
 - dense MLP and shared expert: gate rows and up rows of its 1/N of the intermediate, down_proj's matching columns;
 - routed experts: whole experts [r*E/N, (r+1)*E/N) with `expert_parallel`, else 1/N of every expert's
   intermediate (like the dense MLP);
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,10 +33,11 @@ from safetensors import safe_open
 from m3sdk.errors import CheckpointError
 from m3sdk.model.config import ModelConfig
 from m3sdk.model.dummy import materialize
-from m3sdk.model.layers import SparseMoE, all_reduce, moe_experts, route
+from m3sdk.model.layers import SparseMoE, all_reduce, local_routes, moe_experts, route
 from m3sdk.model.loader import check_tensors, detect_layout, expected_tensors, read_headers, tensor_files
-from m3sdk.model.memory import check_split
+from m3sdk.model.memory import check_split, local_heads
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM
+from m3sdk.model.quantize import fp8_for, quantize_layer
 
 _CHUNK_BYTES = 64 << 20
 # one collective into one tensor: torch 2.13's name (the device's torch 2.11 has only all_gather_into_tensor)
@@ -72,8 +76,8 @@ def local_config(config: ModelConfig, shard: Shard) -> ModelConfig:
     check_divisible(config, shard)
     n = shard.world
     return dataclasses.replace(
-        config, num_heads=config.num_heads // n, num_kv_heads=config.num_kv_heads // n,
-        index_n_heads=config.index_n_heads // n if config.sparse_layers else config.index_n_heads,
+        config, num_heads=config.num_heads // n, num_kv_heads=local_heads(config.num_kv_heads, n),
+        index_n_heads=local_heads(config.index_n_heads, n) if config.sparse_layers else config.index_n_heads,
         dense_intermediate_size=config.dense_intermediate_size // n,
         shared_intermediate_size=config.shared_intermediate_size // n,
         moe_intermediate_size=config.moe_intermediate_size // (1 if shard.expert_parallel else n))
@@ -82,6 +86,15 @@ def local_config(config: ModelConfig, shard: Shard) -> ModelConfig:
 def _split(total: int, shard: Shard, full_offset: int, local_offset: int) -> Piece:
     start, end = shard.span(total)
     return full_offset + start, full_offset + end, local_offset
+
+
+def _heads(count: int, width: int, shard: Shard, full_offset: int, local_offset: int) -> Piece:
+    """This rank's heads of `count` heads `width` wide: 1/N of them, or where N exceeds them (a multiple of them)
+    the one of its query heads' group, replicated over N / count ranks."""
+    if count >= shard.world:
+        return _split(count * width, shard, full_offset, local_offset)
+    head = shard.rank * count // shard.world
+    return full_offset + head * width, full_offset + (head + 1) * width, local_offset
 
 
 def _gate_up(inter: int, shard: Shard) -> list[Piece]:
@@ -101,14 +114,16 @@ def param_pieces(name: str, config: ModelConfig, shard: Shard) -> tuple[int, lis
         return None
     layer, rest = int(parts[1]), ".".join(parts[2:])
     if rest == "self_attn.qkv_proj.weight":
-        d, n = c.head_dim, shard.world
+        d, n, w = c.head_dim, shard.world, c.index_head_dim
         q, kv = c.num_heads * d, c.num_kv_heads * d
-        pieces = [_split(q, shard, 0, 0), _split(kv, shard, q, q // n), _split(kv, shard, q + kv, q // n + kv // n)]
+        kv_local = local_heads(c.num_kv_heads, n) * d
+        pieces = [_split(q, shard, 0, 0), _heads(c.num_kv_heads, d, shard, q, q // n),
+                  _heads(c.num_kv_heads, d, shard, q + kv, q // n + kv_local)]
         if c.is_sparse(layer):
-            iq = c.index_n_heads * c.index_head_dim
-            local = q // n + 2 * kv // n
-            pieces += [_split(iq, shard, q + 2 * kv, local),
-                       (q + 2 * kv + iq, q + 2 * kv + iq + c.index_head_dim, local + iq // n)]  # index key: whole
+            iq = c.index_n_heads * w
+            local = q // n + 2 * kv_local
+            index_key = (q + 2 * kv + iq, q + 2 * kv + iq + w, local + local_heads(c.index_n_heads, n) * w)  # whole
+            pieces += [_heads(c.index_n_heads, w, shard, q + 2 * kv, local), index_key]
         return 0, pieces
     if rest == "self_attn.o_proj.weight":
         return 1, [_split(c.num_heads * c.head_dim, shard, 0, 0)]
@@ -171,20 +186,18 @@ class ExpertParallelMoE(SparseMoE):
 
     def __init__(self, config: ModelConfig, shard: Shard, dtype: torch.dtype):
         c = config
-        self.first_expert, end = shard.span(c.num_experts)
-        super().__init__(c.hidden_size, end - self.first_expert, c.moe_intermediate_size,
+        first, end = shard.span(c.num_experts)
+        super().__init__(c.hidden_size, end - first, c.moe_intermediate_size,
                          c.shared_intermediate_size // shard.world, c.num_experts_per_tok, c.routed_scaling_factor,
-                         c.swiglu_alpha, c.swiglu_limit, dtype, reduce=True)
+                         c.swiglu_alpha, c.swiglu_limit, dtype, reduce=True, first_expert=first)
         self.router_weight = torch.nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=torch.float32))
         self.e_score_correction_bias = torch.nn.Parameter(torch.empty(c.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_experts(x)
         weights, ids = route(x, self.router_weight, self.e_score_correction_bias, self.top_k)
-        local = ids - self.first_expert
-        mine = (local >= 0) & (local < self.w_gate_up.shape[0])
-        routed = moe_experts(x, torch.where(mine, local, 0), torch.where(mine, weights, 0.0), self.w_gate_up,
-                             self.w_down, self.alpha, self.limit)
+        ids, weights = local_routes(ids, weights, self.first_expert, self.w_gate_up.shape[0])
+        routed = moe_experts(x, ids, weights, self.w_gate_up, self.w_down, self.alpha, self.limit)
         return all_reduce(routed * self.scaling + shared, self.reduce)
 
 
@@ -228,8 +241,11 @@ def build_local_model(config: ModelConfig, shard: Shard, dtype: torch.dtype, att
 
 
 def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype: torch.dtype,
-               attn_backend: str) -> MiniMaxM3ForCausalLM:
-    """Read this rank's part of the checkpoint at `path` into its model (no rank reads a whole sharded tensor)."""
+               attn_backend: str, quantization: str = "none") -> MiniMaxM3ForCausalLM:
+    """Read this rank's part of the checkpoint at `path` into its model (no rank reads a whole sharded tensor),
+    in the served format of `quantization` (model/quantize.py): shard first, then quantize on the rank, so each
+    rank's scales cover its own slice. Allocated part by part (embeddings, head, norm, then layer by layer), each
+    layer quantized before the next is read: the peak is the served shard plus one float layer."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     if config.quant_format != "none":
@@ -240,36 +256,54 @@ def load_shard(path: str | Path, shard: Shard, device: torch.device | str, dtype
     expected = expected_tensors(config, layout, prefix, lm_head, shapes)
     with torch.device("meta"):
         full = MiniMaxM3ForCausalLM(config, dtype=dtype, attn_backend=attn_backend)
-    full_params = dict(full.named_parameters())
-    check_tensors(shapes, expected, full_params, path)  # the whole checkpoint against the whole model's shapes
+    full_shapes = {name: tuple(p.shape) for name, p in full.named_parameters()}
+    check_tensors(shapes, expected, dict(full.named_parameters()), path)  # the whole checkpoint, whole shapes
+    by_part: dict[str, list[str]] = defaultdict(list)  # "layers.i" or "" (the rest) -> its checkpoint tensors
+    for name, target in expected.items():
+        parts = target.param.split(".")
+        by_part[".".join(parts[:2]) if parts[0] == "layers" else ""].append(name)
 
     model = build_local_model(config, shard, dtype, attn_backend)
-    model.to_empty(device=device)
+    handles: dict[Path, object] = {}
+
+    def read(part: torch.nn.Module, prefix: str, names: list[str]) -> None:
+        params = {f"{prefix}{n}": p for n, p in part.named_parameters()}
+        for name in names:
+            target = expected[name]
+            plan = copy_plan(target.index, full_shapes[target.param],
+                             param_pieces(target.param, config, shard))
+            if not plan:
+                continue
+            if files[name] not in handles:
+                handles[files[name]] = safe_open(files[name], framework="pt")
+            source = handles[files[name]].get_slice(name)
+            for src, local in plan:
+                _copy(source, src, params[target.param][local])
+
+    for name, part in model.named_children():
+        if name != "layers":
+            part.to_empty(device=device)
     model.lm_head.weight.zero_()  # the last rank's padding rows past the vocabulary
-    params = dict(model.named_parameters())
-    handles = {}
-    for name, target in expected.items():
-        pieces = param_pieces(target.param, config, shard)
-        plan = copy_plan(target.index, tuple(full_params[target.param].shape), pieces)
-        if not plan:
-            continue
-        if files[name] not in handles:
-            handles[files[name]] = safe_open(files[name], framework="pt")
-        source = handles[files[name]].get_slice(name)
-        for src, local in plan:
-            _copy(source, src, params[target.param][local])
+    read(model, "", by_part[""])
     if config.tie_word_embeddings:  # the head is this rank's rows of the embeddings
         start, end = shard.span_ceil(config.vocab_size)
         rows = model.embed_tokens.weight[start:min(end, config.vocab_size)]
         model.lm_head.weight[:rows.shape[0]].copy_(rows)
+    fp8 = fp8_for(quantization, torch.device(device))
+    for i, layer in enumerate(model.layers):
+        layer.to_empty(device=device)
+        read(layer, f"layers.{i}.", by_part[f"layers.{i}"])
+        quantize_layer(layer, quantization, fp8)
     return model.eval()
 
 
 def dummy_shard(config: ModelConfig, shard: Shard, device: torch.device | str, dtype: torch.dtype,
-                attn_backend: str, seed: int) -> MiniMaxM3ForCausalLM:
+                attn_backend: str, seed: int, quantization: str = "none") -> MiniMaxM3ForCausalLM:
     """This rank's model with random weights (model/dummy.py), made on `device`: only its shard of each sharded
-    parameter (salted with the rank), the parameters held whole the same on every rank."""
-    model = materialize(build_local_model(config, shard, dtype, attn_backend), device, "none", seed,
+    parameter (salted with the rank: replicated KV heads differ between their ranks, which holds no meaning for
+    random weights), the parameters held whole the same on every rank; each layer put into the
+    served format of `quantization` as it is made (so the rank's scales are those of its own random slice)."""
+    model = materialize(build_local_model(config, shard, dtype, attn_backend), device, quantization, seed,
                         salt=lambda name: 0 if param_pieces(name, config, shard) is None else shard.rank + 1)
     start, end = shard.span_ceil(config.vocab_size)
     with torch.no_grad():
@@ -282,12 +316,13 @@ def dummy_shard(config: ModelConfig, shard: Shard, device: torch.device | str, d
 
 
 def load_rank(path: str | Path, shard: Shard, device: torch.device | str, dtype: torch.dtype, attn_backend: str,
-              load_format: str = "auto", seed: int = 0) -> MiniMaxM3ForCausalLM:
-    """This rank's model: its shard of the checkpoint at `path`, or with load_format "dummy" random weights
-    from `seed` for the config.json there."""
+              load_format: str = "auto", seed: int = 0, quantization: str = "none") -> MiniMaxM3ForCausalLM:
+    """This rank's model in the served format of `quantization`: its shard of the checkpoint at `path`, or with
+    load_format "dummy" random weights from `seed` for the config.json there."""
     if load_format == "dummy":
-        return dummy_shard(ModelConfig.from_pretrained(path), shard, device, dtype, attn_backend, seed).eval()
-    return load_shard(path, shard, device, dtype, attn_backend)
+        config = ModelConfig.from_pretrained(path)
+        return dummy_shard(config, shard, device, dtype, attn_backend, seed, quantization).eval()
+    return load_shard(path, shard, device, dtype, attn_backend, quantization)
 
 
 def _copy(source, src: tuple[slice, ...], dest: torch.Tensor) -> None:

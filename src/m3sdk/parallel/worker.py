@@ -45,7 +45,8 @@ def serve(spec: dict, conn: Connection) -> None:
     init_distributed(spec["rank"], spec["world"], spec["store_port"], device)
     try:
         model = load_rank(spec["model"], Shard(spec["rank"], spec["world"], spec["expert_parallel"]), device,
-                          _DTYPES[spec["dtype"]], spec["attn_backend"], spec["load_format"], spec["seed"])
+                          _DTYPES[spec["dtype"]], spec["attn_backend"], spec["load_format"], spec["seed"],
+                          spec["quantization"])
     except Exception:
         conn.send((ERROR, traceback.format_exc()))
         raise

@@ -10,9 +10,12 @@ admission handed over after computing its prompt elsewhere, Contract 6): it runs
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from m3sdk.request import FinishReason, Request
+
+if TYPE_CHECKING:
+    from m3sdk.images import PromptImage
 
 
 class Scheduled(NamedTuple):
@@ -35,9 +38,18 @@ class StepPlan:
         return bool(self.scheduled)
 
 
+class EncoderWork(Protocol):
+    """What embedding an image costs a step: the vision encoder's tokens (the image's patches) when its output is
+    not cached, else 0 (m3sdk.images.ImagePrompts). A step's prefill tokens and the encoder tokens its chunks
+    trigger share `max_num_batched_tokens`."""
+
+    def encoder_tokens(self, image: PromptImage) -> int: ...
+
+
 class Scheduler(Protocol):
     """Owns request state. Called from the engine thread only. EngineConfig.scheduler names a registered one
-    or gives a factory `(cache_manager, config) -> Scheduler`."""
+    or gives a factory `(cache_manager, config, encoder) -> Scheduler`, `encoder` an EncoderWork or None (an
+    engine that takes no images)."""
 
     num_preemptions: int
 

@@ -8,6 +8,12 @@ often a prefix-cache hit). The first request in order can always grow (the cache
 `max_model_len` sequence), so the batch never deadlocks and no request is lost; only pages held outside the
 scheduler (requests an admission took for remote prefill) can leave nothing to schedule until they come back.
 A request added with pages and computed tokens already (handed over that way) is admitted from there.
+
+Images: a chunk that reaches an image whose encoder output is not cached runs the encoder on the image's patches
+in the same step, and those patches count against the step's budget like tokens. A chunk stops before an image
+that would overrun the budget; the image goes in a later step. An image that fits no step (more patches than the
+budget left once the running requests' decodes are served) is encoded in the first step whose chunks start no
+other encoder work, the only time a step runs over the budget.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import TYPE_CHECKING
 from m3sdk.cache.manager import CacheManager
 from m3sdk.cache.page_pool import PAGE_SIZE
 from m3sdk.request import FinishReason, Request, RequestStatus
-from m3sdk.scheduler.base import Scheduled, StepPlan
+from m3sdk.scheduler.base import EncoderWork, Scheduled, StepPlan
 
 if TYPE_CHECKING:
     from m3sdk.config import EngineConfig
@@ -30,10 +36,12 @@ def _key(request: Request) -> tuple[int, float, int]:
 
 
 class ContinuousScheduler:
-    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 encoder: EncoderWork | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running request decodes)")
         self.cache = cache
+        self.encoder = encoder  # what an image's encoding costs a step; None: the engine takes no images
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []  # sorted by sort_key
@@ -42,8 +50,9 @@ class ContinuousScheduler:
         self.num_preemptions = 0
 
     @classmethod
-    def from_config(cls, cache: CacheManager, config: EngineConfig) -> ContinuousScheduler:
-        return cls(cache, config.max_num_seqs, config.max_num_batched_tokens)
+    def from_config(cls, cache: CacheManager, config: EngineConfig, encoder: EncoderWork | None = None
+                    ) -> ContinuousScheduler:
+        return cls(cache, config.max_num_seqs, config.max_num_batched_tokens, encoder)
 
     @property
     def num_running(self) -> int:
@@ -68,12 +77,18 @@ class ContinuousScheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.max_num_batched_tokens
+        encoding: set[bytes] = set()  # digests of the images this step encodes
         i = 0
         while i < len(self.running):
             request = self.running[i]
             # Leave one token of budget for each running request after this one: decodes never starve
             # behind a long prefill chunk.
-            n = min(request.num_tokens - request.num_computed_tokens, budget - (len(self.running) - i - 1))
+            share = budget - (len(self.running) - i - 1)
+            n, used = self._fit(request, request.num_computed_tokens,
+                                min(request.num_tokens - request.num_computed_tokens, share), share, encoding)
+            if n == 0:  # its next image waits for a step with room for its encoder
+                i += 1
+                continue
             while not self.cache.allocate(request, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -82,7 +97,7 @@ class ContinuousScheduler:
                     break
             else:
                 plan.scheduled.append(self._scheduled(request, n))
-                budget -= n
+                budget -= used
                 i += 1
         if plan.preempted:
             return plan  # pages are short: admit nobody new this step
@@ -90,8 +105,8 @@ class ContinuousScheduler:
             request = self.waiting[0]
             prefix = self.cache.match_prefix(request)  # none for a request holding pages already
             cached = max(len(prefix) * PAGE_SIZE, request.num_computed_tokens)
-            n = min(request.num_tokens - cached, budget)
-            if not self.cache.allocate(request, n, prefix):
+            n, used = self._fit(request, cached, min(request.num_tokens - cached, budget), budget, encoding)
+            if n == 0 or not self.cache.allocate(request, n, prefix):
                 break  # first come, first served: nobody overtakes the head of the queue
             del self.waiting[0]
             request.num_computed_tokens = cached
@@ -101,8 +116,39 @@ class ContinuousScheduler:
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_key)
             plan.scheduled.append(self._scheduled(request, n))
-            budget -= n
+            budget -= used
         return plan
+
+    def _fit(self, request: Request, start: int, n: int, budget: int, encoding: set[bytes]) -> tuple[int, int]:
+        """(tokens, budget used) of the request's chunk from `start`, at most `n` tokens, when the encoder work it
+        triggers counts too: it stops before an image that would overrun `budget`, unless the chunk starts on that
+        image and no other encoding is in the step (an image too large for any step goes then, alone). `encoding`
+        gains the digests the chunk encodes (each image is encoded once a step, whoever shows it)."""
+        if not request.images or self.encoder is None:
+            return n, n
+        cost = 0
+        new: list[bytes] = []
+        for image in request.images:
+            if image.offset + image.num_tokens <= start:
+                continue
+            first = max(image.offset, start)  # the chunk's first token of this image
+            if first >= start + n:
+                break
+            work = 0 if image.digest in encoding else self.encoder.encoder_tokens(image)
+            if not work:
+                continue
+            if first - start + 1 + cost + work > budget and not (first == start and not encoding):
+                n = first - start
+                break
+            cost += work
+            new.append(image.digest)
+        if cost >= budget:  # an image no step has room for, alone: the step's whole budget and more
+            encoding.update(new)
+            return n, budget
+        n = min(n, budget - cost)
+        if n > 0:
+            encoding.update(new)
+        return n, n + cost
 
     def update(self, plan: StepPlan) -> None:
         for request, n, _ in plan.scheduled:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -23,8 +24,8 @@ from m3sdk.server.errors import APIError, install_handlers
 from m3sdk.server.protocol import ErrorResponse, ModelCard, ModelList
 
 
-def _require_key(request: Request) -> None:
-    key = context(request).api_key
+async def _require_key(ctx: Annotated[ServerContext, Depends(context)], request: Request) -> None:
+    key = ctx.api_key
     if key is None:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -65,12 +66,15 @@ def default_model_name(engine: Engine) -> str:
     return engine.config.model_path().name
 
 
-def build_app(engine: Engine, *, model_names: Sequence[str] | None = None, api_key: str | None = None) -> FastAPI:
+def build_app(engine: Engine, *, model_names: Sequence[str] | None = None, api_key: str | None = None,
+              allowed_local_media_path: str | Path | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine` (started). `model_names`: the names requests may give as `model`
-    (default: the checkpoint folder's name); `api_key`: required as a bearer token on /v1 routes if set."""
+    (default: the checkpoint folder's name); `api_key`: required as a bearer token on /v1 routes if set;
+    `allowed_local_media_path`: a folder whose image files clients may name in image parts (default: none)."""
     names = tuple(model_names) if model_names else (default_model_name(engine),)
     app = FastAPI(title="m3sdk", summary="OpenAI-compatible API over an m3sdk Engine", responses=_ERRORS)
-    app.state.m3sdk = ServerContext(engine, names, api_key)
+    media = Path(allowed_local_media_path).resolve() if allowed_local_media_path is not None else None
+    app.state.m3sdk = ServerContext(engine, names, api_key, media)
     install_handlers(app)
     app.include_router(ops)
     for router in (models, completions.router, chat.router):

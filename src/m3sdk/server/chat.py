@@ -1,5 +1,6 @@
 """POST /v1/chat/completions over Engine.chat_stream: messages and tools through the checkpoint's chat template,
-the reply split into content, reasoning and tool calls by the engine, n choices, streamed or whole.
+the reply split into content, reasoning and tool calls by the engine, n choices, streamed or whole. User messages
+may hold image parts (server/media.py says which images a client may name).
 
 A stream opens each choice with `delta.role`, then carries `delta.content`, `delta.reasoning_content` and
 `delta.tool_calls` (a call's index, id and name on its first delta, then its arguments' JSON), never the model's
@@ -12,11 +13,13 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from m3sdk.chat import AssistantDelta, join_deltas
+from m3sdk.chat import AssistantDelta, ToolCallDelta, join_deltas
 from m3sdk.chat.completion import ChatCompletionChunk as EngineChunk
+from m3sdk.chat.image_parts import is_image_part
 from m3sdk.params import SamplingParams
 from m3sdk.server.context import ServerContext, context, new_id
 from m3sdk.server.disconnect import cancelled_on_disconnect
@@ -24,22 +27,17 @@ from m3sdk.server.errors import bad_request
 from m3sdk.server.fanout import FanOut
 from m3sdk.server.generation import usage_info
 from m3sdk.server.logprobs import chat_logprobs
+from m3sdk.server.media import checked_media
 from m3sdk.server.protocol import (
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatDelta,
-    ChatLogprobs,
     FunctionCall,
-    FunctionCallDelta,
     ToolCall,
-    ToolCallDelta,
 )
 from m3sdk.server.sampling import choose_max_tokens, sampling_params, structured_output
-from m3sdk.server.sse import STREAMED, EventStream, event
+from m3sdk.server.sse import STREAMED, ChunkEvents, EventStream
 
 router = APIRouter()
 
@@ -53,7 +51,8 @@ def _logprobs(req: ChatCompletionRequest) -> int | None:
 def _streams(ctx: ServerContext, req: ChatCompletionRequest, params: Sequence[SamplingParams],
              rid: str) -> list[AsyncIterator[EngineChunk]]:
     """One engine chat stream per choice, validated here (InvalidRequestError before anything is queued)."""
-    messages = [m.model_dump(exclude_none=True, by_alias=True) for m in req.messages]
+    messages = checked_media([m.model_dump(exclude_none=True, by_alias=True) for m in req.messages],
+                             ctx.allowed_local_media_path)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     response_format = req.response_format.model_dump(exclude_none=True, by_alias=True) if req.response_format else None
     tool_choice = req.tool_choice if req.tool_choice is not None else "auto"
@@ -70,7 +69,11 @@ async def create_chat_completion(req: ChatCompletionRequest, ctx: Annotated[Serv
     params = sampling_params(req, max_tokens=choose_max_tokens(req.max_completion_tokens, req.max_tokens),
                              logprobs=_logprobs(req), constraint=structured_output(req))
     rid = new_id("chatcmpl")
-    fan = FanOut(_streams(ctx, req, params, rid))
+    images = any(isinstance(m.content, list) and any(map(is_image_part, m.content)) for m in req.messages)
+    # images are decoded and resized as the streams are made: in a worker thread, not on the serving loop
+    streams = await anyio.to_thread.run_sync(_streams, ctx, req, params, rid) if images else _streams(
+        ctx, req, params, rid)
+    fan = FanOut(streams)
     await fan.admitted()
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
@@ -104,40 +107,58 @@ async def _whole(ctx: ServerContext, fan: FanOut, rid: str, model: str, n: int, 
     return ChatCompletion(id=rid, model=model, choices=choices, usage=usage_info([c.usage for c in last], n))
 
 
-def _wire_delta(delta: AssistantDelta) -> ChatDelta:
-    calls = [ToolCallDelta(index=c.index, id=c.id, type="function" if c.id is not None else None,
-                           function=FunctionCallDelta(name=c.name, arguments=c.arguments))
-             for c in delta.tool_calls]
-    return ChatDelta(content=delta.content, reasoning_content=delta.reasoning_content, tool_calls=calls or None)
+def _wire_delta(delta: AssistantDelta) -> dict[str, Any]:
+    """A parsed delta in the wire shape, None fields left out."""
+    out: dict[str, Any] = {}
+    if delta.content is not None:
+        out["content"] = delta.content
+    if delta.reasoning_content is not None:
+        out["reasoning_content"] = delta.reasoning_content
+    if delta.tool_calls:
+        out["tool_calls"] = [_wire_call(c) for c in delta.tool_calls]
+    return out
 
 
-def _step_choices(index: int, chunk: EngineChunk, logprobs: ChatLogprobs | None) -> list[ChatChunkChoice]:
+def _wire_call(call: ToolCallDelta) -> dict[str, Any]:
+    function = {k: v for k, v in (("name", call.name), ("arguments", call.arguments)) if v is not None}
+    if call.id is None:
+        return {"index": call.index, "function": function}
+    return {"index": call.index, "id": call.id, "type": "function", "function": function}
+
+
+def _step_choices(index: int, chunk: EngineChunk, logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
     """One engine step of a choice as stream choices: one per parsed delta; the step's logprobs ride on the first,
     its finish_reason on the last (an empty delta carries them when the parser held all text back)."""
     if not chunk.deltas and chunk.finish_reason is None and logprobs is None:
         return []
-    out = [ChatChunkChoice(index=index, delta=_wire_delta(d)) for d in chunk.deltas] or [
-        ChatChunkChoice(index=index, delta=ChatDelta())]
-    out[0].logprobs = logprobs
-    out[-1].finish_reason = chunk.finish_reason
+    out = [{"index": index, "delta": _wire_delta(d)} for d in chunk.deltas] or [{"index": index, "delta": {}}]
+    if logprobs is not None:
+        out[0]["logprobs"] = logprobs
+    if chunk.finish_reason is not None:
+        out[-1]["finish_reason"] = chunk.finish_reason
     return out
 
 
 async def _events(ctx: ServerContext, fan: FanOut, rid: str, model: str, n: int,
                   include_usage: bool) -> AsyncGenerator[bytes, None]:
+    """Every step that has arrived at a wake-up, as its events in one write."""
     tokenizer = ctx.engine.tokenizer
+    events = ChunkEvents(rid, "chat.completion.chunk", model)
     usages: list[Any] = [None] * n
     try:
-        for i in range(n):
-            role = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-            yield event(ChatCompletionChunk(id=rid, model=model, choices=[role]))
-        async for index, chunk in fan:
-            if chunk.finish_reason is not None:
-                usages[index] = chunk.usage
-            logprobs = chat_logprobs(tokenizer, chunk.logprobs) if chunk.logprobs is not None else None
-            for choice in _step_choices(index, chunk, logprobs):
-                yield event(ChatCompletionChunk(id=rid, model=model, choices=[choice]))
+        yield events.choices([{"index": i, "delta": {"role": "assistant", "content": ""}} for i in range(n)])
+        async for batch in fan.batches():
+            choices = []
+            for index, chunk in batch:
+                if chunk.finish_reason is not None:
+                    usages[index] = chunk.usage
+                logprobs = None
+                if chunk.logprobs is not None:
+                    logprobs = chat_logprobs(tokenizer, chunk.logprobs).model_dump(exclude_none=True)
+                choices += _step_choices(index, chunk, logprobs)
+            if choices:
+                yield events.choices(choices)
     finally:
         fan.close()
     if include_usage:
-        yield event(ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage_info(usages, n)))
+        yield events.usage(usage_info(usages, n))

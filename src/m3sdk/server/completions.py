@@ -16,7 +16,7 @@ from m3sdk.server.generation import collect, start, usage_info
 from m3sdk.server.logprobs import completion_logprobs
 from m3sdk.server.protocol import Completion, CompletionChoice, CompletionRequest
 from m3sdk.server.sampling import choose_max_tokens, sampling_params, structured_output
-from m3sdk.server.sse import STREAMED, EventStream, event
+from m3sdk.server.sse import STREAMED, ChunkEvents, EventStream
 
 router = APIRouter()
 
@@ -61,20 +61,32 @@ async def create_completion(req: CompletionRequest, ctx: Annotated[ServerContext
 
 async def _events(ctx: ServerContext, fan: FanOut, rid: str, model: str, n: int,
                   total: int, include_usage: bool) -> AsyncGenerator[bytes, None]:
+    """Every chunk that has arrived at a wake-up, one event per choice with its text joined, in one write."""
     tokenizer = ctx.engine.tokenizer
+    events = ChunkEvents(rid, "text_completion", model)
     offsets, usages = [0] * total, [None] * total
     try:
-        async for index, chunk in fan:
-            logprobs = None
-            if chunk.logprobs is not None:
-                logprobs = completion_logprobs(tokenizer, chunk.logprobs, offsets[index])
-            offsets[index] += len(chunk.text)
-            if chunk.finish_reason is not None:
-                usages[index] = chunk.usage
-            choice = CompletionChoice(index=index, text=chunk.text, logprobs=logprobs,
-                                      finish_reason=chunk.finish_reason)
-            yield event(Completion(id=rid, model=model, choices=[choice]))
+        async for batch in fan.batches():
+            choices: dict[int, dict] = {}
+            for index, chunk in batch:
+                choice = choices.get(index)
+                if choice is None:
+                    choice = choices[index] = {"index": index, "text": chunk.text}
+                else:
+                    choice["text"] += chunk.text
+                if chunk.logprobs is not None:
+                    more = completion_logprobs(tokenizer, chunk.logprobs, offsets[index]).model_dump(exclude_none=True)
+                    if "logprobs" in choice:
+                        for key, values in more.items():
+                            choice["logprobs"][key] += values
+                    else:
+                        choice["logprobs"] = more
+                offsets[index] += len(chunk.text)
+                if chunk.finish_reason is not None:
+                    usages[index] = chunk.usage
+                    choice["finish_reason"] = chunk.finish_reason
+            yield events.choices(list(choices.values()))
     finally:
         fan.close()
     if include_usage:
-        yield event(Completion(id=rid, model=model, choices=[], usage=usage_info(usages, n)))
+        yield events.usage(usage_info(usages, n))

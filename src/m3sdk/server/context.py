@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import Request
 
@@ -16,6 +17,7 @@ class ServerContext:
     engine: Engine
     model_names: tuple[str, ...]  # the first is the one responses name
     api_key: str | None = None
+    allowed_local_media_path: Path | None = None  # image files a client may name lie under it (resolved); None: none
 
     @property
     def model_name(self) -> str:
@@ -29,8 +31,9 @@ class ServerContext:
                        param="model", code="model_not_found")
 
 
-def context(request: Request) -> ServerContext:
-    """The FastAPI dependency that hands a route its app's context."""
+async def context(request: Request) -> ServerContext:
+    """The FastAPI dependency that hands a route its app's context (async: FastAPI runs a plain function
+    dependency in its thread pool, two thread hops per request for a dict lookup)."""
     return request.app.state.m3sdk
 
 

@@ -23,9 +23,11 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 async def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-                model_names: Sequence[str] | None = None, log_level: str = "info") -> None:
+                model_names: Sequence[str] | None = None, log_level: str = "info",
+                allowed_local_media_path: str | None = None) -> None:
     async with Engine(config) as engine:
-        app = build_app(engine, model_names=model_names, api_key=api_key)
+        app = build_app(engine, model_names=model_names, api_key=api_key,
+                        allowed_local_media_path=allowed_local_media_path)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                                lifespan="off", timeout_graceful_shutdown=5, http="httptools"))
         await server.serve()

@@ -24,6 +24,7 @@ One engine step with speculation:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,6 +37,7 @@ from m3sdk.runner import Carry
 from m3sdk.sampler import SampledToken, Sampler
 from m3sdk.scheduler.base import Scheduled, StepPlan
 from m3sdk.speculative.base import DraftRequest, Proposal, SpeculativeDecoder, TargetStates
+from m3sdk.speculative.depth import DraftDepth
 from m3sdk.speculative.verify import VerifyRow, verify, verify_greedy
 from m3sdk.structured import apply_bitmask, fill_draft_masks, new_bitmask
 
@@ -63,11 +65,17 @@ class Launched:
 
 
 class Speculation:
-    def __init__(self, drafter: SpeculativeDecoder, cache: CacheManager, sampler: Sampler):
+    def __init__(self, drafter: SpeculativeDecoder, cache: CacheManager, sampler: Sampler,
+                 depth: DraftDepth | None = None):
         self.drafter = drafter
         self.cache = cache
         self.sampler = sampler
-        self.k = drafter.num_speculative_tokens
+        self.k = drafter.num_speculative_tokens  # the most drafts a step verifies per request
+        # the drafts per request of each step (depth.py); a fixed k_max without one
+        self.depth = depth if depth is not None else DraftDepth(self.k, [1], adaptive=False)
+        # the depth of the next step, chosen when its drafts are launched (at this step's launch or finish):
+        # 0 runs no drafter for it
+        self.next_depth = self.k
         # launch the drafter's read of a greedy verify step behind its forward, the verdict counted on the device
         # (`_read_unverified`), rather than after the host has read the step
         self.read_behind_verify = drafter.reads_unverified
@@ -84,11 +92,14 @@ class Speculation:
     # -- 1, 2: drafts in, drafts of the unscheduled out --
 
     def propose(self, requests: Iterable[Request]) -> None:
+        k = self.next_depth
+        if k == 0:  # a plain decode step
+            return
         asks = []
         for r in requests:
             room = r.max_total_tokens - r.num_tokens - 1  # the step emits up to drafts + 1 tokens
             if r.status is RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1 and room > 0:
-                asks.append((r, DraftRequest(r.request_id, r.token_ids, min(self.k, room))))
+                asks.append((r, DraftRequest(r.request_id, r.token_ids, min(k, room))))
         if not asks:
             return
         for (r, _), proposal in zip(asks, self.drafter.propose([a for _, a in asks]), strict=True):
@@ -111,12 +122,17 @@ class Speculation:
         """Queue the step's forward on the device (logits at every scheduled position of a speculating entry; drafts
         still on the device are read there); `finish` reads its results."""
         num_logits, spec, pending = [], [], []
+        decoding, depth, clean = 0, 0, True
         for request, n, samples in plan.scheduled:
             is_spec = request.request_id in self._drafts
             spec.append(is_spec)
             num_logits.append(n if is_spec else int(samples))
             if is_spec and self._drafts[request.request_id][1].pending is not None:
                 pending.append(request)
+            decoding += samples
+            depth = max(depth, n - 1) if is_spec else depth
+            clean = clean and samples and (is_spec or n == 1)
+        self._launched(decoding, depth, clean)
         carry = self._carry(pending)
         prompt = None
         if any(sc.request.needs_prompt_logprobs for sc in plan.scheduled):  # (prefill entries: never speculating)
@@ -125,9 +141,21 @@ class Speculation:
                                              layer_hook=layer_hook)
         step = Launched(plan, num_logits, spec, logits, hidden, aux, carry,
                         prompt=prompt.launch(logits) if prompt is not None else None)
-        if self.read_behind_verify and carry is not None and len(pending) == len(plan.scheduled) and _greedy(pending):
+        if (self.read_behind_verify and self.next_depth > 0 and carry is not None
+                and len(pending) == len(plan.scheduled) and _greedy(pending)):
             self._read_unverified(step)
         return step
+
+    def launched_plain(self, plan: StepPlan) -> None:
+        """A depth-0 step launched by the engine's plain executor: what `launch` learns and decides of a step."""
+        self._launched(sum(s.samples for s in plan.scheduled), 0,
+                       all(s.samples and s.num_new_tokens == 1 for s in plan.scheduled))
+
+    def _launched(self, decoding: int, depth: int, clean: bool) -> None:
+        """The next step's depth, for the rows decoding after this one (joins and finishes show at its propose),
+        and this step's launch on the chooser's clock."""
+        self.next_depth = self.depth.choose(decoding)
+        self.depth.launched(time.perf_counter(), decoding, depth, self.next_depth, clean)
 
     def _read_unverified(self, step: Launched) -> None:
         """A step of greedy verify rows only, each verifying drafts still on the device: the drafter's read of it
@@ -156,7 +184,9 @@ class Speculation:
             row += m
         emitted: dict[str, list[SampledToken]] = {}
         if plain_rows:
-            sampled = self.sampler.sample(logits[plain_rows], [r.sampling for r in plain_reqs])
+            # (a step of plain rows only, a depth-0 step's, samples every logits row: no gather)
+            rows = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
+            sampled = self.sampler.sample(rows, [r.sampling for r in plain_reqs])
             emitted.update((r.request_id, [t]) for r, t in zip(plain_reqs, sampled, strict=True))
         if verify_reqs:
             # (a step of verify rows only reads every logits row: no gather)
@@ -189,12 +219,16 @@ class Speculation:
             if any(r.sampling.grammar is not None for r, _ in verify_reqs):
                 rows = _grammar_masked(rows, verify_reqs, verify_rows)
             results = verify_greedy(argmax, verify_rows) if greedy else verify(rows, verify_rows)
+            counts = []
             for (r, _), vr, toks in zip(verify_reqs, verify_rows, results, strict=True):
                 emitted[r.request_id] = toks
                 self._count(len(vr.drafts), len(toks) - 1)
+                counts.append((len(vr.drafts), len(toks) - 1))
+            self.depth.verified(counts)
 
         # rewrite speculating entries to their real tokens; observe what is now committed (or, for a step the
-        # drafter read already, tell it how much)
+        # drafter read already, tell it how much; when the next step drafts nothing, neither)
+        observe = step.read is None and self.next_depth > 0
         observed, settled, offset = [], {}, 0
         for i, (request, n, _) in enumerate(plan.scheduled):
             if request.is_finished:
@@ -210,7 +244,7 @@ class Speculation:
             if toks:
                 self.decode_rows += 1
                 self.decode_tokens += len(toks)
-            if step.read is not None:
+            if not observe:
                 settled[request.request_id] = committed
                 offset += n
                 continue
@@ -223,7 +257,7 @@ class Speculation:
             offset += n
         if step.read is not None:
             self.drafter.settle(step.read, settled)
-        else:
+        elif observe:  # (else the drafter's contexts miss these positions: a context restarts where it resumes)
             self.drafter.observe(observed)
         return [(s.request, emitted[s.request.request_id]) for s in plan.scheduled
                 if s.request.request_id in emitted]
@@ -276,6 +310,7 @@ class Speculation:
             "spec_mean_accepted_length": self.verify_tokens / self.verify_rows if self.verify_rows else 0.0,
             # target forwards a request needs per generated token, over all decode/verify steps (1.0 without)
             "spec_target_forwards_per_token": self.decode_rows / self.decode_tokens if self.decode_tokens else 0.0,
+            **self.depth.stats(),
         }
 
 

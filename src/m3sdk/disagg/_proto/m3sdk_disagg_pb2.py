@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&m3sdk/disagg/_proto/m3sdk_disagg.proto\x12\x0fm3sdk.disagg.v1\"\x99\x02\n\nCompatInfo\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x15\n\rsparse_layers\x18\x05 \x03(\r\x12\x16\n\x0eindex_head_dim\x18\x06 \x01(\r\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x10\n\x08kv_dtype\x18\x08 \x01(\t\x12\x13\n\x0bindex_dtype\x18\t \x01(\t\x12\x11\n\tfp8_dtype\x18\n \x01(\t\x12\x13\n\x0bmodel_dtype\x18\x0b \x01(\t\x12\x0e\n\x06layout\x18\x0c \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\r \x01(\t\"m\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12+\n\x06\x63ompat\x18\x02 \x01(\x0b\x32\x1b.m3sdk.disagg.v1.CompatInfo\x12\x12\n\ntransports\x18\x03 \x03(\t\"\xfc\x01\n\x0eHandshakeReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12+\n\x06\x63ompat\x18\x02 \x01(\x0b\x32\x1b.m3sdk.disagg.v1.CompatInfo\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x19\n\x11max_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\r\x12\x0f\n\x07node_id\x18\x06 \x01(\t\x12\x15\n\rmax_in_flight\x18\x07 \x01(\r\x12\x16\n\x0emax_deadline_s\x18\x08 \x01(\x01\x12\x1a\n\x12receiver_timeout_s\x18\t \x01(\x01\"\xa4\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x01\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\r\"\xc8\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.m3sdk.disagg.v1.SamplingParams\x12\x16\n\x0etransport_port\x18\x05 \x01(\r\x12\x13\n\x0btransfer_id\x18\x06 \x01(\x04\x12\x18\n\x10num_cached_pages\x18\x07 \x01(\r\x12\x11\n\tdst_pages\x18\x08 \x03(\x05\x12\x18\n\x10layers_per_group\x18\t \x01(\r\x12\x19\n\x11max_message_bytes\x18\n \x01(\r\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x0b \x01(\x01\x12\x19\n\x11message_per_piece\x18\x0c \x01(\x08\x12\x11\n\ttoken_ids\x18\r \x01(\x0cJ\x04\x08\x03\x10\x04\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xd1\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x16\n\x0enum_pages_sent\x18\x04 \x01(\r\x12\x19\n\x11num_messages_sent\x18\x05 \x01(\r\x12\x12\n\nbytes_sent\x18\x06 \x01(\x04\x12\x33\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1d.m3sdk.disagg.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\nAbortReply\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x7f\n\x0bHealthReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0ewaiting_tokens\x18\x03 \x01(\r\x12\x12\n\npages_free\x18\x04 \x01(\r\x12\x13\n\x0bpages_total\x18\x05 \x01(\r\x12\r\n\x05\x65rror\x18\x06 \x01(\t2\xb6\x02\n\x0bPrefillNode\x12O\n\tHandshake\x12!.m3sdk.disagg.v1.HandshakeRequest\x1a\x1f.m3sdk.disagg.v1.HandshakeReply\x12I\n\x07Prefill\x12\x1f.m3sdk.disagg.v1.PrefillRequest\x1a\x1d.m3sdk.disagg.v1.PrefillReply\x12\x43\n\x05\x41\x62ort\x12\x1d.m3sdk.disagg.v1.AbortRequest\x1a\x1b.m3sdk.disagg.v1.AbortReply\x12\x46\n\x06Health\x12\x1e.m3sdk.disagg.v1.HealthRequest\x1a\x1c.m3sdk.disagg.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&m3sdk/disagg/_proto/m3sdk_disagg.proto\x12\x0fm3sdk.disagg.v1\"\x99\x02\n\nCompatInfo\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x15\n\rsparse_layers\x18\x05 \x03(\r\x12\x16\n\x0eindex_head_dim\x18\x06 \x01(\r\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x10\n\x08kv_dtype\x18\x08 \x01(\t\x12\x13\n\x0bindex_dtype\x18\t \x01(\t\x12\x11\n\tfp8_dtype\x18\n \x01(\t\x12\x13\n\x0bmodel_dtype\x18\x0b \x01(\t\x12\x0e\n\x06layout\x18\x0c \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\r \x01(\t\"m\n\x10HandshakeRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12+\n\x06\x63ompat\x18\x02 \x01(\x0b\x32\x1b.m3sdk.disagg.v1.CompatInfo\x12\x12\n\ntransports\x18\x03 \x03(\t\"\x95\x02\n\x0eHandshakeReply\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12+\n\x06\x63ompat\x18\x02 \x01(\x0b\x32\x1b.m3sdk.disagg.v1.CompatInfo\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x19\n\x11max_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\r\x12\x0f\n\x07node_id\x18\x06 \x01(\t\x12\x15\n\rmax_in_flight\x18\x07 \x01(\r\x12\x16\n\x0emax_deadline_s\x18\x08 \x01(\x01\x12\x1a\n\x12receiver_timeout_s\x18\t \x01(\x01\x12\x17\n\x0fmax_image_bytes\x18\n \x01(\x04\"\xa4\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x01\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\r\"\xf6\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x02 \x01(\t\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.m3sdk.disagg.v1.SamplingParams\x12\x16\n\x0etransport_port\x18\x05 \x01(\r\x12\x13\n\x0btransfer_id\x18\x06 \x01(\x04\x12\x18\n\x10num_cached_pages\x18\x07 \x01(\r\x12\x11\n\tdst_pages\x18\x08 \x03(\x05\x12\x18\n\x10layers_per_group\x18\t \x01(\r\x12\x19\n\x11max_message_bytes\x18\n \x01(\r\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x0b \x01(\x01\x12\x19\n\x11message_per_piece\x18\x0c \x01(\x08\x12\x11\n\ttoken_ids\x18\r \x01(\x0c\x12,\n\x06images\x18\x0e \x03(\x0b\x32\x1c.m3sdk.disagg.v1.PromptImageJ\x04\x08\x03\x10\x04\"O\n\x0bPromptImage\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xd1\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x16\n\x0enum_pages_sent\x18\x04 \x01(\r\x12\x19\n\x11num_messages_sent\x18\x05 \x01(\r\x12\x12\n\nbytes_sent\x18\x06 \x01(\x04\x12\x33\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x1d.m3sdk.disagg.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\nAbortReply\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\x7f\n\x0bHealthReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0ewaiting_tokens\x18\x03 \x01(\r\x12\x12\n\npages_free\x18\x04 \x01(\r\x12\x13\n\x0bpages_total\x18\x05 \x01(\r\x12\r\n\x05\x65rror\x18\x06 \x01(\t2\xb6\x02\n\x0bPrefillNode\x12O\n\tHandshake\x12!.m3sdk.disagg.v1.HandshakeRequest\x1a\x1f.m3sdk.disagg.v1.HandshakeReply\x12I\n\x07Prefill\x12\x1f.m3sdk.disagg.v1.PrefillRequest\x1a\x1d.m3sdk.disagg.v1.PrefillReply\x12\x43\n\x05\x41\x62ort\x12\x1d.m3sdk.disagg.v1.AbortRequest\x1a\x1b.m3sdk.disagg.v1.AbortReply\x12\x46\n\x06Health\x12\x1e.m3sdk.disagg.v1.HealthRequest\x1a\x1c.m3sdk.disagg.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREQUEST']._serialized_start=343
   _globals['_HANDSHAKEREQUEST']._serialized_end=452
   _globals['_HANDSHAKEREPLY']._serialized_start=455
-  _globals['_HANDSHAKEREPLY']._serialized_end=707
-  _globals['_SAMPLINGPARAMS']._serialized_start=710
-  _globals['_SAMPLINGPARAMS']._serialized_end=874
-  _globals['_PREFILLREQUEST']._serialized_start=877
-  _globals['_PREFILLREQUEST']._serialized_end=1205
-  _globals['_TOKENLOGPROB']._serialized_start=1207
-  _globals['_TOKENLOGPROB']._serialized_end=1256
-  _globals['_PREFILLREPLY']._serialized_start=1259
-  _globals['_PREFILLREPLY']._serialized_end=1468
-  _globals['_ABORTREQUEST']._serialized_start=1470
-  _globals['_ABORTREQUEST']._serialized_end=1504
-  _globals['_ABORTREPLY']._serialized_start=1506
-  _globals['_ABORTREPLY']._serialized_end=1539
-  _globals['_HEALTHREQUEST']._serialized_start=1541
-  _globals['_HEALTHREQUEST']._serialized_end=1556
-  _globals['_HEALTHREPLY']._serialized_start=1558
-  _globals['_HEALTHREPLY']._serialized_end=1685
-  _globals['_PREFILLNODE']._serialized_start=1688
-  _globals['_PREFILLNODE']._serialized_end=1998
+  _globals['_HANDSHAKEREPLY']._serialized_end=732
+  _globals['_SAMPLINGPARAMS']._serialized_start=735
+  _globals['_SAMPLINGPARAMS']._serialized_end=899
+  _globals['_PREFILLREQUEST']._serialized_start=902
+  _globals['_PREFILLREQUEST']._serialized_end=1276
+  _globals['_PROMPTIMAGE']._serialized_start=1278
+  _globals['_PROMPTIMAGE']._serialized_end=1357
+  _globals['_TOKENLOGPROB']._serialized_start=1359
+  _globals['_TOKENLOGPROB']._serialized_end=1408
+  _globals['_PREFILLREPLY']._serialized_start=1411
+  _globals['_PREFILLREPLY']._serialized_end=1620
+  _globals['_ABORTREQUEST']._serialized_start=1622
+  _globals['_ABORTREQUEST']._serialized_end=1656
+  _globals['_ABORTREPLY']._serialized_start=1658
+  _globals['_ABORTREPLY']._serialized_end=1691
+  _globals['_HEALTHREQUEST']._serialized_start=1693
+  _globals['_HEALTHREQUEST']._serialized_end=1708
+  _globals['_HEALTHREPLY']._serialized_start=1710
+  _globals['_HEALTHREPLY']._serialized_end=1837
+  _globals['_PREFILLNODE']._serialized_start=1840
+  _globals['_PREFILLNODE']._serialized_end=2150
 # @@protoc_insertion_point(module_scope)

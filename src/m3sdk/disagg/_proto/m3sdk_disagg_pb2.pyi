@@ -47,7 +47,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., transports: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HandshakeReply(_message.Message):
-    __slots__ = ("protocol_version", "compat", "transport", "max_prompt_tokens", "max_message_bytes", "node_id", "max_in_flight", "max_deadline_s", "receiver_timeout_s")
+    __slots__ = ("protocol_version", "compat", "transport", "max_prompt_tokens", "max_message_bytes", "node_id", "max_in_flight", "max_deadline_s", "receiver_timeout_s", "max_image_bytes")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     COMPAT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class HandshakeReply(_message.Message):
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     compat: CompatInfo
     transport: str
@@ -66,7 +67,8 @@ class HandshakeReply(_message.Message):
     max_in_flight: int
     max_deadline_s: float
     receiver_timeout_s: float
-    def __init__(self, protocol_version: _Optional[int] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., transport: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., node_id: _Optional[str] = ..., max_in_flight: _Optional[int] = ..., max_deadline_s: _Optional[float] = ..., receiver_timeout_s: _Optional[float] = ...) -> None: ...
+    max_image_bytes: int
+    def __init__(self, protocol_version: _Optional[int] = ..., compat: _Optional[_Union[CompatInfo, _Mapping]] = ..., transport: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., node_id: _Optional[str] = ..., max_in_flight: _Optional[int] = ..., max_deadline_s: _Optional[float] = ..., receiver_timeout_s: _Optional[float] = ..., max_image_bytes: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "has_seed", "seed", "top_logprobs")
@@ -89,7 +91,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "compat_hash", "sampling", "transport_port", "transfer_id", "num_cached_pages", "dst_pages", "layers_per_group", "max_message_bytes", "deadline_unix_s", "message_per_piece", "token_ids")
+    __slots__ = ("request_id", "compat_hash", "sampling", "transport_port", "transfer_id", "num_cached_pages", "dst_pages", "layers_per_group", "max_message_bytes", "deadline_unix_s", "message_per_piece", "token_ids", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class PrefillRequest(_message.Message):
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_PER_PIECE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     compat_hash: str
     sampling: SamplingParams
@@ -114,7 +117,20 @@ class PrefillRequest(_message.Message):
     deadline_unix_s: float
     message_per_piece: bool
     token_ids: bytes
-    def __init__(self, request_id: _Optional[str] = ..., compat_hash: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transport_port: _Optional[int] = ..., transfer_id: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., dst_pages: _Optional[_Iterable[int]] = ..., layers_per_group: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ..., message_per_piece: _Optional[bool] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[PromptImage]
+    def __init__(self, request_id: _Optional[str] = ..., compat_hash: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transport_port: _Optional[int] = ..., transfer_id: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., dst_pages: _Optional[_Iterable[int]] = ..., layers_per_group: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., deadline_unix_s: _Optional[float] = ..., message_per_piece: _Optional[bool] = ..., token_ids: _Optional[bytes] = ..., images: _Optional[_Iterable[_Union[PromptImage, _Mapping]]] = ...) -> None: ...
+
+class PromptImage(_message.Message):
+    __slots__ = ("offset", "num_tokens", "digest", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    num_tokens: int
+    digest: bytes
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., digest: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

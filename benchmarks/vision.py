@@ -1,0 +1,204 @@
+"""Images on one GPU: the vision encoder's throughput at MiniMax-M3's real widths, and what an image adds to the
+time to first token.
+
+    PYTHONPATH=src python benchmarks/vision.py [--out DIR] [--slice DIR] [--dense N --sparse N] [--tiny]
+
+  encoder  images/s of the vision tower + projector (MiniMax-M3's vision_config, src/m3sdk/assets/minimax-m3:
+           width 1280, 32 layers, 16 heads, projector to 6144; random weights, bf16), at 448x448 and 1344x1344
+           (--sides), one encoder call per batch of images, as a step runs it; after warm-up, CUDA-synchronized.
+  ttft     time to first token through the engine on an M3 slice with the vision tower (scripts/make_m3_slice.py
+           --vision, written to --slice when it is missing): a prompt of one image (1344x1344 by default) against
+           a text prompt of the same token count, both prefilled in one step, no cache hits (every image new).
+           The encoder's share is (image - text) / text. A slice has few text layers, so that share is an upper
+           bound; the full-model estimate scales the text prefill's per-layer time to M3's 60 layers
+           (per layer = (text TTFT - 1-token TTFT) / slice layers). Goal: the encoder adds at most 15 %.
+  --tiny   m3-tiny-vl (built with tests/oracle, needs transformers) on the CPU, fp32, small batches: checks that
+           the script runs; its figures mean nothing.
+
+Prints a table per step and appends JSON rows to OUT/vision.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+M3_LAYERS = 60
+GOAL = 0.15
+
+
+def record(out: Path, **row) -> None:
+    with open(out / "vision.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def png(side: int, seed: int) -> bytes:
+    from PIL import Image
+
+    rgb = torch.randint(0, 256, (side, side, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    buf = io.BytesIO()
+    Image.frombytes("RGB", (side, side), rgb.numpy().tobytes()).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_encoder(args, device: torch.device, dtype: torch.dtype) -> None:
+    from m3sdk.model.image_processor import ImageProcessor
+    from m3sdk.model.vision import VisionEncoder
+    from m3sdk.model.vision_loader import load_vision_encoder, vision_config
+
+    if args.tiny:
+        encoder = load_vision_encoder(args.checkpoint, device, dtype)
+    else:
+        with torch.device(device):
+            torch.manual_seed(0)
+            encoder = VisionEncoder(vision_config(ROOT / "src" / "m3sdk" / "assets" / "minimax-m3"))
+        for p in encoder.parameters():  # fan-in scaled, so activations keep their scale through 32 layers
+            torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+        encoder = encoder.to(dtype).eval()
+    processor = ImageProcessor(max_pixels=2016 * 2016)  # M3's image_size: neither size is resized
+    print(f"\nencoder: width {encoder.config.hidden_size}, {encoder.config.num_hidden_layers} layers, "
+          f"{sum(p.numel() for p in encoder.parameters()) / 1e9:.3f} B parameters, {dtype}, {device}")
+    print(f"{'size':>10} {'batch':>6} {'patches':>8} {'tokens':>7} {'ms/batch':>9} {'images/s':>9}")
+    for side, batches in zip(args.sides, (args.batches_small, args.batches_large), strict=True):
+        image = processor.process(png(side, side))
+        for batch in batches:
+            pixels = image.pixels.repeat(batch, 1).to(device)
+            grid = [image.grid_thw] * batch
+            with torch.inference_mode():
+                for _ in range(args.warmup):
+                    encoder(pixels, grid)
+                sync(device)
+                t = time.perf_counter()
+                for _ in range(args.iters):
+                    encoder(pixels, grid)
+                sync(device)
+            ms = (time.perf_counter() - t) / args.iters * 1e3
+            row = dict(step="encoder", side=side, batch=batch, patches=pixels.shape[0] // batch,
+                       tokens=image.num_tokens, ms_per_batch=round(ms, 3), images_per_s=round(batch / ms * 1e3, 2),
+                       tiny=args.tiny, device=str(device))
+            record(args.out, **row)
+            print(f"{side:>5}x{side:<4} {batch:>6} {row['patches']:>8} {image.num_tokens:>7} {ms:>9.2f} "
+                  f"{row['images_per_s']:>9.1f}")
+
+
+async def _ttft(engine, prompt, repeats: int) -> float:
+    """Median seconds to the first token of `prompt(i)` (a fresh prompt each time: no cache hit)."""
+    times = []
+    for i in range(repeats):
+        t = time.perf_counter()
+        await engine.generate(prompt(i), max_tokens=1, temperature=0, ignore_eos=True)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+async def step_ttft(args, device: torch.device, dtype: torch.dtype) -> None:
+    from m3sdk import Engine
+    from m3sdk.model.config import ModelConfig
+
+    model = args.checkpoint if args.tiny else args.slice
+    layers = ModelConfig.from_pretrained(model).num_layers
+    config = dict(model=str(model), device=str(device), dtype="float32" if args.tiny else "bfloat16",
+                  max_model_len=1024 if args.tiny else 16384, max_num_seqs=4, max_num_batched_tokens=16384,
+                  enable_prefix_caching=False,
+                  kv_cache_memory=(64 << 20) if args.tiny else (8 << 30))
+    t = time.perf_counter()
+    async with Engine(**config) as e:
+        core = e._core
+        load_s = time.perf_counter() - t
+        image_token = core.images.image_token_id
+        top = min(core.vocab_size, image_token)  # text ids below the image token
+        images = [png(args.image_side, 100 + i) for i in range(args.repeats + 2)]
+        probe = await e.generate({"prompt_token_ids": [7, image_token, 8], "images": [images[-1]]}, max_tokens=1)
+        n = probe.usage.prompt_tokens  # the image prompt's length once its placeholder is expanded
+
+        def ids(i: int, length: int) -> list[int]:
+            g = torch.Generator().manual_seed(1000 + i)
+            return torch.randint(3, top, (length,), generator=g).tolist()
+
+        await e.generate(ids(-1, n), max_tokens=1)  # warm-up of the text path at this length
+        one = await _ttft(e, lambda i: ids(i, 1), args.repeats)
+        text = await _ttft(e, lambda i: ids(i, n), args.repeats)
+        image = await _ttft(e, lambda i: {"prompt_token_ids": [7, image_token, 8], "images": [images[i]]},
+                            args.repeats)
+    extra = image - text
+    share = extra / text
+    per_layer = max(text - one, 0.0) / layers
+    full_text = one + per_layer * M3_LAYERS
+    full_share = extra / full_text
+    row = dict(step="ttft", model=str(model), layers=layers, image_side=args.image_side, prompt_tokens=n,
+               ttft_one_token_ms=round(one * 1e3, 2), ttft_text_ms=round(text * 1e3, 2),
+               ttft_image_ms=round(image * 1e3, 2), encoder_extra_ms=round(extra * 1e3, 2),
+               share_on_slice=round(share, 4), full_model_text_ttft_ms=round(full_text * 1e3, 2),
+               share_full_model_estimate=round(full_share, 4), goal=GOAL, meets_goal=full_share <= GOAL,
+               load_s=round(load_s, 1), tiny=args.tiny, device=str(device))
+    record(args.out, **row)
+    print(f"\nttft: {model} ({layers} text layers), one {args.image_side}x{args.image_side} image = {n} prompt "
+          f"tokens, median of {args.repeats}")
+    print(f"{'prompt':<34} {'TTFT ms':>9}")
+    for name, v in (("1 token", one), (f"text, {n} tokens", text), (f"1 image, {n} tokens", image)):
+        print(f"{name:<34} {v * 1e3:>9.2f}")
+    print(f"{'encoder adds':<34} {extra * 1e3:>9.2f}  {share:6.1%} of the slice's text TTFT")
+    print(f"{'full model (60 layers) estimate':<34} {full_text * 1e3:>9.2f}  encoder {full_share:6.1%}  "
+          f"goal <= {GOAL:.0%}: {'met' if full_share <= GOAL else 'NOT met'}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--steps", nargs="+", default=["encoder", "ttft"], choices=["encoder", "ttft"])
+    p.add_argument("--tiny", action="store_true", help="m3-tiny-vl on the CPU: checks the script runs")
+    p.add_argument("--slice", type=Path, default=Path("/dev/shm/m3-slice-vl"))
+    p.add_argument("--dense", type=int, default=1, help="the slice's dense layers, when it is written here")
+    p.add_argument("--sparse", type=int, default=1, help="the slice's sparse layers, when it is written here")
+    p.add_argument("--image-side", type=int, default=1344)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--sides", type=int, nargs=2, default=[448, 1344], help="the two image sizes of `encoder`")
+    p.add_argument("--batches-small", type=int, nargs="+", default=[1, 8, 32], help="batches of the first size")
+    p.add_argument("--batches-large", type=int, nargs="+", default=[1, 4], help="batches of the second size")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from oracle import make_vl_checkpoint
+
+        device, dtype = torch.device("cpu"), torch.float32
+        scratch = tempfile.TemporaryDirectory(prefix="m3-tiny-vl-")
+        args.checkpoint = make_vl_checkpoint(Path(scratch.name))
+        args.iters, args.warmup, args.repeats = 2, 1, min(args.repeats, 2)
+        args.sides, args.batches_small, args.batches_large = [112, 224], [1, 4], [1]
+        args.image_side = min(args.image_side, 224)
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        if "ttft" in args.steps and not (args.slice / "preprocessor_config.json").is_file():
+            sys.path.insert(0, str(ROOT / "scripts"))
+            from make_m3_slice import make_slice
+
+            t = time.perf_counter()
+            make_slice(args.slice, args.dense, args.sparse, device="cuda", max_position_embeddings=32768,
+                       vision=True)
+            print(f"wrote {args.slice} in {time.perf_counter() - t:.0f} s")
+    if "encoder" in args.steps:
+        step_encoder(args, device, dtype)
+    if "ttft" in args.steps:
+        asyncio.run(step_ttft(args, device, dtype))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""OverlapChoice: whether each plain decode step of an overlapped engine overlaps (step N + 1 scheduled and
+launched before N's tokens are read) or reads first (N's tokens read, then N + 1 scheduled), chosen per step from
+the periods both kinds measured at the step's batch bucket (m3sdk/step_costs.py).
+
+Overlap hides the device's step behind the host's work; it pays when the device step is the longer of the two.
+Where the host's work per step is the longer (a small model such as m3-tiny, whose graph step takes ~0.2 ms on an
+H200), it hides little and costs more: the engine thread never waits for the device, so the event loop's work on
+the emitted tokens, which a read-first step runs while the engine thread waits for the device with the GIL
+released, now contends with the engine's own host work for the GIL (a hand-off per torch call), and the step
+carries the previous step's tokens on the device (two more launches and their index lists). Reading first then
+gives the shorter period. Which one wins depends on the model, the batch and the host, so the engine measures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from m3sdk.step_costs import MIN_SAMPLES, StepCosts
+
+READ_FIRST, OVERLAP = 0, 1
+
+
+class OverlapChoice:
+    """Both kinds are run at each batch bucket for a few steps (overlap first), then the one with the shorter
+    median period. A step's period (to the next launch) counts for its kind when the step and the one after it
+    were both of that kind and decoded only (no prefill chunk)."""
+
+    def __init__(self, buckets: Sequence[int]):
+        self.costs = StepCosts(2, buckets)
+        self._last: tuple[float, int, int, bool] | None = None  # the previous launch: time, batch, kind, counts
+        self.steps = [0, 0]  # steps launched read-first / overlapped (stats)
+
+    def overlap(self, batch: int) -> bool:
+        """Whether a step of `batch` decoding rows overlaps."""
+        for kind in (OVERLAP, READ_FIRST):
+            if self.costs.samples(batch, kind) < MIN_SAMPLES:
+                return kind == OVERLAP
+        return self.costs.cost(batch, OVERLAP) <= self.costs.cost(batch, READ_FIRST)
+
+    def launched(self, now: float, batch: int, overlapped: bool, clean: bool) -> None:
+        kind = int(overlapped)
+        if self._last is not None:
+            t, b, k, counts = self._last
+            if counts and k == kind:
+                self.costs.add(b, k, now - t)
+        self.steps[kind] += 1
+        self._last = (now, batch, kind, clean and batch > 0)
+
+    def idle(self) -> None:
+        """The engine may wait for work: the period running now is no step's cost."""
+        self._last = None
+
+    def stats(self) -> dict[str, object]:
+        return {"overlap_steps": self.steps[OVERLAP], "read_first_steps": self.steps[READ_FIRST]}
