@@ -15,10 +15,17 @@ read before the next one. Off CUDA each step runs eagerly on the static buffers 
 padded path (and tensor parallel's lockstep of graph steps, parallel/graphs.py).
 
 Steps reach the graphs only from host lists (`stage`, then `replay`): one pinned upload per step fills every static
-input (token ids, positions, slots, context lengths, page table, each step's index lists) at once, because on the
-serving host every torch call costs tens of microseconds and a copy per field from device metadata made a batch-64
-step host-bound. The static inputs are typed views of one byte buffer, so tensor parallel mirrors
-a step with one broadcast of that buffer's used prefix (parallel/graphs.py).
+input (token ids, positions, slots, context lengths, each step's index lists, the page-table entries that changed)
+at once, because on the serving host every torch call costs tens of microseconds and a copy per field from device
+metadata made a batch-64 step host-bound. The static inputs are typed views of one byte buffer, so tensor parallel
+mirrors a step with one broadcast of that buffer's used prefix (parallel/graphs.py).
+
+The page table stays on the device between steps (`page_table`, one row per batch row, max_model_len wide): a
+row remembers which page list it mirrors and how many of its entries it holds, and a step uploads only the
+entries that list gained since (a decode step: a page every 16 tokens, none otherwise), so the host's work and the
+upload of a step do not grow with the context (a 1M-token sequence holds 65,536 pages). A row whose list changed
+(another request in that row, or a list the cache manager replaced: CacheManager.page_table) is uploaded whole
+once. `replay` scatters the step's entries into the table before the graph runs.
 
 A forward can be captured only if none of its ops syncs the host: the triton attention backend (its kernels take
 the step's host ints from the metadata) and MoE layers that run the fused kernels or, while a capture runs, their
@@ -93,17 +100,21 @@ class DecodeGraphs:
         nq = n * qmax
         i64 = dict(dtype=torch.int64, device=device)
         # the static inputs, typed views of one byte buffer: int64 [ids | positions | slots | scratch (4 nq: a step's
-        # index lists)], then int32 [context lens (n) | page table]; a step fills a prefix of it. The page table's
-        # rows are as wide as the graph's context bucket needs (`table`), so a short-context step uploads (and
-        # tensor parallel broadcasts) its pages, not max_model_len's
+        # index lists)], then int32 [context lens (n) | page-table updates: (flat index, page) pairs]; a step fills a
+        # prefix of it (its updates: none on most decode steps, a whole table at most)
         self._off32 = 7 * nq * 8
-        self.inputs = torch.zeros(self._off32 + (n + n * width) * 4, dtype=torch.uint8, device=device)
+        self.inputs = torch.zeros(self._off32 + (n + 2 * n * width) * 4, dtype=torch.uint8, device=device)
         whole64 = self.inputs[:self._off32].view(torch.int64)
         whole32 = self.inputs[self._off32:].view(torch.int32)
         self.input_ids, self.positions, self.slots, self.scratch = whole64.split([nq, nq, nq, 4 * nq])
         self.slots.fill_(-1)
-        self.context_lens, self._tables = whole32.split([n, n * width])
+        self.context_lens, self._updates = whole32.split([n, 2 * n * width])
         self.context_lens.fill_(1)
+        # the page table every graph reads (entries past a sequence's pages are stale real pages: never read past its
+        # context), and per row the page list it mirrors and how many of that list's entries it holds
+        self.page_table = torch.zeros(n, width, dtype=torch.int32, device=device)
+        self._rows: list[tuple[Sequence[int] | None, int]] = [(None, 0)] * n
+        self._num_updates = 0  # page-table entries of the step staged last, applied by `replay`
         # per query length q: the fixed cu_seqlens (every sequence has q tokens) and the padding positions 0..q-1
         self.cu_seqlens = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
                            for q in self.query_lens}
@@ -143,20 +154,12 @@ class DecodeGraphs:
         """The graph (batch bucket, context bucket, query length q) of a step of `batch` sequences that each add
         1 .. max_seqlen_q tokens (padded to q), or None when the step does not fit the graphs: a longer sequence
         (a prefill chunk), other aux layers, too many sequences, a padded context past max_model_len, or more
-        pages than the static table holds."""
+        pages than a page-table row holds."""
         q = next((q for q in self.query_lens if q >= max_seqlen_q), None)
         if (q is None or max_seqlen_q < 1 or tuple(aux_layers) != self.aux_layers or batch > self.buckets[-1]
-                or max_context_len + q - 1 > self.max_model_len):
+                or max_context_len + q - 1 > self.max_model_len or width > self.page_table.shape[1]):
             return None
-        context = self._context_bucket(max_context_len + q - 1)
-        if width > -(-context // PAGE_SIZE):
-            return None
-        return next(s for s in self.buckets if s >= batch), context, q
-
-    def table(self, context: int) -> torch.Tensor:
-        """The static page table [max_num_seqs, pages of `context`] the graphs of context bucket `context` read."""
-        w = -(-context // PAGE_SIZE)
-        return self._tables[:self.buckets[-1] * w].view(-1, w)
+        return next(s for s in self.buckets if s >= batch), self._context_bucket(max_context_len + q - 1), q
 
     def stage(self, key: tuple[int, int, int], ids: Sequence[int], counts: Sequence[int],
               context_lens: Sequence[int], tables: Sequence[Sequence[int]], extra: Sequence[int] = ()
@@ -166,14 +169,14 @@ class DecodeGraphs:
         goes to row i * q + j (the graph's padded layout) and sequences past the batch are padding. `extra` int64
         values ride along: -> their device copy (`scratch`'s prefix), for index lists the step needs there.
         Every padding row writes nowhere; a padded sequence's extra rows sit after its tokens, in positions."""
-        bucket, context, q = key
-        b, n, w = len(counts), self.buckets[-1], -(-context // PAGE_SIZE)
+        bucket, _, q = key
+        b, n = len(counts), self.buckets[-1]
         host = self._staging.take()
         h8 = host.numpy()
         h64, h32 = h8[:self._off32].view(np.int64), h8[self._off32:].view(np.int32)
         nq = self.input_ids.shape[0]
         ids_h, pos_h, slot_h, extra_h = h64[:nq], h64[nq:2 * nq], h64[2 * nq:3 * nq], h64[3 * nq:]
-        ctx_h, table_h = h32[:n], h32[n:n + n * w].reshape(n, w)
+        ctx_h = h32[:n]
         padded_ids, positions, slots = [], [], []
         k = 0
         for c, ctx, pages in zip(counts, context_lens, tables, strict=True):
@@ -193,25 +196,52 @@ class DecodeGraphs:
         slot_h[b * q:bucket * q] = -1
         ctx_h[:b] = [ctx + q - c for c, ctx in zip(counts, context_lens, strict=True)]
         ctx_h[b:bucket] = q
-        for i, pages in enumerate(tables):  # entries past a sequence's pages stay stale: never read
-            table_h[i, :len(pages)] = pages
+        self._num_updates = self._table_updates(tables, h32[n:].reshape(-1, 2))
         extra_h[:len(extra)] = extra
-        self._staging.upload(self.inputs, self.used_inputs(key).shape[0])
+        self._staging.upload(self.inputs, self.used_inputs(self._num_updates).shape[0])
         return self.scratch[:len(extra)]
 
-    def replay(self, key: tuple[int, int, int]) -> tuple:
-        """Replay graph `key` (capturing it first if new) on the static inputs as they stand -> its outputs
-        (hidden, logits, *aux) over all bucket x q rows, views valid until the next replay."""
+    def _table_updates(self, tables: Sequence[Sequence[int]], out: np.ndarray) -> int:
+        """Write into `out` [*, 2] the (flat index, page) entries that bring rows 0 .. len(tables) - 1 of the device
+        table to `tables` -> their count. A row that holds a prefix of the same list object gets that list's new
+        entries only (page lists grow by appends: CacheManager.page_table); any other row gets its list whole."""
+        width = self.page_table.shape[1]
+        k = 0
+        for i, pages in enumerate(tables):
+            have, held = self._rows[i]
+            if have is not pages or len(pages) < held:
+                held = 0
+            if (new := len(pages) - held) > 0:
+                out[k:k + new, 0] = np.arange(i * width + held, i * width + len(pages))
+                out[k:k + new, 1] = np.asarray(pages[held:], dtype=np.int32)
+                k += new
+            self._rows[i] = (pages, len(pages))
+        return k
+
+    def replay(self, key: tuple[int, int, int], num_updates: int | None = None) -> tuple:
+        """Replay graph `key` (capturing it first if new) on the static inputs as they stand, after writing the
+        page-table entries that the last `stage` uploaded, once (`num_updates` of them; tensor parallel's workers
+        are told the count) -> its outputs (hidden, logits, *aux) over all bucket x q rows, views valid until the
+        next replay."""
+        self.apply_updates(self._num_updates if num_updates is None else num_updates)
         if key not in self.graphs:
             bucket, context, q = key
             self.graphs[key] = Replay(lambda: self._forward(bucket, context, q), self.pool, self.device)
         self.replays += 1
         return self.graphs[key]()
 
-    def used_inputs(self, key: tuple[int, int, int]) -> torch.Tensor:
-        """The prefix of the static input bytes that graph `key` reads (tensor parallel broadcasts it)."""
-        bucket, context, _ = key
-        return self.inputs[:self._off32 + (self.buckets[-1] + bucket * -(-context // PAGE_SIZE)) * 4]
+    def apply_updates(self, n: int) -> None:
+        """Write the first `n` staged (flat index, page) entries into the device page table (stream-ordered after
+        their upload, before the replay that reads them)."""
+        if n:
+            updates = self._updates[:2 * n].view(n, 2)
+            self.page_table.view(-1)[updates[:, 0]] = updates[:, 1]
+        self._num_updates = 0
+
+    def used_inputs(self, num_updates: int) -> torch.Tensor:
+        """The prefix of the static input bytes that a step with `num_updates` page-table entries reads (tensor
+        parallel broadcasts it)."""
+        return self.inputs[:self._off32 + (self.buckets[-1] + 2 * num_updates) * 4]
 
     def _pad(self, b: int, bucket: int, q: int) -> None:
         """Sequences b .. bucket - 1 are padding: no writes, q tokens at positions 0 .. q - 1, context q."""
@@ -223,5 +253,5 @@ class DecodeGraphs:
         t = bucket * q
         meta = AttentionMetadata(positions=self.positions[:t], slot_mapping=self.slots[:t],
                                  cu_seqlens_q=self.cu_seqlens[q][:bucket + 1], context_lens=self.context_lens[:bucket],
-                                 page_table=self.table(context)[:bucket], max_seqlen_q=q, max_context_len=context)
+                                 page_table=self.page_table[:bucket], max_seqlen_q=q, max_context_len=context)
         return self.model(self.input_ids[:t], meta, self.kv, self.rows[:t], self.aux_layers)

@@ -56,7 +56,7 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_ch, stride_sp, stride_sh,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, X: tl.constexpr, SHUFFLE: tl.constexpr,
                      FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t x a token row stride passes 2**31 in a step of ~218K tokens
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:  # negative slots are padding rows (e.g. a CUDA graph's spare tokens)
@@ -73,7 +73,7 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache, v_cache, k_scale, v_scale, slot_ptr,
 @triton.jit
 def _write_index_key_kernel(ik_ptr, cache_ptr, slot_ptr, stride_t, stride_cp, INDEX_DIM: tl.constexpr,
                             DI_PAD: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
         d = tl.arange(0, DI_PAD)
@@ -148,7 +148,7 @@ def _norm_rope_write_kernel(
         FP8: tl.constexpr, FP8_MAX: tl.constexpr, HAS_INDEX: tl.constexpr):
     """One program per (token, head row); rows are the q heads, then the kv heads (k and v together: they share
     the slot), then the index-query heads, then the index key."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t x a token row stride passes 2**31 in a step of ~218K tokens
     row = tl.program_id(1)
     cos_t = cos_ptr + t * stride_ct
     sin_t = sin_ptr + t * stride_ct

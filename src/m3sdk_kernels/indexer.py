@@ -40,7 +40,7 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_s
         qi = first + r // BLOCK_HI
         head = r % BLOCK_HI
         row_ok = (qi < n_q) & (head < NUM_HEADS)
-        tok = q_start + qi
+        tok = (q_start + qi).to(tl.int64)
         pos = ctx - n_q + qi
         q = tl.load(iq_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT)

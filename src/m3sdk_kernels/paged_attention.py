@@ -221,7 +221,7 @@ def _attn_kernel(
         qi = first + r // BLOCK_H  # query index inside the sequence
         head = h * GROUP + r % BLOCK_H
         row_ok = (qi < n_q) & (r % BLOCK_H < GROUP)
-        tok = q_start + qi
+        tok = (q_start + qi).to(tl.int64)  # x the token stride: past 2**31 in a step of ~218K tokens
         pos = ctx - n_q + qi
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -377,7 +377,7 @@ def _merge_rows(part_o, part_lse, row0, num_tokens, row_ok, NUM_HEADS: tl.conste
 def _merge_kernel(part_o, part_lse, out_ptr, num_tokens, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
     """out[t, h] = LSE-weighted mean of the splits' normalized partial outputs (empty splits weigh 0)."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D_PAD)

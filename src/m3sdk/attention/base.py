@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from m3sdk.registry import Registry
@@ -47,14 +48,16 @@ class AttentionMetadata:
         for n in num_new_tokens:
             cu.append(cu[-1] + n)
         width = max((len(p) for p in page_tables), default=0)
-        # entries past a sequence's pages are unspecified by the contract: pad with 0 (a real page)
-        table = [list(p) + [0] * (width - len(p)) for p in page_tables]
+        # entries past a sequence's pages are unspecified by the contract: 0 (a real page)
+        table = np.zeros((len(page_tables), width), dtype=np.int32)
+        for i, pages in enumerate(page_tables):
+            table[i, :len(pages)] = np.asarray(pages, dtype=np.int32)
         return cls(
             positions=to_device(positions, torch.int64, device),
             slot_mapping=to_device(slots, torch.int64, device),
             cu_seqlens_q=to_device(cu, torch.int32, device),
             context_lens=to_device(list(context_lens), torch.int32, device),
-            page_table=to_device(table, torch.int32, device).view(len(table), width),
+            page_table=to_device(torch.from_numpy(table), torch.int32, device),
             max_seqlen_q=max(num_new_tokens, default=0),
             max_context_len=max(context_lens, default=0),
         )

@@ -55,7 +55,9 @@ class CacheManager(Protocol):
         those pages were never committed, so none is shared or cached."""
 
     def page_table(self, request: Request) -> list[int]:
-        """Physical page of each logical page of the request."""
+        """Physical page of each logical page of the request. The list only grows (appends) while it is the
+        request's: pages dropped (free, truncate) put a new list in its place, so whoever keeps the list may rely on
+        the entries it has seen (the CUDA graphs upload only a list's new entries: graphs.DecodeGraphs)."""
 
     def num_free_pages(self) -> int: ...
 
@@ -157,8 +159,10 @@ class PagedCacheManager:
     def truncate(self, request: Request, num_tokens: int) -> None:
         table = self._tables.get(request.request_id)
         keep = pages_for(num_tokens)
-        while table and len(table) > keep:
-            page = table.pop()
+        if table is None or len(table) <= keep:
+            return
+        self._tables[request.request_id] = table[:keep]  # a new list: the old one's entries stay as they were
+        for page in reversed(table[keep:]):
             self.pool.decref(page)
             self.pool.release(page)
 

@@ -1,14 +1,14 @@
 """CUDA graphs under tensor parallel: rank 0's DecodeGraphs, mirrored to the workers step by step.
 
 The all-reduces and the logits all-gather inside a graph are NCCL collectives, so every rank must capture the same
-graphs and replay them in the same order. Each worker therefore builds the same DecodeGraphs (same batch buckets,
-query lengths, aux layers and max_model_len: the same captures at start, in the same order), and each replay of
-rank 0 goes to the workers first: a REPLAY message names the graph, and one broadcast of the used prefix of rank 0's
-static input bytes (token ids, positions, slots, context lengths, page table: graphs.DecodeGraphs.inputs) lands in
-each worker's identical buffer, so the worker replays its graph of the same key on the same inputs; a key first seen
-mid-serving is captured on every rank at that same step. Rank 0's model calls inside DecodeGraphs (its captures, or
-the eager steps off CUDA) are not mirrored as eager steps (only the runner's own calls are): the workers make them
-themselves.
+graphs and replay them in the same order. Each worker therefore builds the same DecodeGraphs (same batch buckets, query
+lengths, aux layers and max_model_len: the same captures at start, in the same order), and each replay of rank 0 goes to
+the workers first: a REPLAY message names the graph (and its count of page-table entries), and one broadcast of the used
+prefix of rank 0's static input bytes (token ids, positions, slots, context lengths, the page-table entries that
+changed: graphs.DecodeGraphs.inputs) lands in each worker's identical buffer, so the worker updates its own page table
+the same way and replays its graph of the same key on the same inputs; a key first seen mid-serving is captured on every
+rank at that same step. Rank 0's model calls inside DecodeGraphs (its captures, or the eager steps off CUDA) are not
+mirrored as eager steps (only the runner's own calls are): the workers make them themselves.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class MirroredGraphs(DecodeGraphs):
         super().__init__(model, kv, max_num_seqs, max_model_len, device, query_lens, aux_layers)
         tp.expect(READY)  # the workers captured the same graphs
 
-    def replay(self, key: tuple[int, int, int]) -> tuple:
-        self.tp.send((REPLAY, key))
-        dist.broadcast(self.used_inputs(key), src=0)
-        return super().replay(key)
+    def replay(self, key: tuple[int, int, int], num_updates: int | None = None) -> tuple:
+        n = self._num_updates if num_updates is None else num_updates
+        self.tp.send((REPLAY, (key, n)))
+        dist.broadcast(self.used_inputs(n), src=0)
+        return super().replay(key, n)

@@ -66,8 +66,9 @@ def serve(spec: dict, conn: Connection) -> None:
             input_ids, meta, indices = _receive(device, t, b, width, max_seqlen_q, max_context_len, n_logits)
             model(input_ids, meta, kv, indices, aux_layers)  # with indices: its part of lm_head's all-gather
         elif kind == REPLAY:  # rank 0's static inputs straight into this rank's identical buffer
-            dist.broadcast(graphs.used_inputs(body), src=0)
-            graphs.replay(body)
+            key, num_updates = body
+            dist.broadcast(graphs.used_inputs(num_updates), src=0)
+            graphs.replay(key, num_updates)
         elif kind == GRAPHS:
             try:
                 graphs = DecodeGraphs(model, kv, device=device, **body)
