@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 
 import grpc
@@ -464,3 +465,55 @@ def test_pieces_arrive_intact_whatever_the_two_sides_runs(src, dst, in_place):
     assert_pages(pool, tokens, dst, 0)
     loop.run(receiver.close())
     loop.run(sender.close())
+
+
+def test_health_stays_answered_while_many_staged_prefills_run():
+    """12 prefills in flight at once on the node, every message staged on both sides, one layer per message group:
+    Health, polled from another thread, answers every time within 1 s, and every page arrives where it belongs."""
+    from m3sdk.disagg._proto.m3sdk_disagg_pb2_grpc import PrefillNodeStub
+    from m3sdk.disagg.ucx_transport import UcxTransport
+
+    proc, address = spawn_node("bf16", "plain", delay_s=0.2, max_in_flight=16)
+    client, pool = make_client(address, layers_per_group=1, max_message_bytes=64 << 10,
+                               transport=UcxTransport(in_place=False))
+    waits: list[float] = []
+    failures: list[str] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        with grpc.insecure_channel(address) as channel:
+            stub = PrefillNodeStub(channel)
+            while not done.is_set():
+                t = time.monotonic()
+                try:
+                    stub.Health(pb.HealthRequest(), timeout=1.0, metadata=(("authorization", f"Bearer {TOKEN}"),))
+                except grpc.RpcError as e:
+                    failures.append(f"{e.code()}: {e.details()}")
+                waits.append(time.monotonic() - t)
+                time.sleep(0.05)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        prompts = [[(i * 7 + r) % VOCAB for i in range(80)] for r in range(12)]  # 5 pages each, 60 of 64 pages
+        futures = [client.submit(f"r{r}", p, GREEDY, list(range(5 * r, 5 * r + 5)), num_cached_pages=0,
+                                 timeout_s=60) for r, p in enumerate(prompts)]
+        results = [f.result(60) for f in futures]
+    finally:
+        done.set()
+        poller.join()
+        client.close()
+        stop_node(proc)
+    assert [r.first_token for r in results] == [first_token(p) for p in prompts]
+    for r, p in enumerate(prompts):
+        assert_pages_of(pool, p, list(range(5 * r, 5 * r + 5)))
+    assert not failures and len(waits) >= 3, (failures, len(waits))
+    assert max(waits) < 1.0, max(waits)
+
+
+def assert_pages_of(pool: KVPool, tokens: list[int], pages: list[int]) -> None:
+    """`tokens`' pattern rows in `pages` (other requests' pages written beside them are theirs to check)."""
+    want = expected_rows(pool.spec, tokens, 0)
+    for got_layer, want_layer in zip(wire.page_rows(pool), want, strict=True):
+        for got, expected in zip(got_layer, want_layer, strict=True):
+            assert torch.equal(got[torch.tensor(pages)], expected)
