@@ -5,6 +5,7 @@ import asyncio
 import random
 
 import pytest
+from depth_helpers import sticky_random_depth
 
 from m3sdk import Engine
 from m3sdk.cache.page_pool import PAGE_SIZE
@@ -187,14 +188,3 @@ async def test_any_depth_per_step_and_joins_through_graphs_change_no_greedy_toke
     assert {1, PAGE_SIZE, 4 * PAGE_SIZE} <= set(replayed) and len({2, 3, 4} & set(replayed)) >= 2
     assert stats["pages_free"] == stats["pages_total"]
 
-
-def sticky_random_depth(rng: random.Random):
-    """A `DraftDepth.choose` that keeps its depth for a few steps, then draws another from 0 .. k."""
-    depth = [None]
-
-    def choose(self, batch: int) -> int:
-        if depth[0] is None or rng.random() < 0.35:
-            depth[0] = rng.randrange(self.k_max + 1)
-        return depth[0]
-
-    return choose

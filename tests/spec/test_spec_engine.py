@@ -6,6 +6,7 @@ import asyncio
 import random
 
 import pytest
+from depth_helpers import sticky_random_depth
 
 from m3sdk import Engine, SamplingParams
 from m3sdk.cache.page_pool import pages_for
@@ -136,14 +137,3 @@ async def test_greedy_identical_whatever_depth_each_step_takes(spec_checkpoint, 
     if method == "ngram":  # (the random heads' drafts are seldom right)
         assert stats["spec_accepted_tokens"] > 0
 
-
-def sticky_random_depth(rng: random.Random):
-    """A `DraftDepth.choose` that keeps its depth for a few steps, then draws another from 0 .. k."""
-    depth = [None]
-
-    def choose(self, batch: int) -> int:
-        if depth[0] is None or rng.random() < 0.35:
-            depth[0] = rng.randrange(self.k_max + 1)
-        return depth[0]
-
-    return choose

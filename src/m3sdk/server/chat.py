@@ -17,7 +17,7 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from m3sdk.chat import AssistantDelta, ToolCallDelta, join_deltas
+from m3sdk.chat import AssistantDelta, join_deltas
 from m3sdk.chat.completion import ChatCompletionChunk as EngineChunk
 from m3sdk.chat.image_parts import is_image_part
 from m3sdk.params import SamplingParams
@@ -107,31 +107,12 @@ async def _whole(ctx: ServerContext, fan: FanOut, rid: str, model: str, n: int, 
     return ChatCompletion(id=rid, model=model, choices=choices, usage=usage_info([c.usage for c in last], n))
 
 
-def _wire_delta(delta: AssistantDelta) -> dict[str, Any]:
-    """A parsed delta in the wire shape, None fields left out."""
-    out: dict[str, Any] = {}
-    if delta.content is not None:
-        out["content"] = delta.content
-    if delta.reasoning_content is not None:
-        out["reasoning_content"] = delta.reasoning_content
-    if delta.tool_calls:
-        out["tool_calls"] = [_wire_call(c) for c in delta.tool_calls]
-    return out
-
-
-def _wire_call(call: ToolCallDelta) -> dict[str, Any]:
-    function = {k: v for k, v in (("name", call.name), ("arguments", call.arguments)) if v is not None}
-    if call.id is None:
-        return {"index": call.index, "function": function}
-    return {"index": call.index, "id": call.id, "type": "function", "function": function}
-
-
 def _step_choices(index: int, chunk: EngineChunk, logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
     """One engine step of a choice as stream choices: one per parsed delta; the step's logprobs ride on the first,
     its finish_reason on the last (an empty delta carries them when the parser held all text back)."""
     if not chunk.deltas and chunk.finish_reason is None and logprobs is None:
         return []
-    out = [{"index": index, "delta": _wire_delta(d)} for d in chunk.deltas] or [{"index": index, "delta": {}}]
+    out = [{"index": index, "delta": d.to_dict()} for d in chunk.deltas] or [{"index": index, "delta": {}}]
     if logprobs is not None:
         out[0]["logprobs"] = logprobs
     if chunk.finish_reason is not None:
