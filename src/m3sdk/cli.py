@@ -166,6 +166,13 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
     media = args.allowed_local_media_path
     if media is not None and not os.path.isdir(media):
         raise ValueError(f"--allowed-local-media-path {media!r} is not a folder")
+    if args.allow_image_urls:
+        from .image_fetcher import HttpImageFetcher
+
+        config = config.replace(image_fetcher=HttpImageFetcher(
+            max_bytes=args.image_url_max_bytes, allowed_domains=args.allowed_media_domains))
+    elif args.allowed_media_domains:
+        raise ValueError("--allowed-media-domains applies with --allow-image-urls")
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(serve(config, host=args.host, port=args.port, api_key=api_key,
                          model_names=args.served_model_name, log_level=args.log_level,
@@ -279,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="names clients give as 'model' (default: the checkpoint folder's name)")
     serve.add_argument("--allowed-local-media-path", metavar="DIR",
                        help="let clients name image files under DIR in image parts (default: none; data URLs only)")
+    serve.add_argument("--allow-image-urls", action="store_true",
+                       help="fetch the http(s) image URLs clients send (default: refused; data URLs always work)")
+    serve.add_argument("--allowed-media-domains", nargs="+", metavar="DOMAIN",
+                       help="with --allow-image-urls: only these hosts and their subdomains (default: any)")
+    serve.add_argument("--image-url-max-bytes", type=POSITIVE_INT, default=20 << 20,
+                       help="with --allow-image-urls: the largest image fetched, in bytes (default: %(default)s)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="the server's log verbosity on stderr (default: %(default)s)")
     engine_options(serve)
