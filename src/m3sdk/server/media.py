@@ -1,7 +1,7 @@
 """What a remote client's image parts may refer to. A data URL always; an http(s) URL reaches the engine, which
-refuses it unless it has an image fetcher (`m3sdk serve --allow-image-urls`: m3sdk.image_fetcher); a file on the server (a path or a `file://` URL) only
-under the folder `m3sdk serve --allowed-local-media-path` names, since the server must not read its own files for
-a client otherwise. Checked before anything is queued (400)."""
+refuses it unless it has an image fetcher (`m3sdk serve --allow-image-urls`: m3sdk.image_fetcher); a file on the
+server (a path or a `file://` URL) only under the folder `m3sdk serve --allowed-local-media-path` names, since the
+server must not read its own files for a client otherwise. Checked before anything is queued (400)."""
 
 from __future__ import annotations
 
