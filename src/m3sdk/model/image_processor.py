@@ -3,8 +3,8 @@ checkpoint's pixel range, rescale to [0, 1], normalize with CLIP's mean/std, and
 merge-window-major, each patch repeated over the temporal patch (a still image is a 1-frame clip).
 
 Decoding needs Pillow (the `vision` extra): it reads every common format (PNG, JPEG, WebP, GIF, BMP) safely, which
-our own code should not attempt. Resizing is bicubic with antialiasing by torch's uint8 kernel on the CPU, as
-transformers' torchvision backend does, so pixels match its MiniMaxM3VLImageProcessor.
+our own code should not attempt. Resizing is bicubic with antialiasing in two passes rounded to uint8, as torch's
+uint8 kernel (transformers' torchvision backend) does, so pixels match its MiniMaxM3VLImageProcessor within a level.
 
 Accepted image forms: a filesystem path (str or Path, or a `file://` URL), raw bytes, a `data:image/...;base64,`
 URL, or a PIL image. Remote (http/https) URLs are refused unless the application passes a `fetcher`. Every failure
@@ -116,10 +116,14 @@ class ImageProcessor:
         """`rgb`: uint8 [3, H, W] -> encoder input (`data`: the file it was decoded from)."""
         height, width = rgb.shape[-2:]
         h, w = self.target_size(height, width)
-        x = rgb[None]
-        if (h, w) != (height, width):  # torch's uint8 kernel: two separable passes, each rounded to uint8
-            x = F.interpolate(x, size=(h, w), mode="bicubic", antialias=True, align_corners=False)
-        x = x.float()
+        x = rgb[None].float()
+        if (h, w) != (height, width):
+            # as torch's uint8 kernel (transformers' torchvision path) resizes: width first, then height, each pass
+            # rounded to uint8 (within 1 level of it: its weights are fixed-point). That kernel itself is not called
+            # here: run in a worker thread beside the engine's own torch work it stalled for seconds
+            for size in ((height, w), (h, w)):
+                x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
+                x = x.round().clamp(0, 255)
         mean = torch.tensor(self.mean).view(1, 3, 1, 1)
         std = torch.tensor(self.std).view(1, 3, 1, 1)
         x = (x / 255.0 - mean) / std
