@@ -126,7 +126,8 @@ class UcxTransport:
     async def drain(self, tag: int, nbytes: int) -> None:
         ucxx = ucx_api.load_ucxx()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(ucxx.recv(bytearray(nbytes), tag), self.drain_timeout)
+            async with asyncio.timeout(self.drain_timeout):  # not wait_for: see _endpoint
+                await ucxx.recv(bytearray(nbytes), tag)
 
     async def _endpoint(self, host: str, port: int) -> Any:
         # one endpoint per decode side, shared by its transfers; created once the port accepted a TCP connection
@@ -134,7 +135,11 @@ class UcxTransport:
         key = (host, port)
         if key not in self._endpoints:
             try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.connect_timeout)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the connection when it completes as
+                # the caller is cancelled, and a push cancelled then (its prefill failed) would wait for messages
+                # that never come
+                async with asyncio.timeout(self.connect_timeout):
+                    _, writer = await asyncio.open_connection(host, port)
             except (OSError, TimeoutError) as e:
                 raise TransportError(f"decode transport {host}:{port} accepted no connection within "
                                      f"{self.connect_timeout:.1f} s: {e!r}") from e
