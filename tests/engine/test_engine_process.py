@@ -134,3 +134,19 @@ async def test_unsupported_combinations_are_refused_at_config_time():
         EngineConfig(engine_process=True, prefill_nodes=["127.0.0.1:9"])
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(engine_process=True, tensor_parallel_size=2)
+
+
+async def test_an_image_prompt_matches_the_thread(tmp_path_factory):
+    """Preprocessed in this process, encoded in the child: the in-thread engine's greedy tokens."""
+    pytest.importorskip("PIL.Image")
+    from oracle import ORACLE_IMAGE_TOKEN, make_vl_checkpoint, random_png
+
+    checkpoint = make_vl_checkpoint(tmp_path_factory.mktemp("vl"))
+    config = dict(model=str(checkpoint), device="cpu", dtype="float32", max_model_len=128, max_num_seqs=2,
+                  kv_cache_memory=1 << 22)
+    prompt = {"prompt_token_ids": [3, 4, ORACLE_IMAGE_TOKEN, 5, 6], "images": [random_png(60, 90, 1)]}
+    outputs = []
+    for process in (False, True):
+        async with Engine(**config, engine_process=process) as e:
+            outputs.append((await e.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)).token_ids)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 6

@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -302,17 +303,29 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 class _Outbox:
-    """The child's side of the out pipe: whole messages, from the engine thread, the watchdog and the main
-    thread."""
+    """The child's side of the out pipe. `send` only queues: a thread of its own pickles and writes, so the engine
+    loop never waits for the pickle (about 0.1 ms for 64 streams' chunks) nor for a parent slow to read (a full
+    pipe). Messages leave in `send` order, from any thread; `close` sends what is queued and ends."""
 
     def __init__(self, out: Connection):
         self._out = out
-        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name="m3sdk-engine-outbox", daemon=True)
+        self._thread.start()
 
     def send(self, message: tuple) -> None:
-        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
-        with self._lock:
-            self._out.send_bytes(data)
+        self._queue.put(message)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _write(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self._out.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+            except OSError:  # the parent is gone: nobody reads; its pipe's end stops the main thread too
+                return
 
 
 def _child_main(config: EngineConfig, commands: Connection, out: Connection) -> None:
@@ -325,6 +338,7 @@ def _child_main(config: EngineConfig, commands: Connection, out: Connection) -> 
         core = build_core(config)
     except BaseException as e:  # noqa: BLE001 - the parent raises it from Engine.start
         outbox.send((_FAILED, _portable(e)))
+        outbox.close()
         return
     images = core.images
     outbox.send((_READY, _Ready(str(tokenizer_path(core.config)), core.vocab_size, core.max_model_len,
@@ -368,9 +382,7 @@ def _child_main(config: EngineConfig, commands: Connection, out: Connection) -> 
         core.stop()
         # a loop the watchdog gave up on may never return: leave it
         core.join(0 if dead.is_set() else None)
-    try:
-        outbox.send((_STOPPED, None))
-    except OSError:
-        pass
+    outbox.send((_STOPPED, None))
+    outbox.close()
     if dead.is_set():  # the engine thread may be stuck in a forward: interpreter shutdown would wait on it
         os._exit(1)
