@@ -150,3 +150,13 @@ async def test_an_image_prompt_matches_the_thread(tmp_path_factory):
         async with Engine(**config, engine_process=process) as e:
             outputs.append((await e.generate(prompt, max_tokens=6, temperature=0, ignore_eos=True)).token_ids)
     assert outputs[0] == outputs[1] and len(outputs[0]) == 6
+
+
+async def test_a_build_error_is_raised_by_start_as_in_the_thread(tmp_path):
+    errors = []
+    for process in (False, True):
+        with pytest.raises(Exception) as info:
+            async with Engine(**{**CONFIG, "model": str(tmp_path)}, engine_process=process):
+                pass
+        errors.append(info.value)
+    assert type(errors[1]) is type(errors[0]) and str(errors[1]) == str(errors[0])

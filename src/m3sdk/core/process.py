@@ -164,7 +164,14 @@ class CoreProcess:
             commands.close()
             out.close()
             raise payload
-        return cls(config, process, commands, out, payload)
+        try:
+            return cls(config, process, commands, out, payload)
+        except BaseException:  # the parent's side did not come up (its tokenizer, say): no child left behind
+            process.kill()
+            process.join()
+            commands.close()
+            out.close()
+            raise
 
     def grammars(self) -> GrammarCompiler:
         with self._grammars_lock:
