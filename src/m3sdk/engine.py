@@ -5,8 +5,8 @@ core/handle.py's CoreHandle); the caller's event loop only validates and moves r
 Requests go in through the core's thread-safe inbox. Deltas come back once per step, scheduled onto the event loop
 from the engine thread without waiting for it (`_LoopHandle`), into one channel per request. Leaving a
 stream early, cancelling the awaiting task, or `abort()` ends the request in the core and frees its pages. If the
-engine thread dies, every waiter gets EngineDeadError at once. (Over 450 lines: generate, stream, chat and abort
-share the loop-side state here, the channels and orphans, which has one owner.)
+engine thread (or process) dies, every waiter gets EngineDeadError at once. (Over 450 lines: generate, stream, chat
+and abort share the loop-side state here, the channels and orphans, which has one owner.)
 """
 
 from __future__ import annotations

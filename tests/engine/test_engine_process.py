@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import anyio
 import pytest
 import pytest_asyncio
 
@@ -160,3 +161,14 @@ async def test_a_build_error_is_raised_by_start_as_in_the_thread(tmp_path):
                 pass
         errors.append(info.value)
     assert type(errors[1]) is type(errors[0]) and str(errors[1]) == str(errors[0])
+
+
+async def test_a_trio_program_drives_the_engine_process():
+    async def main() -> tuple[list[int], list[int]]:
+        async with Engine(**CONFIG, engine_process=True) as e:
+            done = await e.generate("hello", max_tokens=6, temperature=0, ignore_eos=True)
+            chunks = [c async for c in e.stream("hello", max_tokens=6, temperature=0, ignore_eos=True)]
+        return done.token_ids, [t for c in chunks for t in c.token_ids]
+
+    whole, streamed = await anyio.to_thread.run_sync(lambda: anyio.run(main, backend="trio"))
+    assert whole == streamed and len(whole) == 6
