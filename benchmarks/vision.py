@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import io
 import json
 import statistics
@@ -70,6 +71,7 @@ def photo(width: int, height: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
+@functools.cache
 def host_images() -> list[tuple[str, list[bytes]]]:
     square = png(1344, 1)
     return [("1344x1344 PNG", [square]), ("4032x3024 JPEG", [photo(4032, 3024, 2)]),
