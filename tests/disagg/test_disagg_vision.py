@@ -104,8 +104,7 @@ def prefill_with_image(client) -> tuple[grpc.StatusCode, str]:
 
     async def call():
         try:
-            # the node decodes the image in a worker thread beside its engine: seconds on a loaded 2-core CPU
-            await client._nodes[0].stub.Prefill(request, timeout=30)
+            await client._nodes[0].stub.Prefill(request, timeout=10)
         except grpc.aio.AioRpcError as e:
             return e.code(), e.details()
         return grpc.StatusCode.OK, ""
