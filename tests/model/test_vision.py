@@ -233,11 +233,18 @@ def test_bad_images_are_invalid_requests(bad, match):
         ImageProcessor().process(bad)
 
 
-def test_extreme_aspect_ratio_and_zero_size():
+def test_extreme_aspect_ratio_zero_size_and_extreme_shrink():
     with pytest.raises(InvalidRequestError, match="aspect ratio"):
         ImageProcessor().process(_png(1000, 4))
     with pytest.raises(InvalidRequestError, match="zero size"):
         ImageProcessor().target_size(0, 10)
+    # under a small pixel cap a large image would shrink beyond what the device's resize takes; the default cap
+    # never gets there (at most about 24x, for 64M pixels)
+    small = ImageProcessor(max_pixels=28 * 28 * 4)
+    assert small.target_size(56 * 64, 56 * 64) == (56, 56)
+    with pytest.raises(InvalidRequestError, match="shrink more than 64x"):
+        small.target_size(56 * 65, 56 * 65)
+    assert max(8192 / s for s in ImageProcessor().target_size(8192, 8192)) < 25
 
 
 def test_fetcher_serves_remote_urls():

@@ -40,6 +40,9 @@ from m3sdk.errors import InvalidRequestError
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
+# a side shrunk more than this is refused: CUDA's antialiased resize holds a pass's filter weights in 48 KB of shared
+# memory, which fits a downscale of about 90 (64 leaves room). Only a checkpoint with a small max_pixels reaches it
+MAX_DOWNSCALE = 64
 # decoding guard: larger images are refused before their pixels are allocated (Pillow's own bomb limit is ~179M)
 MAX_DECODED_PIXELS = 64 * 1024 * 1024
 
@@ -107,6 +110,9 @@ class ImageProcessor:
         elif h * w < self.min_pixels:
             beta = math.sqrt(self.min_pixels / (height * width))
             h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
+        if max(height / h, width / w) > MAX_DOWNSCALE:
+            raise InvalidRequestError(f"image of {width}x{height} would shrink more than {MAX_DOWNSCALE}x to "
+                                      f"{w}x{h} (the checkpoint's max_pixels {self.max_pixels})")
         return h, w
 
     def num_tokens(self, height: int, width: int) -> int:
