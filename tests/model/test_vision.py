@@ -144,6 +144,18 @@ def test_device_path_equals_the_reference_exactly():
     assert proc.patches([], []).shape == (0, 3 * 2 * 14 * 14)
 
 
+def test_resize_by_bands_of_rows_equals_the_whole(monkeypatch):
+    """The width pass in bands of a few rows (as a large image goes) gives the reference's patches exactly."""
+    from m3sdk.model import image_processor
+
+    monkeypatch.setattr(image_processor, "RESIZE_BAND_PIXELS", 3000)
+    proc = ImageProcessor()
+    for k, size in enumerate([(61, 150), (97, 43), (1000, 1300), (7, 1400), (2000, 10)]):
+        rgb = _random_image(*size, 20 + k)
+        image = proc.process_array(rgb)
+        assert torch.equal(proc.patches([image.pixels], [image.grid_thw]), _reference_patches(proc, rgb))
+
+
 def test_device_path_equals_the_reference_with_another_configuration():
     """A checkpoint's own range and mean/std (resized up onto a larger floor, down under a smaller cap)."""
     proc = ImageProcessor(min_pixels=56 * 56 * 4, max_pixels=28 * 28 * 40, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))

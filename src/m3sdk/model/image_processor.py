@@ -43,6 +43,8 @@ MAX_ASPECT_RATIO = 200
 # a side shrunk more than this is refused: CUDA's antialiased resize holds a pass's filter weights in 48 KB of shared
 # memory, which fits a downscale of about 90 (64 leaves room). Only a checkpoint with a small max_pixels reaches it
 MAX_DOWNSCALE = 64
+# the width pass of a resize converts this many pixels to float at a time
+RESIZE_BAND_PIXELS = 1 << 22
 # decoding guard: larger images are refused before their pixels are allocated (Pillow's own bomb limit is ~179M)
 MAX_DECODED_PIXELS = 64 * 1024 * 1024
 
@@ -153,22 +155,34 @@ class ImageProcessor:
     def _patchify(self, rgb: torch.Tensor, gh: int, gw: int, out: torch.Tensor) -> None:
         """One image's patches (grid gh x gw) into `out` [gh*gw, C*T*ps*ps]."""
         ps, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        height, width = rgb.shape[-2:]
-        h, w = gh * ps, gw * ps
-        x = rgb[None].float()
-        if (h, w) != (height, width):
-            # as torch's uint8 kernel (transformers' torchvision path) resizes: width first, then height, each pass
-            # rounded to uint8 (within 1 level of it: its weights are fixed-point). These float passes run alike on
-            # every device
-            for size in ((height, w), (h, w)):
-                x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
-                x = x.round().clamp(0, 255)
-        x = x / 255.0
+        x = _resized(rgb, gh * ps, gw * ps)
+        x.div_(255.0)
         # per channel by Python scalars: a tensor of mean/std made on a GPU would be a blocking host copy
         for c in range(3):
             x[:, c].sub_(self.mean[c]).div_(self.std[c])
         x = x.reshape(3, gh // m, m, ps, gw // m, m, ps).permute(1, 4, 2, 5, 0, 3, 6)  # windows, then C, ps, ps
         out.view(gh // m, gw // m, m, m, 3, t, ps, ps).copy_(x.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1))
+
+
+def _resized(rgb: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """uint8 [3, H, W] -> float32 [1, 3, h, w] of uint8 levels, resized as torch's uint8 kernel (transformers'
+    torchvision path) resizes: width first, then height, each pass rounded to uint8 (within 1 level of it: its
+    weights are fixed-point). These float passes run alike on every device. The width pass goes by bands of rows
+    (a row resizes alone, so the bands' results are the whole's), so that a large image's float copy never exists
+    whole on the device."""
+    height, width = rgb.shape[-2:]
+    if (h, w) == (height, width):
+        return rgb[None].float()
+    x = torch.empty(1, 3, height, w, device=rgb.device)
+    rows = max(1, RESIZE_BAND_PIXELS // width)
+    for r in range(0, height, rows):
+        band = rgb[None, :, r:r + rows].float()
+        x[:, :, r:r + rows] = _resize_pass(band, (band.shape[2], w))
+    return _resize_pass(x, (h, w))
+
+
+def _resize_pass(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    return F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).round_().clamp_(0, 255)
 
 
 def _digest(rgb: torch.Tensor, size: tuple[int, int]) -> bytes:
