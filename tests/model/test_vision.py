@@ -178,7 +178,8 @@ def test_device_path_on_cuda_matches_the_cpu():
     cuda = proc.patches(to_device_packed([i.pixels for i in images], "cuda"), grids)
     assert cuda.device.type == "cuda"
     torch.testing.assert_close(cuda.cpu(), cpu, rtol=0, atol=1.01 / 255 / min(proc.std))
-    assert (cuda.cpu() != cpu).float().mean() < 0.01
+    # level flips are rare (the rest differs by float rounding alone: a GPU divides by a scalar's reciprocal)
+    assert ((cuda.cpu() - cpu).abs() > 1e-3).float().mean() < 0.01
 
 
 def test_patch_layout_is_merge_window_major():
