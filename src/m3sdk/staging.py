@@ -34,7 +34,7 @@ def to_device_packed(tensors: Sequence[torch.Tensor], device: torch.device | str
     """Host tensors of one dtype as tensors of their shapes on `device`, uploaded in one copy (from one pinned buffer
     on CUDA, freed to torch's pinned cache only once that copy has run) without blocking the host."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or not tensors:
         return [t.to(device) for t in tensors]
     sizes = [t.numel() for t in tensors]
     host = torch.empty(sum(sizes), dtype=tensors[0].dtype, pin_memory=True)
