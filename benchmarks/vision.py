@@ -1,8 +1,14 @@
 """Images on one GPU: the vision encoder's throughput at MiniMax-M3's real widths, and what an image adds to the
 time to first token.
 
-    PYTHONPATH=src python benchmarks/vision.py [--out DIR] [--slice DIR] [--dense N --sparse N] [--tiny]
+    PYTHONPATH=src python benchmarks/vision.py [--out DIR] [--steps ...] [--slice DIR] [--dense N --sparse N] [--tiny]
 
+  host     the caller's thread's work per prompt (ImagePrompts.prepare: decode, check, hash, expand; what runs
+           before the request is queued) and the bytes the request then holds, for a 1344x1344 noise PNG, a
+           4032x3024 photo-like JPEG (resized to the slice's 2016x2016 pixel cap) and a prompt of four 1344x1344
+           PNGs; median of --repeats. Needs no GPU.
+  preprocess  the device's share: the uint8 images uploaded (one pinned copy) and resized, normalized and cut into
+           bf16 patches on the GPU (ImageProcessor.patches), CUDA-synchronized, median of --iters.
   encoder  images/s of the vision tower + projector (MiniMax-M3's vision_config, src/m3sdk/assets/minimax-m3:
            width 1280, 32 layers, 16 heads, projector to 6144; random weights, bf16), at 448x448 and 1344x1344
            (--sides), one encoder call per batch of images, as a step runs it; after warm-up, CUDA-synchronized.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import io
 import json
 import statistics
@@ -35,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 M3_LAYERS = 60
 GOAL = 0.15
+SLICE_MAX_PIXELS = 2016 * 2016  # M3's image_size, the pixel cap of scripts/make_m3_slice.py --vision
 
 
 def record(out: Path, **row) -> None:
@@ -49,6 +57,25 @@ def png(side: int, seed: int) -> bytes:
     buf = io.BytesIO()
     Image.frombytes("RGB", (side, side), rgb.numpy().tobytes()).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def photo(width: int, height: int, seed: int) -> bytes:
+    """A JPEG (quality 90) of smooth color gradients with a little noise: decodes like a camera photo."""
+    from PIL import Image
+
+    y, x = torch.meshgrid(torch.linspace(0, 1, height), torch.linspace(0, 1, width), indexing="ij")
+    rgb = torch.stack([x * 200 + 30 * torch.sin(y * 40), y * 180 + 40 * torch.cos(x * 25), (x + y) * 100], -1)
+    rgb += torch.randn(rgb.shape, generator=torch.Generator().manual_seed(seed)) * 12
+    buf = io.BytesIO()
+    Image.fromarray(rgb.clamp(0, 255).to(torch.uint8).numpy()).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+@functools.cache
+def host_images() -> list[tuple[str, list[bytes]]]:
+    square = png(1344, 1)
+    return [("1344x1344 PNG", [square]), ("4032x3024 JPEG", [photo(4032, 3024, 2)]),
+            ("4 x 1344x1344 PNG", [square] + [png(1344, 3 + i) for i in range(3)])]
 
 
 def sync(device: torch.device) -> None:
@@ -70,15 +97,15 @@ def step_encoder(args, device: torch.device, dtype: torch.dtype) -> None:
         for p in encoder.parameters():  # fan-in scaled, so activations keep their scale through 32 layers
             torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
         encoder = encoder.to(dtype).eval()
-    processor = ImageProcessor(max_pixels=2016 * 2016)  # M3's image_size: neither size is resized
+    processor = ImageProcessor(max_pixels=SLICE_MAX_PIXELS)  # neither size is resized
     print(f"\nencoder: width {encoder.config.hidden_size}, {encoder.config.num_hidden_layers} layers, "
           f"{sum(p.numel() for p in encoder.parameters()) / 1e9:.3f} B parameters, {dtype}, {device}")
     print(f"{'size':>10} {'batch':>6} {'patches':>8} {'tokens':>7} {'ms/batch':>9} {'images/s':>9}")
     for side, batches in zip(args.sides, (args.batches_small, args.batches_large), strict=True):
         image = processor.process(png(side, side))
         for batch in batches:
-            pixels = image.pixels.repeat(batch, 1).to(device)
             grid = [image.grid_thw] * batch
+            pixels = processor.patches([image.pixels.to(device)] * batch, grid, dtype)
             with torch.inference_mode():
                 for _ in range(args.warmup):
                     encoder(pixels, grid)
@@ -94,6 +121,64 @@ def step_encoder(args, device: torch.device, dtype: torch.dtype) -> None:
             record(args.out, **row)
             print(f"{side:>5}x{side:<4} {batch:>6} {row['patches']:>8} {image.num_tokens:>7} {ms:>9.2f} "
                   f"{row['images_per_s']:>9.1f}")
+
+
+def step_host(args) -> None:
+    from m3sdk.images import ImagePrompts
+    from m3sdk.model.image_processor import ImageProcessor
+    from m3sdk.tokenizer import Tokenizer
+
+    token = 5  # the image placeholder's id here: any id will do
+    prompts = ImagePrompts(ImageProcessor(max_pixels=SLICE_MAX_PIXELS), None,
+                           Tokenizer.from_pretrained(ROOT / "src" / "m3sdk" / "assets" / "m3-tiny"), 8,
+                           torch.device("cpu"), token)
+    print(f"\nhost: ImagePrompts.prepare on the caller's thread, median of {args.repeats}, "
+          f"{torch.get_num_threads()} torch threads")
+    print(f"{'prompt':<20} {'file MB':>8} {'tokens':>7} {'ms/prompt':>10} {'held MB':>8}")
+    for name, files in host_images():
+        ids = [7, *[token] * len(files), 8]
+        prompts.prepare(ids, files)  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            _, images = prompts.prepare(ids, files)
+            times.append(time.perf_counter() - t)
+        ms = statistics.median(times) * 1e3
+        held = sum(i.pixels.nbytes for i in images) / 1e6
+        tokens = sum(i.num_tokens for i in images)
+        size = sum(len(f) for f in files) / 1e6
+        record(args.out, step="host", prompt=name, file_mb=round(size, 2), tokens=tokens, ms=round(ms, 2),
+               held_mb=round(held, 2))
+        print(f"{name:<20} {size:>8.2f} {tokens:>7} {ms:>10.2f} {held:>8.2f}")
+
+
+def step_preprocess(args, device: torch.device, dtype: torch.dtype) -> None:
+    from m3sdk.model.image_processor import ImageProcessor
+    from m3sdk.staging import to_device_packed
+
+    processor = ImageProcessor(max_pixels=SLICE_MAX_PIXELS)
+    print(f"\npreprocess: upload (uint8, one pinned copy) + resize / normalize / patchify to {dtype} on {device}, "
+          f"median of {args.iters}")
+    print(f"{'prompt':<20} {'patches':>8} {'upload ms':>10} {'patch ms':>9} {'total ms':>9}")
+    for name, files in host_images():
+        images = [processor.process(f) for f in files]
+        rgbs, grids = [i.pixels for i in images], [i.grid_thw for i in images]
+        ups, totals = [], []
+        for k in range(args.warmup + args.iters):
+            sync(device)
+            t = time.perf_counter()
+            on_device = to_device_packed(rgbs, device)
+            sync(device)
+            up = time.perf_counter()
+            pixels = processor.patches(on_device, grids, dtype)
+            sync(device)
+            if k >= args.warmup:
+                ups.append(up - t)
+                totals.append(time.perf_counter() - t)
+        upload, total = statistics.median(ups) * 1e3, statistics.median(totals) * 1e3
+        record(args.out, step="preprocess", prompt=name, patches=pixels.shape[0], upload_ms=round(upload, 3),
+               total_ms=round(total, 3), dtype=str(dtype), device=str(device))
+        print(f"{name:<20} {pixels.shape[0]:>8} {upload:>10.3f} {total - upload:>9.3f} {total:>9.3f}")
 
 
 async def _ttft(engine, prompt, repeats: int) -> float:
@@ -160,7 +245,8 @@ async def step_ttft(args, device: torch.device, dtype: torch.dtype) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("."))
-    p.add_argument("--steps", nargs="+", default=["encoder", "ttft"], choices=["encoder", "ttft"])
+    steps = ["host", "preprocess", "encoder", "ttft"]
+    p.add_argument("--steps", nargs="+", default=steps, choices=steps)
     p.add_argument("--tiny", action="store_true", help="m3-tiny-vl on the CPU: checks the script runs")
     p.add_argument("--slice", type=Path, default=Path("/dev/shm/m3-slice-vl"))
     p.add_argument("--dense", type=int, default=1, help="the slice's dense layers, when it is written here")
@@ -194,6 +280,10 @@ def main() -> None:
             make_slice(args.slice, args.dense, args.sparse, device="cuda", max_position_embeddings=32768,
                        vision=True)
             print(f"wrote {args.slice} in {time.perf_counter() - t:.0f} s")
+    if "host" in args.steps:
+        step_host(args)
+    if "preprocess" in args.steps:
+        step_preprocess(args, device, dtype)
     if "encoder" in args.steps:
         step_encoder(args, device, dtype)
     if "ttft" in args.steps:

@@ -1,22 +1,26 @@
 """Image prompts: each image of a prompt becomes a run of image tokens whose input embeddings come from the vision
 encoder instead of the token embedding table.
 
-Caller's thread (engine.py, before queueing): `ImagePrompts.prepare` decodes and preprocesses every image, checks
-their number, and expands each placeholder (the image token, once per image; `]<]image[>[` in a text prompt) into
-the image's run of image tokens, wrapped in the checkpoint's start/end-of-image tokens where its tokenizer has them
-(as transformers' MiniMaxM3VLProcessor does).
+Caller's thread (engine.py, before queueing): `ImagePrompts.prepare` decodes, checks and hashes every image (the
+images of one prompt in threads: Pillow decodes without holding the GIL), checks their number, and expands each
+placeholder (the image token, once per image; `]<]image[>[` in a text prompt) into the image's run of image tokens,
+wrapped in the checkpoint's start/end-of-image tokens where its tokenizer has them (as transformers'
+MiniMaxM3VLProcessor does). A request holds its images as decoded, uint8.
 
 Engine thread (runner.py): `ImagePrompts.overrides` gives, for the requests of one step, the rows of the step's
 tokens that are image tokens and their embeddings; a chunk that cuts through an image takes the slice of the
 image's embeddings at the chunk's positions. Embeddings are kept in an LRU cache keyed by image content, so an
 image is encoded once across chunks, preemptions and later requests that show it again; the images a step needs
-and the cache lacks are encoded in one batched encoder call.
+and the cache lacks are uploaded as uint8 in one copy, resized and patched on the encoder's device and encoded in
+one batched encoder call.
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +30,7 @@ from m3sdk.chat.image_parts import IMAGE_PLACEHOLDER
 from m3sdk.errors import InvalidRequestError
 from m3sdk.model.image_processor import Fetcher, ImageProcessor, ProcessedImage
 from m3sdk.request import Request
-from m3sdk.staging import to_device
+from m3sdk.staging import to_device, to_device_packed
 from m3sdk.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -43,8 +47,8 @@ class PromptImage:
     offset: int
     num_tokens: int
     digest: bytes  # content hash (m3sdk.model.image_processor): the prefix cache and the encoder cache key on it
-    pixels: torch.Tensor  # float32 on the host, [patches, patch_dim]
-    grid_thw: tuple[int, int, int]
+    pixels: torch.Tensor  # the decoded image, uint8 RGB [3, H, W] on the host (patched where it is encoded)
+    grid_thw: tuple[int, int, int]  # its patch grid after resizing
     data: bytes = b""  # the image file (with ImagePrompts.keep_files): what a prefill node gets (m3sdk.disagg)
 
 
@@ -93,7 +97,7 @@ class ImagePrompts:
         if len(slots) != len(images):
             raise InvalidRequestError(f"the prompt holds {len(slots)} image placeholders ({IMAGE_PLACEHOLDER!r}, "
                                       f"token {self.image_token_id}) for {len(images)} images: one per image")
-        processed = [self.processor.process(image, self.fetcher, self.keep_files) for image in images]
+        processed = self._process(images, self.fetcher, self.keep_files)
         out: list[int] = []
         spans = []
         last = 0
@@ -109,6 +113,18 @@ class ImagePrompts:
         out += ids[last:]
         return out, tuple(spans)
 
+    def _process(self, images: Sequence[Any], fetcher: Fetcher | None, keep_files: bool) -> list[ProcessedImage]:
+        """`processor.process` of each image, several at once in threads (decoding, fetching and hashing release
+        the GIL); the first failure in image order is raised."""
+        def one(image: Any) -> ProcessedImage:
+            return self.processor.process(image, fetcher, keep_files)
+
+        workers = min(len(images), os.cpu_count() or 1)
+        if workers < 2:
+            return [one(image) for image in images]
+        with ThreadPoolExecutor(workers, thread_name_prefix="m3sdk-image") as pool:
+            return list(pool.map(one, images))
+
     def place(self, ids: Sequence[int], images: Sequence[tuple[int, int, bytes, bytes]]) -> tuple[PromptImage, ...]:
         """A prompt whose placeholders another engine expanded (a prefill node's): its images as (offset,
         num_tokens, digest, image file), each checked to decode here to that many tokens and that digest, over
@@ -116,12 +132,13 @@ class ImagePrompts:
         if len(images) > self.limit:
             raise InvalidRequestError(f"{len(images)} images in one prompt; this engine takes at most {self.limit} "
                                       "(limit_images)")
-        out = []
-        for k, (offset, num_tokens, digest, data) in enumerate(images):
+        for k, (offset, num_tokens, _, _) in enumerate(images):
             if any(t != self.image_token_id for t in ids[offset:offset + num_tokens]):
                 raise InvalidRequestError(f"image {k}: positions [{offset}, {offset + num_tokens}) do not all hold "
                                           f"the image token {self.image_token_id}")
-            image = self.processor.process(data, None)
+        out = []
+        decoded = self._process([data for *_, data in images], None, False)
+        for k, ((offset, num_tokens, digest, _), image) in enumerate(zip(images, decoded, strict=True)):
             if (image.num_tokens, image.digest) != (num_tokens, digest):
                 raise InvalidRequestError(f"image {k} decodes here to {image.num_tokens} tokens and digest "
                                           f"{image.digest.hex()}, not {num_tokens} and {digest.hex()} (another "
@@ -175,7 +192,8 @@ class ImagePrompts:
             if self.encoder is None:  # the core never schedules an image token here (EngineCore.new_request)
                 raise RuntimeError("image tokens scheduled on an engine without a vision encoder")
             todo = list(missing.values())
-            pixels = torch.cat([i.pixels for i in todo]).to(self.device, non_blocking=True)
+            rgbs = to_device_packed([i.pixels for i in todo], self.device)
+            pixels = self.processor.patches(rgbs, [i.grid_thw for i in todo], self.encoder.dtype)
             encoded = self.encoder(pixels, [i.grid_thw for i in todo]).split([i.num_tokens for i in todo])
             self.num_encoded += len(todo)
             self.num_encoder_tokens += pixels.shape[0]

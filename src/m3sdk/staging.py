@@ -6,6 +6,7 @@ upload here goes from pinned memory with `non_blocking`, and every download land
 that the host waits for alone. On a CPU the same calls are plain copies.
 
 - `to_device`: a host list (or tensor) as a new device tensor.
+- `to_device_packed`: host tensors of one dtype as device tensors, in one copy.
 - `UploadRing`: reused host buffers, filled by the host and uploaded into one device tensor, in turn.
 - `HostCopy`: device tensors copied to the host, read once their copy has run.
 """
@@ -27,6 +28,19 @@ def to_device(values: Sequence | torch.Tensor, dtype: torch.dtype, device: torch
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def to_device_packed(tensors: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Host tensors of one dtype as tensors of their shapes on `device`, uploaded in one copy (from one pinned buffer
+    on CUDA, freed to torch's pinned cache only once that copy has run) without blocking the host."""
+    device = torch.device(device)
+    if device.type != "cuda" or not tensors:
+        return [t.to(device) for t in tensors]
+    sizes = [t.numel() for t in tensors]
+    host = torch.empty(sum(sizes), dtype=tensors[0].dtype, pin_memory=True)
+    torch.cat([t.reshape(-1) for t in tensors], out=host)
+    packed = host.to(device, non_blocking=True)
+    return [p.view(t.shape) for p, t in zip(packed.split(sizes), tensors, strict=True)]
 
 
 class UploadRing:

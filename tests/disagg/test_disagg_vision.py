@@ -138,7 +138,8 @@ async def test_without_an_encoder_image_prompts_queue_for_the_node_and_a_preempt
                                                                                             colocated):
     """A decode engine without a vision encoder, two job slots (max_num_seqs) and a KV cache of 16 pages: image
     prompts wait for a slot and their pages, never prefilled here; one preempted while decoding (its recompute
-    would need the encoder) ends with PrefillNodeError, and the others are unchanged."""
+    would need the encoder) ends with PrefillNodeError, and the others are unchanged. Two 70-token image prompts
+    decoding 60 tokens each need 18 pages: one of them is always preempted; the last one left runs alone."""
     proc, address = spawn_engine_node(vl_checkpoint)
     try:
         async with decode_engine(vl_checkpoint, [address], prefill_fallback="error") as engine:
@@ -147,7 +148,7 @@ async def test_without_an_encoder_image_prompts_queue_for_the_node_and_a_preempt
                                  max_num_seqs=2, max_num_batched_tokens=64) as engine:
             assert engine.stats()["pages_total"] == 16
             prompts = [ONE_A, ONE_C, ONE_A, SHORT, ONE_C]
-            done = await asyncio.gather(*(engine.generate(p, temperature=0.0, max_tokens=40, ignore_eos=True)
+            done = await asyncio.gather(*(engine.generate(p, temperature=0.0, max_tokens=60, ignore_eos=True)
                                           for p in prompts), return_exceptions=True)
             failed = [d for d in done if isinstance(d, BaseException)]
             assert all(isinstance(d, PrefillNodeError) and "preempted" in str(d) for d in failed), failed

@@ -55,7 +55,8 @@ def expand(ids: list[int], images: list[bytes]) -> tuple[list[int], torch.Tensor
             k += 1
         else:
             out.append(t)
-    return out, torch.cat([d.pixels for d in done]), torch.tensor([d.grid_thw for d in done])
+    grids = [d.grid_thw for d in done]
+    return out, proc.patches([d.pixels for d in done], grids), torch.tensor(grids)
 
 
 def transformers_agrees(oracle, ids: list[int], images: list[bytes], output: list[int]) -> None:
@@ -135,6 +136,7 @@ async def test_bad_image_requests_are_refused_before_queueing(vl_checkpoint, tmp
     async with engine(vl_checkpoint, limit_images=2) as e:
         cases = [
             ({"prompt_token_ids": ONE, "images": [b"garbage"]}, "could not be decoded"),
+            ({"prompt_token_ids": TWO, "images": [A, b"garbage"]}, "could not be decoded"),  # decoded in threads
             ({"prompt_token_ids": ONE, "images": [A, B]}, "1 image placeholders"),
             ({"prompt_token_ids": [IMG, IMG, IMG], "images": [A, A, A]}, "at most 2"),
             ({"prompt_token_ids": ONE, "images": ["http://example.com/a.png"]}, "remote image URLs"),

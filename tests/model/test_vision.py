@@ -50,8 +50,8 @@ def test_encoder_matches_transformers(vl_checkpoints, layout):
     # two sizes that need resizing (odd sides, non-square), so grids and merge windows differ per image
     images = [proc.process_array(_random_image(61, 150, 0)), proc.process_array(_random_image(97, 43, 1))]
     assert images[0].grid_thw != images[1].grid_thw
-    pixels = torch.cat([i.pixels for i in images])
     grid = [i.grid_thw for i in images]
+    pixels = proc.patches([i.pixels for i in images], grid)
     ours = encoder(pixels, grid)
     with torch.no_grad():
         ref = image_features(model, pixels, torch.tensor(grid))
@@ -99,8 +99,87 @@ def test_resize_keeps_multiples_and_pixel_range(size):
     assert abs(h / w - size[0] / size[1]) / (size[0] / size[1]) < 0.35
     out = proc.process_array(_random_image(*size, 2))
     assert out.grid_thw == (1, h // 14, w // 14)
-    assert out.pixels.shape == (h * w // 196, 3 * 2 * 14 * 14)
+    assert out.pixels.dtype == torch.uint8 and out.pixels.shape == (3, *size)  # as decoded: 3 bytes a pixel
+    assert proc.patches([out.pixels], [out.grid_thw]).shape == (h * w // 196, 3 * 2 * 14 * 14)
     assert out.num_tokens == h * w // 784
+
+
+def _reference_patches(proc: ImageProcessor, rgb: torch.Tensor) -> torch.Tensor:
+    """The plain single-image CPU preprocessing the device path must reproduce bit for bit: two bicubic antialiased
+    float passes (width, then height) each rounded and clamped to uint8 values, rescale, normalize with tensors of
+    mean/std, patchify merge-window-major, repeat over the temporal patch."""
+    import torch.nn.functional as F
+
+    height, width = rgb.shape[-2:]
+    h, w = proc.target_size(height, width)
+    x = rgb[None].float()
+    if (h, w) != (height, width):
+        for size in ((height, w), (h, w)):
+            x = F.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False).round().clamp(0, 255)
+    x = (x / 255.0 - torch.tensor(proc.mean).view(1, 3, 1, 1)) / torch.tensor(proc.std).view(1, 3, 1, 1)
+    ps, m, t = proc.patch_size, proc.merge_size, proc.temporal_patch_size
+    gh, gw = h // ps, w // ps
+    x = x.reshape(1, 3, gh // m, m, ps, gw // m, m, ps).permute(0, 2, 5, 3, 6, 1, 4, 7)
+    return x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, t, -1, -1).reshape(gh * gw, 3 * t * ps * ps).contiguous()
+
+
+# (height, width): no resize; resized down and up; odd sides; extreme but allowed aspect ratios (up to 200:1, both
+# ways, on the min_pixels floor and on the max_pixels cap); tiny images (1x1 included)
+ODD_SIZES = [(56, 84), (61, 150), (97, 43), (1000, 1300), (1, 1), (3, 5), (20, 20), (4, 800), (800, 4),
+             (7, 1400), (2000, 10), (200, 1)]
+
+
+def test_device_path_equals_the_reference_exactly():
+    """`patches` (the function every device runs; here a CPU), over one batch of images of many sizes, equals the
+    plain reference of each image, bit for bit, in float32 and in bfloat16 (the cast is per element)."""
+    proc = ImageProcessor()
+    images = [proc.process_array(_random_image(*size, k)) for k, size in enumerate(ODD_SIZES)]
+    grids = [i.grid_thw for i in images]
+    want = torch.cat([_reference_patches(proc, i.pixels) for i in images])
+    got = proc.patches([i.pixels for i in images], grids)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert torch.equal(got, want)
+    assert torch.equal(proc.patches([i.pixels for i in images], grids, torch.bfloat16), want.to(torch.bfloat16))
+    assert [i.num_tokens for i in images] == [h * w // 4 for _, h, w in grids]
+    assert proc.patches([], []).shape == (0, 3 * 2 * 14 * 14)
+
+
+def test_resize_by_bands_of_rows_equals_the_whole(monkeypatch):
+    """The width pass in bands of a few rows (as a large image goes) gives the reference's patches exactly."""
+    from m3sdk.model import image_processor
+
+    monkeypatch.setattr(image_processor, "RESIZE_BAND_PIXELS", 3000)
+    proc = ImageProcessor()
+    for k, size in enumerate([(61, 150), (97, 43), (1000, 1300), (7, 1400), (2000, 10)]):
+        rgb = _random_image(*size, 20 + k)
+        image = proc.process_array(rgb)
+        assert torch.equal(proc.patches([image.pixels], [image.grid_thw]), _reference_patches(proc, rgb))
+
+
+def test_device_path_equals_the_reference_with_another_configuration():
+    """A checkpoint's own range and mean/std (resized up onto a larger floor, down under a smaller cap)."""
+    proc = ImageProcessor(min_pixels=56 * 56 * 4, max_pixels=28 * 28 * 40, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    for k, size in enumerate([(30, 31), (640, 480), (28 * 5, 28 * 8)]):
+        rgb = _random_image(*size, 10 + k)
+        image = proc.process_array(rgb)
+        assert torch.equal(proc.patches([image.pixels], [image.grid_thw]), _reference_patches(proc, rgb))
+
+
+@pytest.mark.gpu
+def test_device_path_on_cuda_matches_the_cpu():
+    """On a GPU, from uint8 uploaded in one packed copy: the CPU's patches within one uint8 level of the resize
+    (the GPU's bicubic sums in another order, so a value on a rounding edge may land one level off)."""
+    from m3sdk.staging import to_device_packed
+
+    proc = ImageProcessor()
+    images = [proc.process_array(_random_image(*size, k)) for k, size in enumerate(ODD_SIZES)]
+    grids = [i.grid_thw for i in images]
+    cpu = proc.patches([i.pixels for i in images], grids)
+    cuda = proc.patches(to_device_packed([i.pixels for i in images], "cuda"), grids)
+    assert cuda.device.type == "cuda"
+    torch.testing.assert_close(cuda.cpu(), cpu, rtol=0, atol=1.01 / 255 / min(proc.std))
+    # level flips are rare (the rest differs by float rounding alone: a GPU divides by a scalar's reciprocal)
+    assert ((cuda.cpu() - cpu).abs() > 1e-3).float().mean() < 0.01
 
 
 def test_patch_layout_is_merge_window_major():
@@ -110,13 +189,14 @@ def test_patch_layout_is_merge_window_major():
     proc = ImageProcessor()
     rgb = _random_image(56, 84, 3)  # already a multiple of 28: no resize
     out = proc.process_array(rgb)
+    patches = proc.patches([out.pixels], [out.grid_thw])
     mean = torch.tensor(proc.mean).view(3, 1, 1)
     std = torch.tensor(proc.std).view(3, 1, 1)
     norm = (rgb.float() / 255 - mean) / std
     for i, (_, ph, pw) in enumerate(vision_positions([out.grid_thw], 2, torch.device("cpu")).tolist()):
         block = norm[:, ph * 14:(ph + 1) * 14, pw * 14:(pw + 1) * 14]
         expect = block[:, None].expand(3, 2, 14, 14).reshape(-1)
-        torch.testing.assert_close(out.pixels[i], expect)
+        torch.testing.assert_close(patches[i], expect)
 
 
 def test_against_transformers_image_processor():
@@ -131,7 +211,8 @@ def test_against_transformers_image_processor():
         want = ref(images=[rgb], return_tensors="pt")
         got = proc.process_array(rgb)
         assert tuple(want["image_grid_thw"][0].tolist()) == got.grid_thw
-        torch.testing.assert_close(got.pixels, want["pixel_values"], rtol=0, atol=2 / 255 / 0.26)
+        patches = proc.patches([got.pixels], [got.grid_thw])
+        torch.testing.assert_close(patches, want["pixel_values"], rtol=0, atol=2 / 255 / 0.26)
 
 
 def _png(w: int, h: int) -> bytes:
@@ -165,11 +246,18 @@ def test_bad_images_are_invalid_requests(bad, match):
         ImageProcessor().process(bad)
 
 
-def test_extreme_aspect_ratio_and_zero_size():
+def test_extreme_aspect_ratio_zero_size_and_extreme_shrink():
     with pytest.raises(InvalidRequestError, match="aspect ratio"):
         ImageProcessor().process(_png(1000, 4))
     with pytest.raises(InvalidRequestError, match="zero size"):
         ImageProcessor().target_size(0, 10)
+    # under a small pixel cap a large image would shrink beyond what the device's resize takes; the default cap
+    # never gets there (at most about 24x, for 64M pixels)
+    small = ImageProcessor(max_pixels=28 * 28 * 4)
+    assert small.target_size(56 * 64, 56 * 64) == (56, 56)
+    with pytest.raises(InvalidRequestError, match="shrink more than 64x"):
+        small.target_size(56 * 65, 56 * 65)
+    assert max(8192 / s for s in ImageProcessor().target_size(8192, 8192)) < 25
 
 
 def test_fetcher_serves_remote_urls():

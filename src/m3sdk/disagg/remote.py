@@ -70,7 +70,7 @@ class RemotePrefill:
                                else None)
         try:
             client.start()
-        except BaseException:  # e.g. an incompatible node: close the listener and channels opened so far
+        except BaseException:  # e.g. an incompatible node: close the transport and channels opened so far
             client.close()
             raise
         return cls(client, cache, config.remote_prefill_min_tokens, config.prefill_fallback, config.prefill_timeout,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 from typing import Any
 
 import torch
@@ -78,6 +79,29 @@ def api() -> Any:
 
 def worker() -> Any:
     return load_ucxx().core._get_ctx().worker
+
+
+_listening = threading.Lock()
+_listener: Any = None
+_accepted: list[Any] = []  # endpoints that peers opened to this process, kept alive with it
+
+
+def listener() -> Any:
+    """The process's one UCX listener (created on first use, without peer error handling as the connecting side),
+    never destroyed: UCX cannot destroy a listener while a connection arrives (its async thread then runs the
+    connection request callback on freed memory, openucx/ucx#11087), and a peer may connect at any moment. Every
+    transport of the process receives through it: the worker is the process's too, and transfer tags are unique
+    in the process (client.py)."""
+    global _listener
+    with _listening:
+        if _listener is None:
+            _listener = api().UCXListener.create(worker(), 0, _accept, (), deliver_endpoint=False)
+        return _listener
+
+
+def _accept(conn_request: int, *_: Any) -> None:
+    # UCX's progress thread; the listener is set before its port is known to any peer
+    _accepted.append(_listener.create_endpoint_from_conn_request(conn_request, False))
 
 
 def using(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:

@@ -70,8 +70,7 @@ class UcxTransport:
         self.connect_timeout = connect_timeout  # seconds a decode side's port has to accept a TCP connection
         self.pool = BufferPool(pool_bytes)
         self._gathers = DeviceWaits()
-        self._listener: Any = None
-        self._accepted: list[Any] = []  # endpoints prefill nodes opened to us: kept alive with the transport
+        self._port: int | None = None  # the process's listener's (ucx_api.listener), once listening
         self._endpoints: dict[tuple[str, int], Any] = {}
         # held by every post from a producer's side (Outbox._deliver) and while an endpoint is dropped
         self._posting = threading.Lock()
@@ -98,19 +97,14 @@ class UcxTransport:
                 tls := ucxx.get_active_transports()):
             raise TransportError("UCX has no CUDA transport (its CUDA module did not load, or UCX_TLS leaves it "
                                  f"out): CUDA buffers would be taken for host memory; transports: {sorted(tls)}")
-        if listen and self._listener is None:
-            self._listener = ucx_api.api().UCXListener.create(ucx_api.worker(), 0, self._accept, (),
-                                                              deliver_endpoint=False)
-
-    def _accept(self, conn_request: int, *_: Any) -> None:
-        # UCX's progress thread: accept with the same (no) error handling as the connecting side
-        self._accepted.append(self._listener.create_endpoint_from_conn_request(conn_request, False))
+        if listen:
+            self._port = ucx_api.listener().port
 
     @property
     def port(self) -> int:
-        if self._listener is None:
+        if self._port is None:
             raise RuntimeError("transport is not listening")
-        return self._listener.port
+        return self._port
 
     def receive(self, plan: TransferPlan, rows: list[list[torch.Tensor]], dst_pages: torch.Tensor) -> UcxReceive:
         return UcxReceive(self, plan, rows, dst_pages, self.window)
@@ -245,12 +239,11 @@ class UcxTransport:
             self.pool.give(item)
 
     async def close(self) -> None:
-        for ep in [*self._endpoints.values(), *self._accepted, self._self_ep]:
+        for ep in [*self._endpoints.values(), self._self_ep]:
             if ep is not None:
                 with contextlib.suppress(Exception):
                     ep.close_blocking(period=10**8, max_attempts=1)
         self._endpoints.clear()
-        self._accepted.clear()
         self._self_ep = None
-        self._listener = None
+        self._port = None
         self._gathers.close()

@@ -1,10 +1,10 @@
 """MiniMax-M3's vision encoder: a ViT with a partial 3D RoPE, and the projector that maps its patches to the text
 width and fuses each 2x2 merge window into one text embedding.
 
-Input is the preprocessor's output (m3sdk.model.image_processor): `pixels` [P, C*T*ps*ps] for P patches of all
-images, laid out 2x2-merge-window-major, and `grid_thw` [N, 3] = (t, h, w) in patches per image. Output is
-[P / merge**2, text_hidden]: one embedding per image token, images in order. Attention is bidirectional and never
-crosses images (one SDPA call per image).
+Input is the preprocessor's output (m3sdk.model.image_processor, `ImageProcessor.patches`): `pixels`
+[P, C*T*ps*ps] for P patches of all images, laid out 2x2-merge-window-major, and `grid_thw` [N, 3] = (t, h, w) in
+patches per image. Output is [P / merge**2, text_hidden]: one embedding per image token, images in order.
+Attention is bidirectional and never crosses images (one SDPA call per image).
 """
 
 from __future__ import annotations
@@ -200,6 +200,11 @@ class VisionEncoder(nn.Module):
         self.layers = nn.ModuleList(VisionLayer(config) for _ in range(config.num_hidden_layers))
         self.rope = VisionRope(config)
         self.projector = Projector(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Its weights' dtype, the one its input patches are cast to."""
+        return self.embeddings.proj.weight.dtype
 
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
