@@ -135,6 +135,12 @@ async def test_unsupported_combinations_are_refused_at_config_time():
         EngineConfig(engine_process=True, prefill_nodes=["127.0.0.1:9"])
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(engine_process=True, tensor_parallel_size=2)
+    from m3sdk.scheduler.continuous import ContinuousScheduler
+
+    local = lambda *args: ContinuousScheduler.from_config(*args)  # noqa: E731 - what does not pickle
+    with pytest.raises(ValueError, match="does not pickle"):
+        async with Engine(**CONFIG, engine_process=True, scheduler=local):
+            pass
 
 
 async def test_an_image_prompt_matches_the_thread(tmp_path_factory):

@@ -148,7 +148,13 @@ class CoreProcess:
         child_config = config.replace(image_fetcher=None, engine_process=False)
         process = ctx.Process(target=_child_main, args=(child_config, commands_in, out_child),
                               name="m3sdk-engine-core", daemon=True)
-        process.start()
+        try:
+            process.start()  # pickles the config before the child is launched
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            for end in (commands_in, commands, out, out_child):
+                end.close()
+            raise ValueError(f"engine_process sends the EngineConfig to the engine process, and it does not pickle "
+                             f"({e}): a scheduler factory must be a module-level function or class") from e
         commands_in.close()  # the child holds the other ends: its death closes `out` here
         out_child.close()
         try:
