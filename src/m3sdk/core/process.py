@@ -343,7 +343,10 @@ class _Outbox:
 
 def _child_main(config: EngineConfig, commands: Connection, out: Connection) -> None:
     """The engine process: build the core, run it, apply commands until stop (or the parent is gone)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops this process
+    # Ctrl-C in a terminal and a service manager's SIGTERM reach the whole process group: the parent handles
+    # them and stops this process once its live requests are aborted (or its end of the pipe closes)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from m3sdk.core.builder import build_core, tokenizer_path
 
     outbox = _Outbox(out)
