@@ -128,6 +128,17 @@ async def test_killing_the_process_reaches_every_waiter():
     assert {p.pid for p in engine_children()} == others
 
 
+async def test_the_childs_watchdog_reaches_every_waiter():
+    """The child's loop reported dead (a phase past step_timeout: 1 ms, less than any forward here) is the same
+    EngineDeadError, with its reason, for every waiter in this process."""
+    async with Engine(**CONFIG, engine_process=True, step_timeout=0.001) as e:
+        waiters = [asyncio.create_task(e.generate("slow", max_tokens=20, ignore_eos=True)) for _ in range(3)]
+        results = await asyncio.wait_for(asyncio.gather(*waiters, return_exceptions=True), timeout=20)
+        assert all(isinstance(r, EngineDeadError) and "step_timeout" in str(r) for r in results), results
+        with pytest.raises(EngineDeadError):
+            await e.generate("after")
+
+
 async def test_unsupported_combinations_are_refused_at_config_time():
     from m3sdk import EngineConfig
 
