@@ -4,11 +4,12 @@ engine loop no longer share one interpreter lock.
 
 The child (spawned: CUDA-safe) builds the real core with build_core and runs it. Two pipes: commands in (add, abort,
 stop), one message per step out (the step's chunks, the finishes of requests that ended in it, the stats
-snapshot), each one pickle. The parent keeps what validation needs (tokenizer, grammar compiler, image
-preprocessing, sizes): requests are checked in the caller's thread before anything is queued, then travel as plain
-specs and are rebuilt in the child by its core's `new_request` (which compiles a structured output again: the
-child's own cache). A reader thread in the parent hands each step's chunks to `emit`; the child dying (its pipe
-closes) or its loop dying is `on_dead` with EngineDeadError for every waiter.
+snapshot), each one pickle, made and written by a thread of the child's beside its engine loop. The parent keeps
+what validation needs (tokenizer, grammar compiler, image decoding, sizes): requests are checked in the caller's
+thread before anything is queued, then travel as plain specs and are rebuilt in the child by its core's
+`new_request` (which compiles a structured output again: the child's own cache). A reader thread in the parent
+hands each step's chunks to `emit`; the child dying (its pipe closes) or its loop dying is `on_dead` with
+EngineDeadError for every waiter.
 
 Finish listeners run in the parent's reader thread, before the step's chunks are emitted, with the parent's
 Request brought to the state the child's had when it finished (status, reasons, times, tokens); a listener here
