@@ -7,6 +7,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import anyio
@@ -143,6 +145,28 @@ async def test_the_childs_watchdog_reaches_every_waiter():
         assert all(isinstance(r, EngineDeadError) and "step_timeout" in str(r) for r in results), results
         with pytest.raises(EngineDeadError):
             await e.generate("after")
+
+
+LEFT_RUNNING = """
+import asyncio, multiprocessing
+from m3sdk import Engine
+
+async def main():
+    e = Engine(model="m3-tiny", device="cpu", max_model_len=128, max_num_seqs=2, engine_process=True)
+    await e.start()
+    await e.generate("hi", max_tokens=2)
+    print(*[p.pid for p in multiprocessing.active_children() if p.name == "m3sdk-engine-core"])
+
+asyncio.run(main())  # returns with the engine still running: never shut down
+"""
+
+
+async def test_an_application_that_never_shuts_down_exits_and_leaves_no_process():
+    done = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", LEFT_RUNNING], capture_output=True,
+                                   text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    (pid,) = map(int, done.stdout.split())
+    assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
 
 
 async def test_unsupported_combinations_are_refused_at_config_time():

@@ -18,13 +18,16 @@ holds no pages (there are none in this process), so it returns None.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
+import multiprocessing.util
 import os
 import pickle
 import queue
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
 log = get_logger("m3sdk.core")
 
 _ADD, _ABORT, _STOP = "add", "abort", "stop"  # parent -> child
+_EXIT_TIMEOUT_S = 30.0  # what an application that exits without shutting its engine down waits for the child
 _READY, _FAILED, _STEP, _REFUSED, _DEAD, _STOPPED = "ready", "failed", "step", "refused", "dead", "stopped"
 
 
@@ -138,6 +142,7 @@ class CoreProcess:
         # submitted requests by id until they finish (the reader thread brings them to their final state)
         self._live: dict[str, Request] = {}
         self._reader: threading.Thread | None = None
+        _RUNNING.add(self)
 
     @classmethod
     def launch(cls, config: EngineConfig) -> CoreProcess:
@@ -237,6 +242,7 @@ class CoreProcess:
             self._process.kill()
             self._process.join()
         self._commands.close()
+        _RUNNING.discard(self)
 
     def stats(self) -> dict[str, Any]:
         return dict(self._stats)
@@ -285,6 +291,19 @@ class CoreProcess:
             log.exception("engine reader thread died")
         finally:
             self._out.close()
+
+
+# Engines whose child runs. The child ignores SIGTERM, which multiprocessing's own exit hook sends its daemonic
+# children before joining them: this hook, registered after that one and so run before it, stops them first.
+_RUNNING: weakref.WeakSet[CoreProcess] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for core in list(_RUNNING):
+        core.stop()
+    for core in list(_RUNNING):
+        core.join(_EXIT_TIMEOUT_S)
 
 
 def _parent_images(config: EngineConfig, tokenizer: Tokenizer, ready: _Ready) -> ImagePrompts | None:
