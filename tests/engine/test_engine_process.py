@@ -14,6 +14,7 @@ import time
 import anyio
 import pytest
 import pytest_asyncio
+from test_engine_api import settle
 
 from m3sdk import Engine, EngineDeadError, InvalidRequestError, SamplingParams
 
@@ -30,15 +31,6 @@ async def engines():
     """(in-thread, own process), both running for the module's tests."""
     async with Engine(**CONFIG) as local, Engine(**CONFIG, engine_process=True) as remote:
         yield local, remote
-
-
-async def settle(e: Engine, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = e.stats()
-        if stats["running"] == stats["waiting"] == 0 or time.monotonic() > deadline:
-            return stats
-        await asyncio.sleep(0.01)
 
 
 def engine_children() -> list[multiprocessing.Process]:
@@ -102,7 +94,7 @@ async def test_abort_mid_stream_frees_every_page(engines):
         seen += len(chunk.token_ids)
         if seen >= 3:
             break
-    stats = await settle(remote)
+    stats = await settle(remote, timeout=10.0)
     assert stats["requests_aborted"] == before + 1 and stats["running"] == stats["waiting"] == 0
     assert stats["pages_free"] == stats["pages_total"]
 
@@ -111,7 +103,7 @@ async def test_a_timeout_ends_as_in_the_thread(engines):
     outcomes = [await e.generate("tick tock", max_tokens=240, ignore_eos=True, timeout=0.2) for e in engines]
     assert [o.finish_reason for o in outcomes] == ["timeout", "timeout"]
     assert 0 < len(outcomes[1].token_ids) < 240
-    stats = await settle(engines[1])
+    stats = await settle(engines[1], timeout=10.0)
     assert stats["requests_timed_out"] >= 1 and stats["pages_free"] == stats["pages_total"]
 
 
