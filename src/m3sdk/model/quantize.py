@@ -11,6 +11,9 @@
 - "fp8_experts": "fp8", plus the routed experts and the shared expert stacked the same way in FP8 (one scale per
            output row; the fused MoE kernels quantize their activations per token, the intermediate per 64
            columns: the stack's width is padded to 64).
+Under every choice but "none" the vision encoder of a VL checkpoint (m3sdk.model.vision) gets FP8 W8A8 linears too
+(`quantize_vision_encoder`): attention q/k/v/out, MLP fc1/fc2 and the projector's four, biases kept as loaded; its
+patch embedding and norms stay as loaded. The engine's `vision_quantization="none"` keeps the whole tower as loaded.
 Experts a checkpoint stores in an MX format (the loader builds their QuantizedMoE) stay as stored under every
 choice; "mxfp4" and "fp8_experts" refuse stored experts of another format rather than requantize them.
 Any width the architecture allows is served by zero padding at load, which changes no output: FP8 weight rows
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from m3sdk.config import QUANTIZATIONS
+from m3sdk.model.vision import VisionEncoder
 from m3sdk.model.layers import DenseMLP, Fp8Activation, RowParallelLinear, SparseMoE, all_reduce, local_routes
 from m3sdk_kernels.arch import current_arch
 from m3sdk_kernels.experts import FP8_ACT_GROUP, Experts, quantize_experts, serving_layout
@@ -60,10 +64,10 @@ def _row_aligned(w: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8Linear(nn.Module):
-    """y = x @ W.T with W in FP8 (per-output-channel scales) and x quantized per token, here or already by the
-    norm before it (an `Fp8Activation`). A RowParallelLinear that reduces keeps doing so: its rank's W holds its
-    slice of the inputs, scaled per output row over that slice (and x per token over it), and the partial
-    products are all-reduced."""
+    """y = x @ W.T (+ b) with W in FP8 (per-output-channel scales) and x quantized per token, here or already by
+    the norm before it (an `Fp8Activation`). A bias stays as loaded and is added to the GEMM's output. A
+    RowParallelLinear that reduces keeps doing so: its rank's W holds its slice of the inputs, scaled per output row
+    over that slice (and x per token over it), and the partial products are all-reduced."""
 
     def __init__(self, linear: nn.Linear, fp8_dtype: torch.dtype):
         super().__init__()
@@ -72,6 +76,7 @@ class Fp8Linear(nn.Module):
         w_q, w_scale = quantize_fp8_weight(linear.weight.detach(), fp8_dtype)
         self.register_buffer("weight", _row_aligned(w_q))
         self.register_buffer("weight_scale", w_scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         linear = fp8_linear if self.weight.is_cuda else fp8_linear_ref
@@ -80,7 +85,8 @@ class Fp8Linear(nn.Module):
         else:
             flat = x.reshape(-1, x.shape[-1])
             y = linear(flat, self.weight, self.weight_scale, out_dtype=x.dtype).reshape(*x.shape[:-1], -1)
-        return all_reduce(y, self.reduce)
+        y = all_reduce(y, self.reduce)
+        return y if self.bias is None else y.add_(self.bias)  # after the reduce: the bias counts once
 
 
 class Fp8DenseMLP(nn.Module):
@@ -225,3 +231,25 @@ def quantize_layer(layer: nn.Module, quantization: str, fp8_dtype: torch.dtype |
             layer.mlp.shared_experts = Fp8DenseMLP(layer.mlp.shared_experts, fp8_dtype)
     if isinstance(layer.mlp, QuantizedMoE):
         layer.mlp.serve_layout()
+
+
+@torch.no_grad()
+def quantize_vision_encoder(encoder: VisionEncoder, quantization: str) -> VisionEncoder:
+    """`encoder` (loaded) with its linears in FP8 W8A8 under any `quantization` but "none", in place, layer by layer
+    (each layer's float weights are freed as it is done), and returned. The three projections q/k/v read one
+    quantization of the norm's output; fc2 and the projector's second linears quantize their GELU input themselves
+    (no fused GELU + quantization kernel: `swiglu_quantize_fp8` serves SwiGLU-OAI only)."""
+    fp8 = fp8_for(quantization, encoder.embeddings.proj.weight.device)
+    if fp8 is None:
+        return encoder
+    for layer in encoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj = (
+            Fp8Linear(linear, fp8) for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj))
+        mlp.fc1, mlp.fc2 = Fp8Linear(mlp.fc1, fp8), Fp8Linear(mlp.fc2, fp8)
+        layer.attn_input_fp8 = fp8
+    proj = encoder.projector
+    proj.linear_1, proj.linear_2 = Fp8Linear(proj.linear_1, fp8), Fp8Linear(proj.linear_2, fp8)
+    proj.merge_linear_1 = Fp8Linear(proj.merge_linear_1, fp8)
+    proj.merge_linear_2 = Fp8Linear(proj.merge_linear_2, fp8)
+    return encoder

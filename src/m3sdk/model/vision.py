@@ -5,6 +5,9 @@ Input is the preprocessor's output (m3sdk.model.image_processor, `ImageProcessor
 [P, C*T*ps*ps] for P patches of all images, laid out 2x2-merge-window-major, and `grid_thw` [N, 3] = (t, h, w) in
 patches per image. Output is [P / merge**2, text_hidden]: one embedding per image token, images in order.
 Attention is bidirectional and never crosses images (one SDPA call per image).
+
+Under the engine's `quantization` (other than "none") the loader puts the linears of every layer and of the projector
+into FP8 W8A8 (`quantize.quantize_vision_encoder`); the patch embedding, the norms and the biases stay as loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from m3sdk.errors import CheckpointError
+from m3sdk.model.layers import Fp8Activation, fp8_activation
 
 
 @dataclass(frozen=True)
@@ -119,8 +123,9 @@ class VisionAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         self.out_proj = nn.Linear(d, d)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        n = x.shape[0]
+    def forward(self, x: torch.Tensor | Fp8Activation, cos: torch.Tensor, sin: torch.Tensor,
+                lengths: list[int]) -> torch.Tensor:
+        n = sum(lengths)
         cos, sin = cos[:, None, :], sin[:, None, :]
         q = _rotate(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
         k = _rotate(self.k_proj(x).view(n, self.heads, self.head_dim), cos, sin)
@@ -151,9 +156,13 @@ class VisionLayer(nn.Module):
         self.self_attn = VisionAttention(config)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = VisionMLP(config)
+        # set by quantize_vision_encoder when q/k/v_proj are FP8: the norm's output is quantized once for the three
+        self.attn_input_fp8: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), cos, sin, lengths)
+        y = self.layer_norm1(x)
+        x = x + self.self_attn(y if self.attn_input_fp8 is None else fp8_activation(y, self.attn_input_fp8), cos, sin,
+                               lengths)
         return x + self.mlp(self.layer_norm2(x))
 
 
