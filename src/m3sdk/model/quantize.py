@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from m3sdk.config import QUANTIZATIONS
-from m3sdk.model.vision import VisionEncoder
 from m3sdk.model.layers import DenseMLP, Fp8Activation, RowParallelLinear, SparseMoE, all_reduce, local_routes
+from m3sdk.model.vision import VisionEncoder
 from m3sdk_kernels.arch import current_arch
 from m3sdk_kernels.experts import FP8_ACT_GROUP, Experts, quantize_experts, serving_layout
 from m3sdk_kernels.formats import MX_BLOCK, quantize_fp8_weight
