@@ -140,10 +140,10 @@ def _prefetch_l2(w_ptr, cols, k0, stride_wn, BLOCK_K: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every decode M (M == 1 is not special)
-def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, stride_am,
-                     stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr, SWAP_AB: tl.constexpr,
-                     EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, bias_ptr, c_ptr, ws_ptr, count_ptr, M, N, K,
+                     stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr,
+                     SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # program -> (output tile, K split): the SPLIT_K programs of one tile are neighbours
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K
@@ -244,6 +244,8 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_ptr, ws_p
             tl.atomic_xchg(count_ptr + tile, 0)
     if done:
         acc = acc * a_scale[:, None] * w_scale[None, :]
+        if bias_ptr is not None:  # added in fp32 before the one rounding to the output dtype
+            acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
         tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :],
                  acc.to(c_ptr.dtype.element_ty), mask=out_mask)
 
@@ -288,9 +290,10 @@ def split_k(tiles_mn: int, k: int, t: dict[str, int]) -> int:
 
 
 def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Triton version of `fp8_gemm_ref`. Where the tiles say PDL (sm90 decode) it launches as a programmatic
-    dependent of the kernel before it; where they say TMA (sm90 decode, swap-AB), the weight tiles come by TMA."""
+             out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of `fp8_gemm_ref` (a `bias` [N], contiguous, is added in the epilogue). Where the tiles say PDL
+    (sm90 decode) it launches as a programmatic dependent of the kernel before it; where they say TMA (sm90 decode,
+    swap-AB), the weight tiles come by TMA."""
     m, k = x_q.shape
     n = w_q.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
@@ -314,7 +317,8 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
 
         w_desc = TensorDescriptor.from_tensor(w_q, [t["BLOCK_N"], t["BLOCK_K"]])
     _fp8_gemm_kernel[(tiles_mn * split,)](
-        x_q, x_scale, w_q, w_desc, w_scale, out, ws, counters, m, n, k, x_q.stride(0), w_q.stride(0), out.stride(0),
+        x_q, x_scale, w_q, w_desc, w_scale, bias, out, ws, counters, m, n, k, x_q.stride(0), w_q.stride(0),
+        out.stride(0),
         BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"], SPLIT_K=split,
         STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0), EVEN_K=k % t["BLOCK_K"] == 0, PDL=pdl,
         PREFETCH=t.get("PREFETCH", 0) if pdl else 0, num_warps=t["num_warps"], num_stages=t["num_stages"],
@@ -323,14 +327,14 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
-               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of `fp8_linear_ref`: quantize x per token unless it comes quantized (from the norm); where
     the GEMM launches as a programmatic dependent (PDL), the quantization launches so too, so the GEMM's weight
     prefetch overlaps it."""
     if x_scale is None:
         pdl = bool(_gemm_tiles(x.shape[0], w_q.shape[0], current_arch(x.device)).get("PDL", 0))
         x, x_scale = quantize_fp8_per_token(x, w_q.dtype, pdl=pdl)
-    return fp8_gemm(x, x_scale, w_q, w_scale, out_dtype)
+    return fp8_gemm(x, x_scale, w_q, w_scale, out_dtype, bias)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -354,12 +358,15 @@ def aot_variants(arch: Arch) -> list:
             {"FP8_MAX": arch.fp8_max, "BLOCK_K": block, "ONE_TILE": k <= block, "SWIGLU": swiglu, "PDL": pdl,
              "INTERPRET": False},
             num_warps=t["num_warps"], aligned=("K", "stride_x", "stride_q")))
-    # (family, variant, N, K): decode at the packed qkv+index projection, narrow at o_proj, wide at the dense gate_up;
-    # mid / prefill at o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); each with the split the
-    # dispatch picks there
-    for family, variant, n, k in (("fp8_gemm_decode", None, 9856, 6144), ("fp8_gemm_decode", "narrow", 6144, 8192),
-                                  ("fp8_gemm_decode", "wide", 24576, 6144), ("fp8_gemm_mid", None, 6144, 8192),
-                                  ("fp8_gemm_prefill", None, 6144, 8192)):
+    # (family, variant, N, K, bias): decode at the packed qkv+index projection, narrow at o_proj, wide at the dense
+    # gate_up; mid / prefill at o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); prefill with a bias at
+    # the vision encoder's fc1 (1280 -> 5120); each with the split the dispatch picks there
+    for family, variant, n, k, bias in (("fp8_gemm_decode", None, 9856, 6144, False),
+                                        ("fp8_gemm_decode", "narrow", 6144, 8192, False),
+                                        ("fp8_gemm_decode", "wide", 24576, 6144, False),
+                                        ("fp8_gemm_mid", None, 6144, 8192, False),
+                                        ("fp8_gemm_prefill", None, 6144, 8192, False),
+                                        ("fp8_gemm_prefill", None, 5120, 1280, True)):
         t = tiles(family, arch, variant)
         split = split_k(triton.cdiv(n, t["BLOCK_N"]), k, t)
         pdl = bool(t.get("PDL", 0))
@@ -369,11 +376,14 @@ def aot_variants(arch: Arch) -> list:
                  "stride_wn": "i32", "stride_cm": "i32"}
         if tma:  # a host TensorDescriptor argument
             types["w_desc"] = f"tensordesc<{arch.fp8_triton}[{t['BLOCK_N']}, {t['BLOCK_K']}]>"
+        if bias:
+            types["bias_ptr"] = "*bf16"
+        name = f"{family}{':' + variant if variant else ''} split {split}" + " tma" * tma + " bias" * bias
         out.append(AotVariant(
-            f"{family}{':' + variant if variant else ''} split {split}{' tma' if tma else ''}", _fp8_gemm_kernel, types,
-            {**({} if tma else {"w_desc": None}), "BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"],
-             "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"], "SPLIT_K": split, "STAGGER": t.get("STAGGER", 0),
-             "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True, "PDL": pdl,
+            name, _fp8_gemm_kernel, types,
+            {**({} if tma else {"w_desc": None}), **({} if bias else {"bias_ptr": None}), "BLOCK_M": t["BLOCK_M"],
+             "BLOCK_N": t["BLOCK_N"], "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"], "SPLIT_K": split,
+             "STAGGER": t.get("STAGGER", 0), "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True, "PDL": pdl,
              "PREFETCH": t.get("PREFETCH", 0) if pdl else 0},
             num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=("K", "stride_am", "stride_wn", "stride_cm")))
     return out

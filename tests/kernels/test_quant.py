@@ -103,6 +103,27 @@ def test_fp8_linear_matches_reference(m, device):
     assert torch.equal(quant.fp8_linear(xq, wq, ws, xs), out)
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("m", [1, 37, 300])
+def test_fp8_linear_bias_in_the_epilogue(m, split, monkeypatch, device):
+    """A bias (the vision encoder's linears) is added in fp32 before the one rounding, as the reference adds it; with
+    K split over programs only the tile's last split adds it."""
+    if split:
+        t = TILES["fp8_gemm_decode"]["sm90"] | {"SPLIT_PROGRAMS": 12, "STAGGER": 1}
+        monkeypatch.setitem(TILES["fp8_gemm_decode"], "sm90", t)
+    torch.manual_seed(m)
+    n, k = 200, 1400
+    wq, ws = formats.quantize_fp8_weight(torch.randn(n, k, device=device) * 0.05, FP8)
+    bias = torch.randn(n, device=device).bfloat16()
+    x = torch.randn(m, k).bfloat16().to(device)
+    out = quant.fp8_linear(x, wq, ws, bias=bias)
+    ref = reference.fp8_linear_ref(x, wq, ws, bias=bias)
+    assert rel(out, ref) < 1e-2
+    without = reference.fp8_linear_ref(x, wq, ws)
+    assert rel(ref, without.float() + bias.float()) < 1e-2 and rel(without, ref) > 0.2  # the bias is there
+    assert torch.equal(quant.fp8_linear(x, wq, ws, bias=bias), out)  # and added once: split-K relaunches agree
+
+
 @pytest.mark.parametrize("swap_ab", [0, 1])
 @pytest.mark.parametrize("m,k", [(1, 1536), (16, 1536), (5, 1400)])  # K 1400: the masked-K path split too
 def test_fp8_gemm_decode_split_k(m, k, swap_ab, monkeypatch, device):

@@ -65,9 +65,10 @@ def _row_aligned(w: torch.Tensor) -> torch.Tensor:
 
 class Fp8Linear(nn.Module):
     """y = x @ W.T (+ b) with W in FP8 (per-output-channel scales) and x quantized per token, here or already by
-    the norm before it (an `Fp8Activation`). A bias stays as loaded and is added to the GEMM's output. A
-    RowParallelLinear that reduces keeps doing so: its rank's W holds its slice of the inputs, scaled per output row
-    over that slice (and x per token over it), and the partial products are all-reduced."""
+    the norm before it (an `Fp8Activation`). A bias stays as loaded and is added in the GEMM's epilogue (the vision
+    encoder's linears have one; a RowParallelLinear has none). A RowParallelLinear that reduces keeps doing so: its
+    rank's W holds its slice of the inputs, scaled per output row over that slice (and x per token over it), and the
+    partial products are all-reduced."""
 
     def __init__(self, linear: nn.Linear, fp8_dtype: torch.dtype):
         super().__init__()
@@ -81,12 +82,12 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         linear = fp8_linear if self.weight.is_cuda else fp8_linear_ref
         if isinstance(x, Fp8Activation):
-            y = linear(x.data, self.weight, self.weight_scale, x.scale, out_dtype=self.out_dtype)
+            y = linear(x.data, self.weight, self.weight_scale, x.scale, out_dtype=self.out_dtype, bias=self.bias)
         else:
             flat = x.reshape(-1, x.shape[-1])
-            y = linear(flat, self.weight, self.weight_scale, out_dtype=x.dtype).reshape(*x.shape[:-1], -1)
-        y = all_reduce(y, self.reduce)
-        return y if self.bias is None else y.add_(self.bias)  # after the reduce: the bias counts once
+            y = linear(flat, self.weight, self.weight_scale, out_dtype=x.dtype,
+                       bias=self.bias).reshape(*x.shape[:-1], -1)
+        return all_reduce(y, self.reduce)
 
 
 class Fp8DenseMLP(nn.Module):
