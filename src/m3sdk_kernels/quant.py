@@ -54,9 +54,11 @@ def _bf16(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _row_values(x_ptr, row, stride_x, cols, K, SWIGLU: tl.constexpr, alpha, limit, INTERPRET: tl.constexpr):
+def _row_values(x_ptr, row, stride_x, cols, K, SWIGLU: tl.constexpr, GELU: tl.constexpr, alpha, limit,
+                INTERPRET: tl.constexpr):
     # fp32 values of row `row` at `cols` (zero past K): x itself, or (SWIGLU) the SwiGLU-OAI of x = [gate | up]
-    # (width 2K) rounded after every op as `reference.swiglu_oai_ref` is on bf16 tensors
+    # (width 2K) rounded after every op as `reference.swiglu_oai_ref` is on bf16 tensors, or (GELU) the exact (erf)
+    # GELU of x computed in fp32 and rounded to bf16 once, as torch's gelu is on a bf16 tensor
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if SWIGLU:
@@ -64,13 +66,15 @@ def _row_values(x_ptr, row, stride_x, cols, K, SWIGLU: tl.constexpr, alpha, limi
         g = tl.minimum(x, limit)
         glu = _bf16(g * _bf16(tl.sigmoid(_bf16(alpha * g, INTERPRET)), INTERPRET), INTERPRET)
         x = _bf16(_bf16(tl.minimum(tl.maximum(up, -limit), limit) + 1.0, INTERPRET) * glu, INTERPRET)
+    if GELU:
+        x = _bf16(0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476)), INTERPRET)
     return x
 
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, alpha, limit, FP8_MAX: tl.constexpr,
-                       BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, SWIGLU: tl.constexpr, GELU: tl.constexpr,
+                       PDL: tl.constexpr, INTERPRET: tl.constexpr):
     # one row per program: amax over the row, then the quantized row. PDL (CUDA, launched as a programmatic
     # dependent): the next kernel (the FP8 GEMM) may launch at once and prefetch its weights; x, which the previous
     # kernel writes, is read only after griddepcontrol.wait
@@ -79,26 +83,26 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, alpha, limit,
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
-    if ONE_TILE:  # the row in one tile: its values are read (and, SWIGLU, computed) once, kept in registers
-        x = _row_values(x_ptr, row, stride_x, cols, K, SWIGLU, alpha, limit, INTERPRET)
+    if ONE_TILE:  # the row in one tile: its values are read (and, SWIGLU / GELU, computed) once, kept in registers
+        x = _row_values(x_ptr, row, stride_x, cols, K, SWIGLU, GELU, alpha, limit, INTERPRET)
         scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX
         q = fp8_grid(tl.clamp(x / scale, -FP8_MAX, FP8_MAX), INTERPRET)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
     else:
         amax = tl.zeros((BLOCK_K,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            amax = tl.maximum(amax, tl.abs(_row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, alpha, limit,
+            amax = tl.maximum(amax, tl.abs(_row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, GELU, alpha, limit,
                                                        INTERPRET)))
         scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
         for k0 in range(0, K, BLOCK_K):  # the second read hits L1/L2
-            x = _row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, alpha, limit, INTERPRET)
+            x = _row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, GELU, alpha, limit, INTERPRET)
             q = fp8_grid(tl.clamp(x / scale, -FP8_MAX, FP8_MAX), INTERPRET)
             tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < K)
     tl.store(s_ptr + row, scale)
 
 
 def _quant_rows(x: torch.Tensor, k: int, fp8_dtype: torch.dtype | None, pdl: bool,
-                swiglu: tuple[float, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                swiglu: tuple[float, float] | None, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     fp8_dtype = fp8_dtype or current_arch(x.device).fp8_dtype
     m = x.shape[0]
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
@@ -112,7 +116,7 @@ def _quant_rows(x: torch.Tensor, k: int, fp8_dtype: torch.dtype | None, pdl: boo
         alpha, limit = swiglu or (0.0, 0.0)
         _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), alpha, limit,
                                  FP8_MAX=torch.finfo(fp8_dtype).max, BLOCK_K=block, ONE_TILE=k <= block,
-                                 SWIGLU=swiglu is not None, PDL=bool(launch), INTERPRET=INTERPRET,
+                                 SWIGLU=swiglu is not None, GELU=gelu, PDL=bool(launch), INTERPRET=INTERPRET,
                                  num_warps=t["num_warps"], **launch)
     return q, s
 
@@ -129,6 +133,13 @@ def swiglu_quantize_fp8(gate_up: torch.Tensor, alpha: float, limit: float, fp8_d
     """Triton version of `swiglu_quantize_fp8_ref` (one launch: the FP8 down projection's input from its gate_up
     output; bf16 rows with unit last stride, each op rounded to bf16 as the reference rounds it)."""
     return _quant_rows(gate_up, gate_up.shape[1] // 2, fp8_dtype, pdl, (alpha, limit))
+
+
+def gelu_quantize_fp8(x: torch.Tensor, fp8_dtype: torch.dtype | None = None,
+                      pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `gelu_quantize_fp8_ref` (one launch: the input of the FP8 linear after a GELU, e.g. the
+    vision encoder's fc2, from the linear before it; bf16 rows with unit last stride)."""
+    return _quant_rows(x, x.shape[1], fp8_dtype, pdl, None, gelu=True)
 
 
 @triton.jit
@@ -346,17 +357,19 @@ def aot_variants(arch: Arch) -> list:
 
     fp8 = f"*{arch.fp8_triton}"
     pdl = arch.backend == "cuda"  # griddepcontrol: CUDA only (the decode GEMM's table decides at run time)
-    # rows of M3's widths, one tile each: the hidden size, and the dense MLP's intermediate 12288 (SwiGLU)
+    # rows of M3's widths, one tile each: the hidden size, the dense MLP's intermediate 12288 (SwiGLU) and the vision
+    # MLP's intermediate 5120 (GELU)
     out = []
     t = tiles("fp8_quant", arch)
-    for swiglu, k in ((False, 6144), (True, 12288)):
+    for name, swiglu, gelu, k in (("", False, False, 6144), ("_swiglu", True, False, 12288),
+                                  ("_gelu", False, True, 5120)):
         block = min(triton.next_power_of_2(k), t["BLOCK_K"])
         out.append(AotVariant(
-            f"quant_fp8_rows{'_swiglu' if swiglu else ''}", _quant_rows_kernel,
+            f"quant_fp8_rows{name}", _quant_rows_kernel,
             {"x_ptr": "*bf16", "q_ptr": fp8, "s_ptr": "*fp32", "K": "i32", "stride_x": "i32", "stride_q": "i32",
              "alpha": "fp32", "limit": "fp32"},
-            {"FP8_MAX": arch.fp8_max, "BLOCK_K": block, "ONE_TILE": k <= block, "SWIGLU": swiglu, "PDL": pdl,
-             "INTERPRET": False},
+            {"FP8_MAX": arch.fp8_max, "BLOCK_K": block, "ONE_TILE": k <= block, "SWIGLU": swiglu, "GELU": gelu,
+             "PDL": pdl, "INTERPRET": False},
             num_warps=t["num_warps"], aligned=("K", "stride_x", "stride_q")))
     # (family, variant, N, K, bias): decode at the packed qkv+index projection, narrow at o_proj, wide at the dense
     # gate_up; mid / prefill at o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); prefill with a bias at

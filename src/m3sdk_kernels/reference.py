@@ -335,6 +335,11 @@ def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, x_
     return fp8_gemm_ref(x, x_scale, w_q, w_scale, out_dtype, bias)
 
 
+def gelu_quantize_fp8_ref(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> its exact (erf) GELU, in x's dtype, quantized per token: (fp8, float32 scale [M])."""
+    return quantize_fp8_per_token_ref(torch.nn.functional.gelu(x), fp8_dtype)
+
+
 def swiglu_quantize_fp8_ref(gate_up: torch.Tensor, alpha: float, limit: float,
                             fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [M, 2I] (gate | up) -> the SwiGLU-OAI output [M, I] quantized per token: (fp8, float32 scale [M])."""

@@ -111,3 +111,21 @@ def test_quantization_none_and_unknown(vl_checkpoint):
         assert all(isinstance(m, Fp8Linear) for m in linears(load_vision_encoder(vl_checkpoint, quantization=q)))
     with pytest.raises(ValueError, match="quantization must be one of"):
         load_vision_encoder(vl_checkpoint, quantization="int4")
+
+
+@pytest.mark.gpu
+def test_fp8_encoder_on_the_gpu(vl_checkpoint, images):
+    """The Triton path (FP8 GEMMs with the bias in the epilogue, GELU fused with the quantization), bf16: within the
+    same bound of the bf16 encoder on the GPU, and close to the CPU references' FP8 encoder."""
+    proc, done = images
+    grid = [i.grid_thw for i in done]
+    pixels = proc.patches([i.pixels for i in done], grid, torch.bfloat16)
+    ref = load_vision_encoder(vl_checkpoint, "cuda", torch.bfloat16)
+    fp8 = load_vision_encoder(vl_checkpoint, "cuda", torch.bfloat16, quantization="fp8")
+    got = fp8(pixels.cuda(), grid)
+    assert torch.isfinite(got).all()
+    cos, rel = errors(got, ref(pixels.cuda(), grid))
+    assert cos >= MIN_COS and rel <= MAX_REL, (cos, rel)
+    cos, rel = errors(got.cpu(), load_vision_encoder(vl_checkpoint, dtype=torch.bfloat16, quantization="fp8")(
+        pixels, grid))
+    assert cos >= 0.999 and rel <= 0.04, (cos, rel)

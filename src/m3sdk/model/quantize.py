@@ -31,13 +31,20 @@ from torch import nn
 
 from m3sdk.config import QUANTIZATIONS
 from m3sdk.model.layers import DenseMLP, Fp8Activation, RowParallelLinear, SparseMoE, all_reduce, local_routes
-from m3sdk.model.vision import VisionEncoder
+from m3sdk.model.vision import Projector, VisionEncoder, VisionMLP
 from m3sdk_kernels.arch import current_arch
 from m3sdk_kernels.experts import FP8_ACT_GROUP, Experts, quantize_experts, serving_layout
 from m3sdk_kernels.formats import MX_BLOCK, quantize_fp8_weight
 from m3sdk_kernels.moe import fused_moe
-from m3sdk_kernels.quant import fp8_gemm, fp8_linear, swiglu_quantize_fp8
-from m3sdk_kernels.reference import fp8_gemm_ref, fp8_linear_ref, fused_moe_ref, route_ref, swiglu_quantize_fp8_ref
+from m3sdk_kernels.quant import fp8_gemm, fp8_linear, gelu_quantize_fp8, swiglu_quantize_fp8
+from m3sdk_kernels.reference import (
+    fp8_gemm_ref,
+    fp8_linear_ref,
+    fused_moe_ref,
+    gelu_quantize_fp8_ref,
+    route_ref,
+    swiglu_quantize_fp8_ref,
+)
 from m3sdk_kernels.router import route
 
 _EXPERT_TENSORS = ("gate_up", "down", "gate_up_scale", "down_scale", "gate_up_row", "down_row")
@@ -234,23 +241,56 @@ def quantize_layer(layer: nn.Module, quantization: str, fp8_dtype: torch.dtype |
         layer.mlp.serve_layout()
 
 
+def _fp8_gelu_mlp(first: Fp8Linear, second: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    """second(gelu(first(x))) with both linears in FP8. bf16 rows on a GPU: the GELU and `second`'s per-token
+    quantization are one launch (`gelu_quantize_fp8`); elsewhere its reference, the same math."""
+    h = first(x)
+    fused = h.is_cuda and h.dtype == torch.bfloat16
+    quantize, gemm = (gelu_quantize_fp8, fp8_gemm) if fused else (gelu_quantize_fp8_ref, fp8_gemm_ref)
+    h_q, h_scale = quantize(h, second.weight.dtype)
+    return gemm(h_q, h_scale, second.weight, second.weight_scale, out_dtype=second.out_dtype, bias=second.bias)
+
+
+class Fp8VisionMLP(nn.Module):
+    """A VisionMLP with FP8 fc1 and fc2 (the GELU between them fused with fc2's input quantization)."""
+
+    def __init__(self, mlp: VisionMLP, fp8_dtype: torch.dtype):
+        super().__init__()
+        self.fc1, self.fc2 = Fp8Linear(mlp.fc1, fp8_dtype), Fp8Linear(mlp.fc2, fp8_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _fp8_gelu_mlp(self.fc1, self.fc2, x)
+
+
+class Fp8Projector(nn.Module):
+    """The vision Projector with its four linears in FP8 (each GELU fused with the next linear's quantization)."""
+
+    def __init__(self, projector: Projector, fp8_dtype: torch.dtype):
+        super().__init__()
+        self.window = projector.window
+        self.linear_1 = Fp8Linear(projector.linear_1, fp8_dtype)
+        self.linear_2 = Fp8Linear(projector.linear_2, fp8_dtype)
+        self.merge_linear_1 = Fp8Linear(projector.merge_linear_1, fp8_dtype)
+        self.merge_linear_2 = Fp8Linear(projector.merge_linear_2, fp8_dtype)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        x = _fp8_gelu_mlp(self.linear_1, self.linear_2, patches)
+        return _fp8_gelu_mlp(self.merge_linear_1, self.merge_linear_2, x.reshape(x.shape[0] // self.window, -1))
+
+
 @torch.no_grad()
 def quantize_vision_encoder(encoder: VisionEncoder, quantization: str) -> VisionEncoder:
     """`encoder` (loaded) with its linears in FP8 W8A8 under any `quantization` but "none", in place, layer by layer
     (each layer's float weights are freed as it is done), and returned. The three projections q/k/v read one
-    quantization of the norm's output; fc2 and the projector's second linears quantize their GELU input themselves
-    (no fused GELU + quantization kernel: `swiglu_quantize_fp8` serves SwiGLU-OAI only)."""
+    quantization of the norm's output; each GELU is fused with the quantization of the linear after it."""
     fp8 = fp8_for(quantization, encoder.embeddings.proj.weight.device)
     if fp8 is None:
         return encoder
     for layer in encoder.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj = (
             Fp8Linear(linear, fp8) for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj))
-        mlp.fc1, mlp.fc2 = Fp8Linear(mlp.fc1, fp8), Fp8Linear(mlp.fc2, fp8)
+        layer.mlp = Fp8VisionMLP(layer.mlp, fp8)
         layer.attn_input_fp8 = fp8
-    proj = encoder.projector
-    proj.linear_1, proj.linear_2 = Fp8Linear(proj.linear_1, fp8), Fp8Linear(proj.linear_2, fp8)
-    proj.merge_linear_1 = Fp8Linear(proj.merge_linear_1, fp8)
-    proj.merge_linear_2 = Fp8Linear(proj.merge_linear_2, fp8)
+    encoder.projector = Fp8Projector(encoder.projector, fp8)
     return encoder
