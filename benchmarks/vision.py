@@ -112,11 +112,12 @@ def step_encoder(args, device: torch.device, dtype: torch.dtype) -> None:
             cases.append((side, batch, image.num_tokens, grid,
                           processor.patches([image.pixels.to(device)] * batch, grid, dtype)))
     params = sum(p.numel() for p in encoder.parameters()) / 1e9
-    times, first = {}, {}
+    times, first, weights = {}, {}, {}
     # the loaded dtype first, then the same encoder's linears in FP8 (in place, as the loader does)
     for linears in ("bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch."), "fp8"):
         if linears == "fp8":
             quantize_vision_encoder(encoder, "fp8")
+        weights[linears] = sum(t.numel() * t.element_size() for t in (*encoder.parameters(), *encoder.buffers()))
         for side, batch, _, grid, pixels in cases:
             with torch.inference_mode():
                 out = encoder(pixels, grid)  # the first warm-up call
@@ -132,7 +133,8 @@ def step_encoder(args, device: torch.device, dtype: torch.dtype) -> None:
                 first[linears, side] = out.float()
     base = next(iter(times))[0]
     print(f"\nencoder: width {encoder.config.hidden_size}, {encoder.config.num_hidden_layers} layers, "
-          f"{params:.3f} B parameters, {dtype}, {device}; linears {base} vs FP8 W8A8 (quantization='fp8')")
+          f"{params:.3f} B parameters, {dtype}, {device}; linears {base} vs FP8 W8A8 (quantization='fp8'); weights "
+          f"{weights[base] / 2**20:.1f} vs {weights['fp8'] / 2**20:.1f} MiB")
     print(f"{'size':>10} {'batch':>6} {'patches':>8} {'tokens':>7} {base + ' ms':>9} {'fp8 ms':>8} {'speedup':>8} "
           f"{base + ' img/s':>10} {'fp8 img/s':>10} {'min cos':>8} {'max rel':>8}")
     for side, batch, tokens, _, pixels in cases:

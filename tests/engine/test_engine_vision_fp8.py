@@ -75,3 +75,14 @@ async def test_vision_quantization_none_keeps_the_loaded_tower(vl_checkpoint):
         assert isinstance(e._running_core().runner.model.layers[0].self_attn.o_proj, Fp8Linear)
         tokens, logprobs = await run(e)
     assert len(tokens) == 8 and all(math.isfinite(lp) for lp in logprobs)
+
+
+def test_vision_quantization_from_the_cli(vl_checkpoint):
+    from m3sdk.cli import _engine_config, build_parser
+
+    def config(*flags: str) -> EngineConfig:
+        return _engine_config(build_parser().parse_args(["info", "--model", str(vl_checkpoint), *flags]))
+
+    assert config("--quantization", "fp8").vision_quantization == "auto"
+    chosen = config("--quantization", "fp8", "--vision-quantization", "none")
+    assert (chosen.quantization, chosen.vision_quantization) == ("fp8", "none")
