@@ -2,7 +2,12 @@
 /v1/completions, the official-client path) against the embedded Engine, at several fixed concurrencies.
 
     PYTHONPATH=src python benchmarks/http_overhead.py [--model DIR] [--concurrency 1,16,64] [--input-len 256]
-        [--output-len 64] [--num-prompts N] [--engine-arg NAME=JSON ...] [--modes embedded,http] [--out FILE]
+        [--output-len 64] [--num-prompts N] [--engine-arg NAME=JSON ...] [--modes embedded,http,http-process]
+        [--serve-arg ARG ...] [--out FILE]
+
+Modes: `embedded` (the Engine in this process), `http` (`m3sdk serve`, its engine core in a thread beside the
+HTTP loop), `http-process` (`m3sdk serve --engine-process`: the core in a process of its own). --serve-arg passes
+more arguments to every server.
 
 Both modes get the same engine settings (--engine-arg, as `m3sdk bench` / `m3sdk serve` take them) and the same
 prompts (random token ids, EOS ignored); each mode loads its own engine (the embedded one in this process, then
@@ -49,7 +54,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, help="per point (default: 4 x concurrency, at least 16)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="NAME=JSON")
-    p.add_argument("--modes", default="embedded,http", help="which to run (both for the comparison)")
+    p.add_argument("--modes", default="embedded,http",
+                   help="which to run, of embedded, http, http-process (embedded first for the comparison)")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for `m3sdk serve` (repeatable; e.g. --serve-arg=--engine-process)")
     p.add_argument("--out", type=Path, help="append one JSON line per (mode, concurrency)")
     p.add_argument("--client-procs", type=int, default=1,
                    help="HTTP clients in this many processes, each with its share of the streams (one httpx loop "
@@ -143,9 +151,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def through_http(args: argparse.Namespace, overrides: dict, vocab: int) -> dict[int, dict]:
+async def through_http(args: argparse.Namespace, overrides: dict, vocab: int, serve_args: tuple[str, ...] = ()
+                       ) -> dict[int, dict]:
     port = free_port()
-    argv = [sys.executable, "-m", "m3sdk.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    argv = [sys.executable, "-m", "m3sdk.cli", "serve", "--port", str(port), "--log-level", "warning",
+            *args.serve_arg, *serve_args]
     for name, value in overrides.items():
         argv += ["--engine-arg", f"{name}={json.dumps(value)}"]
     server = subprocess.Popen(argv, env=os.environ.copy())
@@ -175,27 +185,31 @@ def main() -> None:
     args = parse_args()
     overrides = engine_overrides(args)
     vocab = ModelConfig.from_pretrained(EngineConfig(model=args.model).model_path()).vocab_size
-    modes = {"embedded": embedded, "http": through_http}
+    modes = {"embedded": embedded, "http": through_http,
+             "http-process": lambda *a: through_http(*a, serve_args=("--engine-process",))}
     runs = {mode: asyncio.run(modes[mode](args, overrides, vocab)) for mode in args.modes.split(",")}
-    header = f"{'conc':>5} {'mode':<9}" + "".join(f"{k:>20}" for k in KEYS) + f"{'loop us/tok':>12}{'client busy':>14}"
+    header = f"{'conc':>5} {'mode':<13}" + "".join(f"{k:>20}" for k in KEYS) + f"{'loop us/tok':>12}{'client busy':>14}"
     print(header)
     for conc in next(iter(runs.values())):
         for mode in runs:
             m = runs[mode][conc]
             loop = f"{m['loop_cpu_us_per_token']:>12.1f}" if "loop_cpu_us_per_token" in m else f"{'':>12}"
-            print(f"{conc:>5} {mode:<9}" + "".join(f"{m[k]:>20.2f}" for k in KEYS) + loop
+            print(f"{conc:>5} {mode:<13}" + "".join(f"{m[k]:>20.2f}" for k in KEYS) + loop
                   + f"{100 * m['client_loop_busy']:>13.0f}%")
             if args.out is not None:
                 with open(args.out, "a") as f:
                     f.write(json.dumps({"mode": mode, "concurrency": conc, "engine": overrides, "input_len":
                                         args.input_len, "output_len": args.output_len, **m}) + "\n")
-        if len(runs) < 2:
+        if "embedded" not in runs:
             continue
-        e, h = runs["embedded"][conc], runs["http"][conc]
-        loop = f"; server loop CPU {h['loop_cpu_us_per_token']:.0f} us/token" if "loop_cpu_us_per_token" in h else ""
-        print(f"{conc:>5} {'http adds':<9} TTFT {h['median_ttft_ms'] - e['median_ttft_ms']:+.2f} ms (median), "
-              f"ITL {100 * (h['median_itl_ms'] / e['median_itl_ms'] - 1):+.1f} % (median), "
-              f"throughput {100 * (h['output_throughput'] / e['output_throughput'] - 1):+.1f} %{loop}")
+        e = runs["embedded"][conc]
+        for mode in [m for m in runs if m != "embedded"]:
+            h = runs[mode][conc]
+            loop = f"; server loop CPU {h['loop_cpu_us_per_token']:.0f} us/token" if "loop_cpu_us_per_token" in h \
+                else ""
+            print(f"{conc:>5} {mode + ' adds':<13} TTFT {h['median_ttft_ms'] - e['median_ttft_ms']:+.2f} ms (median), "
+                  f"ITL {100 * (h['median_itl_ms'] / e['median_itl_ms'] - 1):+.1f} % (median), "
+                  f"throughput {100 * (h['output_throughput'] / e['output_throughput'] - 1):+.1f} %{loop}")
 
 
 if __name__ == "__main__":

@@ -173,6 +173,8 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
             max_bytes=args.image_url_max_bytes, allowed_domains=args.allowed_media_domains))
     elif args.allowed_media_domains:
         raise ValueError("--allowed-media-domains applies with --allow-image-urls")
+    if args.engine_process is not None:
+        config = config.replace(engine_process=args.engine_process)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(serve(config, host=args.host, port=args.port, api_key=api_key,
                          model_names=args.served_model_name, log_level=args.log_level,
@@ -297,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --allow-image-urls: the largest image fetched, in bytes (default: %(default)s)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="the server's log verbosity on stderr (default: %(default)s)")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
+                       help="run the engine core in a process of its own, so the HTTP loop and the engine's steps "
+                       "do not share one interpreter lock (EngineConfig.engine_process; not with prefill nodes or "
+                       "--tp > 1; default: off)")
     engine_options(serve)
     _bench_module().add_engine_arguments(serve)
 

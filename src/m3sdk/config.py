@@ -225,6 +225,10 @@ class EngineConfig:
     vision_quantization: str = "auto"
     # Remote (http/https) image URLs -> their bytes; None: such URLs are refused (no network access by default).
     image_fetcher: Callable[[str], bytes] | None = None
+    # Run the engine core in a process of its own (core/process.py), so the application's threads (an HTTP
+    # server's event loop) and the engine loop do not share one interpreter lock. Requests are still validated in
+    # the application's process. Not with prefill_nodes or tensor_parallel_size > 1.
+    engine_process: bool = False
     cache: CacheConfig = CacheConfig()
     scheduling: SchedulingConfig = SchedulingConfig()
     disagg: DisaggConfig = DisaggConfig()
@@ -283,6 +287,13 @@ class EngineConfig:
                 problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.cuda_graphs not in (None, True, False):
             problems.append(f"cuda_graphs must be None (auto), True or False, got {self.cuda_graphs!r}")
+        if self.engine_process not in (True, False):
+            problems.append(f"engine_process must be True or False, got {self.engine_process!r}")
+        elif self.engine_process and self.disagg.prefill_nodes:
+            problems.append("engine_process does not run with prefill_nodes (the remote prefill client lives "
+                            "beside the core's cache)")
+        elif self.engine_process and self.parallel.tensor_parallel_size > 1:
+            problems.append("engine_process does not run with tensor_parallel_size > 1")
         try:
             object.__setattr__(self, "speculative", SpecConfig.parse(self.speculative))
         except ValueError as e:

@@ -1,11 +1,12 @@
 """Engine: the async face, on anyio: the same Engine serves an asyncio or a trio program. The core runs in its
-own thread; the caller's event loop only validates and moves requests in, and deltas out.
+own thread (or, with `EngineConfig.engine_process`, in a process of its own: core/process.py; both behind
+core/handle.py's CoreHandle); the caller's event loop only validates and moves requests in, and deltas out.
 
 Requests go in through the core's thread-safe inbox. Deltas come back once per step, scheduled onto the event loop
 from the engine thread without waiting for it (`_LoopHandle`), into one channel per request. Leaving a
 stream early, cancelling the awaiting task, or `abort()` ends the request in the core and frees its pages. If the
-engine thread dies, every waiter gets EngineDeadError at once. (Over 450 lines: generate, stream, chat and abort
-share the loop-side state here, the channels and orphans, which has one owner.)
+engine thread (or process) dies, every waiter gets EngineDeadError at once. (Over 450 lines: generate, stream, chat
+and abort share the loop-side state here, the channels and orphans, which has one owner.)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from m3sdk.chat.completion import ChatCompletion, ChatCompletionChunk, chat_fini
 from m3sdk.chat.constraints import chat_constraint
 from m3sdk.chat.image_parts import has_image_parts, split_image_parts
 from m3sdk.config import EngineConfig
-from m3sdk.core import EngineCore, build_core
+from m3sdk.core import CoreHandle, CoreProcess, EngineCore, build_core
 from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from m3sdk.metrics import EngineMetrics
 from m3sdk.params import SamplingParams, check_text, short_repr
@@ -107,7 +108,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, /, **overrides: Any):
         config = config if config is not None else EngineConfig()
         self.config = config.replace(**overrides) if overrides else config
-        self._core: EngineCore | None = None
+        self._core: CoreHandle | None = None
         self._metrics: EngineMetrics | None = None
         self._loop: _LoopHandle | None = None
         self._channels: dict[str, _Channel] = {}  # by the engine's request id of each live choice
@@ -127,15 +128,19 @@ class Engine:
         await self.shutdown()
 
     async def start(self) -> None:
-        """Load the model (off the event loop) and start the engine thread."""
+        """Load the model (off the event loop) and start the engine thread (or process)."""
         if self._core is not None or self._closed:
             raise RuntimeError("an Engine starts once")
         self._loop = _LoopHandle()
-        self._core = core = await anyio.to_thread.run_sync(build_core, self.config)
+        core: CoreHandle
+        if self.config.engine_process:
+            self._core = core = await anyio.to_thread.run_sync(CoreProcess.launch, self.config)
+        else:
+            self._core = core = local = await anyio.to_thread.run_sync(build_core, self.config)
+            if self.config.prefill_nodes:
+                # off the loop too: the client handshakes the nodes (up to a connect timeout each)
+                self._admission = await anyio.to_thread.run_sync(_remote_prefill, self.config, local)
         self._metrics = EngineMetrics(core.stats)
-        if self.config.prefill_nodes:
-            # off the loop too: the client handshakes the nodes (up to a connect timeout each)
-            self._admission = await anyio.to_thread.run_sync(_remote_prefill, self.config, core)
         core.start(self._emit_threadsafe, self._dead_threadsafe, finish_listeners=[self._metrics.on_finish],
                    admission=self._admission)
 
@@ -146,7 +151,7 @@ class Engine:
             return
         core.stop()
         # a thread the watchdog gave up on may never return: it is a daemon, not waited for
-        stuck = core.config.engine.step_timeout if self._dead is not None else None
+        stuck = self.config.step_timeout if self._dead is not None else None
         with anyio.CancelScope(shield=True):  # a cancelled shutdown still leaves no engine thread behind
             await anyio.to_thread.run_sync(core.join, stuck)
 
@@ -301,9 +306,9 @@ class Engine:
         assert self._metrics is not None
         return self._metrics
 
-    def _running_core(self) -> EngineCore:
+    def _running_core(self) -> CoreHandle:
         if self._dead is not None:
-            raise EngineDeadError(f"the engine thread died: {self._dead!r}") from self._dead
+            raise EngineDeadError(f"the engine core died: {self._dead!r}") from self._dead
         if self._core is None or self._closed:
             raise RuntimeError("the Engine is not running: use `async with Engine(...)` or `await start()`")
         return self._core
@@ -339,7 +344,7 @@ class Engine:
                                  priority, index=i, images=images) for i in range(params.n)]
 
     @classmethod
-    def _prompt_with_images(cls, core: EngineCore, prompt: Prompt) -> tuple[list[int], tuple]:
+    def _prompt_with_images(cls, core: CoreHandle, prompt: Prompt) -> tuple[list[int], tuple]:
         """(token ids, images): an image prompt's placeholders expanded to their images' tokens (m3sdk.images)."""
         if not isinstance(prompt, Mapping):
             return cls._prompt_ids(core, prompt), ()
@@ -361,7 +366,7 @@ class Engine:
         return core.images.prepare(ids, images)
 
     @staticmethod
-    def _prompt_ids(core: EngineCore, prompt: Prompt) -> list[int]:
+    def _prompt_ids(core: CoreHandle, prompt: Prompt) -> list[int]:
         tokenizer = core.tokenizer
         if isinstance(prompt, str):
             check_text("the prompt", prompt)
@@ -432,7 +437,7 @@ class Engine:
                                 rest.append(nxt)
                         backlog = rest
                 if item is _DEAD:
-                    raise EngineDeadError(f"the engine thread died: {self._dead!r}") from self._dead
+                    raise EngineDeadError(f"the engine core died: {self._dead!r}") from self._dead
                 if item.finish_reason is not None:
                     ended.add(item.index)
                 if item.error is not None:

@@ -84,7 +84,7 @@ def build_core(config: EngineConfig, observers: Sequence[StepObserver] = ()) -> 
 def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParallel | None,
               observers: Sequence[StepObserver]) -> EngineCore:
     config = rc.engine
-    tokenizer = Tokenizer.from_pretrained(_tokenizer_path(rc))
+    tokenizer = Tokenizer.from_pretrained(tokenizer_path(rc))
     cache, max_model_len = _cache(rc, model)
     rc = dataclasses.replace(rc, max_model_len=max_model_len)
     factory = config.scheduler
@@ -123,7 +123,7 @@ def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParalle
                       on_stop=[tp.shutdown] if tp is not None else [], tensor_parallel=tp)
 
 
-def _tokenizer_path(rc: ResolvedConfig) -> Path:
+def tokenizer_path(rc: ResolvedConfig) -> Path:
     """The checkpoint's tokenizer; a config-only folder served with dummy weights borrows the bundled m3-tiny's
     (its ids are valid inputs of any MiniMax-M3; generated ids past its vocabulary decode to no text)."""
     if rc.engine.load_format == "dummy" and not (rc.model_path / "tokenizer.json").is_file():

@@ -41,7 +41,7 @@ ops = APIRouter()
 
 @ops.get("/health", responses={503: {"model": ErrorResponse}})
 async def health(ctx: Annotated[ServerContext, Depends(context)]) -> JSONResponse:
-    """200 while the engine runs; 503 once its thread has died."""
+    """200 while the engine runs; 503 once its thread (or process) has died."""
     ctx.engine.stats()  # raises EngineDeadError -> 503
     return JSONResponse({"status": "ok"})
 
