@@ -17,8 +17,7 @@ from m3sdk.observability import get_logger
 from m3sdk_kernels.experts import Experts
 from m3sdk_kernels.moe import fused_moe, moe_unsupported
 from m3sdk_kernels.norm import add_rms_norm
-from m3sdk_kernels.quant import quantize_fp8_per_token
-from m3sdk_kernels.reference import add_rms_norm_ref, gemma_rms_norm_ref, quantize_fp8_per_token_ref, swiglu_oai_ref
+from m3sdk_kernels.reference import add_rms_norm_ref, gemma_rms_norm_ref, swiglu_oai_ref
 from m3sdk_kernels.router import route as fused_route
 
 log = get_logger("m3sdk.model")
@@ -41,13 +40,6 @@ class Fp8Activation(NamedTuple):
 
     data: torch.Tensor  # fp8 [T, H]
     scale: torch.Tensor  # float32 [T]
-
-
-def fp8_activation(x: torch.Tensor, fp8_dtype: torch.dtype) -> Fp8Activation:
-    """x [T, H] quantized per token once, for several FP8 projections that read it (the Triton kernel on a GPU,
-    its reference elsewhere)."""
-    op = quantize_fp8_per_token if x.is_cuda else quantize_fp8_per_token_ref
-    return Fp8Activation(*op(x, fp8_dtype))
 
 
 def residual_rms_norm(x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None = None,

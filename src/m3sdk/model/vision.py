@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from m3sdk.errors import CheckpointError
-from m3sdk.model.layers import Fp8Activation, fp8_activation
 
 
 @dataclass(frozen=True)
@@ -123,20 +122,25 @@ class VisionAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         self.out_proj = nn.Linear(d, d)
 
-    def forward(self, x: torch.Tensor | Fp8Activation, cos: torch.Tensor, sin: torch.Tensor,
-                lengths: list[int]) -> torch.Tensor:
-        n = sum(lengths)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = _rotate(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
-        k = _rotate(self.k_proj(x).view(n, self.heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.heads, self.head_dim)
-        outs = []
-        # one image at a time, each [1, heads, patches, head_dim]: SDPA's flash and memory-efficient kernels take
-        # 4-D inputs only (3-D ones fall back to the math kernel, which materializes every score)
-        for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
-            qi, ki, vi = (t.transpose(0, 1)[None] for t in (qi, ki, vi))
-            outs.append(F.scaled_dot_product_attention(qi, ki, vi)[0].transpose(0, 1))
-        return self.out_proj(torch.cat(outs).reshape(n, -1))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        shape = (x.shape[0], self.heads, self.head_dim)
+        q, k, v = (proj(x).view(shape) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        return self.out_proj(attend(q, k, v, cos, sin, lengths))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           lengths: list[int]) -> torch.Tensor:
+    """Bidirectional attention within each image: q, k, v [P, heads, head_dim] (q and k rotated here) -> [P, heads *
+    head_dim]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    outs = []
+    # one image at a time, each [1, heads, patches, head_dim]: SDPA's flash and memory-efficient kernels take
+    # 4-D inputs only (3-D ones fall back to the math kernel, which materializes every score)
+    for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
+        qi, ki, vi = (t.transpose(0, 1)[None] for t in (qi, ki, vi))
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi)[0].transpose(0, 1))
+    return torch.cat(outs).flatten(1)
 
 
 class VisionMLP(nn.Module):
@@ -156,13 +160,9 @@ class VisionLayer(nn.Module):
         self.self_attn = VisionAttention(config)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = VisionMLP(config)
-        # set by quantize_vision_encoder when q/k/v_proj are FP8: the norm's output is quantized once for the three
-        self.attn_input_fp8: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        y = self.layer_norm1(x)
-        x = x + self.self_attn(y if self.attn_input_fp8 is None else fp8_activation(y, self.attn_input_fp8), cos, sin,
-                               lengths)
+        x = x + self.self_attn(self.layer_norm1(x), cos, sin, lengths)
         return x + self.mlp(self.layer_norm2(x))
 
 
