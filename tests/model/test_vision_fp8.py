@@ -140,3 +140,15 @@ def test_fp8_encoder_on_the_gpu(vl_checkpoint, images):
     cos, rel = errors(got.cpu(), load_vision_encoder(vl_checkpoint, dtype=torch.bfloat16, quantization="fp8")(
         pixels, grid))
     assert cos >= 0.999 and rel <= 0.04, (cos, rel)
+
+
+def test_encoder_warm_up_meets_every_gemm_table(vl_checkpoint):
+    """The engine's warm-up images (GPU engines) run through the FP8 encoder; their patch counts (the tower's rows)
+    and merge windows (the projector's second MLP's rows) each reach the decode (<= 16), mid (<= 256) and prefill
+    tile tables of the FP8 GEMM."""
+    from m3sdk.core.warmup import ENCODER_WARM_UP_GRIDS, warm_up_encoder
+
+    rows = [[t * h * w // d for t, h, w in ENCODER_WARM_UP_GRIDS] for d in (1, 4)]
+    for counts in rows:
+        assert [c <= 16 for c in counts] == [True, False, False] and [c <= 256 for c in counts] == [True, True, False]
+    warm_up_encoder(load_vision_encoder(vl_checkpoint, dtype=torch.float32, quantization="fp8"))
