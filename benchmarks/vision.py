@@ -2,6 +2,7 @@
 time to first token.
 
     PYTHONPATH=src python benchmarks/vision.py [--out DIR] [--steps ...] [--slice DIR] [--dense N --sparse N] [--tiny]
+        [--quantization none fp8] [--vision-quantization auto none]
 
   host     the caller's thread's work per prompt (ImagePrompts.prepare: decode, check, hash, expand; what runs
            before the request is queued) and the bytes the request then holds, for a 1344x1344 noise PNG, a
@@ -12,12 +13,16 @@ time to first token.
   encoder  images/s of the vision tower + projector (MiniMax-M3's vision_config, src/m3sdk/assets/minimax-m3:
            width 1280, 32 layers, 16 heads, projector to 6144; random weights, bf16), at 448x448 and 1344x1344
            (--sides), one encoder call per batch of images, as a step runs it; after warm-up, CUDA-synchronized.
+           Each row twice: the linears in bf16, then the same encoder's linears in FP8 W8A8 (what quantization
+           != "none" loads), with the FP8 embeddings' lowest cosine and largest normalized error against bf16's.
   ttft     time to first token through the engine on an M3 slice with the vision tower (scripts/make_m3_slice.py
            --vision, written to --slice when it is missing): a prompt of one image (1344x1344 by default) against
            a text prompt of the same token count, both prefilled in one step, no cache hits (every image new).
            The encoder's share is (image - text) / text. A slice has few text layers, so that share is an upper
            bound; the full-model estimate scales the text prefill's per-layer time to M3's 60 layers
            (per layer = (text TTFT - 1-token TTFT) / slice layers). Goal: the encoder adds at most 15 %.
+           One run per --quantization x --vision-quantization ("none" keeps the tower in bf16 under a quantized
+           text model).
   --tiny   m3-tiny-vl (built with tests/oracle, needs transformers) on the CPU, fp32, small batches: checks that
            the script runs; its figures mean nothing.
 
@@ -85,6 +90,7 @@ def sync(device: torch.device) -> None:
 
 def step_encoder(args, device: torch.device, dtype: torch.dtype) -> None:
     from m3sdk.model.image_processor import ImageProcessor
+    from m3sdk.model.quantize import quantize_vision_encoder
     from m3sdk.model.vision import VisionEncoder
     from m3sdk.model.vision_loader import load_vision_encoder, vision_config
 
@@ -98,29 +104,51 @@ def step_encoder(args, device: torch.device, dtype: torch.dtype) -> None:
             torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
         encoder = encoder.to(dtype).eval()
     processor = ImageProcessor(max_pixels=SLICE_MAX_PIXELS)  # neither size is resized
-    print(f"\nencoder: width {encoder.config.hidden_size}, {encoder.config.num_hidden_layers} layers, "
-          f"{sum(p.numel() for p in encoder.parameters()) / 1e9:.3f} B parameters, {dtype}, {device}")
-    print(f"{'size':>10} {'batch':>6} {'patches':>8} {'tokens':>7} {'ms/batch':>9} {'images/s':>9}")
+    cases = []
     for side, batches in zip(args.sides, (args.batches_small, args.batches_large), strict=True):
         image = processor.process(png(side, side))
         for batch in batches:
             grid = [image.grid_thw] * batch
-            pixels = processor.patches([image.pixels.to(device)] * batch, grid, dtype)
+            cases.append((side, batch, image.num_tokens, grid,
+                          processor.patches([image.pixels.to(device)] * batch, grid, dtype)))
+    params = sum(p.numel() for p in encoder.parameters()) / 1e9
+    times, first, weights = {}, {}, {}
+    # the loaded dtype first, then the same encoder's linears in FP8 (in place, as the loader does)
+    for linears in ("bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch."), "fp8"):
+        if linears == "fp8":
+            quantize_vision_encoder(encoder, "fp8")
+        weights[linears] = sum(t.numel() * t.element_size() for t in (*encoder.parameters(), *encoder.buffers()))
+        for side, batch, _, grid, pixels in cases:
             with torch.inference_mode():
-                for _ in range(args.warmup):
+                out = encoder(pixels, grid)  # the first warm-up call
+                for _ in range(args.warmup - 1):
                     encoder(pixels, grid)
                 sync(device)
                 t = time.perf_counter()
                 for _ in range(args.iters):
                     encoder(pixels, grid)
                 sync(device)
-            ms = (time.perf_counter() - t) / args.iters * 1e3
-            row = dict(step="encoder", side=side, batch=batch, patches=pixels.shape[0] // batch,
-                       tokens=image.num_tokens, ms_per_batch=round(ms, 3), images_per_s=round(batch / ms * 1e3, 2),
-                       tiny=args.tiny, device=str(device))
-            record(args.out, **row)
-            print(f"{side:>5}x{side:<4} {batch:>6} {row['patches']:>8} {image.num_tokens:>7} {ms:>9.2f} "
-                  f"{row['images_per_s']:>9.1f}")
+            times[linears, side, batch] = (time.perf_counter() - t) / args.iters * 1e3
+            if batch == 1:
+                first[linears, side] = out.float()
+    base = next(iter(times))[0]
+    print(f"\nencoder: width {encoder.config.hidden_size}, {encoder.config.num_hidden_layers} layers, "
+          f"{params:.3f} B parameters, {dtype}, {device}; linears {base} vs FP8 W8A8 (quantization='fp8'); weights "
+          f"{weights[base] / 2**20:.1f} vs {weights['fp8'] / 2**20:.1f} MiB")
+    print(f"{'size':>10} {'batch':>6} {'patches':>8} {'tokens':>7} {base + ' ms':>9} {'fp8 ms':>8} {'speedup':>8} "
+          f"{base + ' img/s':>10} {'fp8 img/s':>10} {'min cos':>8} {'max rel':>8}")
+    for side, batch, tokens, _, pixels in cases:
+        ref, fp8 = times[base, side, batch], times["fp8", side, batch]
+        a, b = first["fp8", side], first[base, side]  # each image's embeddings, batch 1: FP8 against the loaded dtype
+        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item()
+        rel = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
+        for linears, ms in ((base, ref), ("fp8", fp8)):
+            record(args.out, step="encoder", linears=linears, side=side, batch=batch, patches=pixels.shape[0] // batch,
+                   tokens=tokens, ms_per_batch=round(ms, 3), images_per_s=round(batch / ms * 1e3, 2),
+                   **({"min_cos_vs_" + base: round(cos, 5), "max_rel_vs_" + base: round(rel, 4)}
+                      if linears == "fp8" else {}), tiny=args.tiny, device=str(device))
+        print(f"{side:>5}x{side:<4} {batch:>6} {pixels.shape[0] // batch:>8} {tokens:>7} {ref:>9.2f} {fp8:>8.2f} "
+              f"{ref / fp8:>7.2f}x {batch / ref * 1e3:>10.1f} {batch / fp8 * 1e3:>10.1f} {cos:>8.5f} {rel:>8.4f}")
 
 
 def step_host(args) -> None:
@@ -191,7 +219,7 @@ async def _ttft(engine, prompt, repeats: int) -> float:
     return statistics.median(times)
 
 
-async def step_ttft(args, device: torch.device, dtype: torch.dtype) -> None:
+async def step_ttft(args, device: torch.device, quantization: str, vision_quantization: str) -> None:
     from m3sdk import Engine
     from m3sdk.model.config import ModelConfig
 
@@ -199,7 +227,7 @@ async def step_ttft(args, device: torch.device, dtype: torch.dtype) -> None:
     layers = ModelConfig.from_pretrained(model).num_layers
     config = dict(model=str(model), device=str(device), dtype="float32" if args.tiny else "bfloat16",
                   max_model_len=1024 if args.tiny else 16384, max_num_seqs=4, max_num_batched_tokens=16384,
-                  enable_prefix_caching=False,
+                  enable_prefix_caching=False, quantization=quantization, vision_quantization=vision_quantization,
                   kv_cache_memory=(64 << 20) if args.tiny else (8 << 30))
     t = time.perf_counter()
     async with Engine(**config) as e:
@@ -225,15 +253,17 @@ async def step_ttft(args, device: torch.device, dtype: torch.dtype) -> None:
     per_layer = max(text - one, 0.0) / layers
     full_text = one + per_layer * M3_LAYERS
     full_share = extra / full_text
-    row = dict(step="ttft", model=str(model), layers=layers, image_side=args.image_side, prompt_tokens=n,
+    tower = "fp8" if quantization != "none" and vision_quantization == "auto" else "model dtype"
+    row = dict(step="ttft", model=str(model), layers=layers, quantization=quantization, vision_linears=tower,
+               image_side=args.image_side, prompt_tokens=n,
                ttft_one_token_ms=round(one * 1e3, 2), ttft_text_ms=round(text * 1e3, 2),
                ttft_image_ms=round(image * 1e3, 2), encoder_extra_ms=round(extra * 1e3, 2),
                share_on_slice=round(share, 4), full_model_text_ttft_ms=round(full_text * 1e3, 2),
                share_full_model_estimate=round(full_share, 4), goal=GOAL, meets_goal=full_share <= GOAL,
                load_s=round(load_s, 1), tiny=args.tiny, device=str(device))
     record(args.out, **row)
-    print(f"\nttft: {model} ({layers} text layers), one {args.image_side}x{args.image_side} image = {n} prompt "
-          f"tokens, median of {args.repeats}")
+    print(f"\nttft: {model} ({layers} text layers), quantization={quantization!r}, vision linears {tower}, one "
+          f"{args.image_side}x{args.image_side} image = {n} prompt tokens, median of {args.repeats}")
     print(f"{'prompt':<34} {'TTFT ms':>9}")
     for name, v in (("1 token", one), (f"text, {n} tokens", text), (f"1 image, {n} tokens", image)):
         print(f"{name:<34} {v * 1e3:>9.2f}")
@@ -243,6 +273,8 @@ async def step_ttft(args, device: torch.device, dtype: torch.dtype) -> None:
 
 
 def main() -> None:
+    from m3sdk.config import QUANTIZATIONS, VISION_QUANTIZATIONS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("."))
     steps = ["host", "preprocess", "encoder", "ttft"]
@@ -252,6 +284,10 @@ def main() -> None:
     p.add_argument("--dense", type=int, default=1, help="the slice's dense layers, when it is written here")
     p.add_argument("--sparse", type=int, default=1, help="the slice's sparse layers, when it is written here")
     p.add_argument("--image-side", type=int, default=1344)
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=QUANTIZATIONS,
+                   help="ttft: the engine's quantization, one run each (the vision tower's linears follow it)")
+    p.add_argument("--vision-quantization", nargs="+", default=["auto"], choices=VISION_QUANTIZATIONS,
+                   help="ttft: 'none' keeps the tower in bf16 under a quantized text model, one run each")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
@@ -287,7 +323,9 @@ def main() -> None:
     if "encoder" in args.steps:
         step_encoder(args, device, dtype)
     if "ttft" in args.steps:
-        asyncio.run(step_ttft(args, device, dtype))
+        runs = [(q, v) for q in args.quantization for v in args.vision_quantization if q != "none" or v == "auto"]
+        for quantization, vision_quantization in runs:  # "none" x "none" would repeat "none" x "auto"
+            asyncio.run(step_ttft(args, device, quantization, vision_quantization))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 from typing import Any, NoReturn
 
 from .argtypes import NON_NEGATIVE_INT, POSITIVE_INT, number
-from .config import CACHE_DTYPES, DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig
+from .config import CACHE_DTYPES, DTYPES, LOAD_FORMATS, QUANTIZATIONS, VISION_QUANTIZATIONS, EngineConfig
 from .errors import InvalidRequestError, M3Error
 from .params import SamplingParams
 
@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
 def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {"show_progress": sys.stderr.isatty()}
     for name in ("model", "device", "dtype", "max_model_len", "attention_backend", "kv_cache_dtype", "speculative",
-                 "quantization", "load_format", "tensor_parallel_size", "expert_parallel"):
+                 "quantization", "vision_quantization", "load_format", "tensor_parallel_size", "expert_parallel"):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                        help="quantize weights at load: fp8 attention and MLPs, fp8_experts also the experts "
                             "in fp8, mxfp4 the experts in mxfp4 (default: none)")
+        g.add_argument("--vision-quantization", choices=VISION_QUANTIZATIONS, default="auto",
+                       help="the vision encoder's linears: auto = fp8 under any --quantization but none, none = "
+                            "in the model dtype (default: auto)")
         g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                        help="dummy: random weights for the model's config.json alone, made on the device (for "
                             "memory and speed runs without a checkpoint; default: auto = the checkpoint's)")

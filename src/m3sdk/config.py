@@ -23,6 +23,7 @@ from m3sdk.speculative.registry import DRAFTERS
 BUNDLED_MODELS = {name: Path(__file__).parent / "assets" / name for name in ("m3-tiny", "minimax-m3")}
 
 QUANTIZATIONS = ("none", "fp8", "fp8_experts", "mxfp4")  # m3sdk/model/quantize.py
+VISION_QUANTIZATIONS = ("auto", "none")  # "auto": the vision encoder's linears follow `quantization`
 LOAD_FORMATS = ("auto", "dummy")  # dummy: m3sdk/model/dummy.py
 DTYPES = ("float32", "bfloat16")
 CACHE_DTYPES = ("auto", "bf16", "fp8", "fp32")
@@ -219,6 +220,9 @@ class EngineConfig:
     # Images per request (docs/vision.md); 0: the checkpoint's vision encoder is not loaded (text serving pays
     # nothing). A checkpoint without a vision tower takes no images whatever this says.
     limit_images: int = 8
+    # The vision encoder's linears: "auto" follows `quantization` (FP8 W8A8 under any choice but "none", as vLLM's
+    # online FP8 does for a VL model's tower); "none" keeps the tower in the model dtype whatever `quantization` says.
+    vision_quantization: str = "auto"
     # Remote (http/https) image URLs -> their bytes; None: such URLs are refused (no network access by default).
     image_fetcher: Callable[[str], bytes] | None = None
     # Run the engine core in a process of its own (core/process.py), so the application's threads (an HTTP
@@ -276,7 +280,8 @@ class EngineConfig:
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             problems.append(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         choices = {"dtype": ("auto", *DTYPES), "attention_backend": ("auto", "torch", "triton"),
-                   "quantization": QUANTIZATIONS, "load_format": LOAD_FORMATS}
+                   "quantization": QUANTIZATIONS, "vision_quantization": VISION_QUANTIZATIONS,
+                   "load_format": LOAD_FORMATS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 problems.append(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

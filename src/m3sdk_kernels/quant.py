@@ -54,9 +54,11 @@ def _bf16(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _row_values(x_ptr, row, stride_x, cols, K, SWIGLU: tl.constexpr, alpha, limit, INTERPRET: tl.constexpr):
+def _row_values(x_ptr, row, stride_x, cols, K, SWIGLU: tl.constexpr, GELU: tl.constexpr, alpha, limit,
+                INTERPRET: tl.constexpr):
     # fp32 values of row `row` at `cols` (zero past K): x itself, or (SWIGLU) the SwiGLU-OAI of x = [gate | up]
-    # (width 2K) rounded after every op as `reference.swiglu_oai_ref` is on bf16 tensors
+    # (width 2K) rounded after every op as `reference.swiglu_oai_ref` is on bf16 tensors, or (GELU) the exact (erf)
+    # GELU of x computed in fp32 and rounded to bf16 once, as torch's gelu is on a bf16 tensor
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if SWIGLU:
@@ -64,13 +66,15 @@ def _row_values(x_ptr, row, stride_x, cols, K, SWIGLU: tl.constexpr, alpha, limi
         g = tl.minimum(x, limit)
         glu = _bf16(g * _bf16(tl.sigmoid(_bf16(alpha * g, INTERPRET)), INTERPRET), INTERPRET)
         x = _bf16(_bf16(tl.minimum(tl.maximum(up, -limit), limit) + 1.0, INTERPRET) * glu, INTERPRET)
+    if GELU:
+        x = _bf16(0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476)), INTERPRET)
     return x
 
 
 @triton.jit
 def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, alpha, limit, FP8_MAX: tl.constexpr,
-                       BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, SWIGLU: tl.constexpr, GELU: tl.constexpr,
+                       PDL: tl.constexpr, INTERPRET: tl.constexpr):
     # one row per program: amax over the row, then the quantized row. PDL (CUDA, launched as a programmatic
     # dependent): the next kernel (the FP8 GEMM) may launch at once and prefetch its weights; x, which the previous
     # kernel writes, is read only after griddepcontrol.wait
@@ -79,26 +83,26 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, alpha, limit,
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
-    if ONE_TILE:  # the row in one tile: its values are read (and, SWIGLU, computed) once, kept in registers
-        x = _row_values(x_ptr, row, stride_x, cols, K, SWIGLU, alpha, limit, INTERPRET)
+    if ONE_TILE:  # the row in one tile: its values are read (and, SWIGLU / GELU, computed) once, kept in registers
+        x = _row_values(x_ptr, row, stride_x, cols, K, SWIGLU, GELU, alpha, limit, INTERPRET)
         scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX
         q = fp8_grid(tl.clamp(x / scale, -FP8_MAX, FP8_MAX), INTERPRET)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
     else:
         amax = tl.zeros((BLOCK_K,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            amax = tl.maximum(amax, tl.abs(_row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, alpha, limit,
+            amax = tl.maximum(amax, tl.abs(_row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, GELU, alpha, limit,
                                                        INTERPRET)))
         scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
         for k0 in range(0, K, BLOCK_K):  # the second read hits L1/L2
-            x = _row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, alpha, limit, INTERPRET)
+            x = _row_values(x_ptr, row, stride_x, k0 + cols, K, SWIGLU, GELU, alpha, limit, INTERPRET)
             q = fp8_grid(tl.clamp(x / scale, -FP8_MAX, FP8_MAX), INTERPRET)
             tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < K)
     tl.store(s_ptr + row, scale)
 
 
 def _quant_rows(x: torch.Tensor, k: int, fp8_dtype: torch.dtype | None, pdl: bool,
-                swiglu: tuple[float, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                swiglu: tuple[float, float] | None, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     fp8_dtype = fp8_dtype or current_arch(x.device).fp8_dtype
     m = x.shape[0]
     q = torch.empty((m, k), dtype=fp8_dtype, device=x.device)
@@ -112,7 +116,7 @@ def _quant_rows(x: torch.Tensor, k: int, fp8_dtype: torch.dtype | None, pdl: boo
         alpha, limit = swiglu or (0.0, 0.0)
         _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), alpha, limit,
                                  FP8_MAX=torch.finfo(fp8_dtype).max, BLOCK_K=block, ONE_TILE=k <= block,
-                                 SWIGLU=swiglu is not None, PDL=bool(launch), INTERPRET=INTERPRET,
+                                 SWIGLU=swiglu is not None, GELU=gelu, PDL=bool(launch), INTERPRET=INTERPRET,
                                  num_warps=t["num_warps"], **launch)
     return q, s
 
@@ -131,6 +135,13 @@ def swiglu_quantize_fp8(gate_up: torch.Tensor, alpha: float, limit: float, fp8_d
     return _quant_rows(gate_up, gate_up.shape[1] // 2, fp8_dtype, pdl, (alpha, limit))
 
 
+def gelu_quantize_fp8(x: torch.Tensor, fp8_dtype: torch.dtype | None = None,
+                      pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `gelu_quantize_fp8_ref` (one launch: the input of the FP8 linear after a GELU, e.g. the
+    vision encoder's fc2, from the linear before it; bf16 rows with unit last stride)."""
+    return _quant_rows(x, x.shape[1], fp8_dtype, pdl, None, gelu=True)
+
+
 @triton.jit
 def _prefetch_l2(w_ptr, cols, k0, stride_wn, BLOCK_K: tl.constexpr):
     # the weight tile at K offset k0 into L2, one 128-byte line per address (CUDA: prefetch.global.L2)
@@ -140,10 +151,10 @@ def _prefetch_l2(w_ptr, cols, k0, stride_wn, BLOCK_K: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every decode M (M == 1 is not special)
-def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_ptr, ws_ptr, count_ptr, M, N, K, stride_am,
-                     stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr, SWAP_AB: tl.constexpr,
-                     EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, bias_ptr, c_ptr, ws_ptr, count_ptr, M, N, K,
+                     stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, STAGGER: tl.constexpr,
+                     SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # program -> (output tile, K split): the SPLIT_K programs of one tile are neighbours
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K
@@ -244,6 +255,8 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_desc, w_scale_ptr, c_ptr, ws_p
             tl.atomic_xchg(count_ptr + tile, 0)
     if done:
         acc = acc * a_scale[:, None] * w_scale[None, :]
+        if bias_ptr is not None:  # added in fp32 before the one rounding to the output dtype
+            acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
         tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :],
                  acc.to(c_ptr.dtype.element_ty), mask=out_mask)
 
@@ -288,9 +301,10 @@ def split_k(tiles_mn: int, k: int, t: dict[str, int]) -> int:
 
 
 def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Triton version of `fp8_gemm_ref`. Where the tiles say PDL (sm90 decode) it launches as a programmatic
-    dependent of the kernel before it; where they say TMA (sm90 decode, swap-AB), the weight tiles come by TMA."""
+             out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of `fp8_gemm_ref` (a `bias` [N], contiguous, is added in the epilogue). Where the tiles say PDL
+    (sm90 decode) it launches as a programmatic dependent of the kernel before it; where they say TMA (sm90 decode,
+    swap-AB), the weight tiles come by TMA."""
     m, k = x_q.shape
     n = w_q.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
@@ -314,7 +328,8 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
 
         w_desc = TensorDescriptor.from_tensor(w_q, [t["BLOCK_N"], t["BLOCK_K"]])
     _fp8_gemm_kernel[(tiles_mn * split,)](
-        x_q, x_scale, w_q, w_desc, w_scale, out, ws, counters, m, n, k, x_q.stride(0), w_q.stride(0), out.stride(0),
+        x_q, x_scale, w_q, w_desc, w_scale, bias, out, ws, counters, m, n, k, x_q.stride(0), w_q.stride(0),
+        out.stride(0),
         BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"], GROUP_M=t["GROUP_M"], SPLIT_K=split,
         STAGGER=t.get("STAGGER", 0), SWAP_AB=t.get("SWAP_AB", 0), EVEN_K=k % t["BLOCK_K"] == 0, PDL=pdl,
         PREFETCH=t.get("PREFETCH", 0) if pdl else 0, num_warps=t["num_warps"], num_stages=t["num_stages"],
@@ -323,14 +338,14 @@ def fp8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scal
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
-               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of `fp8_linear_ref`: quantize x per token unless it comes quantized (from the norm); where
     the GEMM launches as a programmatic dependent (PDL), the quantization launches so too, so the GEMM's weight
     prefetch overlaps it."""
     if x_scale is None:
         pdl = bool(_gemm_tiles(x.shape[0], w_q.shape[0], current_arch(x.device)).get("PDL", 0))
         x, x_scale = quantize_fp8_per_token(x, w_q.dtype, pdl=pdl)
-    return fp8_gemm(x, x_scale, w_q, w_scale, out_dtype)
+    return fp8_gemm(x, x_scale, w_q, w_scale, out_dtype, bias)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -342,24 +357,29 @@ def aot_variants(arch: Arch) -> list:
 
     fp8 = f"*{arch.fp8_triton}"
     pdl = arch.backend == "cuda"  # griddepcontrol: CUDA only (the decode GEMM's table decides at run time)
-    # rows of M3's widths, one tile each: the hidden size, and the dense MLP's intermediate 12288 (SwiGLU)
+    # rows of M3's widths, one tile each: the hidden size, the dense MLP's intermediate 12288 (SwiGLU) and the vision
+    # MLP's intermediate 5120 (GELU)
     out = []
     t = tiles("fp8_quant", arch)
-    for swiglu, k in ((False, 6144), (True, 12288)):
+    for name, swiglu, gelu, k in (("", False, False, 6144), ("_swiglu", True, False, 12288),
+                                  ("_gelu", False, True, 5120)):
         block = min(triton.next_power_of_2(k), t["BLOCK_K"])
         out.append(AotVariant(
-            f"quant_fp8_rows{'_swiglu' if swiglu else ''}", _quant_rows_kernel,
+            f"quant_fp8_rows{name}", _quant_rows_kernel,
             {"x_ptr": "*bf16", "q_ptr": fp8, "s_ptr": "*fp32", "K": "i32", "stride_x": "i32", "stride_q": "i32",
              "alpha": "fp32", "limit": "fp32"},
-            {"FP8_MAX": arch.fp8_max, "BLOCK_K": block, "ONE_TILE": k <= block, "SWIGLU": swiglu, "PDL": pdl,
-             "INTERPRET": False},
+            {"FP8_MAX": arch.fp8_max, "BLOCK_K": block, "ONE_TILE": k <= block, "SWIGLU": swiglu, "GELU": gelu,
+             "PDL": pdl, "INTERPRET": False},
             num_warps=t["num_warps"], aligned=("K", "stride_x", "stride_q")))
-    # (family, variant, N, K): decode at the packed qkv+index projection, narrow at o_proj, wide at the dense gate_up;
-    # mid / prefill at o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); each with the split the
-    # dispatch picks there
-    for family, variant, n, k in (("fp8_gemm_decode", None, 9856, 6144), ("fp8_gemm_decode", "narrow", 6144, 8192),
-                                  ("fp8_gemm_decode", "wide", 24576, 6144), ("fp8_gemm_mid", None, 6144, 8192),
-                                  ("fp8_gemm_prefill", None, 6144, 8192)):
+    # (family, variant, N, K, bias): decode at the packed qkv+index projection, narrow at o_proj, wide at the dense
+    # gate_up; mid / prefill at o_proj (8192 -> 6144, the smallest N of the model's FP8 GEMMs); prefill with a bias at
+    # the vision encoder's fc1 (1280 -> 5120); each with the split the dispatch picks there
+    for family, variant, n, k, bias in (("fp8_gemm_decode", None, 9856, 6144, False),
+                                        ("fp8_gemm_decode", "narrow", 6144, 8192, False),
+                                        ("fp8_gemm_decode", "wide", 24576, 6144, False),
+                                        ("fp8_gemm_mid", None, 6144, 8192, False),
+                                        ("fp8_gemm_prefill", None, 6144, 8192, False),
+                                        ("fp8_gemm_prefill", None, 5120, 1280, True)):
         t = tiles(family, arch, variant)
         split = split_k(triton.cdiv(n, t["BLOCK_N"]), k, t)
         pdl = bool(t.get("PDL", 0))
@@ -369,11 +389,14 @@ def aot_variants(arch: Arch) -> list:
                  "stride_wn": "i32", "stride_cm": "i32"}
         if tma:  # a host TensorDescriptor argument
             types["w_desc"] = f"tensordesc<{arch.fp8_triton}[{t['BLOCK_N']}, {t['BLOCK_K']}]>"
+        if bias:
+            types["bias_ptr"] = "*bf16"
+        name = f"{family}{':' + variant if variant else ''} split {split}" + " tma" * tma + " bias" * bias
         out.append(AotVariant(
-            f"{family}{':' + variant if variant else ''} split {split}{' tma' if tma else ''}", _fp8_gemm_kernel, types,
-            {**({} if tma else {"w_desc": None}), "BLOCK_M": t["BLOCK_M"], "BLOCK_N": t["BLOCK_N"],
-             "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"], "SPLIT_K": split, "STAGGER": t.get("STAGGER", 0),
-             "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True, "PDL": pdl,
+            name, _fp8_gemm_kernel, types,
+            {**({} if tma else {"w_desc": None}), **({} if bias else {"bias_ptr": None}), "BLOCK_M": t["BLOCK_M"],
+             "BLOCK_N": t["BLOCK_N"], "BLOCK_K": t["BLOCK_K"], "GROUP_M": t["GROUP_M"], "SPLIT_K": split,
+             "STAGGER": t.get("STAGGER", 0), "SWAP_AB": t.get("SWAP_AB", 0), "EVEN_K": True, "PDL": pdl,
              "PREFETCH": t.get("PREFETCH", 0) if pdl else 0},
             num_warps=t["num_warps"], num_stages=t["num_stages"], aligned=("K", "stride_am", "stride_wn", "stride_cm")))
     return out

@@ -320,18 +320,24 @@ def quantize_fp8_per_token_ref(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple
 
 
 def fp8_gemm_ref(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """(x_q [M, K] fp8, x_scale [M]) x (w_q [N, K] fp8, w_scale [N]) -> [M, N] out_dtype, fp32 accumulation."""
-    acc = x_q.float() @ w_q.float().T
-    return (acc * x_scale.float()[:, None] * w_scale.float()[None, :]).to(out_dtype)
+                 out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(x_q [M, K] fp8, x_scale [M]) x (w_q [N, K] fp8, w_scale [N]) (+ bias [N]) -> [M, N] out_dtype, fp32
+    accumulation, one rounding at the end."""
+    acc = (x_q.float() @ w_q.float().T) * x_scale.float()[:, None] * w_scale.float()[None, :]
+    return (acc if bias is None else acc + bias.float()).to(out_dtype)
 
 
 def fp8_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor | None = None,
-                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """y = x @ dequant(w).T. x is bf16 (quantized here per token) or already fp8 with its `x_scale`."""
+                   out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(w).T (+ bias). x is bf16 (quantized here per token) or already fp8 with its `x_scale`."""
     if x_scale is None:
         x, x_scale = quantize_fp8_per_token_ref(x, w_q.dtype)
-    return fp8_gemm_ref(x, x_scale, w_q, w_scale, out_dtype)
+    return fp8_gemm_ref(x, x_scale, w_q, w_scale, out_dtype, bias)
+
+
+def gelu_quantize_fp8_ref(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> its exact (erf) GELU, in x's dtype, quantized per token: (fp8, float32 scale [M])."""
+    return quantize_fp8_per_token_ref(torch.nn.functional.gelu(x), fp8_dtype)
 
 
 def swiglu_quantize_fp8_ref(gate_up: torch.Tensor, alpha: float, limit: float,

@@ -84,6 +84,25 @@ def test_swiglu_quantize_fp8_matches_reference(block_k, monkeypatch, device):
     assert torch.equal(q.float(), qr.float())
 
 
+@pytest.mark.parametrize("block_k", [None, 512])  # the row in one tile, and in steps of 512
+def test_gelu_quantize_fp8_matches_reference(block_k, monkeypatch, device):
+    """The vision MLP's fc2 input in one launch: the exact GELU in fp32 rounded to bf16 once, as torch's gelu on a
+    bf16 tensor, then quantized per token: the reference's bits in the interpreter; on a GPU an element may sit one
+    step off where the kernel's erf and torch's differ in the last fp32 bit across a bf16 rounding edge."""
+    if block_k:
+        monkeypatch.setitem(TILES["fp8_quant"], "sm90", TILES["fp8_quant"]["sm90"] | {"BLOCK_K": block_k})
+    torch.manual_seed(3)
+    x = (torch.randn(6, 1300) * torch.tensor([0.01, 0.3, 1.0, 4.0, 20.0, 1.0])[:, None]).bfloat16().to(device)
+    x[5] = 0
+    q, s = quant.gelu_quantize_fp8(x, FP8)
+    qr, sr = reference.gelu_quantize_fp8_ref(x, FP8)
+    torch.testing.assert_close(s, sr, rtol=2 ** -8, atol=0)
+    assert (q.float() != qr.float()).float().mean() < 1e-3
+    torch.testing.assert_close(q.float() * s[:, None], qr.float() * sr[:, None], rtol=2 ** -3, atol=1e-6)
+    if x.device.type == "cpu":
+        assert torch.equal(s, sr) and torch.equal(q.float(), qr.float())
+
+
 @pytest.mark.parametrize("m", [1, 37, 300])  # the decode, mid and prefill tile tables
 def test_fp8_linear_matches_reference(m, device):
     torch.manual_seed(m)
@@ -101,6 +120,27 @@ def test_fp8_linear_matches_reference(m, device):
     # a pre-quantized activation (from the fused norm) gives the same
     xq, xs = quant.quantize_fp8_per_token(x, FP8)
     assert torch.equal(quant.fp8_linear(xq, wq, ws, xs), out)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("m", [1, 37, 300])
+def test_fp8_linear_bias_in_the_epilogue(m, split, monkeypatch, device):
+    """A bias (the vision encoder's linears) is added in fp32 before the one rounding, as the reference adds it; with
+    K split over programs only the tile's last split adds it."""
+    if split:
+        t = TILES["fp8_gemm_decode"]["sm90"] | {"SPLIT_PROGRAMS": 12, "STAGGER": 1}
+        monkeypatch.setitem(TILES["fp8_gemm_decode"], "sm90", t)
+    torch.manual_seed(m)
+    n, k = 200, 1400
+    wq, ws = formats.quantize_fp8_weight(torch.randn(n, k, device=device) * 0.05, FP8)
+    bias = torch.randn(n, device=device).bfloat16()
+    x = torch.randn(m, k).bfloat16().to(device)
+    out = quant.fp8_linear(x, wq, ws, bias=bias)
+    ref = reference.fp8_linear_ref(x, wq, ws, bias=bias)
+    assert rel(out, ref) < 1e-2
+    without = reference.fp8_linear_ref(x, wq, ws)
+    assert rel(ref, without.float() + bias.float()) < 1e-2 and rel(without, ref) > 0.2  # the bias is there
+    assert torch.equal(quant.fp8_linear(x, wq, ws, bias=bias), out)  # and added once: split-K relaunches agree
 
 
 @pytest.mark.parametrize("swap_ab", [0, 1])

@@ -11,6 +11,9 @@
 - "fp8_experts": "fp8", plus the routed experts and the shared expert stacked the same way in FP8 (one scale per
            output row; the fused MoE kernels quantize their activations per token, the intermediate per 64
            columns: the stack's width is padded to 64).
+Under every choice but "none" the vision encoder of a VL checkpoint (m3sdk.model.vision) gets FP8 W8A8 linears too
+(`quantize_vision_encoder`): attention q/k/v/out, MLP fc1/fc2 and the projector's four, biases kept as loaded; its
+patch embedding and norms stay as loaded. The engine's `vision_quantization="none"` keeps the whole tower as loaded.
 Experts a checkpoint stores in an MX format (the loader builds their QuantizedMoE) stay as stored under every
 choice; "mxfp4" and "fp8_experts" refuse stored experts of another format rather than requantize them.
 Any width the architecture allows is served by zero padding at load, which changes no output: FP8 weight rows
@@ -28,12 +31,20 @@ from torch import nn
 
 from m3sdk.config import QUANTIZATIONS
 from m3sdk.model.layers import DenseMLP, Fp8Activation, RowParallelLinear, SparseMoE, all_reduce, local_routes
+from m3sdk.model.vision import Projector, VisionAttention, VisionEncoder, VisionMLP, attend
 from m3sdk_kernels.arch import current_arch
 from m3sdk_kernels.experts import FP8_ACT_GROUP, Experts, quantize_experts, serving_layout
 from m3sdk_kernels.formats import MX_BLOCK, quantize_fp8_weight
 from m3sdk_kernels.moe import fused_moe
-from m3sdk_kernels.quant import fp8_gemm, fp8_linear, swiglu_quantize_fp8
-from m3sdk_kernels.reference import fp8_gemm_ref, fp8_linear_ref, fused_moe_ref, route_ref, swiglu_quantize_fp8_ref
+from m3sdk_kernels.quant import fp8_gemm, fp8_linear, gelu_quantize_fp8, swiglu_quantize_fp8
+from m3sdk_kernels.reference import (
+    fp8_gemm_ref,
+    fp8_linear_ref,
+    fused_moe_ref,
+    gelu_quantize_fp8_ref,
+    route_ref,
+    swiglu_quantize_fp8_ref,
+)
 from m3sdk_kernels.router import route
 
 _EXPERT_TENSORS = ("gate_up", "down", "gate_up_scale", "down_scale", "gate_up_row", "down_row")
@@ -60,10 +71,11 @@ def _row_aligned(w: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8Linear(nn.Module):
-    """y = x @ W.T with W in FP8 (per-output-channel scales) and x quantized per token, here or already by the
-    norm before it (an `Fp8Activation`). A RowParallelLinear that reduces keeps doing so: its rank's W holds its
-    slice of the inputs, scaled per output row over that slice (and x per token over it), and the partial
-    products are all-reduced."""
+    """y = x @ W.T (+ b) with W in FP8 (per-output-channel scales) and x quantized per token, here or already by
+    the norm before it (an `Fp8Activation`). A bias stays as loaded and is added in the GEMM's epilogue (the vision
+    encoder's linears have one; a RowParallelLinear has none). A RowParallelLinear that reduces keeps doing so: its
+    rank's W holds its slice of the inputs, scaled per output row over that slice (and x per token over it), and the
+    partial products are all-reduced."""
 
     def __init__(self, linear: nn.Linear, fp8_dtype: torch.dtype):
         super().__init__()
@@ -72,14 +84,16 @@ class Fp8Linear(nn.Module):
         w_q, w_scale = quantize_fp8_weight(linear.weight.detach(), fp8_dtype)
         self.register_buffer("weight", _row_aligned(w_q))
         self.register_buffer("weight_scale", w_scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         linear = fp8_linear if self.weight.is_cuda else fp8_linear_ref
         if isinstance(x, Fp8Activation):
-            y = linear(x.data, self.weight, self.weight_scale, x.scale, out_dtype=self.out_dtype)
+            y = linear(x.data, self.weight, self.weight_scale, x.scale, out_dtype=self.out_dtype, bias=self.bias)
         else:
             flat = x.reshape(-1, x.shape[-1])
-            y = linear(flat, self.weight, self.weight_scale, out_dtype=x.dtype).reshape(*x.shape[:-1], -1)
+            y = linear(flat, self.weight, self.weight_scale, out_dtype=x.dtype,
+                       bias=self.bias).reshape(*x.shape[:-1], -1)
         return all_reduce(y, self.reduce)
 
 
@@ -225,3 +239,75 @@ def quantize_layer(layer: nn.Module, quantization: str, fp8_dtype: torch.dtype |
             layer.mlp.shared_experts = Fp8DenseMLP(layer.mlp.shared_experts, fp8_dtype)
     if isinstance(layer.mlp, QuantizedMoE):
         layer.mlp.serve_layout()
+
+
+def _fp8_gelu_mlp(first: Fp8Linear, second: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    """second(gelu(first(x))) with both linears in FP8. bf16 rows on a GPU: the GELU and `second`'s per-token
+    quantization are one launch (`gelu_quantize_fp8`); elsewhere its reference, the same math."""
+    h = first(x)
+    fused = h.is_cuda and h.dtype == torch.bfloat16
+    quantize, gemm = (gelu_quantize_fp8, fp8_gemm) if fused else (gelu_quantize_fp8_ref, fp8_gemm_ref)
+    h_q, h_scale = quantize(h, second.weight.dtype)
+    return gemm(h_q, h_scale, second.weight, second.weight_scale, out_dtype=second.out_dtype, bias=second.bias)
+
+
+class Fp8VisionAttention(nn.Module):
+    """A VisionAttention with q|k|v packed into one FP8 linear (one quantization of the input, one GEMM; the
+    scales are per output row, so packing changes no value) and an FP8 out_proj."""
+
+    def __init__(self, attn: VisionAttention, fp8_dtype: torch.dtype):
+        super().__init__()
+        self.heads, self.head_dim = attn.heads, attn.head_dim
+        parts = (attn.q_proj, attn.k_proj, attn.v_proj)
+        packed = nn.Linear(attn.q_proj.in_features, 3 * attn.q_proj.out_features, device=attn.q_proj.weight.device,
+                           dtype=attn.q_proj.weight.dtype)
+        packed.weight.copy_(torch.cat([p.weight for p in parts]))
+        packed.bias.copy_(torch.cat([p.bias for p in parts]))
+        self.qkv_proj = Fp8Linear(packed, fp8_dtype)
+        self.out_proj = Fp8Linear(attn.out_proj, fp8_dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).view(x.shape[0], 3, self.heads, self.head_dim).unbind(1)
+        return self.out_proj(attend(q, k, v, cos, sin, lengths))
+
+
+class Fp8VisionMLP(nn.Module):
+    """A VisionMLP with FP8 fc1 and fc2 (the GELU between them fused with fc2's input quantization)."""
+
+    def __init__(self, mlp: VisionMLP, fp8_dtype: torch.dtype):
+        super().__init__()
+        self.fc1, self.fc2 = Fp8Linear(mlp.fc1, fp8_dtype), Fp8Linear(mlp.fc2, fp8_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _fp8_gelu_mlp(self.fc1, self.fc2, x)
+
+
+class Fp8Projector(nn.Module):
+    """The vision Projector with its four linears in FP8 (each GELU fused with the next linear's quantization)."""
+
+    def __init__(self, projector: Projector, fp8_dtype: torch.dtype):
+        super().__init__()
+        self.window = projector.window
+        self.linear_1 = Fp8Linear(projector.linear_1, fp8_dtype)
+        self.linear_2 = Fp8Linear(projector.linear_2, fp8_dtype)
+        self.merge_linear_1 = Fp8Linear(projector.merge_linear_1, fp8_dtype)
+        self.merge_linear_2 = Fp8Linear(projector.merge_linear_2, fp8_dtype)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        x = _fp8_gelu_mlp(self.linear_1, self.linear_2, patches)
+        return _fp8_gelu_mlp(self.merge_linear_1, self.merge_linear_2, x.reshape(x.shape[0] // self.window, -1))
+
+
+@torch.no_grad()
+def quantize_vision_encoder(encoder: VisionEncoder, quantization: str) -> VisionEncoder:
+    """`encoder` (loaded) with its linears in FP8 W8A8 under any `quantization` but "none", in place, layer by layer
+    (each layer's float weights are freed as it is done), and returned. q/k/v are packed into one FP8 linear; each
+    GELU is fused with the quantization of the linear after it."""
+    fp8 = fp8_for(quantization, encoder.embeddings.proj.weight.device)
+    if fp8 is None:
+        return encoder
+    for layer in encoder.layers:
+        layer.self_attn = Fp8VisionAttention(layer.self_attn, fp8)
+        layer.mlp = Fp8VisionMLP(layer.mlp, fp8)
+    encoder.projector = Fp8Projector(encoder.projector, fp8)
+    return encoder

@@ -5,6 +5,9 @@ Input is the preprocessor's output (m3sdk.model.image_processor, `ImageProcessor
 [P, C*T*ps*ps] for P patches of all images, laid out 2x2-merge-window-major, and `grid_thw` [N, 3] = (t, h, w) in
 patches per image. Output is [P / merge**2, text_hidden]: one embedding per image token, images in order.
 Attention is bidirectional and never crosses images (one SDPA call per image).
+
+Under the engine's `quantization` (other than "none") the loader puts the linears of every layer and of the projector
+into FP8 W8A8 (`quantize.quantize_vision_encoder`); the patch embedding, the norms and the biases stay as loaded.
 """
 
 from __future__ import annotations
@@ -120,18 +123,24 @@ class VisionAttention(nn.Module):
         self.out_proj = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        n = x.shape[0]
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = _rotate(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
-        k = _rotate(self.k_proj(x).view(n, self.heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.heads, self.head_dim)
-        outs = []
-        # one image at a time, each [1, heads, patches, head_dim]: SDPA's flash and memory-efficient kernels take
-        # 4-D inputs only (3-D ones fall back to the math kernel, which materializes every score)
-        for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
-            qi, ki, vi = (t.transpose(0, 1)[None] for t in (qi, ki, vi))
-            outs.append(F.scaled_dot_product_attention(qi, ki, vi)[0].transpose(0, 1))
-        return self.out_proj(torch.cat(outs).reshape(n, -1))
+        shape = (x.shape[0], self.heads, self.head_dim)
+        q, k, v = (proj(x).view(shape) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        return self.out_proj(attend(q, k, v, cos, sin, lengths))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           lengths: list[int]) -> torch.Tensor:
+    """Bidirectional attention within each image: q, k, v [P, heads, head_dim] (q and k rotated here) -> [P, heads *
+    head_dim]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    outs = []
+    # one image at a time, each [1, heads, patches, head_dim]: SDPA's flash and memory-efficient kernels take
+    # 4-D inputs only (3-D ones fall back to the math kernel, which materializes every score)
+    for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
+        qi, ki, vi = (t.transpose(0, 1)[None] for t in (qi, ki, vi))
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi)[0].transpose(0, 1))
+    return torch.cat(outs).flatten(1)
 
 
 class VisionMLP(nn.Module):

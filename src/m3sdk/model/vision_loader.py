@@ -5,7 +5,8 @@
   minimax (as published):   vision_tower.vision_model.{embeddings.patch_embedding, pre_layrnorm, encoder.layers.N.*},
                             multi_modal_projector.{linear_1, linear_2}, patch_merge_mlp.{linear_1, linear_2}
 
-The encoder is small next to the text model (M3: ~0.6B parameters), so its tensors are read whole.
+The encoder is small next to the text model (M3: ~0.9B parameters), so its tensors are read whole; under a
+`quantization` other than "none" its linears then go to FP8 (m3sdk.model.quantize.quantize_vision_encoder).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from safetensors import safe_open
 
 from m3sdk.errors import CheckpointError
 from m3sdk.model.loader import _MAX_LISTED, INDEX_FILE, SINGLE_FILE, read_headers, tensor_files
+from m3sdk.model.quantize import quantize_vision_encoder
 from m3sdk.model.vision import VisionConfig, VisionEncoder
 
 _HF = (("projector.", "model.multi_modal_projector."), ("", "model.vision_tower."))
@@ -54,9 +56,11 @@ def _present(name: str, files: Mapping[str, object]) -> str:
 
 
 def load_vision_encoder(path: str | Path, device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.bfloat16) -> VisionEncoder | None:
-    """The checkpoint's vision encoder, ready on `device`; None when the checkpoint has no vision tower (a text-only
-    config, a VL config whose vision tensors were left out, or a config-only folder)."""
+                        dtype: torch.dtype = torch.bfloat16, quantization: str = "none") -> VisionEncoder | None:
+    """The checkpoint's vision encoder, ready on `device`, its linears in FP8 under any `quantization` but "none"
+    (m3sdk.config.QUANTIZATIONS; the others' expert formats do not apply: the tower has none); None when the
+    checkpoint has no vision tower (a text-only config, a VL config whose vision tensors were left out, or a
+    config-only folder)."""
     path = Path(path)
     config = vision_config(path)
     if config is None or not any((path / f).is_file() for f in (INDEX_FILE, SINGLE_FILE)):
@@ -89,4 +93,4 @@ def load_vision_encoder(path: str | Path, device: torch.device | str = "cpu",
             with safe_open(file, framework="pt") as f:
                 for param in group:
                     tensors[param].copy_(f.get_tensor(names[param]))
-    return encoder.to(dtype).eval()
+    return quantize_vision_encoder(encoder.to(dtype).eval(), quantization)
