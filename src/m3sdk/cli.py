@@ -301,8 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the server's log verbosity on stderr (default: %(default)s)")
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
                        help="run the engine core in a process of its own, so the HTTP loop and the engine's steps "
-                       "do not share one interpreter lock (EngineConfig.engine_process; not with prefill nodes or "
-                       "--tp > 1; default: off)")
+                       "do not share one interpreter lock (EngineConfig.engine_process; prefill nodes are reached "
+                       "from that process; not with --tp > 1; default: off)")
     engine_options(serve)
     _bench_module().add_engine_arguments(serve)
 

@@ -227,7 +227,9 @@ class EngineConfig:
     image_fetcher: Callable[[str], bytes] | None = None
     # Run the engine core in a process of its own (core/process.py), so the application's threads (an HTTP
     # server's event loop) and the engine loop do not share one interpreter lock. Requests are still validated in
-    # the application's process. Not with prefill_nodes or tensor_parallel_size > 1.
+    # the application's process; with prefill_nodes, the remote prefill client lives in the engine process,
+    # beside the cache it fills. Not with tensor_parallel_size > 1 (its workers cannot be children of the
+    # daemonic engine process).
     engine_process: bool = False
     cache: CacheConfig = CacheConfig()
     scheduling: SchedulingConfig = SchedulingConfig()
@@ -289,9 +291,6 @@ class EngineConfig:
             problems.append(f"cuda_graphs must be None (auto), True or False, got {self.cuda_graphs!r}")
         if self.engine_process not in (True, False):
             problems.append(f"engine_process must be True or False, got {self.engine_process!r}")
-        elif self.engine_process and self.disagg.prefill_nodes:
-            problems.append("engine_process does not run with prefill_nodes (the remote prefill client lives "
-                            "beside the core's cache)")
         elif self.engine_process and self.parallel.tensor_parallel_size > 1:
             problems.append("engine_process does not run with tensor_parallel_size > 1")
         try:

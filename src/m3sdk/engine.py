@@ -28,7 +28,7 @@ from m3sdk.chat.completion import ChatCompletion, ChatCompletionChunk, chat_fini
 from m3sdk.chat.constraints import chat_constraint
 from m3sdk.chat.image_parts import has_image_parts, split_image_parts
 from m3sdk.config import EngineConfig
-from m3sdk.core import CoreHandle, CoreProcess, EngineCore, build_core
+from m3sdk.core import CoreHandle, CoreProcess, build_core
 from m3sdk.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from m3sdk.metrics import EngineMetrics
 from m3sdk.params import SamplingParams, check_text, short_repr
@@ -118,7 +118,9 @@ class Engine:
         self._orphans: dict[str, int] = {}
         self._dead: BaseException | None = None
         self._closed = False
-        self._admission: Any = None  # RemotePrefill (m3sdk/disagg/remote.py) when prefill_nodes is set
+        # RemotePrefill (m3sdk/disagg/remote.py) when prefill_nodes is set and the core runs in a thread here (an
+        # engine process builds and owns its own)
+        self._admission: Any = None
 
     async def __aenter__(self) -> Engine:
         await self.start()
@@ -139,7 +141,9 @@ class Engine:
             self._core = core = local = await anyio.to_thread.run_sync(build_core, self.config)
             if self.config.prefill_nodes:
                 # off the loop too: the client handshakes the nodes (up to a connect timeout each)
-                self._admission = await anyio.to_thread.run_sync(_remote_prefill, self.config, local)
+                from m3sdk.disagg.remote import RemotePrefill  # the optional `ucx` extra
+
+                self._admission = await anyio.to_thread.run_sync(RemotePrefill.for_core, self.config, local)
         self._metrics = EngineMetrics(core.stats)
         core.start(self._emit_threadsafe, self._dead_threadsafe, finish_listeners=[self._metrics.on_finish],
                    admission=self._admission)
@@ -501,13 +505,6 @@ async def _off_loop(images: bool, build: Callable[..., Any], *args: Any) -> Any:
     """build(*args): a request validated and made ready to queue; in a worker thread when its prompt has images,
     whose decoding and resizing would otherwise stall every other request's stream on the event loop."""
     return await anyio.to_thread.run_sync(build, *args) if images else build(*args)
-
-
-def _remote_prefill(config: EngineConfig, core: EngineCore) -> Any:
-    from m3sdk.disagg.remote import RemotePrefill  # the optional `ucx` extra
-
-    return RemotePrefill.from_config(config, core.cache, core.vocab_size, core.wake,
-                                     encodes_images=core.images is None or core.images.encodes)
 
 
 def _drain(channel: _Channel) -> list[Chunk | object]:

@@ -20,7 +20,7 @@ the per-request pieces (penalty bookkeeping, seeded draws), never over the vocab
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +65,16 @@ class SamplingState:
     # the structured output's matcher, at the state after output_token_ids
     grammar: Grammar | None = None
     _penalty: _PenaltyCounts | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def of(cls, params: SamplingParams, prompt_token_ids: Sequence[int], eos_token_ids: Iterable[int],
+           grammar: Grammar | None = None) -> SamplingState:
+        """A new request's state; `grammar`: its structured output's matcher (None where only its checks need the
+        state)."""
+        # eos is never masked for a structured output: its grammar decides where it may end
+        stops = () if params.ignore_eos or params.structured_output is not None else sorted(eos_token_ids)
+        return cls(params, prompt_token_ids, grammar=grammar,
+                   min_tokens_ids=tuple(dict.fromkeys([*stops, *params.stop_token_ids])))
 
     def append(self, token_id: int) -> None:
         """An accepted token: into the history, and through the grammar."""

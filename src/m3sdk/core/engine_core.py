@@ -24,10 +24,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from m3sdk.cache.manager import CacheManager
+from m3sdk.core.admission_checks import AdmissionChecks, prefilled_remotely
 from m3sdk.core.executor import Executor
 from m3sdk.core.hooks import Admission, Emit, FinishListener, OnDead, StepObserver
 from m3sdk.core.output import OutputProcessor
-from m3sdk.errors import EngineDeadError, InvalidRequestError, PrefillNodeError
+from m3sdk.errors import EngineDeadError, PrefillNodeError
 from m3sdk.observability import get_logger
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, FinishReason, Request
@@ -99,27 +100,22 @@ class EngineCore:
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.output.eos_token_ids)
             return self._grammars
 
+    def admission_checks(self) -> AdmissionChecks:
+        """What new_request refuses because of the admission (prefill nodes: it is passed to `start`)."""
+        return AdmissionChecks.of(self._admission is not None, self.images)
+
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_total_tokens: int,
                     priority: int = 0, index: int = 0, images: tuple[PromptImage, ...] = ()) -> Request:
         """A request (choice `index` of its prompt) with its seeded sampling state, its structured output's matcher
         (compiled here, in the caller's thread: InvalidRequestError if it does not compile) and incremental
         detokenizer attached."""
-        grammar = None
-        if params.structured_output is not None:
-            if self._admission is not None:
-                raise InvalidRequestError("structured_output is not supported with prefill_nodes (a prefill node "
-                                          "samples the first token unconstrained)")
-            grammar = self.grammars().grammar(params.structured_output)
+        checks = self.admission_checks()
+        checks.check_params(params)
+        grammar = None if params.structured_output is None else self.grammars().grammar(params.structured_output)
         request = Request(request_id, prompt_ids, params, max_total_tokens, priority, index=index, images=images)
-        # eos is never masked for a structured output: its grammar decides where it may end
-        stops = () if params.ignore_eos or grammar is not None else sorted(self.output.eos_token_ids)
-        request.sampling = SamplingState(params, prompt_ids, grammar=grammar,
-                                         min_tokens_ids=tuple(dict.fromkeys([*stops, *params.stop_token_ids])))
+        request.sampling = SamplingState.of(params, prompt_ids, self.output.eos_token_ids, grammar)
         request.text = TextStream(self.tokenizer, params, prompt_ids)
-        if images and not self.images.encodes and not _prefilled_remotely(request):
-            raise InvalidRequestError("this engine has no vision encoder (its prefill nodes encode the images), and "
-                                      "prefill nodes compute no prompt logprobs, logit_bias or min_tokens: an image "
-                                      "prompt cannot use them here")
+        checks.check_request(request)
         return request
 
     # -- any thread --------------------------------------------------------------------------------------
@@ -350,7 +346,7 @@ class EngineCore:
 
     def _add(self, request: Request) -> None:
         self._counters["prompt_tokens"] += request.num_prompt_tokens
-        if self._admission is None or not _prefilled_remotely(request) or not self._admission.admit(request):
+        if self._admission is None or not prefilled_remotely(request) or not self._admission.admit(request):
             self.scheduler.add(request)
 
     def _fail_recomputes(self, preempted: list[Request]) -> None:
@@ -433,8 +429,3 @@ class EngineCore:
             **(self._admission.stats() if self._admission is not None else {}),
         }
 
-
-def _prefilled_remotely(request: Request) -> bool:
-    """Whether a prefill node may compute the request's prompt: it samples the first token without logit_bias or
-    min_tokens and computes no prompt logprobs (such a request is prefilled here)."""
-    return not (request.sampling.adjusts_logits or request.needs_prompt_logprobs)

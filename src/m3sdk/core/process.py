@@ -34,11 +34,13 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from m3sdk.config import EngineConfig
+from m3sdk.core.admission_checks import AdmissionChecks
 from m3sdk.core.hooks import Admission, Emit, FinishListener, OnDead
 from m3sdk.errors import EngineDeadError, InvalidRequestError
 from m3sdk.observability import get_logger
 from m3sdk.params import SamplingParams
 from m3sdk.request import Chunk, FinishReason, Request, RequestStatus, StopReason
+from m3sdk.sampler import SamplingState
 from m3sdk.structured import GrammarCompiler
 from m3sdk.tokenizer import Tokenizer
 
@@ -115,6 +117,7 @@ class _Ready:
     eos_token_ids: frozenset[int]
     image_token_id: int | None  # None: the child's core takes no images
     limit_images: int
+    checks: AdmissionChecks  # what the child's core refuses because of its admission (prefill nodes)
     description: dict[str, str]
     stats: dict[str, Any]
 
@@ -136,6 +139,7 @@ class CoreProcess:
         self._eos_token_ids = ready.eos_token_ids
         self._description = ready.description
         self._stats = ready.stats
+        self._checks = ready.checks
         self.images = _parent_images(config, self.tokenizer, ready)
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -194,17 +198,21 @@ class CoreProcess:
     def new_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_total_tokens: int,
                     priority: int = 0, index: int = 0, images: tuple[PromptImage, ...] = ()) -> Request:
         """A request checked as the child's core will check it (a structured output is compiled here: one that
-        does not compile is an InvalidRequestError before anything is queued)."""
+        does not compile is an InvalidRequestError before anything is queued), its admission's checks included."""
+        self._checks.check_params(params)
         if params.structured_output is not None:
             self.grammars().compile(params.structured_output)
-        return Request(request_id, prompt_ids, params, max_total_tokens, priority, index=index, images=images)
+        request = Request(request_id, prompt_ids, params, max_total_tokens, priority, index=index, images=images)
+        request.sampling = SamplingState.of(params, prompt_ids, self._eos_token_ids)  # for the checks alone
+        self._checks.check_request(request)
+        return request
 
     def start(self, emit: Emit, on_dead: OnDead, *, finish_listeners: Sequence[FinishListener] = (),
               admission: Admission | None = None) -> None:
         if self._reader is not None:
             raise RuntimeError("a CoreProcess starts once")
         if admission is not None:
-            raise ValueError("an engine core in its own process takes no admission (prefill_nodes)")
+            raise ValueError("an engine core in its own process builds its admission there (from prefill_nodes)")
         self._reader = threading.Thread(target=self._read, args=(emit, on_dead, list(finish_listeners)),
                                         name="m3sdk-engine-reader", daemon=True)
         self._reader.start()
@@ -317,7 +325,8 @@ def _parent_images(config: EngineConfig, tokenizer: Tokenizer, ready: _Ready) ->
     from m3sdk.model.image_processor import ImageProcessor
 
     return ImagePrompts(ImageProcessor.from_pretrained(config.model_path()), None, tokenizer, ready.limit_images,
-                        torch.device("cpu"), ready.image_token_id, config.image_fetcher)
+                        torch.device("cpu"), ready.image_token_id, config.image_fetcher,
+                        keep_files=bool(config.prefill_nodes))
 
 
 def _exit_text(process: multiprocessing.process.BaseProcess) -> str:
@@ -372,6 +381,11 @@ def _child_main(config: EngineConfig, commands: Connection, out: Connection) -> 
     outbox = _Outbox(out)
     try:
         core = build_core(config)
+        admission = None
+        if config.prefill_nodes:  # built here, beside the cache it fills; the core's loop closes it as it ends
+            from m3sdk.disagg.remote import RemotePrefill  # the optional `ucx` extra
+
+            admission = RemotePrefill.for_core(config, core)
     except BaseException as e:  # noqa: BLE001 - the parent raises it from Engine.start
         outbox.send((_FAILED, _portable(e)))
         outbox.close()
@@ -380,7 +394,8 @@ def _child_main(config: EngineConfig, commands: Connection, out: Connection) -> 
     outbox.send((_READY, _Ready(str(tokenizer_path(core.config)), core.vocab_size, core.max_model_len,
                                 frozenset(core.output.eos_token_ids),
                                 None if images is None else images.image_token_id,
-                                0 if images is None else images.limit, core.describe(), core.stats())))
+                                0 if images is None else images.limit,
+                                AdmissionChecks.of(admission is not None, images), core.describe(), core.stats())))
     finished: list[Finished] = []  # the engine thread's alone: its listener fills it, its emit sends it
     dead = threading.Event()
 
@@ -396,7 +411,7 @@ def _child_main(config: EngineConfig, commands: Connection, out: Connection) -> 
         dead.set()
         outbox.send((_DEAD, _portable(exc)))
 
-    core.start(emit, on_dead, finish_listeners=[on_finish])
+    core.start(emit, on_dead, finish_listeners=[on_finish], admission=admission)
     try:
         while True:
             try:

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from m3sdk.cache.manager import CacheManager
 from m3sdk.cache.page_pool import PAGE_SIZE
@@ -39,6 +40,9 @@ from m3sdk.errors import PrefillNodeError
 from m3sdk.observability import get_logger
 from m3sdk.request import FinishReason, Request, RequestStatus
 from m3sdk.sampler import SampledToken
+
+if TYPE_CHECKING:
+    from m3sdk.core.engine_core import EngineCore
 
 log = get_logger("m3sdk.disagg.remote")
 
@@ -75,6 +79,14 @@ class RemotePrefill:
             raise
         return cls(client, cache, config.remote_prefill_min_tokens, config.prefill_fallback, config.prefill_timeout,
                    config.max_num_seqs, wake, encodes_images)
+
+    @classmethod
+    def for_core(cls, config: EngineConfig, core: EngineCore) -> RemotePrefill:
+        """The admission of `core` (passed to its `start`, beside which it lives: in the engine thread's process,
+        or in the engine process), handshaken with config.prefill_nodes (this blocks, up to a connect timeout
+        each)."""
+        return cls.from_config(config, core.cache, core.vocab_size, core.wake,
+                               encodes_images=core.images is None or core.images.encodes)
 
     # -- Admission -------------------------------------------------------------------------------------------
 
