@@ -21,7 +21,7 @@ from m3sdk.params import SamplingParams  # noqa: E402
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 # far above remote_prefill_min_tokens and MSA's 24 tokens; no prefix shared (each is prefilled remotely whole)
-PROMPT, OTHER = ([(7 * i + 3 * k) % 251 + 1 for i in range(100)] for k in range(1, 3))
+PROMPT, OTHER, THIRD = ([(7 * i + 3 * k) % 251 + 1 for i in range(100)] for k in range(1, 4))
 MAX_TOKENS = 8
 
 
@@ -35,10 +35,14 @@ def node(engine_checkpoint):
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engines(engine_checkpoint, node):
     """(colocated in-thread, decode engine in its own process with the node), both running for the module."""
-    config = dict(model=str(engine_checkpoint), device="cpu", kv_cache_memory=8 << 20)
-    async with Engine(**config) as local, Engine(**config, engine_process=True, prefill_nodes=[node],
-                                                 remote_prefill_min_tokens=32, prefill_fallback="error") as remote:
+    async with Engine(model=str(engine_checkpoint), device="cpu", kv_cache_memory=8 << 20) as local, \
+            decode_engine(engine_checkpoint, [node], prefill_fallback="error") as remote:
         yield local, remote
+
+
+def decode_engine(checkpoint, nodes, **kwargs) -> Engine:
+    return Engine(model=str(checkpoint), device="cpu", kv_cache_memory=8 << 20, engine_process=True,
+                  prefill_nodes=nodes, remote_prefill_min_tokens=32, **kwargs)
 
 
 async def settle(engine: Engine, timeout: float = 10.0) -> dict:
@@ -66,7 +70,7 @@ async def test_structured_output_is_refused_before_queueing_as_in_the_thread(eng
     before = remote.stats()
     params = SamplingParams(max_tokens=4, structured_output={"json": {"type": "object"}})
     with pytest.raises(InvalidRequestError) as refused:
-        await remote.generate(PROMPT, params)
+        remote.stream(PROMPT, params)  # validated in this call, in this process
     with pytest.raises(InvalidRequestError) as in_thread:
         AdmissionChecks(remote_prefill=True).check_params(params)  # the rule EngineCore.new_request applies
     assert str(refused.value) == str(in_thread.value) and "prefill_nodes" in str(refused.value)
@@ -88,3 +92,21 @@ async def test_abort_mid_stream_frees_every_page(engines):
     assert stats["running"] == stats["waiting"] == 0 and stats["pages_free"] == stats["pages_total"]
     # the engine keeps serving
     assert len((await remote.generate(PROMPT, temperature=0.0, max_tokens=2)).token_ids) == 2
+
+
+async def test_node_killed_mid_prefill_falls_back_as_in_the_thread(engine_checkpoint, engines):
+    local, _ = engines
+    want = (await local.generate(THIRD, temperature=0.0, max_tokens=MAX_TOKENS)).token_ids
+    proc, address = spawn_engine_node(engine_checkpoint, delay_s=3.0)
+    try:
+        async with decode_engine(engine_checkpoint, [address], prefill_timeout=30.0) as engine:
+            task = asyncio.ensure_future(engine.generate(THIRD, temperature=0.0, max_tokens=MAX_TOKENS))
+            await asyncio.sleep(1.0)
+            proc.kill()
+            assert (await task).token_ids == want  # prefilled in the engine process after all, into the same pages
+            stats = await settle(engine)
+            assert (stats["remote_prefills"], stats["remote_prefill_failures"], stats["remote_prefill_fallbacks"]) \
+                == (0, 1, 1)
+            assert stats["pages_free"] == stats["pages_total"]
+    finally:
+        stop_node(proc)

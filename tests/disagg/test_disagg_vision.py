@@ -84,6 +84,13 @@ async def test_image_prompts_through_a_node_match_colocated(vl_checkpoint, coloc
             assert engine.stats()["pages_free"] == free
         assert [one_a.token_ids, one_c.token_ids, *(c.token_ids for c in more)] == colocated
         assert (stats["remote_prefills"], stats["remote_prefill_fallbacks"]) == (5, 0)
+        # the same with the engine core in a process of its own: the image files travel to it, and the parent
+        # refuses what its core cannot prefill with the core's own words
+        async with decode_engine(vl_checkpoint, [address], prefill_fallback="error", engine_process=True) as engine:
+            assert (await generate(engine, ONE_A)).token_ids == colocated[0]
+            with pytest.raises(InvalidRequestError, match="no vision encoder"):
+                engine.stream(SHORT, max_tokens=2, logit_bias={5: 1.0})  # validated in this call: never queued
+            assert engine.stats()["remote_prefills"] == 1
         # the same ids with another image: only the text page is shared (on the node too, or its tokens would
         # be image A's)
         assert one_c.usage.cached_prompt_tokens == 16
