@@ -11,6 +11,9 @@ thread before anything is queued, then travel as plain specs and are rebuilt in 
 hands each step's chunks to `emit`; the child dying (its pipe closes) or its loop dying is `on_dead` with
 EngineDeadError for every waiter.
 
+With prefill_nodes the child builds the remote prefill admission beside its core (the parent never touches UCX)
+and reports the checks it makes the core apply (AdmissionChecks), which the parent's `new_request` applies too.
+
 Finish listeners run in the parent's reader thread, before the step's chunks are emitted, with the parent's
 Request brought to the state the child's had when it finished (status, reasons, times, tokens); a listener here
 holds no pages (there are none in this process), so it returns None.
