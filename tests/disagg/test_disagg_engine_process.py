@@ -94,12 +94,23 @@ async def test_abort_mid_stream_frees_every_page(engines):
     assert len((await remote.generate(PROMPT, temperature=0.0, max_tokens=2)).token_ids) == 2
 
 
-async def test_node_killed_mid_prefill_falls_back_as_in_the_thread(engine_checkpoint, engines):
+async def test_abort_mid_prefill_and_node_killed_mid_prefill_as_in_the_thread(engine_checkpoint, engines):
     local, _ = engines
     want = (await local.generate(THIRD, temperature=0.0, max_tokens=MAX_TOKENS)).token_ids
     proc, address = spawn_engine_node(engine_checkpoint, delay_s=3.0)
     try:
         async with decode_engine(engine_checkpoint, [address], prefill_timeout=30.0) as engine:
+            # a request cancelled while the node prefills it: the engine process drops the job (its pages are freed
+            # once the cancel is through: the parent's stats show it with the next step that emits, below)
+            task = asyncio.ensure_future(engine.generate(OTHER, temperature=0.0, max_tokens=MAX_TOKENS))
+            await asyncio.sleep(0.5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 10
+            while engine.stats()["requests_aborted"] == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert engine.stats()["requests_aborted"] == 1
             task = asyncio.ensure_future(engine.generate(THIRD, temperature=0.0, max_tokens=MAX_TOKENS))
             await asyncio.sleep(1.0)
             proc.kill()
@@ -107,6 +118,6 @@ async def test_node_killed_mid_prefill_falls_back_as_in_the_thread(engine_checkp
             stats = await settle(engine)
             assert (stats["remote_prefills"], stats["remote_prefill_failures"], stats["remote_prefill_fallbacks"]) \
                 == (0, 1, 1)
-            assert stats["pages_free"] == stats["pages_total"]
+            assert stats["pages_free"] == stats["pages_total"]  # the cancelled request's pages too
     finally:
         stop_node(proc)
