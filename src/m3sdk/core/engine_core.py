@@ -67,6 +67,7 @@ class EngineCore:
         self._observers = list(observers)
         self._finish_listeners: list[FinishListener] = []
         self._admission: Admission | None = None
+        self._on_idle: Callable[[], None] | None = None
         self._grammars: GrammarCompiler | None = None  # structured outputs' compiler: `grammars()`
         self._grammars_lock = threading.Lock()
         self._on_stop = list(on_stop)  # run in the engine thread when its loop ends, however it ends
@@ -121,13 +122,15 @@ class EngineCore:
     # -- any thread --------------------------------------------------------------------------------------
 
     def start(self, emit: Emit, on_dead: OnDead, *, finish_listeners: Sequence[FinishListener] = (),
-              admission: Admission | None = None) -> None:
+              admission: Admission | None = None, on_idle: Callable[[], None] | None = None) -> None:
         """Start the loop. `finish_listeners` hear of every request's end; `admission` may take arriving requests
-        (it is closed when the loop ends)."""
+        (it is closed when the loop ends); `on_idle` is called in the engine thread whenever the loop is about to
+        wait for work, its stats published (an engine process sends them: pages freed without a step that emits)."""
         if self._thread is not None:
             raise RuntimeError("an EngineCore starts once")
         self._finish_listeners += finish_listeners
         self._admission = admission
+        self._on_idle = on_idle
         once = self._once(on_dead)
         self._thread = threading.Thread(target=self._run, args=(emit, once), name="m3sdk-engine", daemon=True)
         self._thread.start()
@@ -306,6 +309,8 @@ class EngineCore:
         """Apply queued adds and aborts; blocks while there is nothing to run. False once told to stop."""
         block = self._stalled or not (self.scheduler.num_running or self.scheduler.num_waiting or self.executor.busy
                                       or self._held_choices)
+        if block and self._on_idle is not None:
+            self._on_idle()
         while True:
             # waiting for work: wake for the nearest deadline (a stalled request may pass its timeout meanwhile)
             wait = max(0.0, self._deadlines[0][0] - time.monotonic()) if block and self._deadlines else None

@@ -56,6 +56,7 @@ log = get_logger("m3sdk.core")
 _ADD, _ABORT, _STOP = "add", "abort", "stop"  # parent -> child
 _EXIT_TIMEOUT_S = 30.0  # what an application that exits without shutting its engine down waits for the child
 _READY, _FAILED, _STEP, _REFUSED, _DEAD, _STOPPED = "ready", "failed", "step", "refused", "dead", "stopped"
+_STATS = "stats"  # child -> parent: the stats as the loop goes idle, when no step emitted them
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,8 @@ class CoreProcess:
                             for listener in listeners:
                                 listener(request, f.reason)
                     emit(chunks)
+                elif kind == _STATS:
+                    self._stats = message[1]
                 elif kind == _REFUSED:  # the child could not rebuild a request the parent accepted
                     _, ids, error = message
                     emit([Chunk(rid, "", [], "abort", error=error, index=self._live.pop(rid).index) for rid in ids])
@@ -405,16 +408,25 @@ def _child_main(config: EngineConfig, commands: Connection, out: Connection) -> 
     def on_finish(request: Request, reason: FinishReason) -> None:
         finished.append(Finished.of(request, reason))
 
+    sent: list[dict[str, Any]] = [{}]  # the stats the parent holds (the engine thread's alone)
+
     def emit(chunks: list[Chunk]) -> None:
         done = finished[:]
         finished.clear()
-        outbox.send((_STEP, chunks, done, core.stats()))
+        sent[0] = core.stats()
+        outbox.send((_STEP, chunks, done, sent[0]))
+
+    def on_idle() -> None:
+        stats = core.stats()
+        if stats != sent[0]:
+            sent[0] = stats
+            outbox.send((_STATS, stats))
 
     def on_dead(exc: BaseException) -> None:
         dead.set()
         outbox.send((_DEAD, _portable(exc)))
 
-    core.start(emit, on_dead, finish_listeners=[on_finish], admission=admission)
+    core.start(emit, on_dead, finish_listeners=[on_finish], admission=admission, on_idle=on_idle)
     try:
         while True:
             try:
