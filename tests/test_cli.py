@@ -75,6 +75,7 @@ def test_argument_errors_are_one_line_exit_2_without_torch(args, message):
     (("generate", "hi", "--top-k", "0"), "top_k must be -1 (off)"),
     (("chat", "--top-k", "-2"), "top_k"),
     (("info", "--speculative", "bogus"), "speculative"),
+    (("serve", "--prefill-nodes", "10.0.0.2"), "prefill_nodes must be a list of 'host:port' strings"),
 ])
 def test_sampling_and_config_errors_come_before_the_model_loads(args, message):
     proc = m3sdk(*args)
@@ -85,6 +86,19 @@ def test_sampling_and_config_errors_come_before_the_model_loads(args, message):
 def _subcommand(name: str) -> argparse.ArgumentParser:
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return subparsers.choices[name]
+
+
+def test_serve_reaches_prefill_nodes_with_the_token_from_the_environment(monkeypatch):
+    from m3sdk.cli import _engine_config
+
+    args = build_parser().parse_args(["serve", "--prefill-nodes", "10.0.0.2:7000", "10.0.0.3:7000",
+                                      "--remote-prefill-min-tokens", "256", "--prefill-fallback", "error"])
+    monkeypatch.setenv("M3SDK_PREFILL_TOKEN", "s3cret")
+    config = _engine_config(args)
+    assert config.prefill_nodes == ("10.0.0.2:7000", "10.0.0.3:7000")
+    assert (config.remote_prefill_min_tokens, config.prefill_fallback, config.prefill_token) == (256, "error", "s3cret")
+    # without nodes the token is not taken up
+    assert _engine_config(build_parser().parse_args(["serve"])).prefill_token is None
 
 
 def test_every_option_says_what_it_does_and_its_default():

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from m3sdk.argtypes import NON_NEGATIVE_INT, POSITIVE_INT, byte_size, comma_list, number
 from m3sdk.bench_metrics import compute_metrics, failure_reasons
-from m3sdk.config import EngineConfig
+from m3sdk.config import PREFILL_TOKEN_ENV, EngineConfig
 from m3sdk.errors import M3Error
 from m3sdk.params import SamplingParams
 
@@ -276,13 +277,26 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPUs, one process each (default: 1)")
     e.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                    help="any EngineConfig field; VALUE parsed as JSON when it parses (repeatable; default: none)")
+    r = p.add_argument_group("remote prefill (docs/disaggregation.md; the `ucx` extra)")
+    r.add_argument("--prefill-nodes", nargs="+", metavar="HOST:PORT",
+                   help="prefill nodes (`m3sdk prefill-node`) that compute long prompts; their shared token comes "
+                        "from $M3SDK_PREFILL_TOKEN (default: none, every prompt is prefilled here)")
+    r.add_argument("--remote-prefill-min-tokens", type=POSITIVE_INT, metavar="N",
+                   help="prompts with at least N tokens to compute go to a node (default: the engine's, 512)")
+    r.add_argument("--prefill-fallback", choices=["local", "error"],
+                   help="when no node can take a prompt: prefill it here, or fail it (default: local)")
+    r.add_argument("--prefill-tls-root-cert", metavar="PEM",
+                   help="the CA certificate that signed the nodes' TLS certificates (default: plaintext gRPC)")
 
 
 def engine_config(args: argparse.Namespace, base: dict[str, Any]) -> EngineConfig:
     overrides = dict(base)
-    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "tensor_parallel_size"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "tensor_parallel_size",
+                 "prefill_nodes", "remote_prefill_min_tokens", "prefill_fallback", "prefill_tls_root_cert"):
         if getattr(args, name, None) is not None:
             overrides[name] = getattr(args, name)
+    if overrides.get("prefill_nodes") and os.environ.get(PREFILL_TOKEN_ENV):
+        overrides["prefill_token"] = os.environ[PREFILL_TOKEN_ENV]  # a secret: never a command-line argument
     for item in args.engine_arg:
         name, sep, value = item.partition("=")
         if not sep:

@@ -25,6 +25,7 @@ BUNDLED_MODELS = {name: Path(__file__).parent / "assets" / name for name in ("m3
 QUANTIZATIONS = ("none", "fp8", "fp8_experts", "mxfp4")  # m3sdk/model/quantize.py
 VISION_QUANTIZATIONS = ("auto", "none")  # "auto": the vision encoder's linears follow `quantization`
 LOAD_FORMATS = ("auto", "dummy")  # dummy: m3sdk/model/dummy.py
+PREFILL_TOKEN_ENV = "M3SDK_PREFILL_TOKEN"  # where the CLI reads prefill nodes' shared token (never a flag)
 DTYPES = ("float32", "bfloat16")
 CACHE_DTYPES = ("auto", "bf16", "fp8", "fp32")
 

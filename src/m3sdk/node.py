@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from m3sdk.config import PREFILL_TOKEN_ENV
 from m3sdk.disagg import loop
 from m3sdk.disagg.messages import Limits
 from m3sdk.disagg.server import PrefillBackend, PrefillServicer, check_listen, start_server, stop_server
@@ -101,7 +102,7 @@ def run_prefill_node(args: Any, engine_overrides: dict[str, Any]) -> None:
     limits = Limits(**{name: value for name, value in flags.items() if value is not None})
     backend = EngineBackend(EngineConfig(**engine_overrides))
     try:
-        node = PrefillNode(backend, args.listen, token=os.environ.get("M3SDK_PREFILL_TOKEN") or None, tls=tls,
+        node = PrefillNode(backend, args.listen, token=os.environ.get(PREFILL_TOKEN_ENV) or None, tls=tls,
                            limits=limits, insecure=args.insecure).start()
     except BaseException:
         backend.stop()
