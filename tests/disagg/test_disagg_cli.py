@@ -1,6 +1,6 @@
 """`m3sdk prefill-node`, the real daemon process: it serves over TLS with a shared token, a decode Engine
-handshakes and prefills remotely through it, clients without the right CA are refused, and SIGTERM drains it
-to a clean exit."""
+handshakes and prefills remotely through it, and so does `m3sdk serve --prefill-nodes` (its engine core in a process
+of its own), clients without the right CA are refused, and SIGTERM drains it to a clean exit."""
 
 from __future__ import annotations
 
@@ -12,9 +12,12 @@ import socket
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 pytest.importorskip("ucxx")
+
+from server_process import Server  # noqa: E402
 
 from m3sdk import Engine  # noqa: E402
 
@@ -75,6 +78,22 @@ def test_prefill_node_daemon_tls_token_and_sigterm_drain(engine_checkpoint, tmp_
                     assert await generate(engine) == local
                     assert engine._admission.num_remote == 0
         asyncio.run(run())
+
+        # the OpenAI-compatible server as the decode side, its token from the environment
+        server = Server("--model", str(engine_checkpoint), "--device", "cpu", "--kv-cache-memory", str(8 << 20),
+                        "--prefill-nodes", address, "--prefill-tls-root-cert", cert, "--remote-prefill-min-tokens",
+                        "32", "--engine-process", env={"M3SDK_PREFILL_TOKEN": TOKEN})
+        try:
+            reply = httpx.post(server.base + "/v1/completions", timeout=120, json=dict(
+                prompt=PROMPT, max_tokens=8, temperature=0.0)).json()
+
+            async def local_text():
+                async with decode_engine(engine_checkpoint) as engine:
+                    return (await engine.generate(PROMPT, temperature=0.0, max_tokens=8)).text
+            assert reply["choices"][0]["text"] == asyncio.run(local_text())
+            assert server.metrics()["m3sdk:remote_prefills_total"] == 1.0
+        finally:
+            assert "Traceback" not in server.stop()
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
