@@ -308,3 +308,7 @@ class EngineConfig:
 
     def model_path(self) -> Path:
         return BUNDLED_MODELS.get(self.model) or Path(self.model)
+
+    def vision_encoder_quantization(self) -> str:
+        """How the vision encoder's linears are served: `quantization`, or "none" when vision_quantization says so."""
+        return self.quantization if self.vision_quantization == "auto" else "none"

@@ -54,6 +54,7 @@ async def test_fp8_engine_with_images(vl_checkpoint):
             encoder = e._running_core().images.encoder
             assert isinstance(encoder.layers[0].mlp.fc1, Fp8Linear)
             assert isinstance(encoder.projector.merge_linear_2, Fp8Linear)
+            assert "linears fp8" in e.describe()["vision"]
             # the engine's tower is the loader's FP8 one
             assert torch.equal(encode(encoder, [A, B]),
                                encode(load_vision_encoder(vl_checkpoint, dtype=torch.float32, quantization="fp8"),
@@ -70,6 +71,7 @@ async def test_vision_quantization_none_keeps_the_loaded_tower(vl_checkpoint):
     async with engine(vl_checkpoint, quantization="fp8", vision_quantization="none") as e:
         encoder = e._running_core().images.encoder
         assert type(encoder.layers[0].mlp.fc1) is torch.nn.Linear
+        assert "linears float32" in e.describe()["vision"]
         assert torch.equal(encode(encoder, [A, B]), encode(plain, [A, B]))
         # the text model is FP8 all the same
         assert isinstance(e._running_core().runner.model.layers[0].self_attn.o_proj, Fp8Linear)

@@ -147,8 +147,7 @@ def _images(rc: ResolvedConfig, tokenizer: Tokenizer, tp: TensorParallel | None)
             return None
         token = vision.image_token_id
     else:
-        quantization = config.quantization if config.vision_quantization == "auto" else "none"
-        encoder = load_vision_encoder(rc.model_path, rc.device, rc.dtype, quantization)
+        encoder = load_vision_encoder(rc.model_path, rc.device, rc.dtype, config.vision_encoder_quantization())
         if encoder is None:
             return None
         token = encoder.config.image_token_id

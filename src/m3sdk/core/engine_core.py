@@ -167,6 +167,14 @@ class EngineCore:
         model = self.runner.model
         # quantized weights are buffers (Fp8Linear, QuantizedMoE): count their bytes too
         weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        vision = {}
+        if self.images is not None and self.images.encoder is not None:
+            encoder = self.images.encoder
+            encoder_bytes = sum(t.numel() * t.element_size() for t in (*encoder.parameters(), *encoder.buffers()))
+            fp8 = self.config.engine.vision_encoder_quantization() != "none"
+            linears = "fp8" if fp8 else str(encoder.dtype).removeprefix("torch.")
+            vision = {"vision": f"{encoder.config.num_hidden_layers} layers, {encoder_bytes / 2**20:.1f} MiB, linears "
+                                f"{linears}; up to {self.images.limit} images per prompt"}
         return {
             "model": str(self.config.model_path),
             "layers": f"{mc.num_layers} ({len(mc.sparse_layers)} MSA sparse, {len(mc.moe_layers)} MoE)",
@@ -179,6 +187,7 @@ class EngineCore:
             "kv cache": f"{spec.num_pages} pages x {spec.bytes_per_page} B = "
                         f"{spec.num_pages * spec.bytes_per_page / 2**20:.1f} MiB ({spec.kv_dtype} {spec.layout}, "
                         f"index keys {spec.index_dtype}); max_model_len {self.max_model_len}",
+            **vision,
         }
 
     # -- the engine thread -------------------------------------------------------------------------------
