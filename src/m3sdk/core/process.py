@@ -16,7 +16,8 @@ and reports the checks it makes the core apply (AdmissionChecks), which the pare
 
 Finish listeners run in the parent's reader thread, before the step's chunks are emitted, with the parent's
 Request brought to the state the child's had when it finished (status, reasons, times, tokens); a listener here
-holds no pages (there are none in this process), so it returns None.
+holds no pages (there are none in this process), so it returns None. (Over 450 lines: both ends of one message
+protocol, the parent's handle and the child's entry point, stay in one file.)
 """
 
 from __future__ import annotations
