@@ -149,14 +149,18 @@ class PrefillClient:
             channel = (grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(self._tls), options=opts)
                        if self._tls is not None else grpc.aio.insecure_channel(target, options=opts))
             self._nodes.append(_Node(target, pb_grpc.PrefillNodeStub(channel), channel))
-        await asyncio.gather(*(self._handshake(n) for n in self._nodes))
+        # the first handshake waits for each node's channel to connect (up to connect_timeout): a node still coming
+        # up, or a connection attempt that failed once, is not taken for down; later ones fail at once (the
+        # heartbeat retries them every beat)
+        await asyncio.gather(*(self._handshake(n, wait_for_ready=True) for n in self._nodes))
         self._heartbeats = [asyncio.ensure_future(self._heartbeat(n)) for n in self._nodes]
 
-    async def _handshake(self, node: _Node) -> None:
+    async def _handshake(self, node: _Node, wait_for_ready: bool = False) -> None:
         request = pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION, compat=self.compat.to_proto(),
                                       transports=[self.transport.name])
         try:
-            reply = await node.stub.Handshake(request, timeout=self.connect_timeout, metadata=self._metadata)
+            reply = await node.stub.Handshake(request, timeout=self.connect_timeout, metadata=self._metadata,
+                                              wait_for_ready=wait_for_ready)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED):
                 raise PrefillNodeError(f"prefill node {node.target} refused the handshake: {e.details()}") from e
