@@ -1,7 +1,7 @@
 """One `m3sdk serve` process on the bundled m3-tiny for the module's tests, reached over real HTTP."""
 
 import pytest
-from server_process import Server  # noqa: F401 - the server tests import it from here
+from server_process import Server
 
 API_KEY = "test-key"
 

@@ -5,7 +5,6 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")  # the test extra has it; a bare GPU host may not
 
-from conftest import Server  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import (  # noqa: E402
@@ -13,6 +12,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     response_schema_conformance,
     status_code_conformance,
 )
+from server_process import Server  # noqa: E402
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 

@@ -10,8 +10,8 @@ import threading
 import openai
 import pytest
 import torch
-from conftest import Server
 from oracle import make_vl_checkpoint
+from server_process import Server
 
 from m3sdk.server.errors import APIError
 from m3sdk.server.media import checked_media

@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import API_KEY, Server
+from conftest import API_KEY
+from server_process import Server
 
 CHAT = [{"role": "user", "content": "Tell me about Emma."}]
 
