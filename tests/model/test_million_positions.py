@@ -1,8 +1,9 @@
-"""The index arithmetic of a 1M-token context on a small model (CPU): a decode step at position 1,048,575 (the
-context MiniMax-M3 allows, 2**20 tokens), its 65,536 pages shuffled over the top of a larger pool (page ids past
-65,536, slots past 2**20), run the way the engine runs it (the decode graphs' staging and device page table, the
-Triton kernels interpreted: cache writes, the indexer's scan and top-k over 8,192 blocks of 128, dense split-KV and
-MSA attention), against the plain-torch references on the same cache. RoPE at those positions against float64."""
+"""The index arithmetic of a 1M-token context on a small model (the GPU when there is one, else the CPU): a decode
+step at position 1,048,575 (the context MiniMax-M3 allows, 2**20 tokens), its 65,536 pages shuffled over the top of
+a larger pool (page ids past 65,536, slots past 2**20), run the way the engine runs it (the decode graphs' staging
+and device page table, the Triton kernels, interpreted on a CPU: cache writes, the indexer's scan and top-k over
+8,192 blocks of 128, dense split-KV and MSA attention), against the plain-torch references on the same cache. RoPE
+at those positions against float64."""
 
 import sys
 from pathlib import Path
@@ -46,38 +47,37 @@ def _fill(kv: KVPool, seed: int) -> None:
 
 
 @pytest.mark.slow
-def test_decode_step_at_the_last_position_of_a_million_token_context(tmp_path):
+def test_decode_step_at_the_last_position_of_a_million_token_context(tmp_path, device, ieee_fp32):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     from make_m3_slice import make_slice
 
     path = make_slice(tmp_path / "slice", dense=1, sparse=1, max_position_embeddings=CONTEXT, overrides=TINY)
-    cpu = torch.device("cpu")
-    kernels = load_model(path, cpu, torch.float32, "triton")
-    reference = load_model(path, cpu, torch.float32, "torch")
+    kernels = load_model(path, device, torch.float32, "triton")
+    reference = load_model(path, device, torch.float32, "torch")
     pages_needed = CONTEXT // PAGE_SIZE
     spare = 3000  # pool pages below the sequence's: its page ids run past 2**16, its slots past 2**20
     spec = KVCacheSpec.for_model(kernels.config, spare + pages_needed, kv_dtype="fp32", index_dtype="fp32",
-                                 model_dtype=torch.float32, device=cpu)
+                                 model_dtype=torch.float32, device=device)
     kv = KVPool(spec)
     _fill(kv, 0)  # a filled cache: every earlier position holds keys, values and index keys
     pages = (spare + torch.randperm(pages_needed, generator=torch.Generator().manual_seed(1))).tolist()
     pages[-1] = spare + pages_needed - 1  # the last position's slot is the pool's very last
     token = [7]
 
-    meta = AttentionMetadata.build([1], [CONTEXT], [pages])
+    meta = AttentionMetadata.build([1], [CONTEXT], [pages], device)
     assert meta.positions.tolist() == [CONTEXT - 1]
     assert meta.slot_mapping.tolist() == [(spare + pages_needed) * PAGE_SIZE - 1]
-    _, want, *_ = reference(torch.tensor(token), meta, kv, torch.tensor([0]))
+    _, want, *_ = reference(torch.tensor(token, device=device), meta, kv, torch.tensor([0], device=device))
     written = [t[-1, :, -1].clone() for t in (*kv.k, *kv.v)]  # the new token's K, V (plain layout)
 
-    graphs = DecodeGraphs(kernels, kv, max_num_seqs=2, max_model_len=CONTEXT, device=cpu)
+    graphs = DecodeGraphs(kernels, kv, max_num_seqs=2, max_model_len=CONTEXT, device=device)
     key = graphs.key(1, 1, CONTEXT, len(pages))
     assert key == (1, CONTEXT, 1)
     for t in (*kv.k, *kv.v):  # the kernels write the token's K, V again
         t[-1, :, -1].zero_()
     graphs.stage(key, token, [1], [CONTEXT], [pages])
     _, got, *_ = graphs.replay(key)
-    assert torch.equal(graphs.page_table[0], torch.tensor(pages, dtype=torch.int32))
+    assert torch.equal(graphs.page_table[0], torch.tensor(pages, dtype=torch.int32, device=device))
     assert graphs.positions[0].item() == CONTEXT - 1
     for before, t in zip(written, (*kv.k, *kv.v), strict=True):
         torch.testing.assert_close(t[-1, :, -1], before, rtol=1e-5, atol=1e-5)
