@@ -46,6 +46,11 @@ def test_encoder_matches_transformers(vl_checkpoints, layout):
     model, paths = vl_checkpoints
     encoder = load_vision_encoder(paths[layout], dtype=torch.float32)
     assert encoder is not None and encoder.config.image_token_id == ORACLE_IMAGE_TOKEN
+    for ours, theirs in zip(encoder.layers, model.model.vision_tower.layers, strict=True):
+        # the packed projection's rows are the checkpoint's q | k | v, weights and biases
+        for what in ("weight", "bias"):
+            parts = [getattr(getattr(theirs.self_attn, f"{n}_proj"), what) for n in "qkv"]
+            assert torch.equal(getattr(ours.self_attn.qkv_proj, what), torch.cat(parts))
     proc = ImageProcessor()
     # two sizes that need resizing (odd sides, non-square), so grids and merge windows differ per image
     images = [proc.process_array(_random_image(61, 150, 0)), proc.process_array(_random_image(97, 43, 1))]
@@ -78,15 +83,16 @@ def test_vl_checkpoint_without_vision_tensors_has_no_encoder(vl_checkpoints, tmp
     assert load_vision_encoder(tmp_path) is None
 
 
-def test_partial_vision_weights_are_a_checkpoint_error(vl_checkpoints, tmp_path):
+@pytest.mark.parametrize("left_out", ["pre_layrnorm", "layers.1.self_attn.k_proj.bias"])
+def test_partial_vision_weights_are_a_checkpoint_error(vl_checkpoints, tmp_path, left_out):
     from safetensors import safe_open
 
     _, paths = vl_checkpoints
     with safe_open(paths["minimax"] / "model.safetensors", "pt") as f:
-        kept = {k: f.get_tensor(k) for k in f.keys() if "pre_layrnorm" not in k}
+        kept = {k: f.get_tensor(k) for k in f.keys() if left_out not in k}
     save_file(kept, tmp_path / "model.safetensors")
     shutil.copy(paths["minimax"] / "config.json", tmp_path / "config.json")
-    with pytest.raises(CheckpointError, match="incomplete vision encoder: missing .*pre_layrnorm"):
+    with pytest.raises(CheckpointError, match=f"incomplete vision encoder: missing .*{left_out}"):
         load_vision_encoder(tmp_path)
 
 
