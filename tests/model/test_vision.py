@@ -64,6 +64,24 @@ def test_encoder_matches_transformers(vl_checkpoints, layout):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _THREE_D_ROPE, reason="this transformers' vision RoPE is the older 2D one")
+def test_encoder_on_the_gpu_matches_transformers(vl_checkpoints):
+    """The GPU path (q/k/v split and rotated by m3sdk_kernels.vision_rope, compiled; SDPA's GPU kernels) in fp32
+    against transformers on the CPU, two images of different grids."""
+    model, paths = vl_checkpoints
+    encoder = load_vision_encoder(paths["hf"], "cuda", torch.float32)
+    proc = ImageProcessor()
+    images = [proc.process_array(_random_image(61, 150, 0)), proc.process_array(_random_image(97, 43, 1))]
+    grid = [i.grid_thw for i in images]
+    pixels = proc.patches([i.pixels for i in images], grid)
+    with torch.no_grad():
+        ref = image_features(model, pixels, torch.tensor(grid))
+    torch.testing.assert_close(encoder(pixels.cuda(), grid).cpu(), ref, rtol=1e-3, atol=1e-3)
+    alone = encoder(proc.patches([images[1].pixels], grid[1:]).cuda(), grid[1:]).cpu()
+    torch.testing.assert_close(alone, ref[-images[1].num_tokens:], rtol=1e-3, atol=1e-3)
+
+
 def test_text_only_checkpoint_has_no_encoder(tmp_path):
     from oracle import make_oracle_checkpoint
 

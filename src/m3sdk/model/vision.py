@@ -133,14 +133,13 @@ def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: lis
     # reference elsewhere
     rope = vision_qkv_rope if qkv.is_cuda else vision_qkv_rope_ref
     q, k, v = rope(qkv, cos, sin, heads, head_dim)
-    outs, start = [], 0
+    outs = []
     # one image at a time, each [1, heads, patches, head_dim] (a view of the buffer): SDPA's flash and
     # memory-efficient kernels take 4-D inputs only (3-D ones fall back to the math kernel, which materializes every
     # score)
-    for n in lengths:
-        qi, ki, vi = (t[start:start + n].transpose(0, 1)[None] for t in (q, k, v))
+    for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
+        qi, ki, vi = (t.transpose(0, 1)[None] for t in (qi, ki, vi))
         outs.append(F.scaled_dot_product_attention(qi, ki, vi)[0].transpose(0, 1))
-        start += n
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     # the GPU kernels return [patches, heads, head_dim] in memory (vision_rope.py says why), so this is a view there
     return out.reshape(out.shape[0], heads * head_dim)
