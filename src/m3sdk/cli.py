@@ -179,6 +179,10 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
     media = args.allowed_local_media_path
     if media is not None and not os.path.isdir(media):
         raise ValueError(f"--allowed-local-media-path {media!r} is not a folder")
+    if config.engine_process:  # the reader thread that hands each step's chunks to the HTTP loop needs the lock
+        from .core.process import SWITCH_INTERVAL_S
+
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
     if args.allow_image_urls:
         from .image_fetcher import HttpImageFetcher
 
