@@ -5,9 +5,9 @@
         [--output-len 64] [--num-prompts N] [--engine-arg NAME=JSON ...] [--modes embedded,http,http-process]
         [--serve-arg ARG ...] [--out FILE]
 
-Modes: `embedded` (the Engine in this process), `http` (`m3sdk serve`, its engine core in a thread beside the
-HTTP loop), `http-process` (`m3sdk serve --engine-process`: the core in a process of its own). --serve-arg passes
-more arguments to every server.
+Modes: `embedded` (the Engine in this process), `http` (`m3sdk serve --no-engine-process`, its engine core in a
+thread beside the HTTP loop), `http-process` (`m3sdk serve`, the core in a process of its own: the server's
+default). --serve-arg passes more arguments to every server.
 
 Both modes get the same engine settings (--engine-arg, as `m3sdk bench` / `m3sdk serve` take them) and the same
 prompts (random token ids, EOS ignored); each mode loads its own engine (the embedded one in this process, then
@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--modes", default="embedded,http",
                    help="which to run, of embedded, http, http-process (embedded first for the comparison)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
-                   help="one more argument for `m3sdk serve` (repeatable; e.g. --serve-arg=--engine-process)")
+                   help="one more argument for `m3sdk serve` (repeatable; e.g. --serve-arg=--log-level=debug)")
     p.add_argument("--out", type=Path, help="append one JSON line per (mode, concurrency)")
     p.add_argument("--client-procs", type=int, default=1,
                    help="HTTP clients in this many processes, each with its share of the streams (one httpx loop "
@@ -185,7 +185,7 @@ def main() -> None:
     args = parse_args()
     overrides = engine_overrides(args)
     vocab = ModelConfig.from_pretrained(EngineConfig(model=args.model).model_path()).vocab_size
-    modes = {"embedded": embedded, "http": through_http,
+    modes = {"embedded": embedded, "http": lambda *a: through_http(*a, serve_args=("--no-engine-process",)),
              "http-process": lambda *a: through_http(*a, serve_args=("--engine-process",))}
     runs = {mode: asyncio.run(modes[mode](args, overrides, vocab)) for mode in args.modes.split(",")}
     header = f"{'conc':>5} {'mode':<13}" + "".join(f"{k:>20}" for k in KEYS) + f"{'loop us/tok':>12}{'client busy':>14}"

@@ -101,6 +101,24 @@ def test_serve_reaches_prefill_nodes_with_the_token_from_the_environment(monkeyp
     assert _engine_config(build_parser().parse_args(["serve"])).prefill_token is None
 
 
+@pytest.mark.parametrize("argv, in_process", [
+    ([], True), (["--no-engine-process"], False), (["--engine-process"], True), (["--tp", "2"], False),
+    (["--engine-arg", "engine_process=false"], False)])
+def test_serve_runs_the_core_in_a_process_of_its_own_unless_told_or_spread_over_gpus(argv, in_process):
+    from m3sdk.cli import _engine_config
+
+    config = _engine_config(build_parser().parse_args(["serve", *argv]))
+    assert config.engine_process is in_process
+    assert not _engine_config(build_parser().parse_args(["bench"])).engine_process  # an embedded engine: a thread
+
+
+def test_serve_refuses_an_engine_process_over_several_gpus():
+    from m3sdk.cli import _engine_config
+
+    with pytest.raises(ValueError, match="engine_process does not run with tensor_parallel_size > 1"):
+        _engine_config(build_parser().parse_args(["serve", "--engine-process", "--tp", "2"]))
+
+
 def test_every_option_says_what_it_does_and_its_default():
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for name, sub in subparsers.choices.items():

@@ -46,9 +46,22 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    if args.command in ("bench", "serve"):
+    if args.command == "serve":
+        return _server_core(args, _bench_module().engine_config(args, _engine_overrides(args)))
+    if args.command == "bench":
         return _bench_module().engine_config(args, _engine_overrides(args))
     return EngineConfig(**_engine_overrides(args))
+
+
+def _server_core(args: argparse.Namespace, config: EngineConfig) -> EngineConfig:
+    """`m3sdk serve` runs the engine core in a process of its own (its HTTP loop and the engine's steps then never
+    take turns on one interpreter lock) unless told otherwise, by the flag or an --engine-arg, or the engine spans
+    several GPUs, which that process does not run."""
+    if args.engine_process is not None:
+        return config.replace(engine_process=args.engine_process)
+    if any(item.partition("=")[0] == "engine_process" for item in args.engine_arg):
+        return config
+    return config.replace(engine_process=config.tensor_parallel_size == 1)
 
 
 async def _generate(args: argparse.Namespace, config: EngineConfig, params: SamplingParams) -> None:
@@ -166,6 +179,10 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
     media = args.allowed_local_media_path
     if media is not None and not os.path.isdir(media):
         raise ValueError(f"--allowed-local-media-path {media!r} is not a folder")
+    if config.engine_process:  # the reader thread that hands each step's chunks to the HTTP loop needs the lock
+        from .core.process import SWITCH_INTERVAL_S
+
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
     if args.allow_image_urls:
         from .image_fetcher import HttpImageFetcher
 
@@ -173,8 +190,6 @@ def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
             max_bytes=args.image_url_max_bytes, allowed_domains=args.allowed_media_domains))
     elif args.allowed_media_domains:
         raise ValueError("--allowed-media-domains applies with --allow-image-urls")
-    if args.engine_process is not None:
-        config = config.replace(engine_process=args.engine_process)
     with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
         runner.run(serve(config, host=args.host, port=args.port, api_key=api_key,
                          model_names=args.served_model_name, log_level=args.log_level,
@@ -302,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
                        help="run the engine core in a process of its own, so the HTTP loop and the engine's steps "
                        "do not share one interpreter lock (EngineConfig.engine_process; prefill nodes are reached "
-                       "from that process; not with --tp > 1; default: off)")
+                       "from that process; default: on, except with --tp > 1: the core then runs in the server's "
+                       "process)")
     engine_options(serve)
     _bench_module().add_engine_arguments(serve)
 

@@ -1,5 +1,6 @@
-"""`m3sdk serve --engine-process` (the engine core in a process of its own) answers the official `openai` client
-as the in-thread server does: the same greedy text, streamed and whole, the same errors."""
+"""`m3sdk serve` with its engine core in a process of its own (the default) answers the official `openai` client
+as a server with the core in a thread of its own process (`--no-engine-process`) does: the same greedy text,
+streamed and whole, the same errors."""
 
 import os
 import signal
@@ -16,20 +17,29 @@ from server_process import Server
 CHAT = [{"role": "user", "content": "Tell me about Emma."}]
 
 
-@pytest.fixture(scope="module")
-def process_server():
-    srv = Server("--api-key", API_KEY, "--max-num-seqs", "4", "--engine-process")
+def _module_server(*args: str):
+    srv = Server("--api-key", API_KEY, "--max-num-seqs", "4", *args)
     yield srv
     out = srv.stop()
     assert "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module")
+def process_server():
+    yield from _module_server()
+
+
+@pytest.fixture(scope="module")
+def thread_server():
+    yield from _module_server("--no-engine-process")
 
 
 def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0)
 
 
-def test_the_engine_process_server_answers_as_the_thread_one(server, process_server):
-    ours, theirs = client(process_server), client(server)
+def test_the_engine_process_server_answers_as_the_thread_one(thread_server, process_server):
+    ours, theirs = client(process_server), client(thread_server)
     args = dict(model="m3-tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
     want = theirs.completions.create(**args)
     got = ours.completions.create(**args)

@@ -29,6 +29,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -58,6 +59,10 @@ _ADD, _ABORT, _STOP = "add", "abort", "stop"  # parent -> child
 _EXIT_TIMEOUT_S = 30.0  # what an application that exits without shutting its engine down waits for the child
 _READY, _FAILED, _STEP, _REFUSED, _DEAD, _STOPPED = "ready", "failed", "step", "refused", "dead", "stopped"
 _STATS = "stats"  # child -> parent: the stats as the loop goes idle, when no step emitted them
+# The interpreter lock's switch interval in the engine process (and in `m3sdk serve`'s): a thread that wakes with a
+# message (a new request in the child, a step's chunks in the server) waits for a busy engine or event-loop
+# thread to hand the lock over; Python's default of 5 ms lets each of those hops cost up to that much latency.
+SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -383,6 +388,7 @@ def _child_main(config: EngineConfig, commands: Connection, out: Connection) -> 
     # them and stops this process once its live requests are aborted (or its end of the pipe closes)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     from m3sdk.core.builder import build_core, tokenizer_path
 
     outbox = _Outbox(out)
