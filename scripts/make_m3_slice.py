@@ -42,7 +42,7 @@ from m3sdk.model.config import ModelConfig  # noqa: E402
 from m3sdk.model.loader import expected_tensors  # noqa: E402
 from m3sdk.model.minimax_m3 import MiniMaxM3ForCausalLM  # noqa: E402
 from m3sdk.model.vision import VisionEncoder  # noqa: E402
-from m3sdk.model.vision_loader import checkpoint_name, vision_config  # noqa: E402
+from m3sdk.model.vision_loader import checkpoint_tensors, vision_config  # noqa: E402
 
 BOS, EOS = "]~!b[", "[e~["
 CHAT_TEMPLATE = ("{{- bos_token -}}{%- for m in messages -%}{{- ']~b]' + m['role'] + '\\n' + m['content'] + "
@@ -168,7 +168,9 @@ def vision_plan(out: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
          "merge_size": 2}))
     with torch.device("meta"):
         encoder = VisionEncoder(vision_config(out))
-    return {checkpoint_name(n, "hf"): (tuple(p.shape), torch.bfloat16) for n, p in encoder.named_parameters()}
+    params = dict(encoder.named_parameters())
+    return {name: (tuple(params[param][index].shape), torch.bfloat16)
+            for name, (param, index) in checkpoint_tensors(encoder, "hf").items()}
 
 
 def make_slice(out: Path, dense: int = 1, sparse: int = 3, seed: int = 0, device: str = "cpu",

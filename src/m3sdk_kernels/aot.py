@@ -35,6 +35,7 @@ KERNEL_MODULES: list[str] = [
     "m3sdk_kernels.moe",
     "m3sdk_kernels.quant",
     "m3sdk_kernels.norm",
+    "m3sdk_kernels.vision_rope",
 ]
 
 

@@ -194,6 +194,9 @@ TILES.update({
     "fp8_quant": {a: {"BLOCK_K": 16384, "num_warps": 16} for a in ("sm90", "gfx942", "gfx950")},
     # PDL (sm90): the fp8-output norm launches as a programmatic dependent, as the FP8 GEMM after it (norm.py)
     "rms_norm": {"sm90": {"num_warps": 8, "PDL": 1}, "gfx942": {"num_warps": 8}, "gfx950": {"num_warps": 8}},
+    # the vision tower's q/k/v split + RoPE (vision_rope.py): BLOCK_P rows x BLOCK_C columns of the packed
+    # projection per program, elementwise (bound by the read and write of qkv)
+    "vision_rope": {a: {"BLOCK_P": 16, "BLOCK_C": 256, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "router": {a: {"BLOCK_T": 16, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     "moe_align": {a: {"CHUNK": 256, "num_warps": 4} for a in ("sm90", "gfx942", "gfx950")},
     # MXFP4 -> fp8 experts once per prefill step (mx_convert.mx_to_fp8, where a moe_* table sets MX_CONVERT)

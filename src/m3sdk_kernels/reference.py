@@ -57,6 +57,22 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
 
 
+def vision_qkv_rope_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                        head_dim: int) -> torch.Tensor:
+    """The vision tower's packed projection qkv [P, 3 * heads * head_dim] (q | k | v, head-major within each) ->
+    [3, P, heads, head_dim], q and k rotated: rotate-half RoPE over the first R dims of each head with cos, sin
+    [P, R] (R even, R <= head_dim), the last head_dim - R dims and v as they are. Math in fp32, one rounding."""
+    p, rot = qkv.shape[0], cos.shape[-1]
+    x = qkv.reshape(p, 3, heads, head_dim).transpose(0, 1)
+    out = torch.empty((3, p, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    out.copy_(x)
+    head = x[:2, ..., :rot].float()
+    x1, x2 = head.chunk(2, dim=-1)
+    c, s = cos.float()[None, :, None, :], sin.float()[None, :, None, :]
+    out[:2, ..., :rot] = head * c + torch.cat((-x2, x1), dim=-1) * s
+    return out
+
+
 def norm_rope_write_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor,
                         k_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

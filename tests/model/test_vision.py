@@ -46,6 +46,11 @@ def test_encoder_matches_transformers(vl_checkpoints, layout):
     model, paths = vl_checkpoints
     encoder = load_vision_encoder(paths[layout], dtype=torch.float32)
     assert encoder is not None and encoder.config.image_token_id == ORACLE_IMAGE_TOKEN
+    for ours, theirs in zip(encoder.layers, model.model.vision_tower.layers, strict=True):
+        # the packed projection's rows are the checkpoint's q | k | v, weights and biases
+        for what in ("weight", "bias"):
+            parts = [getattr(getattr(theirs.self_attn, f"{n}_proj"), what) for n in "qkv"]
+            assert torch.equal(getattr(ours.self_attn.qkv_proj, what), torch.cat(parts))
     proc = ImageProcessor()
     # two sizes that need resizing (odd sides, non-square), so grids and merge windows differ per image
     images = [proc.process_array(_random_image(61, 150, 0)), proc.process_array(_random_image(97, 43, 1))]
@@ -57,6 +62,24 @@ def test_encoder_matches_transformers(vl_checkpoints, layout):
         ref = image_features(model, pixels, torch.tensor(grid))
     assert ours.shape == (sum(i.num_tokens for i in images), 64)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _THREE_D_ROPE, reason="this transformers' vision RoPE is the older 2D one")
+def test_encoder_on_the_gpu_matches_transformers(vl_checkpoints):
+    """The GPU path (q/k/v split and rotated by m3sdk_kernels.vision_rope, compiled; SDPA's GPU kernels) in fp32
+    against transformers on the CPU, two images of different grids."""
+    model, paths = vl_checkpoints
+    encoder = load_vision_encoder(paths["hf"], "cuda", torch.float32)
+    proc = ImageProcessor()
+    images = [proc.process_array(_random_image(61, 150, 0)), proc.process_array(_random_image(97, 43, 1))]
+    grid = [i.grid_thw for i in images]
+    pixels = proc.patches([i.pixels for i in images], grid)
+    with torch.no_grad():
+        ref = image_features(model, pixels, torch.tensor(grid))
+    torch.testing.assert_close(encoder(pixels.cuda(), grid).cpu(), ref, rtol=1e-3, atol=1e-3)
+    alone = encoder(proc.patches([images[1].pixels], grid[1:]).cuda(), grid[1:]).cpu()
+    torch.testing.assert_close(alone, ref[-images[1].num_tokens:], rtol=1e-3, atol=1e-3)
 
 
 def test_text_only_checkpoint_has_no_encoder(tmp_path):
@@ -78,15 +101,16 @@ def test_vl_checkpoint_without_vision_tensors_has_no_encoder(vl_checkpoints, tmp
     assert load_vision_encoder(tmp_path) is None
 
 
-def test_partial_vision_weights_are_a_checkpoint_error(vl_checkpoints, tmp_path):
+@pytest.mark.parametrize("left_out", ["pre_layrnorm", "layers.1.self_attn.k_proj.bias"])
+def test_partial_vision_weights_are_a_checkpoint_error(vl_checkpoints, tmp_path, left_out):
     from safetensors import safe_open
 
     _, paths = vl_checkpoints
     with safe_open(paths["minimax"] / "model.safetensors", "pt") as f:
-        kept = {k: f.get_tensor(k) for k in f.keys() if "pre_layrnorm" not in k}
+        kept = {k: f.get_tensor(k) for k in f.keys() if left_out not in k}
     save_file(kept, tmp_path / "model.safetensors")
     shutil.copy(paths["minimax"] / "config.json", tmp_path / "config.json")
-    with pytest.raises(CheckpointError, match="incomplete vision encoder: missing .*pre_layrnorm"):
+    with pytest.raises(CheckpointError, match=f"incomplete vision encoder: missing .*{left_out}"):
         load_vision_encoder(tmp_path)
 
 

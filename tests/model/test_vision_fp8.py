@@ -49,23 +49,18 @@ def errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 
 def linears(encoder) -> list[torch.nn.Module]:
-    """Every linear of the tower and the projector (q|k|v packed in one where FP8)."""
+    """Every linear of the tower and the projector (q|k|v one packed linear in every dtype)."""
     out = []
     for layer in encoder.layers:
         a, m = layer.self_attn, layer.mlp
-        qkv = [a.qkv_proj] if isinstance(a.out_proj, Fp8Linear) else [a.q_proj, a.k_proj, a.v_proj]
-        out += [*qkv, a.out_proj, m.fc1, m.fc2]
+        out += [a.qkv_proj, a.out_proj, m.fc1, m.fc2]
     p = encoder.projector
     return out + [p.linear_1, p.linear_2, p.merge_linear_1, p.merge_linear_2]
 
 
 def biases(encoder) -> list[torch.Tensor]:
-    """The loaded encoder's biases, in the order of the FP8 encoder's `linears` (q|k|v concatenated)."""
-    out = [m.bias.detach() for m in linears(encoder)]
-    packed = []
-    for i in range(len(encoder.layers)):
-        packed += [torch.cat(out[6 * i:6 * i + 3]), *out[6 * i + 3:6 * i + 6]]
-    return packed + out[6 * len(encoder.layers):]
+    """The loaded encoder's biases, in the order of `linears`."""
+    return [m.bias.detach() for m in linears(encoder)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -117,7 +112,7 @@ def test_the_bound_catches_a_wrong_scale(vl_checkpoint, images):
 
 def test_quantization_none_and_unknown(vl_checkpoint):
     plain = load_vision_encoder(vl_checkpoint, dtype=torch.float32, quantization="none")
-    assert len(linears(plain)) == 2 * 6 + 4 and all(type(m) is torch.nn.Linear for m in linears(plain))
+    assert len(linears(plain)) == 2 * 4 + 4 and all(type(m) is torch.nn.Linear for m in linears(plain))
     for q in ("fp8_experts", "mxfp4"):  # the tower has no experts: every other choice gives the FP8 linears
         assert all(isinstance(m, Fp8Linear) for m in linears(load_vision_encoder(vl_checkpoint, quantization=q)))
     with pytest.raises(ValueError, match="quantization must be one of"):

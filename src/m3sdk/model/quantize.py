@@ -31,7 +31,7 @@ from torch import nn
 
 from m3sdk.config import QUANTIZATIONS
 from m3sdk.model.layers import DenseMLP, Fp8Activation, RowParallelLinear, SparseMoE, all_reduce, local_routes
-from m3sdk.model.vision import Projector, VisionAttention, VisionEncoder, VisionMLP, attend
+from m3sdk.model.vision import Projector, VisionEncoder, VisionMLP
 from m3sdk_kernels.arch import current_arch
 from m3sdk_kernels.experts import FP8_ACT_GROUP, Experts, quantize_experts, serving_layout
 from m3sdk_kernels.formats import MX_BLOCK, quantize_fp8_weight
@@ -251,26 +251,6 @@ def _fp8_gelu_mlp(first: Fp8Linear, second: Fp8Linear, x: torch.Tensor) -> torch
     return gemm(h_q, h_scale, second.weight, second.weight_scale, out_dtype=second.out_dtype, bias=second.bias)
 
 
-class Fp8VisionAttention(nn.Module):
-    """A VisionAttention with q|k|v packed into one FP8 linear (one quantization of the input, one GEMM; the
-    scales are per output row, so packing changes no value) and an FP8 out_proj."""
-
-    def __init__(self, attn: VisionAttention, fp8_dtype: torch.dtype):
-        super().__init__()
-        self.heads, self.head_dim = attn.heads, attn.head_dim
-        parts = (attn.q_proj, attn.k_proj, attn.v_proj)
-        packed = nn.Linear(attn.q_proj.in_features, 3 * attn.q_proj.out_features, device=attn.q_proj.weight.device,
-                           dtype=attn.q_proj.weight.dtype)
-        packed.weight.copy_(torch.cat([p.weight for p in parts]))
-        packed.bias.copy_(torch.cat([p.bias for p in parts]))
-        self.qkv_proj = Fp8Linear(packed, fp8_dtype)
-        self.out_proj = Fp8Linear(attn.out_proj, fp8_dtype)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).view(x.shape[0], 3, self.heads, self.head_dim).unbind(1)
-        return self.out_proj(attend(q, k, v, cos, sin, lengths))
-
-
 class Fp8VisionMLP(nn.Module):
     """A VisionMLP with FP8 fc1 and fc2 (the GELU between them fused with fc2's input quantization)."""
 
@@ -301,13 +281,15 @@ class Fp8Projector(nn.Module):
 @torch.no_grad()
 def quantize_vision_encoder(encoder: VisionEncoder, quantization: str) -> VisionEncoder:
     """`encoder` (loaded) with its linears in FP8 W8A8 under any `quantization` but "none", in place, layer by layer
-    (each layer's float weights are freed as it is done), and returned. q/k/v are packed into one FP8 linear; each
-    GELU is fused with the quantization of the linear after it."""
+    (each layer's float weights are freed as it is done), and returned. The attention's packed q|k|v linear becomes
+    one FP8 linear (one quantization of the input, one GEMM; the scales are per output row, so the packing changes
+    no value) and out_proj another, in place; each GELU is fused with the quantization of the linear after it."""
     fp8 = fp8_for(quantization, encoder.embeddings.proj.weight.device)
     if fp8 is None:
         return encoder
     for layer in encoder.layers:
-        layer.self_attn = Fp8VisionAttention(layer.self_attn, fp8)
+        attn = layer.self_attn
+        attn.qkv_proj, attn.out_proj = Fp8Linear(attn.qkv_proj, fp8), Fp8Linear(attn.out_proj, fp8)
         layer.mlp = Fp8VisionMLP(layer.mlp, fp8)
     encoder.projector = Fp8Projector(encoder.projector, fp8)
     return encoder

@@ -4,7 +4,8 @@ width and fuses each 2x2 merge window into one text embedding.
 Input is the preprocessor's output (m3sdk.model.image_processor, `ImageProcessor.patches`): `pixels`
 [P, C*T*ps*ps] for P patches of all images, laid out 2x2-merge-window-major, and `grid_thw` [N, 3] = (t, h, w) in
 patches per image. Output is [P / merge**2, text_hidden]: one embedding per image token, images in order.
-Attention is bidirectional and never crosses images (one SDPA call per image).
+Attention is bidirectional and never crosses images (one SDPA call per image). q, k and v come from one packed
+linear; their split and RoPE are one pass (m3sdk_kernels.vision_rope) into the layout SDPA reads without a copy.
 
 Under the engine's `quantization` (other than "none") the loader puts the linears of every layer and of the projector
 into FP8 W8A8 (`quantize.quantize_vision_encoder`); the patch embedding, the norms and the biases stay as loaded.
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from m3sdk.errors import CheckpointError
+from m3sdk_kernels.reference import vision_qkv_rope_ref
+from m3sdk_kernels.vision_rope import vision_qkv_rope
 
 
 @dataclass(frozen=True)
@@ -106,41 +109,40 @@ class VisionRope(nn.Module):
         return freqs.cos(), freqs.sin()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    rot = cos.shape[-1]
-    head, tail = x[..., :rot], x[..., rot:]
-    x1, x2 = head.chunk(2, dim=-1)
-    rotated = head * cos + torch.cat([-x2, x1], dim=-1) * sin
-    return torch.cat([rotated.to(x.dtype), tail], dim=-1)
-
-
 class VisionAttention(nn.Module):
+    """q, k and v from one packed linear `qkv_proj` [3 * width, width] (rows q | k | v, biases likewise: the
+    loader fills the slices from the checkpoint's q_proj / k_proj / v_proj), then `attend`, then out_proj. The
+    FP8 encoder swaps both linears for FP8 ones in place (`quantize.quantize_vision_encoder`)."""
+
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
         d = config.hidden_size
         self.heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.qkv_proj = nn.Linear(d, 3 * d)
         self.out_proj = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        shape = (x.shape[0], self.heads, self.head_dim)
-        q, k, v = (proj(x).view(shape) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        return self.out_proj(attend(q, k, v, cos, sin, lengths))
+        return self.out_proj(attend(self.qkv_proj(x), cos, sin, lengths, self.heads, self.head_dim))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           lengths: list[int]) -> torch.Tensor:
-    """Bidirectional attention within each image: q, k, v [P, heads, head_dim] (q and k rotated here) -> [P, heads *
-    head_dim]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+def attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int], heads: int,
+           head_dim: int) -> torch.Tensor:
+    """Bidirectional attention within each image (`lengths`: patches per image, in order) of the packed projection
+    qkv [P, 3 * heads * head_dim], q and k rotated by cos, sin [P, R] -> [P, heads * head_dim]."""
+    # q, k (rotated) and v in one pass into one [3, P, heads, head_dim] buffer: the Triton kernel on a GPU, its
+    # reference elsewhere
+    rope = vision_qkv_rope if qkv.is_cuda else vision_qkv_rope_ref
+    q, k, v = rope(qkv, cos, sin, heads, head_dim)
     outs = []
-    # one image at a time, each [1, heads, patches, head_dim]: SDPA's flash and memory-efficient kernels take
-    # 4-D inputs only (3-D ones fall back to the math kernel, which materializes every score)
+    # one image at a time, each [1, heads, patches, head_dim] (a view of the buffer): SDPA's flash and
+    # memory-efficient kernels take 4-D inputs only (3-D ones fall back to the math kernel, which materializes every
+    # score)
     for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
         qi, ki, vi = (t.transpose(0, 1)[None] for t in (qi, ki, vi))
         outs.append(F.scaled_dot_product_attention(qi, ki, vi)[0].transpose(0, 1))
-    return torch.cat(outs).flatten(1)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    # the GPU kernels return [patches, heads, head_dim] in memory (vision_rope.py says why), so this is a view there
+    return out.reshape(out.shape[0], heads * head_dim)
 
 
 class VisionMLP(nn.Module):
@@ -218,8 +220,8 @@ class VisionEncoder(nn.Module):
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
         x = self.pre_layrnorm(self.embeddings(pixels))
+        # cos, sin stay fp32: the rotation computes in fp32 and rounds once, whatever the tower's dtype
         cos, sin = self.rope(vision_positions(grid_thw, self.config.spatial_merge_size, x.device))
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         lengths = [t * h * w for t, h, w in grid_thw]
         for layer in self.layers:
             x = layer(x, cos, sin, lengths)
