@@ -114,14 +114,16 @@ def client_share(base: str, requests: list[BenchRequest], conc: int, start_at: f
 
 
 def measure_procs(base: str, args: argparse.Namespace, vocab: int, server_pid: int | None) -> dict[int, dict]:
-    """`measure` with the streams spread over --client-procs processes (requests dealt round-robin)."""
+    """`measure` with the streams spread over --client-procs processes (requests dealt round-robin; a concurrency
+    below the process count uses that many processes, one stream each: the streams add up to the concurrency)."""
     procs = args.client_procs
     out = {}
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
         def run(requests: list[BenchRequest], conc: int) -> tuple[list[RequestResult], float, float]:
             start_at = time.time() + 2.0  # every process has its client open by then
-            shares = [pool.submit(client_share, base, requests[i::procs], max(1, conc // procs), start_at)
-                      for i in range(procs)]
+            used = min(procs, conc)
+            shares = [pool.submit(client_share, base, requests[i::used], conc // used + (i < conc % used), start_at)
+                      for i in range(used)]
             parts = [f.result() for f in shares]
             results = [r for part in parts for r in part[0]]
             return results, max(p[2] for p in parts) - min(p[1] for p in parts), max(p[3] for p in parts)
