@@ -2,7 +2,7 @@
 time to first token.
 
     PYTHONPATH=src python benchmarks/vision.py [--out DIR] [--steps ...] [--slice DIR] [--dense N --sparse N] [--tiny]
-        [--quantization none fp8] [--vision-quantization auto none]
+        [--quantization none fp8] [--vision-quantization auto fp8]
 
   host     the caller's thread's work per prompt (ImagePrompts.prepare: decode, check, hash, expand; what runs
            before the request is queued) and the bytes the request then holds, for a 1344x1344 noise PNG, a
@@ -13,16 +13,17 @@ time to first token.
   encoder  images/s of the vision tower + projector (MiniMax-M3's vision_config, src/m3sdk/assets/minimax-m3:
            width 1280, 32 layers, 16 heads, projector to 6144; random weights, bf16), at 448x448 and 1344x1344
            (--sides), one encoder call per batch of images, as a step runs it; after warm-up, CUDA-synchronized.
-           Each row twice: the linears in bf16, then the same encoder's linears in FP8 W8A8 (what quantization
-           != "none" loads), with the FP8 embeddings' lowest cosine and largest normalized error against bf16's.
+           Each row twice: the linears in bf16, then the same encoder's linears in FP8 W8A8 (what
+           vision_quantization="fp8" loads), with the FP8 embeddings' lowest cosine and largest normalized error
+           against bf16's.
   ttft     time to first token through the engine on an M3 slice with the vision tower (scripts/make_m3_slice.py
            --vision, written to --slice when it is missing): a prompt of one image (1344x1344 by default) against
            a text prompt of the same token count, both prefilled in one step, no cache hits (every image new).
            The encoder's share is (image - text) / text. A slice has few text layers, so that share is an upper
            bound; the full-model estimate scales the text prefill's per-layer time to M3's 60 layers
            (per layer = (text TTFT - 1-token TTFT) / slice layers). Goal: the encoder adds at most 15 %.
-           One run per --quantization x --vision-quantization ("none" keeps the tower in bf16 under a quantized
-           text model).
+           One run per --quantization x --vision-quantization ("auto" keeps the tower in bf16, "fp8" serves its
+           linears in FP8).
   --tiny   m3-tiny-vl (built with tests/oracle, needs transformers) on the CPU, fp32, small batches: checks that
            the script runs; its figures mean nothing.
 
@@ -253,7 +254,7 @@ async def step_ttft(args, device: torch.device, quantization: str, vision_quanti
     per_layer = max(text - one, 0.0) / layers
     full_text = one + per_layer * M3_LAYERS
     full_share = extra / full_text
-    tower = "fp8" if quantization != "none" and vision_quantization == "auto" else "model dtype"
+    tower = "fp8" if vision_quantization == "fp8" else "model dtype"
     row = dict(step="ttft", model=str(model), layers=layers, quantization=quantization, vision_linears=tower,
                image_side=args.image_side, prompt_tokens=n,
                ttft_one_token_ms=round(one * 1e3, 2), ttft_text_ms=round(text * 1e3, 2),
@@ -285,9 +286,9 @@ def main() -> None:
     p.add_argument("--sparse", type=int, default=1, help="the slice's sparse layers, when it is written here")
     p.add_argument("--image-side", type=int, default=1344)
     p.add_argument("--quantization", nargs="+", default=["none"], choices=QUANTIZATIONS,
-                   help="ttft: the engine's quantization, one run each (the vision tower's linears follow it)")
+                   help="ttft: the text model's quantization, one run each")
     p.add_argument("--vision-quantization", nargs="+", default=["auto"], choices=VISION_QUANTIZATIONS,
-                   help="ttft: 'none' keeps the tower in bf16 under a quantized text model, one run each")
+                   help="ttft: the vision tower's linears ('auto': bf16, 'fp8'), one run each")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
@@ -323,9 +324,9 @@ def main() -> None:
     if "encoder" in args.steps:
         step_encoder(args, device, dtype)
     if "ttft" in args.steps:
-        runs = [(q, v) for q in args.quantization for v in args.vision_quantization if q != "none" or v == "auto"]
-        for quantization, vision_quantization in runs:  # "none" x "none" would repeat "none" x "auto"
-            asyncio.run(step_ttft(args, device, quantization, vision_quantization))
+        for quantization in args.quantization:
+            for vision_quantization in args.vision_quantization:
+                asyncio.run(step_ttft(args, device, quantization, vision_quantization))
 
 
 if __name__ == "__main__":

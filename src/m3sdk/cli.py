@@ -239,8 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="quantize weights at load: fp8 attention and MLPs, fp8_experts also the experts "
                             "in fp8, mxfp4 the experts in mxfp4 (default: none)")
         g.add_argument("--vision-quantization", choices=VISION_QUANTIZATIONS, default="auto",
-                       help="the vision encoder's linears: auto = fp8 under any --quantization but none, none = "
-                            "in the model dtype (default: auto)")
+                       help="the vision encoder's linears: auto and none = in the model dtype, fp8 = FP8 W8A8 "
+                            "(default: auto)")
         g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                        help="dummy: random weights for the model's config.json alone, made on the device (for "
                             "memory and speed runs without a checkpoint; default: auto = the checkpoint's)")

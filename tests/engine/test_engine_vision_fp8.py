@@ -1,6 +1,6 @@
-"""Image prompts through an engine with `quantization="fp8"`: the vision encoder's linears are FP8 too
-(`vision_quantization="auto"`), generation is finite and deterministic; `vision_quantization="none"` keeps the tower
-in the model dtype, bit for bit the unquantized encoder's."""
+"""Image prompts through an engine with `quantization="fp8"`: with `vision_quantization="fp8"` the vision encoder's
+linears are FP8 too, generation is finite and deterministic; by default ("auto", as "none") the tower stays in the
+model dtype, bit for bit the unquantized encoder's."""
 
 import math
 
@@ -44,13 +44,13 @@ async def run(e: Engine) -> tuple[list[int], list[float]]:
 
 def test_vision_quantization_is_validated():
     with pytest.raises(ValueError, match="vision_quantization must be one of"):
-        EngineConfig(vision_quantization="fp8")
+        EngineConfig(vision_quantization="int8")
 
 
 async def test_fp8_engine_with_images(vl_checkpoint):
     outs = []
     for _ in range(2):
-        async with engine(vl_checkpoint, quantization="fp8") as e:
+        async with engine(vl_checkpoint, quantization="fp8", vision_quantization="fp8") as e:
             encoder = e._running_core().images.encoder
             assert isinstance(encoder.layers[0].mlp.fc1, Fp8Linear)
             assert isinstance(encoder.projector.merge_linear_2, Fp8Linear)
@@ -66,9 +66,10 @@ async def test_fp8_engine_with_images(vl_checkpoint):
     assert outs[0] == outs[1]  # two engines, the same tokens and logprobs
 
 
-async def test_vision_quantization_none_keeps_the_loaded_tower(vl_checkpoint):
+@pytest.mark.parametrize("vision_quantization", ["auto", "none"])
+async def test_the_default_and_none_keep_the_loaded_tower(vl_checkpoint, vision_quantization):
     plain = load_vision_encoder(vl_checkpoint, dtype=torch.float32)
-    async with engine(vl_checkpoint, quantization="fp8", vision_quantization="none") as e:
+    async with engine(vl_checkpoint, quantization="fp8", vision_quantization=vision_quantization) as e:
         encoder = e._running_core().images.encoder
         assert type(encoder.layers[0].mlp.fc1) is torch.nn.Linear
         assert "linears float32" in e.describe()["vision"]
@@ -85,6 +86,6 @@ def test_vision_quantization_from_the_cli(vl_checkpoint):
     def config(*flags: str) -> EngineConfig:
         return _engine_config(build_parser().parse_args(["info", "--model", str(vl_checkpoint), *flags]))
 
-    assert config("--quantization", "fp8").vision_quantization == "auto"
-    chosen = config("--quantization", "fp8", "--vision-quantization", "none")
-    assert (chosen.quantization, chosen.vision_quantization) == ("fp8", "none")
+    assert config("--quantization", "fp8").vision_encoder_quantization() == "none"
+    chosen = config("--vision-quantization", "fp8")
+    assert (chosen.quantization, chosen.vision_encoder_quantization()) == ("none", "fp8")

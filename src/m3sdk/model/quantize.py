@@ -11,9 +11,9 @@
 - "fp8_experts": "fp8", plus the routed experts and the shared expert stacked the same way in FP8 (one scale per
            output row; the fused MoE kernels quantize their activations per token, the intermediate per 64
            columns: the stack's width is padded to 64).
-Under every choice but "none" the vision encoder of a VL checkpoint (m3sdk.model.vision) gets FP8 W8A8 linears too
-(`quantize_vision_encoder`): attention q/k/v/out, MLP fc1/fc2 and the projector's four, biases kept as loaded; its
-patch embedding and norms stay as loaded. The engine's `vision_quantization="none"` keeps the whole tower as loaded.
+With the engine's `vision_quantization="fp8"` the vision encoder of a VL checkpoint (m3sdk.model.vision) gets FP8
+W8A8 linears (`quantize_vision_encoder`): attention q/k/v/out, MLP fc1/fc2 and the projector's four, biases kept
+as loaded; its patch embedding and norms stay as loaded. Otherwise the whole tower stays as loaded.
 Experts a checkpoint stores in an MX format (the loader builds their QuantizedMoE) stay as stored under every
 choice; "mxfp4" and "fp8_experts" refuse stored experts of another format rather than requantize them.
 Any width the architecture allows is served by zero padding at load, which changes no output: FP8 weight rows

@@ -7,8 +7,8 @@ patches per image. Output is [P / merge**2, text_hidden]: one embedding per imag
 Attention is bidirectional and never crosses images (one SDPA call per image). q, k and v come from one packed
 linear; their split and RoPE are one pass (m3sdk_kernels.vision_rope) into the layout SDPA reads without a copy.
 
-Under the engine's `quantization` (other than "none") the loader puts the linears of every layer and of the projector
-into FP8 W8A8 (`quantize.quantize_vision_encoder`); the patch embedding, the norms and the biases stay as loaded.
+With the engine's `vision_quantization="fp8"` the loader puts the linears of every layer and of the projector into
+FP8 W8A8 (`quantize.quantize_vision_encoder`); the patch embedding, the norms and the biases stay as loaded.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Each layer's packed attention projection `self_attn.qkv_proj` (weight and bias) 
 `self_attn.{q,k,v}_proj` tensors, one third of its rows each (m3sdk.model.vision.VisionAttention).
 
 The encoder is small next to the text model (M3: ~0.9B parameters), so its tensors are read whole; under a
-`quantization` other than "none" its linears then go to FP8 (m3sdk.model.quantize.quantize_vision_encoder).
+`quantization` other than "none" (the engine passes "fp8" for `vision_quantization="fp8"`) its linears then go to
+FP8 (m3sdk.model.quantize.quantize_vision_encoder).
 """
 
 from __future__ import annotations
