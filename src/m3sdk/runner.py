@@ -34,7 +34,8 @@ class StepMirror(Protocol):
     call, parallel/group.py TensorParallel)."""
 
     def mirror(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool,
-               logits_indices: torch.Tensor | None, aux_layers: Sequence[int]) -> None: ...
+               logits_indices: torch.Tensor | None, aux_layers: Sequence[int],
+               embed_override: tuple[torch.Tensor, torch.Tensor] | None = None) -> None: ...
 
 
 class ModelRunner:
@@ -99,7 +100,7 @@ class ModelRunner:
             input_ids[packed[len(ids):len(ids) + len(dst)]] = carry.tokens[packed[len(ids) + len(dst):]]
         indices = to_device(logits_rows, torch.int64, self.device) if logits_rows else None
         if self.mirror is not None:
-            self.mirror.mirror(input_ids, meta, self.cache.kv, indices, aux_layers)
+            self.mirror.mirror(input_ids, meta, self.cache.kv, indices, aux_layers, override)
         hidden, logits, *aux = self.model(input_ids, meta, self.cache.kv, indices, aux_layers, layer_hook,
                                           embed_override=override)
         return logits, hidden, aux[0] if aux else None

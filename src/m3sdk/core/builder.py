@@ -90,7 +90,7 @@ def _assemble(rc: ResolvedConfig, model: MiniMaxM3ForCausalLM, tp: TensorParalle
     factory = config.scheduler
     if isinstance(factory, str):
         factory = SCHEDULERS.get(factory)
-    images = _images(rc, tokenizer, tp)
+    images = _images(rc, tokenizer)
     scheduler = factory(cache, config, images)
     log.info("engine built", model=str(rc.model_path), device=str(rc.device), dtype=str(rc.dtype),
              pages=cache.num_pages, max_model_len=max_model_len)
@@ -132,11 +132,12 @@ def tokenizer_path(rc: ResolvedConfig) -> Path:
     return rc.model_path
 
 
-def _images(rc: ResolvedConfig, tokenizer: Tokenizer, tp: TensorParallel | None) -> ImagePrompts | None:
-    """Image prompts, when the checkpoint has a vision encoder and images are asked for (limit_images > 0); the
-    encoder runs on rank 0's device only, so tensor-parallel engines take text only for now. A decode engine with
-    prefill_nodes and prefill_fallback "error" loads no encoder: its prefill nodes compute every image token."""
-    if rc.engine.limit_images == 0 or tp is not None:
+def _images(rc: ResolvedConfig, tokenizer: Tokenizer) -> ImagePrompts | None:
+    """Image prompts, when the checkpoint has a vision encoder and images are asked for (limit_images > 0). Under
+    tensor parallel the encoder runs on rank 0's device alone, whole, and each image step's embeddings reach the
+    other ranks with the step (TensorParallel.mirror). A decode engine with prefill_nodes and prefill_fallback
+    "error" loads no encoder: its prefill nodes compute every image token."""
+    if rc.engine.limit_images == 0:
         return None
     config = rc.engine
     encoder = None

@@ -151,14 +151,21 @@ class TensorParallel:
         return cls(model, conns, procs, store)
 
     def mirror(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: KVPool, logits_indices: torch.Tensor | None,
-               aux_layers: Sequence[int]) -> None:
-        """Send the workers the model call rank 0 is about to make (its arguments), so that every rank runs it."""
+               aux_layers: Sequence[int], embed_override: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Send the workers the model call rank 0 is about to make (its arguments), so that every rank runs it.
+        `embed_override` (an image step's rows and their input embeddings, which only rank 0's vision encoder
+        computes) follows in two more broadcasts, the embeddings in the model's dtype."""
         self.use_kv(kv)
         b, width = meta.page_table.shape
         header = (input_ids.shape[0], b, width, meta.max_seqlen_q, meta.max_context_len, tuple(aux_layers),
-                  -1 if logits_indices is None else logits_indices.shape[0])
+                  -1 if logits_indices is None else logits_indices.shape[0],
+                  0 if embed_override is None else embed_override[0].shape[0])
         self.send((STEP, header))
         dist.broadcast(pack_step(input_ids, meta, logits_indices), src=0)
+        if embed_override is not None:
+            rows, embeds = embed_override
+            dist.broadcast(rows, src=0)
+            dist.broadcast(embeds.to(self.model.embed_tokens.weight.dtype).contiguous(), src=0)
 
     def use_kv(self, kv: KVPool) -> None:
         """The workers' KV pools follow rank 0's: a new pool's spec goes over the pipe before its first use."""

@@ -62,9 +62,11 @@ def serve(spec: dict, conn: Connection) -> None:
         if kind == KV:
             kv = KVPool(dataclasses.replace(body, device=device))
         elif kind == STEP:
-            t, b, width, max_seqlen_q, max_context_len, aux_layers, n_logits = body
+            t, b, width, max_seqlen_q, max_context_len, aux_layers, n_logits, n_override = body
             input_ids, meta, indices = _receive(device, t, b, width, max_seqlen_q, max_context_len, n_logits)
-            model(input_ids, meta, kv, indices, aux_layers)  # with indices: its part of lm_head's all-gather
+            override = _receive_override(model, n_override) if n_override else None
+            # with indices: its part of lm_head's all-gather
+            model(input_ids, meta, kv, indices, aux_layers, embed_override=override)
         elif kind == REPLAY:  # rank 0's static inputs straight into this rank's identical buffer
             key, num_updates = body
             dist.broadcast(graphs.used_inputs(num_updates), src=0)
@@ -86,6 +88,16 @@ def _receive(device: torch.device, t: int, b: int, width: int, max_seqlen_q: int
     payload = torch.empty(step_numel(t, b, width, n_tail), dtype=torch.int64, device=device)
     dist.broadcast(payload, src=0)
     return unpack_step(payload, t, b, width, max_seqlen_q, max_context_len, n_tail)
+
+
+def _receive_override(model: torch.nn.Module, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An image step's `n` rows and their input embeddings, broadcast by rank 0 (TensorParallel.mirror)."""
+    weight = model.embed_tokens.weight
+    rows = torch.empty(n, dtype=torch.int64, device=weight.device)
+    embeds = torch.empty((n, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    dist.broadcast(rows, src=0)
+    dist.broadcast(embeds, src=0)
+    return rows, embeds
 
 
 def main() -> None:
