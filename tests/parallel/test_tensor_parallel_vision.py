@@ -4,29 +4,21 @@ tokens as one rank (itself held against transformers in tests/engine/test_engine
 through the images, text-only requests in the same steps, and an image prompt served again from the caches."""
 
 import asyncio
-import io
 
 import pytest
 import torch
-from oracle import ORACLE_IMAGE_TOKEN, make_vl_checkpoint
+from oracle import ORACLE_IMAGE_TOKEN, make_vl_checkpoint, random_png
 
 from m3sdk import Engine
 
-Image = pytest.importorskip("PIL.Image")
+pytest.importorskip("PIL.Image")
 IMG = ORACLE_IMAGE_TOKEN
 ONE = [5, 6, 7, IMG, 40, 41, 42]
 TWO = [9, IMG, 10, 11, IMG, 12]
 TEXT = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
 
 
-def png(h: int, w: int, seed: int) -> bytes:
-    rgb = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-    buf = io.BytesIO()
-    Image.frombytes("RGB", (w, h), rgb.numpy().tobytes()).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-A, B = png(100, 150, 0), png(60, 90, 1)  # 20 and 6 image tokens
+A, B = random_png(100, 150, 0), random_png(60, 90, 1)  # 20 and 6 image tokens
 
 
 async def _greedy(checkpoint, **overrides) -> list[list[int]]:
