@@ -5,8 +5,9 @@ On a GPU, Triton compiles a kernel variant the first time a shape class is launc
 counts and integer specializations follow the batch, the query length and the context: a prompt whose prefix is
 cached prefills a 16-token tail at a 512 context, a different variant from its first, whole prefill), cuBLAS picks
 algorithms per shape and the pinned host pool fills. The vision encoder, where there is one, encodes three synthetic
-images whose patch counts reach each FP8 GEMM tile table (`quantization` other than "none"). Triton keeps what it
-compiled in its disk cache, so a later start on the same machine pays milliseconds here.
+images (its RoPE kernel compiles; with FP8 linears, `vision_quantization="fp8"`, their patch counts reach each FP8
+GEMM tile table). Triton keeps what it compiled in its disk cache, so a later start on the same machine pays
+milliseconds here.
 """
 
 from __future__ import annotations
