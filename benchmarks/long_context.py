@@ -194,15 +194,20 @@ def step_gpu(args) -> None:
 
     async def serve() -> None:
         async with Engine(**config) as engine:
+            base_bytes = torch.cuda.memory_allocated()
             for context in args.contexts:
                 flops = prompt_flops(engine._core.runner.model, context)
                 floor = prompt_floor(flops, rates, args.quantization)
                 # the first request at a context bucket captures its decode graph (once per engine): the last of
                 # --repeat runs is the table's, the first is recorded as cold
                 for run in range(args.repeat):
+                    torch.cuda.reset_peak_memory_stats()
                     point = await engine_point(engine, context, args.output_len, run)
+                    # the device memory the request's prefill and decode needed beyond the engine's fixed pools
+                    peak_gib = (torch.cuda.max_memory_allocated() - base_bytes) / 2**30
                     record(step="engine", context=context, chunk=args.chunk, run=run, warm=run == args.repeat - 1,
                            **point, flops=flops, ttft_floor_s=floor, ttft_over_floor=point["ttft_s"] / floor,
+                           peak_gib_over_idle=peak_gib,
                            stats={k: v for k, v in engine.stats().items() if k in ("steps", "graph_steps")})
 
     asyncio.run(serve())

@@ -126,8 +126,14 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
                  qk_scale, stride_cp, stride_sp, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  X: tl.constexpr,
                  SHUFFLE: tl.constexpr, FP8: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
-                 KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr):
+                 KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr, MASKED: tl.constexpr = True,
+                 Q_FP8: tl.constexpr = False):
     """Online-softmax update of (acc, m_i, l_i) with keys start .. start + BLOCK_N - 1 (< kv_end).
+
+    MASKED=False: every key of the tile is below kv_end and visible to every row (a tile before the program's first
+    query): no masks, and every row's maximum is finite. Q_FP8: q is FP8 (rows scaled into its range) and the scores
+    come from an FP8 dot with the cached keys as they are; `qk_scale` is then a per-row vector (q's scale times the
+    softmax scale).
 
     KEYS_M (bf16 decode; sm90's dense default): the keys are the MMA's M (a decode tile's 16 rows are too few for
     an sm90 wgmma's 64): q is q^T [HEAD_DIM, BLOCK_M], acc is O^T [HEAD_DIM, BLOCK_M], and l is kept per key
@@ -141,11 +147,15 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     off = n % PAGE
     # ALL_SLOTS: K/V loaded unmasked (no per-row predicates): keys past kv_end read the tail of the sequence's last
     # page or (past its pages) that page again, finite values (Contract 1) that the masked scores weigh by p = 0.
-    # The scale loads keep their masks (unmasked too, the sm90 dense kernel spilled).
-    if ALL_SLOTS:
+    # The scale loads keep their masks (unmasked too, the sm90 dense kernel spilled), except in MASKED=False tiles.
+    if ALL_SLOTS or not MASKED:
         ld_ok = tl.full([BLOCK_N], 1, tl.int1)
     else:
         ld_ok = key_ok
+    if MASKED:
+        scale_ok = key_ok
+    else:
+        scale_ok = ld_ok
     k = tl.load(k_base + page[:, None] * stride_cp + slot_offsets(off[:, None], d[None, :], HEAD_DIM, X, SHUFFLE,
                                                                    False),
                 mask=ld_ok[:, None] & d_ok[None, :], other=0.0)
@@ -160,15 +170,26 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         v = _v_tile(v_base, page, off, d, d_ok, ld_ok, in_pages, stride_cp, HEAD_DIM, X, SHUFFLE)
         acc = acc * alpha[None, :] + tl.dot(tl.trans(v).to(DOT), p.to(DOT))  # O^T
     else:
-        s = tl.dot(q, tl.trans(k.to(DOT)))
+        if Q_FP8:
+            s = tl.dot(q, tl.trans(k)) * qk_scale[:, None]
+        else:
+            s = tl.dot(q, tl.trans(k.to(DOT)))
         if FP8:
-            s *= (tl.load(ks_base + page * stride_sp + off, mask=key_ok, other=0.0) * qk_scale)[None, :]
+            ks = tl.load(ks_base + page * stride_sp + off, mask=scale_ok, other=0.0)
+            if Q_FP8:
+                s *= ks[None, :]
+            else:
+                s *= (ks * qk_scale)[None, :]
         else:
             s *= qk_scale
-        visible = key_ok[None, :] & (n[None, :] <= pos[:, None]) & row_sel[:, None]
-        s = tl.where(visible, s, float("-inf"))
+        if MASKED:
+            visible = key_ok[None, :] & (n[None, :] <= pos[:, None]) & row_sel[:, None]
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at zero weight
+        if MASKED:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at weight 0
+        else:
+            m_safe = m_new
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -176,7 +197,7 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
         if FP8:
             # p * v_scale * fp8_max = p * amax of the token's V row: in fp16 range for any sane activation, and
             # no per-tile reduction (the caller divides the output by V_MUL = fp8_max once)
-            vs = tl.load(vs_base + page * stride_sp + off, mask=key_ok, other=0.0)
+            vs = tl.load(vs_base + page * stride_sp + off, mask=scale_ok, other=0.0)
             pv = tl.dot((p * (vs * V_MUL)[None, :]).to(DOT), v.to(DOT))
         else:
             pv = tl.dot(p.to(DOT), v.to(DOT))
@@ -194,7 +215,7 @@ def _attn_kernel(
         SHUFFLE: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr, TOPK: tl.constexpr,
         TOPK_PAD: tl.constexpr, SEL_BLOCK: tl.constexpr, V_MUL: tl.constexpr, DOT: tl.constexpr,
         PAGE_AHEAD: tl.constexpr, MERGE_LAST: tl.constexpr, KEYS_M: tl.constexpr, ALL_SLOTS: tl.constexpr,
-        ONE_EACH: tl.constexpr, PDL: tl.constexpr):
+        ONE_EACH: tl.constexpr, PDL: tl.constexpr, BULK: tl.constexpr = False, Q_FP8: tl.constexpr = False):
     if PDL:  # launched as a programmatic dependent (CUDA): the next kernel may launch at once; this one reads
         # nothing before the previous kernel is done
         tl.extra.cuda.gdc_launch_dependents()
@@ -225,9 +246,18 @@ def _attn_kernel(
         pos = ctx - n_q + qi
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        qk = qk_scale
         if KEYS_M:
             q = tl.trans(q.to(DOT))
             acc = tl.zeros([D_PAD, BLOCK_M], dtype=tl.float32)
+        elif Q_FP8:
+            # each row scaled to the FP8 range by its own amax (V_MUL is the FP8 maximum); the row's scale joins the
+            # softmax scale, applied to the dot's fp32 scores
+            qf = q.to(tl.float32)
+            q_row = tl.maximum(tl.max(tl.abs(qf), 1), 1e-30) / V_MUL
+            q = (qf / q_row[:, None]).to(k_cache.dtype.element_ty)
+            qk = q_row * qk_scale
+            acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
         else:
             q = q.to(DOT)
             acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
@@ -267,7 +297,7 @@ def _attn_kernel(
                     end = _block_end(blk, kv_end, SEL_BLOCK, BLOCK_N)
                     page = tile_pages(pages_ptr, start, end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base, v_base, ks_base,
-                                             vs_base, page, qk_scale, stride_cp, stride_sp, HEAD_DIM, D_PAD,
+                                             vs_base, page, qk, stride_cp, stride_sp, HEAD_DIM, D_PAD,
                                              BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M, ALL_SLOTS)
                 if PAGE_AHEAD:
                     start, end, page = nxt_start, nxt_end, nxt
@@ -292,7 +322,7 @@ def _attn_kernel(
                             page = tile_pages(pages_ptr, start, kv_end, BLOCK_N)
                             end = _block_end(cur, kv_end, SEL_BLOCK, BLOCK_N)
                             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start, end, pos, row_sel, k_base,
-                                                         v_base, ks_base, vs_base, page, qk_scale, stride_cp,
+                                                         v_base, ks_base, vs_base, page, qk, stride_cp,
                                                          stride_sp, HEAD_DIM, D_PAD, BLOCK_N, X, SHUFFLE, FP8, V_MUL,
                                                          DOT, KEYS_M, ALL_SLOTS)
                 cur = tl.min(tl.min(tl.where(sel > cur, sel, _BIG), 1), 0)
@@ -306,16 +336,34 @@ def _attn_kernel(
             # are issued after the previous tile's dots and waited for at once. Carried, num_stages - 1 tiles are in
             # flight, which FP8 pages need (half the bytes per tile); bf16 measured faster without (docs/perf.md).
             # (Ids carried two tiles ahead made the sm90 pipeliner give up: no cp.async at all.)
-            page = tile_pages(pages_ptr, split * per * BLOCK_N, kv_end, BLOCK_N)
-            for t in range(split * per, tl.minimum(split * per + per, tiles)):
+            lo = split * per
+            hi = tl.minimum(lo + per, tiles)
+            page = tile_pages(pages_ptr, lo * BLOCK_N, kv_end, BLOCK_N)
+            if BULK:
+                # the tiles before the program's first query are seen whole by every row: no masks there. After
+                # this loop `page` holds (with PAGE_AHEAD) the page ids of the first masked tile.
+                bulk = tl.maximum(tl.minimum((ctx - n_q + first + 1) // BLOCK_N, hi), lo)
+                for t in range(lo, bulk):
+                    if PAGE_AHEAD:
+                        nxt = tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
+                    else:
+                        page = tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
+                    acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base,
+                                                 v_base, ks_base, vs_base, page, qk, stride_cp, stride_sp,
+                                                 HEAD_DIM, D_PAD, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M,
+                                                 ALL_SLOTS, False, Q_FP8)
+                    if PAGE_AHEAD:
+                        page = nxt
+                lo = bulk
+            for t in range(lo, hi):
                 if PAGE_AHEAD:
                     nxt = tile_pages(pages_ptr, (t + 1) * BLOCK_N, kv_end, BLOCK_N)
                 else:
                     page = tile_pages(pages_ptr, t * BLOCK_N, kv_end, BLOCK_N)
                 acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, t * BLOCK_N, kv_end, pos, row_sel, k_base, v_base,
-                                             ks_base, vs_base, page, qk_scale, stride_cp, stride_sp,
+                                             ks_base, vs_base, page, qk, stride_cp, stride_sp,
                                              HEAD_DIM, D_PAD, BLOCK_N, X, SHUFFLE, FP8, V_MUL, DOT, KEYS_M,
-                                             ALL_SLOTS)
+                                             ALL_SLOTS, True, Q_FP8)
                 if PAGE_AHEAD:
                     page = nxt
         if KEYS_M:
@@ -450,6 +498,10 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             # every sequence has exactly one query token (max_seqlen_q is never below the true maximum: Contract 2)
             "ONE_EACH": int(max_seqlen_q == 1 and num_tokens == num_seqs),
             "PDL": cfg.get("PDL", 0),
+            # dense prefill: unmasked tiles before each program's first query (BULK); FP8 scores of an FP8 cache
+            # (Q_FP8: on GPUs only, the interpreter has no FP8 dot)
+            "BULK": int(block_q > 1 and not sparse and cfg.get("BULK", 0)),
+            "Q_FP8": int(block_q > 1 and not sparse and fp8 and cfg.get("Q_FP8", 0) and not interpreting()),
             "maxnreg": cfg.get("maxnreg")}
 
 
@@ -519,8 +571,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP8=fp8, SPARSE=sparse, TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), SEL_BLOCK=block_size,
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
-        ALL_SLOTS=plan["ALL_SLOTS"], ONE_EACH=plan["ONE_EACH"], PDL="launch_pdl" in limits,
-        num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
+        ALL_SLOTS=plan["ALL_SLOTS"], ONE_EACH=plan["ONE_EACH"], PDL="launch_pdl" in limits, BULK=plan["BULK"],
+        Q_FP8=plan["Q_FP8"], num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                      HEAD_DIM=head_dim, D_PAD=dim_tile(head_dim), NUM_SPLITS=splits,
@@ -570,7 +622,8 @@ def aot_variants(arch: Arch) -> list:
                         "V_MUL": arch.fp8_max if kv == "fp8" else 1.0,
                         "DOT": tl.float16 if kv == "fp8" else tl.bfloat16, "PAGE_AHEAD": plan["PAGE_AHEAD"],
                         "MERGE_LAST": plan["MERGE_LAST"], "KEYS_M": plan["KEYS_M"],
-                        "ALL_SLOTS": plan["ALL_SLOTS"], "ONE_EACH": plan["ONE_EACH"], "PDL": plan["PDL"]},
+                        "ALL_SLOTS": plan["ALL_SLOTS"], "ONE_EACH": plan["ONE_EACH"], "PDL": plan["PDL"],
+                        "BULK": plan["BULK"], "Q_FP8": plan["Q_FP8"]},
             num_warps=plan["num_warps"], num_stages=plan["num_stages"], maxnreg=plan["maxnreg"],
             aligned=("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cp", "stride_ch", "stride_sp",
                      "stride_sh", "stride_sel_h", "stride_sel_t")))

@@ -200,3 +200,25 @@ def test_decode_one_token_each(monkeypatch, kv_dtype, device):
     assert plan["ONE_EACH"] == 1 and plan["NUM_SPLITS"] == 4 and plan["MERGE_LAST"] == 1
     assert attention_plan(len(ctx) - 1, len(ctx), HKV, GROUP, 1, max(ctx), False, 1, 128)["ONE_EACH"] == 0
     dense_and_msa_decode_match(make_step(ctx, new, HKV, D, kv_dtype, "plain", device=device), new, device)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_prefill_bulk_tiles_match_reference(monkeypatch, kv_dtype, device):
+    """Chunks behind long prefixes, with the unmasked tiles before each program's first query (BULK) and without:
+    programs whose first query sits on, before and past a tile edge, a chunk shorter than a tile, split ranges. On
+    a GPU, FP8 pages also take the FP8 score dot (Q_FP8, the sm90 default)."""
+    ctx, new = [300, 161, 90], [37, 97, 3]
+    step = make_step(ctx, new, 1, D, kv_dtype, "plain", device=device)
+    q = torch.randn(sum(new), GROUP, D).to(device, torch.bfloat16)
+    outs = []
+    for bulk in (0, 1):
+        for family in ("attn_prefill", "attn_prefill:fp8"):
+            monkeypatch.setitem(arch.TILES[family], "sm90", {**arch.TILES[family]["sm90"], "BULK": bulk, "BLOCK_N": 32})
+        plan = attention_plan(sum(new), len(new), 1, GROUP, max(new), max(ctx), False, 1, 128, kv_dtype == "fp8")
+        assert plan["BULK"] == bulk
+        on_sm90 = device.type == "cuda" and arch.current_arch().name == "sm90"
+        assert plan["Q_FP8"] == int(on_sm90 and kv_dtype == "fp8")
+        got, ref = run(step, q, D**-0.5)
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+        outs.append(got)
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=2e-3)
