@@ -499,7 +499,8 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             "ONE_EACH": int(max_seqlen_q == 1 and num_tokens == num_seqs),
             "PDL": cfg.get("PDL", 0),
             # dense prefill: unmasked tiles before each program's first query (BULK); FP8 scores of an FP8 cache
-            # (Q_FP8: on GPUs only, the interpreter has no FP8 dot)
+            # (Q_FP8: on GPUs only, the interpreter has no FP8 dot; at launch only for heads of 32+ dimensions, an
+            # FP8 dot's smallest K)
             "BULK": int(block_q > 1 and not sparse and cfg.get("BULK", 0)),
             "Q_FP8": int(block_q > 1 and not sparse and fp8 and cfg.get("Q_FP8", 0) and not interpreting()),
             "maxnreg": cfg.get("maxnreg")}
@@ -572,7 +573,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         V_MUL=torch.finfo(v_cache.dtype).max if fp8 else 1.0, DOT=dot_dtype(k_cache.dtype),
         PAGE_AHEAD=plan["PAGE_AHEAD"], MERGE_LAST=plan["MERGE_LAST"], KEYS_M=plan["KEYS_M"],
         ALL_SLOTS=plan["ALL_SLOTS"], ONE_EACH=plan["ONE_EACH"], PDL="launch_pdl" in limits, BULK=plan["BULK"],
-        Q_FP8=plan["Q_FP8"], num_warps=plan["num_warps"], num_stages=plan["num_stages"], **limits)
+        Q_FP8=plan["Q_FP8"] and dim_tile(head_dim) >= 32, num_warps=plan["num_warps"], num_stages=plan["num_stages"],
+        **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
         _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
                                      HEAD_DIM=head_dim, D_PAD=dim_tile(head_dim), NUM_SPLITS=splits,
