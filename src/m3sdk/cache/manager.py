@@ -149,12 +149,10 @@ class PagedCacheManager:
 
     def release_pages(self, pages: Sequence[int]) -> None:
         # Tail first: parked last-pages are evicted before the prefixes they depend on.
-        for page in reversed(pages):
-            if self.pool.decref(page) == 0:
-                if self.prefix is not None and self.prefix.holds(page):
-                    self.prefix.park(page)
-                else:
-                    self.pool.release(page)
+        unheld = self.pool.decref_all(reversed(pages))
+        if self.prefix is not None:
+            unheld = self.prefix.park_held(unheld)
+        self.pool.release_all(unheld)
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         table = self._tables.get(request.request_id)
@@ -162,9 +160,7 @@ class PagedCacheManager:
         if table is None or len(table) <= keep:
             return
         self._tables[request.request_id] = table[:keep]  # a new list: the old one's entries stay as they were
-        for page in reversed(table[keep:]):
-            self.pool.decref(page)
-            self.pool.release(page)
+        self.pool.release_all(self.pool.decref_all(reversed(table[keep:])))
 
     def stats(self) -> dict[str, int]:
         return {

@@ -7,6 +7,7 @@ prefix cache (still holding valid K/V and index keys, evictable); the pool only 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from m3sdk_kernels.layout import PAGE_SIZE
 
@@ -37,15 +38,25 @@ class PagePool:
     def incref(self, page: int) -> None:
         self.ref_counts[page] += 1
 
-    def decref(self, page: int) -> int:
-        """Drop one holder; returns the holders left. At 0 the caller frees or parks the page."""
-        count = self.ref_counts[page] - 1
-        if count < 0:
-            raise RuntimeError(f"page {page} released more often than taken")
-        self.ref_counts[page] = count
-        return count
+    def decref_all(self, pages: Iterable[int]) -> list[int]:
+        """Drop one holder of each of `pages` (distinct); returns those left with none, in the order given: the
+        caller frees or parks them. One loop without calls: a million-token request returns 65,000 pages."""
+        counts = self.ref_counts
+        unheld = []
+        for page in pages:
+            count = counts[page] - 1
+            if count < 0:
+                raise RuntimeError(f"page {page} released more often than taken")
+            counts[page] = count
+            if count == 0:
+                unheld.append(page)
+        return unheld
 
     def release(self, page: int) -> None:
         """Return an unreferenced page to the free list."""
         assert self.ref_counts[page] == 0, f"page {page} still held"
         self._free.append(page)
+
+    def release_all(self, pages: Iterable[int]) -> None:
+        """Return pages that `decref_all` left with no holder to the free list, in order."""
+        self._free.extend(pages)

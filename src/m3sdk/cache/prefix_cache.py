@@ -50,12 +50,18 @@ class PrefixCache:
             self._page_of[h] = page
             self._hash_of[page] = h
 
-    def holds(self, page: int) -> bool:
-        return page in self._hash_of
-
-    def park(self, page: int) -> None:
-        """`page` lost its last holder: keep it, most recently used."""
-        self._idle[page] = None
+    def park_held(self, pages: Sequence[int]) -> list[int]:
+        """`pages` lost their last holders: keep the cached ones, most recently used in the order given (the last
+        parked is evicted last); returns the others."""
+        cached = self._hash_of
+        idle = self._idle
+        others = []
+        for page in pages:
+            if page in cached:
+                idle[page] = None
+            else:
+                others.append(page)
+        return others
 
     def unpark(self, page: int) -> None:
         """A request took `page` again."""

@@ -110,9 +110,7 @@ class MtpDrafter(ChainDrafter):
         return PagedContext(first, [])
 
     def drop_context(self, ctx: PagedContext) -> None:
-        for page in ctx.pages:
-            self.pool.decref(page)
-            self.pool.release(page)
+        self.pool.release_all(self.pool.decref_all(ctx.pages))
         ctx.pages.clear()
 
     def run(self, ctxs: list[PagedContext], counts: list[int], token_ids: torch.Tensor, hidden: torch.Tensor,
