@@ -213,6 +213,9 @@ class EngineCore:
         elif not ex.busy and not chunks:
             return self._nothing_scheduled(plan)
         self._enter("collect the sampled tokens")
+        # the text of the tokens read before (while the device runs the step just launched) goes out first: a token
+        # read now may end its request, whose last chunk must follow them
+        chunks += self.output.flush()
         chunks += self.output.process(ex.collect())
         self._enter("commit and detokenize")
         ex.commit()

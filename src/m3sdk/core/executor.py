@@ -173,8 +173,9 @@ class OverlappedExecutor(Executor):
     into them come before any later step's on the same stream). When N+1 samples a row with a structured output,
     its sampling is launched in `commit`, after N's tokens were accepted (its bitmask needs them).
 
-    With a `choice` (core/overlap.py), a step may read N's tokens first instead (`settle`), whichever kind
-    measured the shorter period at its batch size; without one, every step overlaps."""
+    With a `choice` (core/overlap.py), a step may instead read N's tokens first (`settle`) and then run as a plain
+    step (launch, read at once: `collect`), whichever kind measured the shorter period at its batch size; without
+    one, every step overlaps."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, sampler: Sampler,
                  choice: OverlapChoice | None = None, aux_layers: tuple[int, ...] = ()):
@@ -183,13 +184,14 @@ class OverlappedExecutor(Executor):
         self._prev: SampledStep | None = None  # step N, launched before the step now being scheduled
         # step N+1 whose forward is launched and whose sampling waits for N's tokens (structured outputs)
         self._unsampled: tuple[SampledStep, torch.Tensor] | None = None
+        self._plain = False  # the step in flight is read at once (`collect`), as the plain executor's
 
     @property
     def busy(self) -> bool:
         return self.in_flight is not None or self._prev is not None
 
     def settle(self) -> list[Emitted]:
-        self._prev, self.in_flight = self.in_flight, None
+        self._prev, self.in_flight, self._plain = self.in_flight, None, False
         if self._prev is None:
             return []
         # their next draw reads the host's tokens, or reading first measured faster here: settle them first
@@ -215,6 +217,12 @@ class OverlappedExecutor(Executor):
         if self.choice is not None:
             self.choice.launched(time.perf_counter(), len(rows), self._prev is not None,
                                  all(sc.samples and sc.num_new_tokens == 1 for sc in plan.scheduled))
+            # reading first measured faster at this batch: no step is in flight, so this one runs as a plain step
+            # (its tokens read right after the launch, then emitted), not as one read after the next is emitted
+            self._plain = self._prev is None and not self.choice.overlap(len(rows))
+            if self._plain:
+                super().launch(plan, layer_hook)
+                return
         if self._prev is None or all(r.sampling.grammar is None for r in rows):
             self.in_flight = self._sampled(plan, self._prev, layer_hook, placeholders=True)
             return
@@ -224,6 +232,8 @@ class OverlappedExecutor(Executor):
         self._unsampled = SampledStep(plan, rows, _placeholders(rows), None, prompt), logits
 
     def collect(self) -> list[Emitted]:
+        if self._plain:
+            return super().collect()
         prev, self._prev = self._prev, None
         return prev.resolve() if prev is not None else []
 

@@ -1,5 +1,6 @@
 """OverlapChoice: whether each plain decode step of an overlapped engine overlaps (step N + 1 scheduled and
-launched before N's tokens are read) or reads first (N's tokens read, then N + 1 scheduled), chosen per step from
+launched before N's tokens are read) or reads first (N's tokens read, then N + 1 scheduled, launched and read at
+once, as the synchronous loop's step), chosen per step from
 the periods both kinds measured at the step's batch bucket (m3sdk/step_costs.py).
 
 Overlap hides the device's step behind the host's work; it pays when the device step is the longer of the two.
