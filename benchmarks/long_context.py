@@ -10,11 +10,13 @@ Steps (JSON lines to OUT/long_context.jsonl, a table at the end):
           model's graphs and a real page pool; nothing runs on a device.
   gpu     the slice (benchmarks/serving.py slice) on the H200, per context: one engine request (FP8 KV, --quantization
           fp8 weights) of that many prompt tokens and 32 output tokens, greedy: TTFT and TPOT as the caller sees
-          them; the prompt's FLOP floor (every GEMM at 2 FLOPs per weight per token, the dense layer's causal
-          attention, the sparse layer's 16 x 128 selected keys per query, the indexer's causal scan; `prompt_floor`)
-          at the bf16 and fp8 matmul rates measured here; the decode step's roofline (serving.step_bytes over the read
-          bandwidth measured here) and its graph replay time on a filled cache. Ratios: TTFT / floor (goal <= 1.5),
-          TPOT / roofline and TPOT / replay (goal <= 1.15).
+          them, with the median, p99 and largest gaps between tokens, and the device memory the request needed
+          beyond the engine's pools; the prompt's FLOP floor (every GEMM at 2 FLOPs per weight per token, the dense
+          layer's causal attention, the sparse layer's 16 x 128 selected keys per query, the indexer's causal scan;
+          `prompt_floor`) at the bf16 and fp8 matmul rates measured here; the decode step's roofline
+          (serving.step_bytes over the read bandwidth measured here) and its graph replay time on a filled cache,
+          both at the engine's first decode context (context + 1: its graph's context bucket). Ratios: TTFT / floor
+          (goal <= 1.5), TPOT / roofline and TPOT / replay (goal <= 1.15).
   prefill where a prefill chunk's time goes at a long prefix (H200): one --chunk-token chunk whose prefix ends at
           each context, on a filled FP8 cache of the slice: the whole eager forward of the chunk, and alone the
           dense layer's attention (its TFLOP/s against the bf16 matmul rate measured here), the indexer (scan +
