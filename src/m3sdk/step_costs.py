@@ -35,6 +35,10 @@ class StepCosts:
     def add(self, batch: int, option: int, seconds: float) -> None:
         self.periods[(self.bucket(batch), option)].append(seconds)
 
+    def forget(self, batch: int, option: int) -> None:
+        """Drop the option's periods at the batch's bucket: it is measured afresh."""
+        self.periods[(self.bucket(batch), option)].clear()
+
     def samples(self, batch: int, option: int) -> int:
         return len(self.periods[(self.bucket(batch), option)])
 

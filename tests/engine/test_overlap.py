@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+import m3sdk.core.overlap as overlap_module
 import m3sdk.engine as engine_module
 from m3sdk import Engine
 from m3sdk.core import EngineCore, build_core, warm_up
@@ -267,3 +268,20 @@ def test_overlap_choice_follows_the_measured_periods():
     choice.launched(9.0, 4, True, clean=True)
     choice.launched(10.0, 4, False, clean=True)
     assert choice.costs.samples(4, 1) == choice.costs.samples(4, 0) == 0
+
+
+def test_overlap_choice_measures_the_other_kind_again(monkeypatch):
+    """Read first wins at first; when overlapping becomes the faster kind later (the first wave's prefills are
+    done, say), the choice finds out at its next re-measurement and switches."""
+    monkeypatch.setattr(overlap_module, "REMEASURE_EVERY", 50)
+    choice, now, seen = OverlapChoice([8]), 0.0, []
+    periods = {True: 0.6, False: 0.4}
+    for step in range(200):
+        if step == 60:
+            periods[True] = 0.2
+        kind = choice.overlap(8)
+        choice.launched(now, 8, kind, clean=True)
+        now += periods[kind]
+        seen.append(kind)
+    assert seen[20:50] == [False] * 30  # read first chosen, overlap not run again until the re-measurement
+    assert seen[-40:] == [True] * 40

@@ -19,16 +19,21 @@ from collections.abc import Sequence
 from m3sdk.step_costs import MIN_SAMPLES, StepCosts
 
 READ_FIRST, OVERLAP = 0, 1
+# clean decode steps at a batch bucket after which the kind not chosen there is measured again: a median taken
+# while other work ran (the first wave's prefills, a compile) would otherwise decide for good
+REMEASURE_EVERY = 1024
 
 
 class OverlapChoice:
     """Both kinds are run at each batch bucket for a few steps (overlap first), then the one with the shorter
-    median period. A step's period (to the next launch) counts for its kind when the step and the one after it
-    were both of that kind and decoded only (no prefill chunk)."""
+    median period, and the other again every REMEASURE_EVERY clean steps there. A step's period (to the next
+    launch) counts for its kind when the step and the one after it were both of that kind and decoded only (no
+    prefill chunk)."""
 
     def __init__(self, buckets: Sequence[int]):
         self.costs = StepCosts(2, buckets)
         self._last: tuple[float, int, int, bool] | None = None  # the previous launch: time, batch, kind, counts
+        self._clean_steps = dict.fromkeys(self.costs.buckets, 0)  # per bucket, since its last re-measurement
         self.steps = [0, 0]  # steps launched read-first / overlapped (stats)
 
     def overlap(self, batch: int) -> bool:
@@ -46,6 +51,12 @@ class OverlapChoice:
                 self.costs.add(b, k, now - t)
         self.steps[kind] += 1
         self._last = (now, batch, kind, clean and batch > 0)
+        if clean and batch > 0:
+            bucket = self.costs.bucket(batch)
+            self._clean_steps[bucket] += 1
+            if self._clean_steps[bucket] >= REMEASURE_EVERY:
+                self._clean_steps[bucket] = 0
+                self.costs.forget(batch, READ_FIRST if self.overlap(batch) else OVERLAP)
 
     def idle(self) -> None:
         """The engine may wait for work: the period running now is no step's cost."""
