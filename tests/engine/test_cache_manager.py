@@ -170,3 +170,17 @@ def test_truncate_returns_pages_past_the_kept_tokens():
     cache.commit(a)
     cache.free(a)
     assert cache.num_free_pages() == 8 and cache.stats()["pages_cached"] == 1
+
+
+def test_pages_released_more_often_than_taken_raise_and_change_nothing():
+    cache = make_cache(4, prefix=False)
+    a = req("a", list(range(20)))
+    prefill(cache, a)
+    held = cache.retain(a)
+    cache.free(a)
+    assert cache.num_free_pages() == 2  # the retained hold keeps them
+    cache.release_pages(held)
+    assert cache.num_free_pages() == 4
+    with pytest.raises(RuntimeError, match="more often than taken"):
+        cache.release_pages(held)
+    assert cache.num_free_pages() == 4
