@@ -4,12 +4,13 @@ overlapped) and `sync` (overlap off), on m3-tiny and on an M3 slice (1 dense + 1
 width, random weights drawn on the device from its config alone: no checkpoint to write).
 
     python benchmarks/overlap.py [--models m3-tiny,slice] [--concurrency 1,8,32,64] [--max-tokens 128]
-                                 [--out overlap.jsonl]
+                                 [--repeat 5] [--out overlap.jsonl]
 
 One engine per model, loaded once; its executor is switched between the modes while it is idle (the `auto`
 mode's measurements carry over from one concurrency to the next, as in a serving engine). At each concurrency each
 mode runs two warm-up waves, then a timed window of max(2 c, 16) greedy requests of held-out m3-tiny prompts
-(their token ids are valid inputs of both models). One markdown row per (model, concurrency): output tokens/s of
+(their token ids are valid inputs of both models), `--repeat` times, the modes interleaved; each mode's median
+window counts. One markdown row per (model, concurrency): output tokens/s of
 each mode, each against sync, the median step, and how many of auto's steps overlapped; `--out` gets JSON lines.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -76,17 +78,26 @@ async def one_model(name: str, args: argparse.Namespace, out) -> None:
             # the same prefix-cache hits, and the same prefill work
             await idle(engine)
             await asyncio.gather(*[engine.generate(p, max_tokens=1, temperature=0) for p in prompts])
+            # --repeat rounds, the modes in a rotated order each round (a window of m3-tiny lasts well under a
+            # second: one stall or the order alone moves a single window by tens of percent); each mode's median
+            times: dict[str, list[float]] = {m: [] for m in args.modes}
             runs = {}
-            for mode in args.modes:
-                await idle(engine)
-                set_mode(engine, mode, choice)
-                runs[mode] = await run(engine, prompts, c, args.max_tokens, f"{name}-{mode}")
+            for r in range(args.repeat):
+                for mode in args.modes[r % len(args.modes):] + args.modes[:r % len(args.modes)]:
+                    await idle(engine)
+                    set_mode(engine, mode, choice)
+                    # a step under the new executor, so the engine's stats (read at a window's start) are its own
+                    await engine.generate(prompts[0], max_tokens=1, temperature=0)
+                    runs[mode] = await run(engine, prompts, c, args.max_tokens, f"{name}-{mode}", warm_up=r == 0)
+                    times[mode].append(runs[mode][1])
+            runs = {m: (out_, statistics.median(times[m]), stats) for m, (out_, _, stats) in runs.items()}
             tokens = sum(len(o) for o in runs[args.modes[0]][0])
             rate = {m: round(tokens / r[1], 1) for m, r in runs.items()}
             vs_sync = {m: round(runs["sync"][1] / r[1], 3) for m, r in runs.items()} if "sync" in runs else {}
             auto = runs.get("auto", (None, None, {}))[2]
             row = dict(model=name, concurrency=c, requests=len(prompts), max_tokens=args.max_tokens, tok_s=rate,
-                       vs_sync=vs_sync, identical=all(r[0] == runs[args.modes[0]][0] for r in runs.values()),
+                       vs_sync=vs_sync, repeat=args.repeat,
+                       identical=all(r[0] == runs[args.modes[0]][0] for r in runs.values()),
                        step_ms_median={m: r[2]["step_ms_median"] for m, r in runs.items()},
                        graph_share={m: r[2]["graph_share"] for m, r in runs.items()},
                        cpu_ms_per_step={m: r[2]["cpu_ms_per_step"] for m, r in runs.items()},
@@ -106,6 +117,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=[1, 8, 32, 64])
     ap.add_argument("--modes", type=lambda v: [m for m in v.split(",") if m in MODES], default=list(MODES))
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=5, help="timed windows per mode (median)")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     args = ap.parse_args()
     out = open(args.out, "a") if args.out else None  # noqa: SIM115 - open for the whole run

@@ -126,14 +126,18 @@ class DecodeGraphs:
         self._staging = UploadRing(self.inputs.shape, torch.uint8, device, copies=3)
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         # every batch bucket of every query length at the smallest context bucket now (padding-only steps), so
-        # serving never stalls on a capture (or a Triton compile) at common sizes; other context buckets are
-        # captured when first needed
-        context = self._context_bucket(1)
+        # serving never stalls on a capture at common sizes; other context buckets are captured when first needed
+        # (a capture alone takes milliseconds), but on a GPU their kernels compile now: a bucket's host ints pick
+        # its own split counts and top-k widths, and Triton compiling them at a request's first step at a new
+        # context held that step for seconds. One eager padding-only step per bucket pair and query length.
+        contexts = self.context_buckets()
         for q in self.query_lens:
             for bucket in self.buckets:
                 self._pad(0, bucket, q)
-                self.graphs[(bucket, context, q)] = Replay(lambda b=bucket, q=q: self._forward(b, context, q),
-                                                           self.pool, device)
+                self.graphs[(bucket, contexts[0], q)] = Replay(
+                    lambda b=bucket, q=q: self._forward(b, contexts[0], q), self.pool, device)
+                for context in contexts[1:] if device.type == "cuda" else ():
+                    self._forward(bucket, context, q)
 
     def release(self) -> None:
         """Drop every captured graph. Under tensor parallel this comes before the process group is destroyed: NCCL
@@ -145,6 +149,14 @@ class DecodeGraphs:
         """Whether a step of `model` can be captured: its attention backend must not sync the host (the torch
         backend's references read sequence lengths on the host: the engine then runs every step eagerly)."""
         return isinstance(model.attn_backend, TritonAttentionBackend)
+
+    def context_buckets(self) -> list[int]:
+        """Every context bucket a step can fall in, smallest first."""
+        buckets, context = [], 1
+        while not buckets or buckets[-1] < self.max_model_len:
+            buckets.append(self._context_bucket(context))
+            context = buckets[-1] + 1
+        return buckets
 
     def _context_bucket(self, max_context_len: int) -> int:
         return min(max(MIN_CONTEXT_BUCKET, 1 << (max_context_len - 1).bit_length()), self.max_model_len)

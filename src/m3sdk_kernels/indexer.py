@@ -8,6 +8,8 @@ from .arch import Arch, tiles
 from .layout import PAGE, dim_tile
 from .paged_attention import dims_ok, dot_dtype, q_tile, seq_of_block, tile_pages
 
+TOPK_MIN_WIDTH = 1024
+
 # ---------------------------------------------------------------------------------------------- Triton kernels
 #
 # Two launches. The scan reads the index-key cache once per query tile (the bandwidth bill past ~16K tokens):
@@ -82,7 +84,9 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_s
             page = nxt
 
 
-@triton.jit
+# the token and sequence counts vary with every batch: one compiled variant serves them all (the row pointer's
+# alignment comes from num_blocks, a multiple of 16)
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _topk_kernel(scores_ptr, cu_q, ctx_lens, out_ptr, num_seqs, num_tokens, num_blocks,
                  SEL_BLOCK: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr,
                  ONE_EACH: tl.constexpr):
@@ -105,6 +109,14 @@ def _topk_kernel(scores_ptr, cu_q, ctx_lens, out_ptr, num_seqs, num_tokens, num_
         picked = tl.where(j == i, tl.where(best > float("-inf"), idx, -1), picked)
         s = tl.where(b == idx, float("-inf"), s)
     tl.store(out_ptr + row * TOPK + j, picked, mask=j < TOPK)
+
+
+def topk_width(num_blocks: int) -> int:
+    """The top-k pass's row width (a compile-time constant) for rows of `num_blocks` scores: a power of two, at
+    least TOPK_MIN_WIDTH, so every context up to TOPK_MIN_WIDTH blocks (128K tokens at M3's blocks of 128) shares one
+    compiled variant and a longer one adds one per doubling (an arg-max over 1,024 lanes of one warp costs about
+    what one over 64 does)."""
+    return max(TOPK_MIN_WIDTH, triton.next_power_of_2(num_blocks))
 
 
 def key_tile(block_size: int) -> int:
@@ -142,7 +154,8 @@ def indexer_block_scores(index_q: torch.Tensor, index_cache: torch.Tensor, page_
     -inf on blocks wholly past it; entries past the token's own block are unspecified (`block_topk` masks them)."""
     t_total, num_heads, index_dim = index_q.shape
     num_seqs = context_lens.shape[0]
-    num_blocks = max(1, triton.cdiv(max_context_len, block_size))
+    # rows a multiple of 16 wide: the kernels' row strides keep one integer specialization at every context
+    num_blocks = triton.cdiv(max(1, triton.cdiv(max_context_len, block_size)), 16) * 16
     scores = torch.empty(num_heads, t_total, num_blocks, dtype=torch.float32, device=index_q.device)
     plan = indexer_plan(t_total, num_seqs, num_heads, max_seqlen_q, num_blocks, index_cache.element_size() == 1)
     _scan_kernel[(plan["q_blocks"], plan["NUM_CHUNKS"])](
@@ -162,9 +175,23 @@ def block_topk(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: t
     num_seqs = context_lens.shape[0]
     _topk_kernel[(t_total, num_heads)](
         scores, cu_seqlens_q, context_lens, out, num_seqs, t_total, num_blocks, SEL_BLOCK=block_size, TOPK=topk,
-        TOPK_PAD=triton.next_power_of_2(topk), BLOCKS_PAD=triton.next_power_of_2(num_blocks),
+        TOPK_PAD=triton.next_power_of_2(topk), BLOCKS_PAD=topk_width(num_blocks),
         ONE_EACH=_one_each(t_total, num_seqs, max_seqlen_q), num_warps=tiles("indexer_topk")["num_warps"])
     return out
+
+
+def compile_topk_widths(max_context_len: int, block_size: int, topk: int, device: torch.device) -> None:
+    """Compile the top-k pass of a prefill (several query tokens per sequence) at every row width a context up to
+    `max_context_len` needs, by one launch of each on a row of no valid block: a first prompt longer than any
+    before would otherwise wait on the compile. Decode steps reach theirs through the graphs' warm steps."""
+    widest = topk_width(triton.cdiv(max_context_len, block_size))
+    cu = torch.tensor([0, 2], dtype=torch.int32, device=device)
+    ctx = torch.tensor([2], dtype=torch.int32, device=device)
+    out = torch.empty(1, 2, topk, dtype=torch.int32, device=device)
+    width = TOPK_MIN_WIDTH
+    while width <= widest:
+        block_topk(torch.full((1, 2, width), float("-inf"), device=device), cu, ctx, block_size, topk, 2, out)
+        width *= 2
 
 
 def indexer_topk(index_q: torch.Tensor, index_cache: torch.Tensor, page_table: torch.Tensor,
@@ -214,7 +241,8 @@ def aot_variants(arch: Arch) -> list:
         name="indexer.topk", kernel=_topk_kernel,
         types={"scores_ptr": "*fp32", "cu_q": "*i32", "ctx_lens": "*i32", "out_ptr": "*i32", "num_seqs": "i32",
                "num_tokens": "i32", "num_blocks": "i32"},
-        constexprs={"SEL_BLOCK": m["block_size"], "TOPK": m["topk"], "TOPK_PAD": m["topk"], "BLOCKS_PAD": 1024,
+        constexprs={"SEL_BLOCK": m["block_size"], "TOPK": m["topk"], "TOPK_PAD": m["topk"],
+                    "BLOCKS_PAD": topk_width(131072 // m["block_size"]),
                     "ONE_EACH": True},
         num_warps=tiles("indexer_topk", arch)["num_warps"], aligned=("num_blocks",)))
     return variants

@@ -81,6 +81,10 @@ class AttentionBackend(Protocol):
         """Called once when the model is built: the backend decides here, never at a request, how it serves each
         op for these shapes."""
 
+    def compile_ahead(self, max_context_len: int, topk: int, device: torch.device) -> None:
+        """Called once before serving: compile now what a first prompt at any context up to `max_context_len`
+        would otherwise wait on (a backend without compiled kernels does nothing)."""
+
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None,
                  meta: AttentionMetadata, kv: KVPool) -> None:
         """Store k, v [T, Hkv, D] (k normed and roped) and, on sparse layers, index_k [T, Di] at meta.slot_mapping."""

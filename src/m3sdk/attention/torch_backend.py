@@ -24,6 +24,9 @@ class TorchAttentionBackend:
     def bind(self, shapes: AttentionShapes) -> None:
         """The references serve every shape."""
 
+    def compile_ahead(self, max_context_len: int, topk: int, device: torch.device) -> None:
+        """Nothing compiles."""
+
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None,
                  meta: AttentionMetadata, kv: KVPool) -> None:
         write_kv_ref(k, v, kv.k[layer], kv.v[layer], meta.slot_mapping, kv.k_scale[layer], kv.v_scale[layer],

@@ -16,7 +16,7 @@ from m3sdk.attention.base import AttentionMetadata, AttentionShapes, register_ba
 from m3sdk.attention.torch_backend import TorchAttentionBackend
 from m3sdk.observability import get_logger
 from m3sdk_kernels.cache_write import norm_rope_write, write_index_key, write_kv
-from m3sdk_kernels.indexer import indexer_topk
+from m3sdk_kernels.indexer import compile_topk_widths, indexer_topk
 from m3sdk_kernels.paged_attention import paged_attention
 from m3sdk_kernels.shapes import attention_unsupported
 
@@ -31,12 +31,21 @@ class TritonAttentionBackend:
     def __init__(self) -> None:
         self._torch = TorchAttentionBackend()
         self._ref_ops: frozenset[str] = frozenset()  # ops the references serve (set once, by `bind`)
+        self._block_size: int | None = None  # the indexer's selection block (set by `bind`; None: no sparse layers)
 
     def bind(self, shapes: AttentionShapes) -> None:
         unsupported = attention_unsupported(shapes.head_dim, shapes.rotary_dim, shapes.index_dim, shapes.block_size)
         for op, why in unsupported.items():
             log.info("attention op on the torch path: the Triton kernels do not serve these shapes", op=op, reason=why)
         self._ref_ops = frozenset(unsupported)
+        self._block_size = shapes.block_size
+
+    def compile_ahead(self, max_context_len: int, topk: int, device: torch.device) -> None:
+        """The indexer's top-k pass of a prefill at every row width up to `max_context_len` (its width grows with
+        the context); the other kernels' prefill variants do not depend on the context. On a GPU only: the
+        interpreter compiles nothing."""
+        if device.type != "cpu" and self._block_size is not None and "select_blocks" not in self._ref_ops:
+            compile_topk_widths(max_context_len, self._block_size, topk, device)
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None,
                  meta: AttentionMetadata, kv: KVPool) -> None:
