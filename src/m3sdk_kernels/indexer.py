@@ -20,7 +20,7 @@ TOPK_MIN_WIDTH = 1024
 # inside the warp (shuffles, no shared-memory round trip and barrier per step, which dominated at 4 warps).
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])  # as _attn_kernel's
 def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_seqs, num_tokens, num_blocks,
                  stride_qt, stride_qh, stride_ip, stride_pt,
                  NUM_HEADS: tl.constexpr, BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, DI_PAD: tl.constexpr,
@@ -84,9 +84,7 @@ def _scan_kernel(iq_ptr, ik_cache, page_table, cu_q, ctx_lens, scores_ptr, num_s
             page = nxt
 
 
-# the token and sequence counts vary with every batch: one compiled variant serves them all (the row pointer's
-# alignment comes from num_blocks, a multiple of 16)
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])  # as _attn_kernel's (rows aligned by num_blocks)
 def _topk_kernel(scores_ptr, cu_q, ctx_lens, out_ptr, num_seqs, num_tokens, num_blocks,
                  SEL_BLOCK: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr,
                  ONE_EACH: tl.constexpr):

@@ -205,7 +205,9 @@ def _attend_tile(acc, m_i, l_i, q, start, kv_end, pos, row_sel, k_base, v_base, 
     return acc, m_new, l_i
 
 
-@triton.jit
+# token and sequence counts change with every step: not specialized (a first step at a new count would compile a
+# variant; they index and mask, and alignment comes from the constexpr widths)
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _attn_kernel(
         q_ptr, k_cache, v_cache, k_scale, v_scale, page_table, cu_q, ctx_lens, sel_ptr, out_ptr, part_o, part_lse,
         arrivals, qk_scale, num_seqs, num_tokens, stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_cp,
@@ -421,7 +423,7 @@ def _merge_rows(part_o, part_lse, row0, num_tokens, row_ok, NUM_HEADS: tl.conste
     return o / tl.maximum(w_sum, 1e-30)[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _merge_kernel(part_o, part_lse, out_ptr, num_tokens, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
     """out[t, h] = LSE-weighted mean of the splits' normalized partial outputs (empty splits weigh 0)."""

@@ -47,7 +47,9 @@ class AttentionMetadata:
         cu = [0]
         for n in num_new_tokens:
             cu.append(cu[-1] + n)
-        width = max((len(p) for p in page_tables), default=0)
+        # a multiple of 16 wide: the kernels take the row stride as an integer, and Triton compiles a variant per
+        # divisibility class of it (a first step at another width would wait on a compile)
+        width = -(-max((len(p) for p in page_tables), default=0) // 16) * 16
         # entries past a sequence's pages are unspecified by the contract: 0 (a real page)
         table = np.zeros((len(page_tables), width), dtype=np.int32)
         for i, pages in enumerate(page_tables):
