@@ -8,7 +8,8 @@ from .arch import Arch, tiles
 from .layout import PAGE, dim_tile
 from .paged_attention import dims_ok, dot_dtype, q_tile, seq_of_block, tile_pages
 
-TOPK_MIN_WIDTH = 1024
+# the narrowest top-k row (32K tokens at M3's blocks of 128): shorter contexts share its variant
+TOPK_MIN_WIDTH = 256
 
 # ---------------------------------------------------------------------------------------------- Triton kernels
 #
@@ -111,9 +112,8 @@ def _topk_kernel(scores_ptr, cu_q, ctx_lens, out_ptr, num_seqs, num_tokens, num_
 
 def topk_width(num_blocks: int) -> int:
     """The top-k pass's row width (a compile-time constant) for rows of `num_blocks` scores: a power of two, at
-    least TOPK_MIN_WIDTH, so every context up to TOPK_MIN_WIDTH blocks (128K tokens at M3's blocks of 128) shares one
-    compiled variant and a longer one adds one per doubling (an arg-max over 1,024 lanes of one warp costs about
-    what one over 64 does)."""
+    least TOPK_MIN_WIDTH, so the short contexts share one compiled variant and a longer one adds one per doubling
+    (`compile_topk_widths` compiles them all at the start)."""
     return max(TOPK_MIN_WIDTH, triton.next_power_of_2(num_blocks))
 
 
