@@ -10,7 +10,7 @@ One engine per model, loaded once; its executor is switched between the modes wh
 mode's measurements carry over from one concurrency to the next, as in a serving engine). At each concurrency each
 mode runs two warm-up waves, then a timed window of max(2 c, 16) greedy requests of held-out m3-tiny prompts
 (their token ids are valid inputs of both models), `--repeat` times, the modes interleaved; each mode's median
-window counts. One markdown row per (model, concurrency): output tokens/s of
+window counts (its time and its stats). One markdown row per (model, concurrency): output tokens/s of
 each mode, each against sync, the median step, and how many of auto's steps overlapped; `--out` gets JSON lines.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -80,17 +79,17 @@ async def one_model(name: str, args: argparse.Namespace, out) -> None:
             await asyncio.gather(*[engine.generate(p, max_tokens=1, temperature=0) for p in prompts])
             # --repeat rounds, the modes in a rotated order each round (a window of m3-tiny lasts well under a
             # second: one stall or the order alone moves a single window by tens of percent); each mode's median
-            times: dict[str, list[float]] = {m: [] for m in args.modes}
-            runs = {}
+            # window (the upper one of an even count), its time and its stats
+            windows: dict[str, list] = {m: [] for m in args.modes}
             for r in range(args.repeat):
                 for mode in args.modes[r % len(args.modes):] + args.modes[:r % len(args.modes)]:
                     await idle(engine)
                     set_mode(engine, mode, choice)
                     # a step under the new executor, so the engine's stats (read at a window's start) are its own
                     await engine.generate(prompts[0], max_tokens=1, temperature=0)
-                    runs[mode] = await run(engine, prompts, c, args.max_tokens, f"{name}-{mode}", warm_up=r == 0)
-                    times[mode].append(runs[mode][1])
-            runs = {m: (out_, statistics.median(times[m]), stats) for m, (out_, _, stats) in runs.items()}
+                    windows[mode].append(await run(engine, prompts, c, args.max_tokens, f"{name}-{mode}",
+                                                   warm_up=r == 0))
+            runs = {m: sorted(w, key=lambda run_: run_[1])[len(w) // 2] for m, w in windows.items()}
             tokens = sum(len(o) for o in runs[args.modes[0]][0])
             rate = {m: round(tokens / r[1], 1) for m, r in runs.items()}
             vs_sync = {m: round(runs["sync"][1] / r[1], 3) for m, r in runs.items()} if "sync" in runs else {}
