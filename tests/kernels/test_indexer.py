@@ -92,3 +92,24 @@ def test_page_ahead_and_long_chunks(mode, monkeypatch, device):
     index_q = torch.randn(sum(new), HIDX, DI).to(device, torch.bfloat16)
     args = (index_q, step.index_cache, step.page_table, step.cu_seqlens_q, step.context_lens, block, topk, local)
     check(indexer_topk(*args), indexer_topk_ref(*args), index_q, step, block, local)
+
+
+@pytest.mark.parametrize("num_blocks", [3, 293])
+def test_topk_rows_narrower_and_wider_than_the_floor(num_blocks, device):
+    """`block_topk` on rows padded to a multiple of 16 and read at the narrowest compiled width (3 blocks) or the
+    next one up (293 blocks): torch.topk of each token's visible blocks, highest first, -1 past them; and
+    `compile_topk_widths` launches every width up to a context's."""
+    from m3sdk_kernels.indexer import TOPK_MIN_WIDTH, block_topk, compile_topk_widths
+
+    block, topk = 16, 8
+    assert num_blocks < TOPK_MIN_WIDTH or num_blocks > TOPK_MIN_WIDTH
+    scores = torch.randn(HIDX, 2, -(-num_blocks // 16) * 16, generator=torch.Generator().manual_seed(0))
+    # one sequence, its 2 query tokens at the last two positions of block num_blocks - 1: both see every block
+    cu = torch.tensor([0, 2], dtype=torch.int32, device=device)
+    ctx = torch.tensor([num_blocks * block], dtype=torch.int32, device=device)
+    out = torch.empty(HIDX, 2, topk, dtype=torch.int32, device=device)
+    block_topk(scores.to(device), cu, ctx, block, topk, 2, out)
+    k = min(topk, num_blocks)
+    assert torch.equal(out[..., :k].cpu(), scores[..., :num_blocks].topk(k, dim=-1).indices.int())
+    assert (out[..., k:] == -1).all()
+    compile_topk_widths(2 * TOPK_MIN_WIDTH * block, block, topk, device)
