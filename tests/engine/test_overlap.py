@@ -39,9 +39,21 @@ def assert_all_pages_free(e: Engine) -> None:
 
 
 def outcome(c) -> tuple:
-    logprobs = None if c.logprobs is None else [(t.token_id, round(t.logprob, 4), t.top_logprobs and
-                                                 [(i, round(v, 4)) for i, v in t.top_logprobs]) for t in c.logprobs]
+    logprobs = None if c.logprobs is None else [(t.token_id, t.logprob, t.top_logprobs) for t in c.logprobs]
     return c.token_ids, c.text, c.finish_reason, c.usage.completion_tokens, logprobs
+
+
+def assert_same_outcomes(got: list[tuple], want: list[tuple]) -> None:
+    """Tokens, texts and finishes equal; logprobs equal to 1e-3: a step's batch may hold other rows in either loop
+    (arrival timing), and a GEMM of another row count rounds differently in the last bits."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g[:4] == w[:4]
+        assert (g[4] is None) == (w[4] is None)
+        for (gt, gv, gtop), (wt, wv, wtop) in zip(g[4] or [], w[4] or [], strict=True):
+            assert gt == wt and abs(gv - wv) < 1e-3
+            assert [i for i, _ in gtop or []] == [i for i, _ in wtop or []]
+            assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(gtop or [], wtop or [], strict=True))
 
 
 async def mixed_run(checkpoint, overlap: bool, stop: str, **overrides) -> tuple[list[tuple], dict]:
@@ -66,7 +78,7 @@ async def test_overlap_gives_the_same_outputs_as_the_synchronous_loop(engine_che
     stop = ref.text[6:8]
     sync, sync_stats = await mixed_run(engine_checkpoint, False, stop)
     overlap, overlap_stats = await mixed_run(engine_checkpoint, True, stop)
-    assert overlap == sync
+    assert_same_outcomes(overlap, sync)
     assert sync[1][2] == "length" and len(sync[1][0]) == 3
     assert sync[2][2] == "stop" and len(sync[2][0]) < 20
     assert overlap_stats["generation_tokens"] == sync_stats["generation_tokens"]
@@ -244,7 +256,7 @@ async def test_steps_that_overlap_or_read_first_in_any_order_give_the_synchronou
 
     monkeypatch.setattr(engine_module, "build_core", with_choice)
     mixed, stats = await run(True)
-    assert mixed == sync
+    assert_same_outcomes(mixed, sync)
     assert stats["overlap_steps"] > 3 and stats["read_first_steps"] > 3
 
 
