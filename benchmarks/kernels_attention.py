@@ -511,6 +511,60 @@ def timings(fn) -> dict:
     return {"ms": ms, "graph_ms": sorted(per_call)[len(per_call) // 2], "host_us": host_us}
 
 
+# Gluon MSA FP8 decode tile variants timed by `gluon_sparse_decode` (gluon_sparse_decode.plan's keywords over the
+# batch's defaults; {}: what paged_attention runs)
+GLUON_VARIANTS = [{}, {"num_warps": 1, "block_n": 16, "num_buf": 4, "split_programs": 1024},
+                  {"num_warps": 4, "block_n": 64, "num_buf": 3, "split_programs": 512},
+                  {"num_warps": 1, "block_n": 32, "num_buf": 3, "split_programs": 1024},
+                  {"num_warps": 2, "block_n": 32, "num_buf": 4, "split_programs": 512}]
+
+
+def gluon_sparse_decode(rows: list, read_bw: float, ctx: int) -> None:
+    """MSA FP8 plain decode: the Triton kernel vs the Gluon kernel's variants vs SDPA on pre-gathered bf16 KV at
+    b1 to b64, each checked against the reference first, timed as CUDA-graph replays (`graph_ms`)."""
+    from m3sdk_kernels import gluon_sparse_decode as gsd
+
+    for batch in (1, 4, 16, 32, 64):
+        cu, lens = decode_meta(batch, ctx)
+        q = torch.randn(batch, HQ, D, device=DEV, dtype=torch.bfloat16)
+        sel = random_selection(batch, ctx)
+        k, v, ks, vs, table = make_kv(batch, ctx, "fp8", "plain")
+        ref = paged_attention_ref(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS)
+        nbytes = batch * HKV * TOPK * BS * 2 * (D * k.element_size() + 4)
+        kg = torch.randn(batch, HKV, TOPK * BS, D, device=DEV, dtype=torch.bfloat16)
+        vg = torch.randn_like(kg)
+        sdpa = timings(lambda: F.scaled_dot_product_attention(q[:, :, None], kg, vg, enable_gqa=True))  # noqa: B023
+        out = torch.empty_like(q)
+        runs = [("triton", "", lambda: paged_attention(q, k, v, table, cu, lens, D**-0.5, ks, vs, "plain", sel, BS,  # noqa: B023
+                                                       max_seqlen_q=1, max_context_len=ctx, out=out,  # noqa: B023
+                                                       gluon=False))]
+        runs += [("gluon", json.dumps(var), lambda var=var: gsd.sparse_decode(q, k, v, table, lens, D**-0.5, ks, vs,  # noqa: B023
+                                                                              sel, BS, out=out, **var))  # noqa: B023
+                 for var in GLUON_VARIANTS]
+        for name, var, fn in runs:
+            row = {"kernel": f"MSA decode {name}", "shape": f"b{batch} ctx {ctx // 1024}K top16", "kv": "fp8",
+                   "layout": "plain", "floor_ms": nbytes / read_bw / 1e9, "peer": "SDPA pre-gathered bf16 (graph)",
+                   "peer_ms": sdpa["graph_ms"], "tiles": var}
+            try:
+                out.fill_(float("nan"))
+                fn()
+                torch.cuda.synchronize()
+                err = rel_err(out, ref)
+                row["note"] = f"rel err {err:.2e}"
+                if not err < 2e-2:  # NaN too
+                    raise AssertionError(f"rel err {err} against the reference")
+                t = timings(fn)
+            except Exception as e:  # a variant that fails to build or is wrong is a row, not the end of the step
+                row |= {"ms": float("nan"), "TB/s": float("nan"), "note": f"{type(e).__name__}: {str(e)[:200]}"}
+                rows.append(row)
+                print(row, flush=True)
+                continue
+            row |= {"ms": t["graph_ms"], "eager_ms": t["ms"], "TB/s": nbytes / t["graph_ms"] / 1e9}
+            rows.append(row)
+            print(f"b{batch} {name:7} {var:60} graph {t['graph_ms']:.4f} ms  eager {t['ms']:.4f}  "
+                  f"{nbytes / t['graph_ms'] / 1e9 / read_bw:.0%} of floor  {row['note']}", flush=True)
+
+
 @triton.jit
 def _gather_kernel(k_ptr, v_ptr, ks_ptr, vs_ptr, table, sel, out, stride_pt, stride_cp, stride_ch, stride_sp,
                    stride_sh, stride_sel_h, stride_sel_t, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -841,6 +895,7 @@ STEPS = {
     "flex_decode_32k": lambda rows, bw: flex_decode(rows, bw, 32768),
     "flex_decode_128k": lambda rows, bw: flex_decode(rows, bw, 131072),
     "tiles_indexer": tiles_indexer,
+    "gluon_sparse_decode_32k": lambda rows, bw: gluon_sparse_decode(rows, bw, 32768),
 }
 
 
@@ -863,8 +918,12 @@ def main() -> int:
     parser.add_argument("--kv", choices=("bf16", "fp8"), help="decode steps: only this KV dtype")
     parser.add_argument("--layout", choices=("plain", "shuffle"), help="decode steps: only this layout")
     parser.add_argument("--variants", default="[]", help="sweep: JSON list of decode variants (see `sweep`)")
+    parser.add_argument("--gluon-variants", help="gluon_sparse_decode_*: JSON list of tile variants to time "
+                        "(gluon_sparse_decode.plan's keywords) in place of GLUON_VARIANTS")
     args = parser.parse_args()
     steps = args.steps.split(",")
+    if args.gluon_variants:
+        GLUON_VARIANTS[:] = json.loads(args.gluon_variants)
     results = os.path.join(args.out, "attention.jsonl")  # one JSON object per line, appended by each step
     if any(s != "report" for s in steps):
         print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}",

@@ -149,9 +149,12 @@ TILES: dict[str, dict[str, dict[str, int]]] = {
     # (32K, device ms against SDPA pre-gathered: b1 0.0180 -> 0.0095 (0.40 -> 0.75x; 4 warps 0.0088),
     # b8 0.0250 -> 0.0134 (0.46 -> 0.85x; 4 warps 0.0176); b16 / b32 keep the one-warp shape: 0.0222 / 0.0341, 1.09 /
     # 1.04x, against 0.0301 / 0.0476 with 4 warps)
+    # GLUON_MAX_SEQS: plain-layout calls of at most this many sequences run the Gluon kernel
+    # (gluon_sparse_decode.py; 32K graph replays, Triton -> Gluon: b1 0.0103 -> 0.0072 ms, b16 0.0227 -> 0.0177;
+    # at b64 Gluon is slower, 0.0460 -> 0.0666 at best)
     "sparse_decode:fp8": {"sm90": {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "SPLIT_PROGRAMS": 1024,
                                    "PAGE_AHEAD": 1, "MERGE_LAST": 1, "ALL_SLOTS": 1, "PDL": 1,
-                                   "FEW_BELOW": 1024, "FEW_BLOCK_N": 64, "FEW_WARPS": 2}},
+                                   "FEW_BELOW": 1024, "FEW_BLOCK_N": 64, "FEW_WARPS": 2, "GLUON_MAX_SEQS": 16}},
     # sm90: 4 query tokens x 16 heads (one warpgroup's 64 MMA rows): a tile's block union is smaller, so less work
     # on blocks other rows chose (H200, 32K tokens: 46.8 -> 29.9 ms random selections, 12.7 -> 12.1 smooth)
     "sparse_prefill": {

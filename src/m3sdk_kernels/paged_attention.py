@@ -1,6 +1,8 @@
 """Causal attention of ragged query chunks over the paged KV cache: dense, or MSA-sparse with `block_sel`."""
 
+import functools
 import os
+from types import ModuleType
 
 import torch
 import triton
@@ -441,6 +443,16 @@ def _merge_kernel(part_o, part_lse, out_ptr, num_tokens, stride_ot, stride_oh, N
     tl.store(out_ptr + t * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+@functools.cache
+def gluon_decode() -> ModuleType | None:
+    """The Gluon MSA decode module, or None where the installed Triton has no Gluon API it builds on."""
+    try:
+        from . import gluon_sparse_decode
+    except ImportError:
+        return None
+    return gluon_sparse_decode
+
+
 def interpreting() -> bool:
     """Under TRITON_INTERPRET=1 the kernels do their dots in fp32 (a bf16 tl.dot is wrong in the interpreter)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -505,7 +517,11 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             # FP8 dot's smallest K)
             "BULK": int(block_q > 1 and not sparse and cfg.get("BULK", 0)),
             "Q_FP8": int(block_q > 1 and not sparse and fp8 and cfg.get("Q_FP8", 0) and not interpreting()),
-            "maxnreg": cfg.get("maxnreg")}
+            "maxnreg": cfg.get("maxnreg"),
+            # MSA FP8 decode of few sequences: the Gluon kernel, where the arch has one (paged_attention checks
+            # the rest of what it serves)
+            "GLUON": int(sparse and fp8 and max_seqlen_q == 1 and num_tokens == num_seqs
+                         and num_seqs <= cfg.get("GLUON_MAX_SEQS", 0))}
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
@@ -531,11 +547,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     layout: str = "plain", block_sel: torch.Tensor | None = None, block_size: int = 128, *,
                     max_seqlen_q: int | None = None, max_context_len: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, gluon: bool = True) -> torch.Tensor:
     """Triton `paged_attention_ref`. Pass the host ints `max_seqlen_q` / `max_context_len` (the step's metadata
     has them) to avoid a device sync; they pick tile shapes and split counts and must not be below the true maxima
     (with `max_seqlen_q` 1 and as many tokens as sequences, programs map to sequences directly).
-    `out` ([T, Hq, D], q's dtype) receives the result when given (a CUDA graph's static buffer)."""
+    `out` ([T, Hq, D], q's dtype) receives the result when given (a CUDA graph's static buffer). MSA FP8 decode of
+    few sequences runs the Gluon kernel where the arch's table says so (`gluon=False`: the Triton kernel always)."""
     t_total, hq, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     hkv = k_cache.shape[1]
@@ -551,6 +568,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     topk = block_sel.shape[-1] if sparse else 1
     plan = attention_plan(t_total, num_seqs, hkv, hq // hkv, max_seqlen_q, max_context_len, sparse, topk,
                           block_size, k_scale is not None)
+    if gluon and plan["GLUON"] and layout == "plain" and q.is_cuda and not interpreting():
+        gsd = gluon_decode()
+        if gsd is not None and gsd.supports(q, k_cache, k_scale, layout, block_sel, block_size, max_seqlen_q,
+                                            num_seqs):
+            return gsd.sparse_decode(q, k_cache, v_cache, page_table, context_lens, scale, k_scale, v_scale,
+                                     block_sel, block_size, out=out)
     splits = plan["NUM_SPLITS"]
     if splits > 1:
         part_o = torch.empty(splits, t_total, hq, head_dim, dtype=torch.float32, device=q.device)
