@@ -261,16 +261,18 @@ async def test_steps_that_overlap_or_read_first_in_any_order_give_the_synchronou
 
 
 def test_overlap_choice_follows_the_measured_periods():
-    """Both kinds are measured at a batch bucket (overlap first), then the shorter median period wins; periods of
-    steps with a prefill chunk, across a switch of kind or across an idle wait do not count."""
-    for read_first, overlapped, want in ((0.4, 0.6, False), (0.6, 0.4, True)):
+    """Both kinds are measured at a batch bucket in alternating pairs of steps (overlap first), then overlap wins
+    only by the margin, reading first otherwise; periods of steps with a prefill chunk, across a switch of kind or
+    across an idle wait do not count."""
+    for read_first, overlapped, want in ((0.4, 0.6, False), (0.6, 0.4, True), (0.4, 0.39, False),
+                                         (0.4, 0.37, True)):
         choice, now, seen = OverlapChoice([1, 8]), 0.0, []
         for _ in range(40):
             kind = choice.overlap(8)
             choice.launched(now, 8, kind, clean=True)
             now += overlapped if kind else read_first
             seen.append(kind)
-        assert seen[0] is True and False in seen[:12]
+        assert seen[:16] == [True, True, False, False] * 4  # each kind's period needs two steps of it
         assert seen[-20:] == [want] * 20
         assert choice.overlap(1) is True  # batch 1 not measured yet: overlap first
     choice = OverlapChoice([4])

@@ -22,13 +22,19 @@ READ_FIRST, OVERLAP = 0, 1
 # clean decode steps at a batch bucket after which the kind not chosen there is measured again: a median taken
 # while other work ran (the first wave's prefills, a compile) would otherwise decide for good
 REMEASURE_EVERY = 1024
+# overlap is kept only where its median period is at most this fraction of reading first's. A read-first step is
+# the synchronous loop's step, so near a tie reading first is the choice that is never slower than sync; where
+# overlap pays it pays by far more (the M3 slice on an H200: 26-41 % shorter periods, docs/perf.md), while on a
+# host-bound model the two medians differ by ~10 % either way from one window to the next
+OVERLAP_MARGIN = 0.95
 
 
 class OverlapChoice:
-    """Both kinds are run at each batch bucket for a few steps (overlap first), then the one with the shorter
-    median period, and the other again every REMEASURE_EVERY clean steps there. A step's period (to the next
-    launch) counts for its kind when the step and the one after it were both of that kind and decoded only (no
-    prefill chunk)."""
+    """Both kinds are run at each batch bucket, in alternating pairs of steps (overlap first) until each has
+    MIN_SAMPLES periods, so that both are measured under the same load; then overlap where its median period
+    beats reading first's by OVERLAP_MARGIN, and the kind not chosen again every REMEASURE_EVERY clean steps
+    there. A step's period (to the next launch) counts for its kind when the step and the one after it were both
+    of that kind and decoded only (no prefill chunk)."""
 
     def __init__(self, buckets: Sequence[int]):
         self.costs = StepCosts(2, buckets)
@@ -38,10 +44,11 @@ class OverlapChoice:
 
     def overlap(self, batch: int) -> bool:
         """Whether a step of `batch` decoding rows overlaps."""
-        for kind in (OVERLAP, READ_FIRST):
-            if self.costs.samples(batch, kind) < MIN_SAMPLES:
-                return kind == OVERLAP
-        return self.costs.cost(batch, OVERLAP) <= self.costs.cost(batch, READ_FIRST)
+        n_overlap, n_read = self.costs.samples(batch, OVERLAP), self.costs.samples(batch, READ_FIRST)
+        if min(n_overlap, n_read) < MIN_SAMPLES:
+            # the kind with fewer periods runs until it has one more (a period needs two steps of its kind)
+            return n_overlap <= n_read if n_read < MIN_SAMPLES else True
+        return self.costs.cost(batch, OVERLAP) <= OVERLAP_MARGIN * self.costs.cost(batch, READ_FIRST)
 
     def launched(self, now: float, batch: int, overlapped: bool, clean: bool) -> None:
         kind = int(overlapped)
