@@ -26,6 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .layout import PAGE_SIZE
+from .paged_attention import merge_splits, split_partials
 
 # Names that newer Gluon changed: a CTA-wide barrier (`thread_barrier` in triton 3.6) and the cp.async copy
 # (`async_copy_global_to_shared` in 3.6)
@@ -221,8 +222,6 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """`paged_attention(q, ..., block_sel=block_sel)` for the case `supports` accepts (one query token per
     sequence: q [B, Hq, D], block_sel [Hkv, B, topk] of distinct block ids, -1 padded). `tiles` overrides `plan`'s
     defaults (block_n, num_buf, num_warps, split_programs)."""
-    from .paged_attention import _merge_kernel
-
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     topk = block_sel.shape[-1]
@@ -232,11 +231,7 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if t == 0:
         return out
     splits = cfg["NUM_SPLITS"]
-    if splits > 1:
-        part_o = torch.empty(splits, t, hq, d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(splits, t, hq, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unread
+    part_o, part_lse = split_partials(splits, out)
     _sparse_decode_kernel[(t, hkv, splits)](
         q, k_cache, v_cache, k_scale, v_scale, page_table, context_lens, block_sel, out, part_o, part_lse,
         scale * 1.4426950408889634, t, q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
@@ -246,8 +241,7 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         SEL_BLOCK=block_size, V_MUL=torch.finfo(v_cache.dtype).max, NUM_BUF=cfg["NUM_BUF"],
         NUM_WARPS=cfg["num_warps"], num_warps=cfg["num_warps"])
     if splits > 1:
-        _merge_kernel[(t, hq)](part_o, part_lse, out, t, out.stride(0), out.stride(1), NUM_HEADS=hq, HEAD_DIM=d,
-                               D_PAD=d, NUM_SPLITS=splits, SPLITS_PAD=splits, num_warps=4)
+        merge_splits(part_o, part_lse, out)
     return out
 
 

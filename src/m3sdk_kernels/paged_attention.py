@@ -575,11 +575,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             return gsd.sparse_decode(q, k_cache, v_cache, page_table, context_lens, scale, k_scale, v_scale,
                                      block_sel, block_size, out=out)
     splits = plan["NUM_SPLITS"]
-    if splits > 1:
-        part_o = torch.empty(splits, t_total, hq, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(splits, t_total, hq, dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unread
+    part_o, part_lse = split_partials(splits, out)
     fp8 = k_scale is not None
     ks, vs = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     sel = block_sel if sparse else page_table
@@ -601,11 +597,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         Q_FP8=plan["Q_FP8"] and dim_tile(head_dim) >= 32, num_warps=plan["num_warps"], num_stages=plan["num_stages"],
         **limits)
     if splits > 1 and not plan["MERGE_LAST"]:
-        _merge_kernel[(t_total, hq)](part_o, part_lse, out, t_total, out.stride(0), out.stride(1), NUM_HEADS=hq,
-                                     HEAD_DIM=head_dim, D_PAD=dim_tile(head_dim), NUM_SPLITS=splits,
-                                     SPLITS_PAD=triton.next_power_of_2(splits),
-                                     num_warps=tiles("attn_merge")["num_warps"])
+        merge_splits(part_o, part_lse, out)
     return out
+
+
+def split_partials(splits: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial outputs [splits, T, Hq, D] and base-2 LSEs [splits, T, Hq] (fp32) of split-KV programs writing
+    `out` [T, Hq, D]; with one split, `out` twice (unread: the programs write `out` itself)."""
+    if splits == 1:
+        return out, out
+    t, hq, d = out.shape
+    return (torch.empty(splits, t, hq, d, dtype=torch.float32, device=out.device),
+            torch.empty(splits, t, hq, dtype=torch.float32, device=out.device))
+
+
+def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """out = the LSE-weighted mean of the splits' partials (`split_partials`), one launch."""
+    splits, t, hq, d = part_o.shape
+    _merge_kernel[(t, hq)](part_o, part_lse, out, t, out.stride(0), out.stride(1), NUM_HEADS=hq, HEAD_DIM=d,
+                           D_PAD=dim_tile(d), NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+                           num_warps=tiles("attn_merge")["num_warps"])
 
 
 def aot_variants(arch: Arch) -> list:
