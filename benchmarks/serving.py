@@ -85,13 +85,15 @@ def decode_step(batch: int, context: int, pages_per_seq: int, perm: torch.Tensor
     return tables, AttentionMetadata.build([1] * batch, [context] * batch, tables, device=device)
 
 
-def staged_replay(graphs, ids: list[int], context: int, tables: list[list[int]]):
-    """Stage a decode step into `graphs` the way the engine does (one upload from host lists) -> a call that
-    replays it (the timed part: the graph alone, on inputs that stay staged), or None when it fits no graph."""
-    key = graphs.key(len(ids), 1, context, len(tables[0]))
+def staged_replay(graphs, ids: list[int], context: int, tables: list[list[int]], q: int = 1):
+    """Stage a step of q new tokens per sequence (1: decode; 1 + k: a speculative verify step) that ends at
+    `context` into `graphs` the way the engine does (one upload from host lists) -> a call that replays it (the
+    timed part: the graph alone, on inputs that stay staged), or None when it fits no graph."""
+    batch = len(ids) // q
+    key = graphs.key(batch, q, context, len(tables[0]))
     if key is None:
         return None
-    graphs.stage(key, ids, [1] * len(ids), [context] * len(ids), tables)
+    graphs.stage(key, ids, [q] * batch, [context] * batch, tables)
     return lambda: graphs.replay(key)
 
 
@@ -251,8 +253,10 @@ def step_decode(args) -> None:
         fill_cache(kv)  # rank 0's; the workers' pools stay zeros (same kernels, same bytes read)
         perm = torch.randperm(spec.num_pages, generator=torch.Generator().manual_seed(0))
         t = time.perf_counter()
+        # a verify step of q tokens ending at a point's context needs graphs up to q - 1 positions past it
         graphs = (MirroredGraphs(tp, model, kv, max_b, max_ctx, dev) if tp is not None
-                  else DecodeGraphs(model, kv, max_b, max_ctx, dev))
+                  else DecodeGraphs(model, kv, max_b, max_ctx + max(args.verify, default=1) - 1, dev,
+                                    query_lens=(1, *args.verify)))
         torch.cuda.synchronize()
         record(step="capture", tp=tp_size, buckets=graphs.buckets, seconds=time.perf_counter() - t)
         gen = torch.Generator(device=dev).manual_seed(1)
@@ -285,6 +289,17 @@ def step_decode(args) -> None:
                         prof = {"error": repr(exc)[:300]}
                     record(step="decode_profile", tp=tp_size, quantization=args.quantization, batch=batch,
                            context=context, mode=mode, **prof)
+            # a verify step of q tokens per sequence against this decode step (last: its inputs replace the decode
+            # step's in the graphs' static buffers)
+            for q in args.verify:
+                verify = staged_replay(graphs, torch.randint(0, model.config.vocab_size, (batch * q,),
+                                                             generator=torch.Generator().manual_seed(q)).tolist(),
+                                       context, tables, q)
+                if verify is None:
+                    raise SystemExit(f"--verify {q}: no graph holds that step (tensor parallel captures q = 1 only)")
+                t_verify = triton.testing.do_bench(verify, warmup=10, rep=200, return_mode="median")
+                record(step="verify", tp=tp_size, quantization=args.quantization, batch=batch, context=context,
+                       q=q, verify_ms=t_verify, decode_ms=t_graph, verify_over_decode=t_verify / t_graph)
     finally:
         if tp is not None:
             tp.shutdown()
@@ -674,6 +689,9 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], help='a config override as a JSON pair: ["k", v]')
     p.add_argument("--points", default="1x2048,16x2048,1x32768,64x32768", help="BATCHxCONTEXT decode points")
     p.add_argument("--quantization", default="none", help="load_model's: none | fp8 (decode step)")
+    p.add_argument("--verify", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                   help="decode: also time a speculative verify step of these query lengths at each point (e.g. 4: "
+                        "the last token + 3 drafts per sequence), graph replays against the decode step's")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="decode, engine: dummy = random weights for --slice's config.json alone (no weights read)")
     p.add_argument("--profile", action="store_true", help="decode: kernel profile of each point (graph and "
