@@ -123,3 +123,32 @@ def test_paged_attention_runs_gluon_for_few_sequences(lens):
     tri = paged_attention(*args, max_seqlen_q=1, max_context_len=max(lens), gluon=False)
     torch.testing.assert_close(got, glu if len(lens) <= 16 else tri, atol=0, rtol=0)
     torch.testing.assert_close(got.float(), paged_attention_ref(*args).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gluon_decode_replays_in_a_cuda_graph():
+    """The engine captures decode steps as CUDA graphs: paged_attention's Gluon path (its split partials and merge
+    included) replays to the eager output bit for bit."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is built for sm90")
+    lens = [5000, 77, 300]
+    q, k, v, ks, vs, table, cu, lens_t, sel = make_case(lens, seed=5)
+    out = torch.empty_like(q)
+
+    def step():
+        return paged_attention(q, k, v, table, cu, lens_t, D**-0.5, ks, vs, "plain", sel, BS, max_seqlen_q=1,
+                               max_context_len=max(lens), out=out)
+
+    eager = step().clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager, atol=0, rtol=0)
