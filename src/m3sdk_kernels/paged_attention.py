@@ -518,8 +518,8 @@ def attention_plan(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int
             "BULK": int(block_q > 1 and not sparse and cfg.get("BULK", 0)),
             "Q_FP8": int(block_q > 1 and not sparse and fp8 and cfg.get("Q_FP8", 0) and not interpreting()),
             "maxnreg": cfg.get("maxnreg"),
-            # MSA FP8 decode of few sequences: the Gluon kernel, where the arch has one (paged_attention checks
-            # the rest of what it serves)
+            # MSA FP8 decode of few sequences: the Gluon kernel, where the arch has one (`gluon_sparse_decode.supports`
+            # checks the rest of what it serves)
             "GLUON": int(sparse and fp8 and max_seqlen_q == 1 and num_tokens == num_seqs
                          and num_seqs <= cfg.get("GLUON_MAX_SEQS", 0))}
 
@@ -568,7 +568,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     topk = block_sel.shape[-1] if sparse else 1
     plan = attention_plan(t_total, num_seqs, hkv, hq // hkv, max_seqlen_q, max_context_len, sparse, topk,
                           block_size, k_scale is not None)
-    if gluon and plan["GLUON"] and layout == "plain" and q.is_cuda and not interpreting():
+    if gluon and plan["GLUON"] and q.is_cuda and not interpreting():
         gsd = gluon_decode()
         if gsd is not None and gsd.supports(q, k_cache, k_scale, layout, block_sel, block_size, max_seqlen_q,
                                             num_seqs):
